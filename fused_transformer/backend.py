@@ -1,0 +1,115 @@
+"""The one place that decides which implementation an op runs on.
+
+Backends:
+  ``"triton"``     Triton kernels (``fused_transformer.kernels``). CUDA tensors, or CPU tensors under the
+                   Triton interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
+  ``"cpu"``        C++ kernels from ``csrc/`` (built by setup.py when a compiler is present).
+  ``"reference"``  plain PyTorch (``fused_transformer.reference``): always available, differentiable.
+  ``"auto"``       the default: CUDA tensors -> triton, CPU tensors -> cpu if built, else reference.
+
+The choice comes, from strongest to weakest, from ``use_backend(name)`` (a context manager),
+``set_backend(name)``, and the environment variable ``FUSED_TRANSFORMER_BACKEND`` read at import.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import os
+from typing import Iterator, Optional
+
+import torch
+
+BACKENDS = ("auto", "triton", "cpu", "reference")
+ENV_VAR = "FUSED_TRANSFORMER_BACKEND"
+
+
+def _check_name(name: object, source: str) -> str:
+    if not isinstance(name, str) or name.lower() not in BACKENDS:
+        raise ValueError(f"{source}={name!r} is not a backend; expected one of {', '.join(BACKENDS)}")
+    return name.lower()
+
+
+_global_choice = _check_name(os.environ.get(ENV_VAR, "auto"), ENV_VAR)
+_scoped_choice: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("fused_transformer_backend", default=None)
+
+
+def set_backend(name: str) -> None:
+    """Choose the backend for every op from now on (overridden inside ``use_backend``)."""
+    global _global_choice
+    _global_choice = _check_name(name, "backend")
+
+
+def get_backend() -> str:
+    """The backend name as chosen (possibly ``"auto"``), before resolution for a device."""
+    scoped = _scoped_choice.get()
+    return scoped if scoped is not None else _global_choice
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run the ops inside the ``with`` block on backend ``name``."""
+    token = _scoped_choice.set(_check_name(name, "backend"))
+    try:
+        yield
+    finally:
+        _scoped_choice.reset(token)
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_unavailable_reason() -> Optional[str]:
+    """None when the Triton kernels can be imported, else why not."""
+    try:
+        importlib.import_module("triton")
+    except ImportError as exc:
+        return f"triton is not installed ({exc}); pip install triton"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_unavailable_reason() -> Optional[str]:
+    """None when the C++ CPU kernels are built and load, else why not."""
+    try:
+        importlib.import_module("fused_transformer._C")
+    except ImportError as exc:
+        return f"the C++ extension fused_transformer._C is not built or does not load ({exc})"
+    return None
+
+
+def current(device: "torch.device | str | None" = None, dtype: Optional[torch.dtype] = None) -> str:
+    """The backend an op would run on for tensors on ``device`` (default: the CPU) of ``dtype``.
+
+    ``"auto"`` sends float64 to the reference (the kernels serve the training dtypes).
+    Raises ``RuntimeError`` when the chosen backend cannot run there, saying why.
+    """
+    device = torch.device(device if device is not None else "cpu")
+    name = get_backend()
+    if name == "auto":
+        if dtype == torch.float64:
+            return "reference"
+        if device.type == "cuda":
+            return "triton" if triton_unavailable_reason() is None else "reference"
+        return "cpu" if device.type == "cpu" and cpu_unavailable_reason() is None else "reference"
+    if name == "triton":
+        reason = triton_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"backend 'triton' is unavailable: {reason}")
+        if device.type == "cpu" and not triton_interpreting():
+            raise RuntimeError(
+                "backend 'triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                "before importing triton, or move the tensors to a CUDA device"
+            )
+        if device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"backend 'triton' does not run on device {device}")
+    if name == "cpu":
+        if device.type != "cpu":
+            raise RuntimeError(f"backend 'cpu' got tensors on {device}; it runs on CPU tensors only")
+        reason = cpu_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"backend 'cpu' is unavailable: {reason}")
+    return name

@@ -1,0 +1,281 @@
+"""Functional ops: check the arguments once, then run them on the backend ``fused_transformer.backend`` picks.
+
+Every backend implements the same contract, so the checks here are the only ones a user meets for
+shapes, dtypes and devices; the kernels' launchers add only the limits of their own hardware path.
+"""
+from __future__ import annotations
+
+import importlib
+import numbers
+from typing import Callable, Optional, Tuple, Union
+
+import torch
+
+from . import backend, reference
+
+Tensor = torch.Tensor
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+ACTIVATIONS = tuple(reference.ACTIVATIONS)
+
+# op name -> module that implements it, per backend (the module exports a function of the op's name).
+_IMPLEMENTATIONS = {
+    "triton": {
+        "attention": "fused_transformer.kernels.attention",
+        "attention_weights": "fused_transformer.kernels.attention",
+        "layer_norm": "fused_transformer.kernels.layer_norm",
+        "feed_forward": "fused_transformer.kernels.feed_forward",
+    },
+    "cpu": {
+        "attention": "fused_transformer.cpu_ops",
+        "attention_weights": "fused_transformer.cpu_ops",
+        "layer_norm": "fused_transformer.cpu_ops",
+        "feed_forward": "fused_transformer.cpu_ops",
+    },
+}
+
+
+def _implementation(op: str, x: Tensor) -> Callable:
+    name = backend.current(x.device, x.dtype)
+    if name == "reference":
+        return getattr(reference, op)
+    return getattr(importlib.import_module(_IMPLEMENTATIONS[name][op]), op)
+
+
+# ----------------------------------------------------------------------------------------------- checks
+
+
+def _describe(t: Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}"
+
+
+def _check_tensor(name: str, t: object, rank: Optional[int] = None) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {_describe(t)}")
+    if rank is not None and t.dim() != rank:
+        raise ValueError(f"{name} must have {rank} dims, got {_describe(t)}")
+    return t
+
+
+def _check_same(name: str, t: Tensor, ref_name: str, ref: Tensor, dtype: bool = True) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; expected one device")
+    if dtype and t.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}; expected one dtype")
+
+
+def _check_dropout(p: object) -> float:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= float(p) < 1.0:
+        raise ValueError(f"dropout_p={p!r} must be a number in [0, 1)")
+    return float(p)
+
+
+def _check_attention_args(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
+    is_causal: bool, causal_alignment: str, scale: Optional[float],
+) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, rank=4)
+    _check_same("k", k, "q", q)
+    _check_same("v", v, "q", q)
+    (batch, heads, lq, dim), (kb, kv_heads, lk, kd) = q.shape, k.shape
+    if kb != batch or kd != dim:
+        raise ValueError(
+            f"k must be [batch={batch}, kv_heads, seq_k, head_dim={dim}] to match q {tuple(q.shape)}, "
+            f"got {tuple(k.shape)}"
+        )
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"q's heads ({heads}) must be a multiple of k/v's heads ({kv_heads})")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask must be bool (True = may attend) or floating (added), got {attn_mask.dtype}")
+        _check_same("attn_mask", attn_mask, "q", q, dtype=False)
+        target = (batch, heads, lq, lk)
+        shape = tuple(attn_mask.shape)
+        if len(shape) > 4 or any(s not in (1, t) for s, t in zip(shape[::-1], target[::-1])):
+            raise ValueError(f"attn_mask of shape {shape} does not broadcast to [B, H, Lq, Lk] = {list(target)}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor):
+            raise TypeError(f"key_padding_mask must be a torch.Tensor or None, got {type(key_padding_mask).__name__}")
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"key_padding_mask must be bool (True = padding), got {key_padding_mask.dtype}")
+        _check_same("key_padding_mask", key_padding_mask, "q", q, dtype=False)
+        if tuple(key_padding_mask.shape) != (batch, lk):
+            raise ValueError(f"key_padding_mask must be [batch, seq_k] = {[batch, lk]}, got {tuple(key_padding_mask.shape)}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment={causal_alignment!r} must be one of {CAUSAL_ALIGNMENTS}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+
+
+# -------------------------------------------------------------------------------------------------- ops
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Scaled dot-product attention, ``softmax(q @ k^T * scale + mask) @ v``.
+
+    Args:
+        q: ``[B, H, Lq, D]``.
+        k, v: ``[B, Hkv, Lk, D]``; ``H`` a multiple of ``Hkv`` (grouped-query attention: query head ``h``
+            reads key/value head ``h // (H // Hkv)``).
+        attn_mask: broadcastable to ``[B, H, Lq, Lk]``, as in ``scaled_dot_product_attention``: bool with
+            True = may attend, or floating and added to the scores.
+        key_padding_mask: ``[B, Lk]`` bool, True = padding (the ``nn.MultiheadAttention`` convention).
+        is_causal: mask keys after the query. With ``causal_alignment="top_left"`` query ``i`` sees keys
+            ``j <= i``; with ``"bottom_right"`` it sees ``j <= i + Lk - Lq`` (the last query sees every key,
+            as in incremental decoding)::
+
+                top_left, Lq=2, Lk=4     bottom_right, Lq=2, Lk=4
+                  1 0 0 0                  1 1 1 0
+                  1 1 0 0                  1 1 1 1
+
+        dropout_p: probability of dropping an attention probability (always applied when > 0).
+        scale: multiplies the scores; default ``1 / sqrt(D)``.
+        return_lse: also return the log-sum-exp ``[B, H, Lq]`` (float32, float64 for float64 inputs) of the
+            scaled, masked scores.
+
+    Returns:
+        ``[B, H, Lq, D]`` in q's dtype, and the LSE if asked. A query row with no key left to attend gives
+        zeros (LSE ``-inf``) and zero gradients, never NaN.
+    """
+    _check_attention_args(q, k, v, attn_mask, key_padding_mask, is_causal, causal_alignment, scale)
+    dropout_p = _check_dropout(dropout_p)
+    return _implementation("attention", q)(
+        q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+        causal_alignment=causal_alignment, dropout_p=dropout_p, scale=scale, return_lse=bool(return_lse),
+    )
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    scale: Optional[float] = None,
+) -> Tensor:
+    """The attention probabilities ``[B, H, Lq, Lk]`` (before dropout) that ``attention`` used, recomputed
+    from its ``lse`` (``return_lse=True``); same masks and scale as that call. For ``need_weights=True``.
+    """
+    _check_attention_args(q, k, k, attn_mask, key_padding_mask, is_causal, causal_alignment, scale)
+    if not isinstance(lse, Tensor) or tuple(lse.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"lse must be a tensor of shape [B, H, Lq] = {list(q.shape[:3])}")
+    return _implementation("attention_weights", q)(
+        q, k, lse, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+        causal_alignment=causal_alignment, scale=scale,
+    )
+
+
+def layer_norm(
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float = 1e-5,
+    *,
+    residual: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    prenorm: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``y = LayerNorm(dropout(x) + residual) * weight + bias`` over the last dim of ``x``.
+
+    Args:
+        x: ``[..., N]``.
+        weight, bias: ``[N]`` or None.
+        residual: x's shape and dtype, or None.
+        dropout_p: dropout on ``x`` before the residual add (always applied when > 0).
+        prenorm: also return ``z = dropout(x) + residual``, the residual stream of a pre-LN block.
+
+    Returns:
+        ``y`` (x's dtype), or ``(y, z)`` with ``prenorm``. Mean and variance are computed in float32.
+    """
+    _check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dim (the normalised one), got a scalar")
+    n = x.shape[-1]
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None:
+            _check_tensor(name, p)
+            _check_same(name, p, "x", x, dtype=False)
+            if tuple(p.shape) != (n,):
+                raise ValueError(f"{name} must be [{n}] (x's last dim), got {_describe(p)}")
+    if residual is not None:
+        _check_tensor("residual", residual)
+        _check_same("residual", residual, "x", x)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {_describe(residual)}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
+        raise ValueError(f"eps={eps!r} must be a non-negative number")
+    dropout_p = _check_dropout(dropout_p)
+    return _implementation("layer_norm", x)(
+        x, weight, bias, float(eps), residual=residual, dropout_p=dropout_p, prenorm=bool(prenorm)
+    )
+
+
+def feed_forward(
+    x: Tensor,
+    w1: Tensor,
+    b1: Optional[Tensor],
+    w2: Tensor,
+    b2: Optional[Tensor],
+    *,
+    activation: str = "gelu",
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """The position-wise feed-forward ``linear2(dropout(act(linear1(x))))``.
+
+    Args:
+        x: ``[..., d_model]``.
+        w1: ``[d_ff, d_model]`` and b1 ``[d_ff]`` or None (``nn.Linear`` layout).
+        w2: ``[d_out, d_ff]`` and b2 ``[d_out]`` or None.
+        activation: ``"relu"``, ``"gelu"`` (exact, erf) or ``"gelu_tanh"``.
+        dropout_p: dropout on the activation (always applied when > 0).
+
+    Returns:
+        ``[..., d_out]`` in x's dtype.
+    """
+    _check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dim (the features), got a scalar")
+    d_model = x.shape[-1]
+    for name, w in (("w1", w1), ("w2", w2)):
+        _check_tensor(name, w, rank=2)
+        _check_same(name, w, "x", x)
+    d_ff = w1.shape[0]
+    if w1.shape[1] != d_model:
+        raise ValueError(f"w1 must be [d_ff, d_model={d_model}], got {_describe(w1)}")
+    if w2.shape[1] != d_ff:
+        raise ValueError(f"w2 must be [d_out, d_ff={d_ff}] to follow w1 {tuple(w1.shape)}, got {_describe(w2)}")
+    for name, b, size in (("b1", b1, d_ff), ("b2", b2, w2.shape[0])):
+        if b is not None:
+            _check_tensor(name, b)
+            _check_same(name, b, "x", x)
+            if tuple(b.shape) != (size,):
+                raise ValueError(f"{name} must be [{size}], got {_describe(b)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
+    dropout_p = _check_dropout(dropout_p)
+    return _implementation("feed_forward", x)(x, w1, b1, w2, b2, activation=activation, dropout_p=dropout_p)

@@ -1,0 +1,195 @@
+"""Plain PyTorch versions of every op: the CPU fallback and, run in float64, the oracle for the kernels.
+
+These functions do no argument checking (``fused_transformer.functional`` does it once for every backend)
+and favour clarity over speed: attention materialises the ``[B, H, Lq, Lk]`` score matrix.
+
+Dropout takes an explicit ``keep_mask`` (bool, True = keep) so a kernel's own random mask can be replayed
+here exactly; without one, a mask is drawn from torch's generator.
+
+Precision: float64 inputs are computed in float64. Lower precisions do their matrix products in the input
+dtype (as PyTorch would) and their softmax / normalisation statistics in float32.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics (softmax, LSE, mean/variance) are kept in for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dropout(x: Tensor, p: float, keep_mask: Optional[Tensor] = None) -> Tensor:
+    """Inverted dropout: ``x * keep / (1 - p)``; ``keep_mask`` (bool, True = keep) replays a given mask."""
+    if p == 0.0:
+        return x
+    if keep_mask is None:
+        keep_mask = torch.rand(x.shape, device=x.device) >= p
+    return x * keep_mask.to(x.dtype) * (1.0 / (1.0 - p))
+
+
+def causal_keep(lq: int, lk: int, alignment: str, device: torch.device) -> Tensor:
+    """Bool ``[lq, lk]``, True where query i may see key j.
+
+    ``top_left``: j <= i.  ``bottom_right``: j <= i + (lk - lq), the last query sees every key.
+    """
+    offset = 0 if alignment == "top_left" else lk - lq
+    rows = torch.arange(lq, device=device)[:, None]
+    cols = torch.arange(lk, device=device)[None, :]
+    return cols <= rows + offset
+
+
+def attention_scores(
+    q: Tensor,
+    k: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    scale: Optional[float] = None,
+) -> Tensor:
+    """Scaled, masked scores ``[B, H, Lq, Lk]`` in the statistics dtype; -inf where a key is masked."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    k = _repeat_kv_heads(k, q.shape[1])
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(stats_dtype(q.dtype)) * scale
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+    if is_causal:
+        keep = causal_keep(q.shape[-2], k.shape[-2], causal_alignment, q.device)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores
+
+
+def _repeat_kv_heads(x: Tensor, q_heads: int) -> Tensor:
+    """Grouped-query attention: query head h reads key/value head ``h // (q_heads // kv_heads)``."""
+    kv_heads = x.shape[1]
+    return x if kv_heads == q_heads else x.repeat_interleave(q_heads // kv_heads, dim=1)
+
+
+def _softmax_and_lse(scores: Tensor) -> Tuple[Tensor, Tensor]:
+    """Softmax over the last dim that gives 0 (and zero gradients) for rows with no finite score."""
+    row_max = scores.amax(dim=-1, keepdim=True)
+    # Shifting by any constant leaves the softmax unchanged; detaching it keeps -inf rows out of autograd.
+    shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+    exp = torch.exp(scores - shift)
+    total = exp.sum(dim=-1, keepdim=True)
+    has_key = total > 0
+    probs = exp / torch.where(has_key, total, torch.ones_like(total))
+    lse = torch.where(has_key, shift + torch.log(torch.where(has_key, total, torch.ones_like(total))), float("-inf"))
+    return probs, lse.squeeze(-1)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    keep_mask: Optional[Tensor] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Reference for ``fused_transformer.functional.attention`` (same arguments, plus ``keep_mask``).
+
+    ``keep_mask``: bool, broadcastable to ``[B, H, Lq, Lk]``, True where a probability survives dropout.
+    Returns the output ``[B, H, Lq, D]`` and, with ``return_lse``, the log-sum-exp ``[B, H, Lq]`` of the
+    scaled, masked scores (before dropout), -inf for rows with no key.
+    """
+    scores = attention_scores(
+        q, k, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+        causal_alignment=causal_alignment, scale=scale,
+    )
+    probs, lse = _softmax_and_lse(scores)
+    probs = dropout(probs, dropout_p, keep_mask)
+    out = torch.matmul(probs.to(v.dtype), _repeat_kv_heads(v, q.shape[1]))
+    return (out, lse) if return_lse else out
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    scale: Optional[float] = None,
+) -> Tensor:
+    """The normalised attention probabilities ``[B, H, Lq, Lk]`` (before dropout), from the forward's LSE."""
+    scores = attention_scores(
+        q, k, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+        causal_alignment=causal_alignment, scale=scale,
+    )
+    lse = lse.to(scores.dtype)[..., None]
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+    return probs.to(q.dtype)
+
+
+def layer_norm(
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float = 1e-5,
+    *,
+    residual: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    prenorm: bool = False,
+    keep_mask: Optional[Tensor] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Reference for ``fused_transformer.functional.layer_norm``: ``z = dropout(x) + residual``,
+    ``y = (z - mean) / sqrt(var + eps) * weight + bias`` over the last dim; returns ``(y, z)`` if ``prenorm``.
+    """
+    z = dropout(x, dropout_p, keep_mask)
+    if residual is not None:
+        z = z + residual
+    zs = z.to(stats_dtype(z.dtype))
+    mean = zs.mean(dim=-1, keepdim=True)
+    var = (zs - mean).square().mean(dim=-1, keepdim=True)
+    y = (zs - mean) * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    y = y.to(x.dtype)
+    return (y, z) if prenorm else y
+
+
+def feed_forward(
+    x: Tensor,
+    w1: Tensor,
+    b1: Optional[Tensor],
+    w2: Tensor,
+    b2: Optional[Tensor],
+    *,
+    activation: str = "gelu",
+    dropout_p: float = 0.0,
+    keep_mask: Optional[Tensor] = None,
+) -> Tensor:
+    """Reference for ``fused_transformer.functional.feed_forward``:
+    ``linear(dropout(act(linear(x, w1, b1))), w2, b2)`` with weights in ``nn.Linear`` layout ``[out, in]``.
+    """
+    hidden = ACTIVATIONS[activation](F.linear(x, w1, b1))
+    return F.linear(dropout(hidden, dropout_p, keep_mask), w2, b2)

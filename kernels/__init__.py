@@ -1,0 +1,1 @@
+"""Triton kernels, installed as ``fused_transformer.kernels``: one op per module."""
