@@ -1,9 +1,12 @@
-"""Small helpers shared by the kernel modules (no kernels here)."""
+"""Small helpers shared by the kernel modules: Python utilities, the dropout keep-mask jit helper and its
+replay, and a deterministic row reduction."""
 from __future__ import annotations
 
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 
 def interpreting() -> bool:
@@ -19,3 +22,85 @@ def draw_dropout_seed() -> int:
 def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Kernels take strides; only the last dim must be contiguous (copy only when it is not)."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# ------------------------------------------------------------------------------------- dropout keep-mask
+# Convention: element (row, col) of a [rows, cols] tensor is kept when tl.rand(seed, row * cols + col) >= p.
+# Kernels regenerate the mask from the seed in backward instead of storing it.
+
+
+@triton.jit
+def dropout_keep(seed, offsets, dropout_p):
+    """True where the element at ``offsets`` (int64 block) survives dropout of probability ``dropout_p``."""
+    return tl.rand(seed, offsets) >= dropout_p
+
+
+@triton.jit
+def _dropout_keep_mask_kernel(
+    KEEP,  # [rows, cols] bool, contiguous
+    n_elements, seed, dropout_p,
+    BLOCK: tl.constexpr,
+):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(KEEP + offsets, dropout_keep(seed, offsets, dropout_p), mask=offsets < n_elements)
+
+
+def dropout_keep_mask(seed: int, n_rows: int, n_cols: int, dropout_p: float, device: torch.device) -> torch.Tensor:
+    """The bool ``[n_rows, n_cols]`` keep-mask (True = kept) that a kernel drew with ``seed``, for replaying
+    its dropout in ``fused_transformer.reference`` (``keep_mask=``)."""
+    keep = torch.empty((n_rows, n_cols), dtype=torch.bool, device=device)
+    block = 1024
+    _dropout_keep_mask_kernel[(triton.cdiv(keep.numel(), block),)](keep, keep.numel(), seed, dropout_p, BLOCK=block)
+    return keep
+
+
+# ------------------------------------------------------------------------------- deterministic row sum
+
+
+@triton.jit
+def _sum_rows_kernel(
+    X,  # [n_rows, n_cols], last dim contiguous
+    OUT,  # [cdiv(n_rows, rows_per_program), n_cols]: one partial sum per row chunk
+    n_rows, n_cols, stride_x_row, stride_out_row, rows_per_program,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    chunk = tl.program_id(1).to(tl.int64)
+    row_start = chunk * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+    for first_row in range(row_start, row_end, BLOCK_ROWS):
+        rows = first_row + tl.arange(0, BLOCK_ROWS)
+        mask = (rows[:, None] < row_end) & (cols[None, :] < n_cols)
+        acc += tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    total = tl.sum(acc, axis=0)
+    tl.store(OUT + chunk * stride_out_row + cols, total.to(OUT.dtype.element_ty), mask=cols < n_cols)
+
+
+SUM_ROWS_BLOCK_ROWS = 32
+SUM_ROWS_BLOCK_COLS = 64
+# Rows one program sums in the first pass; the partial sums are then summed by a second pass.
+_SUM_ROWS_CHUNK = 1024
+
+
+def sum_rows(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x.sum(0)`` for a 2-D ``x`` (last dim contiguous), accumulated in float32 in a fixed order (no atomics),
+    returned in ``out_dtype``."""
+    n_rows, n_cols = x.shape
+    out = torch.empty((n_cols,), dtype=out_dtype, device=x.device)
+    if n_rows > _SUM_ROWS_CHUNK:
+        chunks = triton.cdiv(n_rows, _SUM_ROWS_CHUNK)
+        partial = torch.empty((chunks, n_cols), dtype=torch.float32, device=x.device)
+        _launch_sum_rows(x, partial, _SUM_ROWS_CHUNK)
+        x, n_rows = partial, chunks
+    _launch_sum_rows(x, out[None, :], max(n_rows, 1))
+    return out
+
+
+def _launch_sum_rows(x: torch.Tensor, out: torch.Tensor, rows_per_program: int) -> None:
+    n_rows, n_cols = x.shape
+    grid = (triton.cdiv(n_cols, SUM_ROWS_BLOCK_COLS), out.shape[0])
+    _sum_rows_kernel[grid](
+        x, out, n_rows, n_cols, x.stride(0), out.stride(0), rows_per_program,
+        BLOCK_ROWS=SUM_ROWS_BLOCK_ROWS, BLOCK_COLS=SUM_ROWS_BLOCK_COLS,
+    )
