@@ -345,3 +345,19 @@ def test_fuse_leaves_user_subclasses_alone_and_returns_a_swapped_root():
     root = nn.MultiheadAttention(16, 4)
     fused = ft.fuse(root)
     assert type(fused) is ft.MultiheadAttention and fused.in_proj_weight is root.in_proj_weight
+
+
+@pytest.mark.parametrize("batch,lt,ls", [(1, 1, 1), (1, 1, 5), (2, 4, 1)])
+def test_tiny_and_single_token_shapes_match_torch(batch, lt, ls):
+    ref, ours = twins(nn.TransformerDecoderLayer, ft.TransformerDecoderLayer, 8, 2, 16, dropout=0.0, batch_first=True)
+    tgt, memory = torch.randn(batch, lt, 8, dtype=torch.float64), torch.randn(batch, ls, 8, dtype=torch.float64)
+    causal = nn.Transformer.generate_square_subsequent_mask(lt, dtype=torch.float64)
+    assert_same_forward_backward(ref, ours, [tgt, memory], lambda m, t, s: m(t, s, tgt_mask=causal, tgt_is_causal=True))
+
+
+def test_non_contiguous_inputs_match_torch():
+    ref, ours = twins(nn.TransformerEncoderLayer, ft.TransformerEncoderLayer, 16, 4, 32, dropout=0.0, batch_first=True)
+    x = torch.randn(6, 3, 16, dtype=torch.float64).transpose(0, 1)  # batch_first view of a seq-first buffer
+    assert not x.is_contiguous()
+    kpm = padding_mask(6, 3).t()  # [3, 6], a transposed view too
+    assert_same_forward_backward(ref, ours, [x], lambda m, x: m(x, src_key_padding_mask=kpm))
