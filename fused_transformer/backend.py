@@ -17,6 +17,7 @@ import contextvars
 import functools
 import importlib
 import os
+import warnings
 from typing import Iterator, Optional
 
 import torch
@@ -81,6 +82,11 @@ def cpu_unavailable_reason() -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_cpu_unavailable_once() -> None:
+    warnings.warn(f"fused_transformer: CPU tensors run on the reference ops: {cpu_unavailable_reason()}", stacklevel=3)
+
+
 def current(device: "torch.device | str | None" = None, dtype: Optional[torch.dtype] = None) -> str:
     """The backend an op would run on for tensors on ``device`` (default: the CPU) of ``dtype``.
 
@@ -94,7 +100,12 @@ def current(device: "torch.device | str | None" = None, dtype: Optional[torch.dt
             return "reference"
         if device.type == "cuda":
             return "triton" if triton_unavailable_reason() is None else "reference"
-        return "cpu" if device.type == "cpu" and cpu_unavailable_reason() is None else "reference"
+        if device.type != "cpu":
+            return "reference"
+        if cpu_unavailable_reason() is not None:
+            _warn_cpu_unavailable_once()
+            return "reference"
+        return "cpu"
     if name == "triton":
         reason = triton_unavailable_reason()
         if reason is not None:

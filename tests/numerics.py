@@ -13,6 +13,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def max_error(x: torch.Tensor, ref64: torch.Tensor) -> float:
     if x.shape != ref64.shape:
         raise AssertionError(f"shape {tuple(x.shape)} != reference shape {tuple(ref64.shape)}")
+    x, ref64 = x.detach(), ref64.detach()
     diff = (x.double() - ref64.double()).abs()
     # inf - inf is NaN: positions where both are the same infinity agree.
     same_inf = torch.isinf(x.double()) & (x.double() == ref64.double())

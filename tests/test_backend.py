@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -83,3 +84,14 @@ def test_reference_backend_runs_every_op_on_cpu():
         assert ft.attention(q, q, q).shape == (1, 2, 3, 8)
         assert ft.layer_norm(torch.randn(3, 8), None, None).shape == (3, 8)
         assert ft.feed_forward(torch.randn(3, 8), torch.randn(5, 8), None, torch.randn(8, 5), None).shape == (3, 8)
+
+
+def test_auto_falls_back_to_the_reference_and_says_why_once(monkeypatch):
+    monkeypatch.setattr(backend, "cpu_unavailable_reason", lambda: "the extension did not build (test)")
+    backend._warn_cpu_unavailable_once.cache_clear()
+    with pytest.warns(UserWarning, match="did not build"):
+        assert backend.current("cpu", torch.float32) == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backend.current("cpu", torch.float32) == "reference"
+    backend._warn_cpu_unavailable_once.cache_clear()

@@ -361,3 +361,43 @@ def test_non_contiguous_inputs_match_torch():
     assert not x.is_contiguous()
     kpm = padding_mask(6, 3).t()  # [3, 6], a transposed view too
     assert_same_forward_backward(ref, ours, [x], lambda m, x: m(x, src_key_padding_mask=kpm))
+
+
+# ------------------------------------------------------------------------------------ triton backend
+
+@pytest.mark.filterwarnings("ignore:Support for mismatched")
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("mask_kind", ["kpm", "causal+kpm", "float_mask+kpm"])
+def test_encoder_layer_on_the_triton_backend_matches_torch(mask_kind, norm_first):
+    """Every op of the layer (attention, LayerNorm, feed-forward) on the Triton kernels, float32."""
+    batch, length, dim = 3, 40, 32
+    ref, ours = twins(nn.TransformerEncoderLayer, ft.TransformerEncoderLayer, dim, 4, 48, dropout=0.1,
+                      activation="gelu", batch_first=True, norm_first=norm_first, dtype=torch.float32)
+    ref.eval(), ours.eval()
+    x = torch.randn(batch, length, dim)
+    kwargs = {"src_key_padding_mask": padding_mask(batch, length, [40, 33, 5])}
+    if "causal" in mask_kind:
+        kwargs.update(src_mask=nn.Transformer.generate_square_subsequent_mask(length), is_causal=True)
+    if "float_mask" in mask_kind:
+        kwargs["src_mask"] = torch.randn(length, length)
+    with ft.use_backend("triton"):
+        assert_same_forward_backward(ref, ours, [x], lambda m, x: m(x, **kwargs), torch.float32)
+
+
+@pytest.mark.filterwarnings("ignore:Support for mismatched")
+def test_decoder_layer_and_attention_weights_on_the_triton_backend_match_torch():
+    batch, lt, ls, dim = 2, 35, 37, 32
+    ref, ours = twins(nn.TransformerDecoderLayer, ft.TransformerDecoderLayer, dim, 4, 48, dropout=0.0,
+                      batch_first=True, norm_first=False, dtype=torch.float32)
+    tgt, memory = torch.randn(batch, lt, dim), torch.randn(batch, ls, dim)
+    kwargs = dict(tgt_mask=nn.Transformer.generate_square_subsequent_mask(lt), tgt_is_causal=True,
+                  tgt_key_padding_mask=padding_mask(batch, lt), memory_key_padding_mask=padding_mask(batch, ls, [37, 20]))
+    with ft.use_backend("triton"):
+        assert_same_forward_backward(ref, ours, [tgt, memory], lambda m, t, s: m(t, s, **kwargs), torch.float32)
+        q = torch.randn(batch, lt, dim)
+        for average in (True, False):
+            options = dict(key_padding_mask=kwargs["memory_key_padding_mask"], average_attn_weights=average)
+            expected_out, expected_weights = ref.multihead_attn(q, memory, memory, **options)
+            got_out, got_weights = ours.multihead_attn(q, memory, memory, **options)
+            torch.testing.assert_close(got_out, expected_out, **TOL[torch.float32])
+            torch.testing.assert_close(got_weights, expected_weights, **TOL[torch.float32])

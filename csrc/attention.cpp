@@ -1,0 +1,381 @@
+// Flash attention on the CPU: online softmax over key blocks, nothing of [Lq, Lk] kept beyond one block per thread.
+//
+// Forward, per (batch, head, block of query rows), over the key blocks that block can see:
+//   S = Q K^T * scale + bias, -inf above the causal diagonal (keys past the sequence's length are never read)
+//   m' = max(m, rowmax S),  P = exp(S - m'),  l = l exp(m - m') + rowsum P,  acc = acc exp(m - m') + dropout(P) V
+//   out = acc / l,  lse = m + log l   (a row with no visible key: out = 0, lse = -inf)
+// Dropout scales probabilities by keep / (1 - p) after the softmax, so l sums the undropped P.
+//
+// Backward, with P = exp(S - lse) recomputed per block, Pd = dropout(P) and delta_i = rowsum(dO * O)_i:
+//   dV += Pd^T dO,  dPd = dO V^T,  dS = Pd * dPd - P * delta,  dQ += dS K scale,  dK += dS^T Q scale
+// One task per (batch, kv head) walks every key block and every query head of its group, so dK, dV and dQ
+// each have one writer: no atomics, no per-thread copies, and a result that does not depend on threads.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <optional>
+#include <vector>
+
+#include "common.h"
+
+namespace fused_transformer_cpu {
+
+namespace {
+
+constexpr int64_t kQueryBlock = 64;
+constexpr int64_t kKeyBlock = 128;
+
+template <typename scalar_t>
+struct AttentionProblem {
+  int64_t batch, heads, kv_heads, q_len, k_len, head_dim;
+  const scalar_t* bias = nullptr;  // [B, H, Lq, Lk] through bias_stride (0 for broadcast dims), last stride 1
+  int64_t bias_stride[3] = {0, 0, 0};
+  const int64_t* key_lengths = nullptr;  // [B]: keys past a sequence's length are padding
+  bool causal = false;
+  int64_t causal_offset = 0;  // query i sees key j <= i + causal_offset
+  scalar_t scale = 1;
+  DropoutMask dropout{0, 0.0};
+
+  int64_t group() const { return heads / kv_heads; }
+  int64_t key_length(int64_t b) const { return key_lengths ? std::min(key_lengths[b], k_len) : k_len; }
+  // Keys [0, key_end) may be visible to query row i (the mask may still hide some).
+  int64_t key_end(int64_t b, int64_t i) const {
+    int64_t end = key_length(b);
+    if (causal) end = std::min(end, i + causal_offset + 1);
+    return std::max<int64_t>(end, 0);
+  }
+};
+
+// ----------------------------------------------------------------------------------------- row helpers
+// float versions are multiversioned (see common.h); double versions serve the float64 tests.
+
+FT_MULTIVERSION float row_max(const float* x, int64_t n) {
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  Float8 lanes = broadcast(minus_inf);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const Float8 v = load8(x + i);
+    lanes = select(v > lanes, v, lanes);
+  }
+  float result = minus_inf;
+  for (; i < n; ++i) result = std::max(result, x[i]);
+  for (int l = 0; l < 8; ++l) result = std::max(result, lanes[l]);
+  return result;
+}
+
+double row_max(const double* x, int64_t n) {
+  double result = -std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < n; ++i) result = std::max(result, x[i]);
+  return result;
+}
+
+// x = exp(x - shift) in place; returns the sum. shift is finite; -inf entries become 0.
+FT_MULTIVERSION float exp_shifted_sum(float* x, int64_t n, float shift) {
+  Float8 total = broadcast(0.0f);
+  map8(x, n, -std::numeric_limits<float>::infinity(), [&](Float8 v, int64_t) {
+    const Float8 e = fast_exp(v - shift);
+    total += e;
+    return e;
+  });
+  return sum8(total);
+}
+
+double exp_shifted_sum(double* x, int64_t n, double shift) {
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    total += x[i];
+  }
+  return total;
+}
+
+// dS = Pd * dPd - P * delta (in place over dpd).
+FT_MULTIVERSION void softmax_grad_row(const float* dropped, const float* probs, float* dpd, int64_t n, float delta) {
+  for (int64_t i = 0; i < n; ++i) dpd[i] = dropped[i] * dpd[i] - probs[i] * delta;
+}
+
+void softmax_grad_row(const double* dropped, const double* probs, double* dpd, int64_t n, double delta) {
+  for (int64_t i = 0; i < n; ++i) dpd[i] = dropped[i] * dpd[i] - probs[i] * delta;
+}
+
+template <typename scalar_t>
+scalar_t dot(const scalar_t* a, const scalar_t* b, int64_t n) {
+  scalar_t total = 0;
+  for (int64_t i = 0; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// ------------------------------------------------------------------------------------------ blocks
+
+// scores[rows, cols] (row stride kKeyBlock) for query rows i0.. of head h against keys j0.. of k_block.
+template <typename scalar_t>
+void compute_scores(const AttentionProblem<scalar_t>& p, const scalar_t* q_block, const scalar_t* k_block, int64_t b,
+                    int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols, scalar_t* scores) {
+  const int64_t d = p.head_dim;
+  gemm_row_major<scalar_t>(false, true, rows, cols, d, p.scale, q_block, d, k_block, d, 0, scores, kKeyBlock);
+  if (p.bias == nullptr && !p.causal) return;
+  const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    scalar_t* row = scores + r * kKeyBlock;
+    const int64_t i = i0 + r;
+    if (p.bias != nullptr) {
+      const scalar_t* bias_row = p.bias + b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2] + j0;
+      for (int64_t c = 0; c < cols; ++c) row[c] += bias_row[c];
+    }
+    if (p.causal) {
+      const int64_t visible = std::clamp<int64_t>(i + p.causal_offset + 1 - j0, 0, cols);
+      std::fill(row + visible, row + cols, minus_inf);
+    }
+  }
+}
+
+// Multiplies probs[rows, cols] by the dropout factors of rows i0.. and keys j0.. of head (b, h) into dropped.
+template <typename scalar_t>
+void apply_dropout(const AttentionProblem<scalar_t>& p, int64_t bh, int64_t i0, int64_t rows, int64_t j0,
+                   int64_t cols, const scalar_t* probs, scalar_t* dropped) {
+  const scalar_t keep_scale = static_cast<scalar_t>(p.dropout.keep_scale());
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint64_t base = static_cast<uint64_t>((bh * p.q_len + i0 + r) * p.k_len + j0);
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t at = r * kKeyBlock + c;
+      dropped[at] = p.dropout.keep(base + c) ? probs[at] * keep_scale : scalar_t(0);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------ kernels
+
+template <typename scalar_t>
+void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const scalar_t* q, const scalar_t* k,
+                              const scalar_t* v, scalar_t* out, scalar_t* lse) {
+  const int64_t d = p.head_dim, q_len = p.q_len, k_len = p.k_len;
+  const int64_t q_blocks = (q_len + kQueryBlock - 1) / kQueryBlock;
+  const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
+  at::parallel_for(0, p.batch * p.heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> scores(kQueryBlock * kKeyBlock, 0), dropped, acc(kQueryBlock * d);
+    std::vector<scalar_t> row_max_(kQueryBlock), row_sum(kQueryBlock);
+    if (p.dropout.enabled()) dropped.assign(kQueryBlock * kKeyBlock, 0);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / q_blocks, b = bh / p.heads, h = bh % p.heads;
+      const int64_t kv_head = b * p.kv_heads + h / p.group();
+      const int64_t i0 = (task % q_blocks) * kQueryBlock, rows = std::min(kQueryBlock, q_len - i0);
+      const scalar_t* q_block = q + (bh * q_len + i0) * d;
+      const scalar_t* k_head = k + kv_head * k_len * d;
+      const scalar_t* v_head = v + kv_head * k_len * d;
+      std::fill(row_max_.begin(), row_max_.end(), minus_inf);
+      std::fill(row_sum.begin(), row_sum.end(), scalar_t(0));
+      std::fill(acc.begin(), acc.end(), scalar_t(0));
+
+      // The last row of the block sees the most keys; blocks wholly above the diagonal are never visited.
+      const int64_t key_stop = p.key_end(b, i0 + rows - 1);
+      for (int64_t j0 = 0; j0 < key_stop; j0 += kKeyBlock) {
+        const int64_t cols = std::min(kKeyBlock, key_stop - j0);
+        compute_scores(p, q_block, k_head + j0 * d, b, h, i0, rows, j0, cols, scores.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          scalar_t* row = scores.data() + r * kKeyBlock;
+          const scalar_t new_max = std::max(row_max_[r], row_max(row, cols));
+          if (new_max == minus_inf) {  // nothing visible to this row yet
+            std::fill(row, row + cols, scalar_t(0));
+            continue;
+          }
+          const scalar_t rescale = row_max_[r] == minus_inf ? scalar_t(0) : std::exp(row_max_[r] - new_max);
+          row_sum[r] = row_sum[r] * rescale + exp_shifted_sum(row, cols, new_max);
+          row_max_[r] = new_max;
+          if (rescale != scalar_t(1))
+            for (int64_t c = 0; c < d; ++c) acc[r * d + c] *= rescale;
+        }
+        const scalar_t* weights = scores.data();
+        if (p.dropout.enabled()) {
+          apply_dropout(p, bh, i0, rows, j0, cols, scores.data(), dropped.data());
+          weights = dropped.data();
+        }
+        gemm_row_major<scalar_t>(false, false, rows, d, cols, 1, weights, kKeyBlock, v_head + j0 * d, d, 1,
+                                 acc.data(), d);
+      }
+
+      for (int64_t r = 0; r < rows; ++r) {
+        scalar_t* out_row = out + (bh * q_len + i0 + r) * d;
+        const bool has_key = row_sum[r] > 0;
+        const scalar_t inverse = has_key ? scalar_t(1) / row_sum[r] : scalar_t(0);
+        for (int64_t c = 0; c < d; ++c) out_row[c] = acc[r * d + c] * inverse;
+        lse[bh * q_len + i0 + r] = has_key ? row_max_[r] + std::log(row_sum[r]) : minus_inf;
+      }
+    }
+  });
+}
+
+// dq, dk, dv must be zero on entry.
+template <typename scalar_t>
+void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const scalar_t* q, const scalar_t* k,
+                               const scalar_t* v, const scalar_t* out, const scalar_t* dout, const scalar_t* lse,
+                               scalar_t* dq, scalar_t* dk, scalar_t* dv) {
+  const int64_t d = p.head_dim, q_len = p.q_len, k_len = p.k_len, group = p.group();
+  const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
+  at::parallel_for(0, p.batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> probs(kQueryBlock * kKeyBlock, 0), dprobs(kQueryBlock * kKeyBlock, 0), dropped;
+    std::vector<scalar_t> delta(group * q_len);
+    if (p.dropout.enabled()) dropped.assign(kQueryBlock * kKeyBlock, 0);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / p.kv_heads, first_bh = b * p.heads + (task % p.kv_heads) * group;
+      for (int64_t row = 0; row < group * q_len; ++row) {
+        const int64_t at = (first_bh * q_len + row) * d;
+        delta[row] = dot(dout + at, out + at, d);
+      }
+      const int64_t key_len = p.key_length(b);
+      for (int64_t j0 = 0; j0 < key_len; j0 += kKeyBlock) {
+        const int64_t cols = std::min(kKeyBlock, key_len - j0);
+        const scalar_t* k_block = k + (task * k_len + j0) * d;
+        const scalar_t* v_block = v + (task * k_len + j0) * d;
+        scalar_t* dk_block = dk + (task * k_len + j0) * d;
+        scalar_t* dv_block = dv + (task * k_len + j0) * d;
+        // Under the causal mask, queries before first_query see none of these keys.
+        const int64_t first_query = p.causal ? std::clamp<int64_t>(j0 - p.causal_offset, 0, q_len) : 0;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t bh = first_bh + g, h = bh % p.heads;
+          for (int64_t i0 = first_query; i0 < q_len; i0 += kQueryBlock) {
+            const int64_t rows = std::min(kQueryBlock, q_len - i0);
+            const scalar_t* q_block = q + (bh * q_len + i0) * d;
+            const scalar_t* dout_block = dout + (bh * q_len + i0) * d;
+            compute_scores(p, q_block, k_block, b, h, i0, rows, j0, cols, probs.data());
+            for (int64_t r = 0; r < rows; ++r) {
+              scalar_t* row = probs.data() + r * kKeyBlock;
+              const scalar_t row_lse = lse[bh * q_len + i0 + r];
+              if (row_lse == minus_inf)
+                std::fill(row, row + cols, scalar_t(0));
+              else
+                exp_shifted_sum(row, cols, row_lse);
+            }
+            const scalar_t* weights = probs.data();
+            if (p.dropout.enabled()) {
+              apply_dropout(p, bh, i0, rows, j0, cols, probs.data(), dropped.data());
+              weights = dropped.data();
+            }
+            gemm_row_major<scalar_t>(true, false, cols, d, rows, 1, weights, kKeyBlock, dout_block, d, 1, dv_block, d);
+            gemm_row_major<scalar_t>(false, true, rows, cols, d, 1, dout_block, d, v_block, d, 0, dprobs.data(),
+                                     kKeyBlock);
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t at = r * kKeyBlock;
+              softmax_grad_row(weights + at, probs.data() + at, dprobs.data() + at, cols, delta[g * q_len + i0 + r]);
+            }
+            gemm_row_major<scalar_t>(false, false, rows, d, cols, p.scale, dprobs.data(), kKeyBlock, k_block, d, 1,
+                                     dq + (bh * q_len + i0) * d, d);
+            gemm_row_major<scalar_t>(true, false, cols, d, rows, p.scale, dprobs.data(), kKeyBlock, q_block, d, 1,
+                                     dk_block, d);
+          }
+        }
+      }
+    }
+  });
+}
+
+// ----------------------------------------------------------------------------------------------- ops
+
+// Shapes, the bias in the accumulate dtype broadcast to [B, H, Lq, Lk], and the key lengths, checked once.
+struct AttentionInputs {
+  at::Tensor q, k, v, bias, key_lengths;
+};
+
+AttentionInputs prepare_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& key_lengths) {
+  check_cpu(q, "q");
+  check_cpu(k, "k");
+  check_cpu(v, "v");
+  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
+                    "attention: q must be [B, H, Lq, D] and k, v [B, Hkv, Lk, D], got ", q.sizes(), ", ", k.sizes(),
+                    ", ", v.sizes());
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+                    "attention: k ", k.sizes(), " does not match q ", q.sizes());
+  AttentionInputs inputs;
+  inputs.q = to_accumulate_dtype(q);
+  inputs.k = k.to(inputs.q.scalar_type()).contiguous();
+  inputs.v = v.to(inputs.q.scalar_type()).contiguous();
+  const int64_t batch = q.size(0), heads = q.size(1), q_len = q.size(2), k_len = k.size(2);
+  if (bias.has_value()) {
+    check_cpu(*bias, "bias");
+    TORCH_CHECK_VALUE(bias->dim() <= 4, "attention: bias must broadcast to [B, H, Lq, Lk], got ", bias->sizes());
+    at::Tensor b = bias->to(inputs.q.scalar_type());
+    if (b.dim() == 0) b = b.reshape({1});
+    // The kernel reads bias rows with unit stride: materialise the key dim if it is broadcast or strided.
+    if (b.size(-1) != k_len || b.stride(-1) != 1) {
+      std::vector<int64_t> sizes(b.sizes().begin(), b.sizes().end());
+      sizes.back() = k_len;
+      b = b.expand(sizes).contiguous();
+    }
+    inputs.bias = b.expand({batch, heads, q_len, k_len});
+  }
+  if (key_lengths.has_value()) {
+    check_cpu(*key_lengths, "key_lengths");
+    TORCH_CHECK_VALUE(key_lengths->dim() == 1 && key_lengths->size(0) == batch,
+                      "attention: key_lengths must be [B] = [", batch, "], got ", key_lengths->sizes());
+    inputs.key_lengths = key_lengths->to(at::kLong).contiguous();
+  }
+  return inputs;
+}
+
+template <typename scalar_t>
+AttentionProblem<scalar_t> make_problem(const AttentionInputs& inputs, bool is_causal, int64_t causal_offset,
+                                        double scale, double dropout_p, int64_t seed) {
+  AttentionProblem<scalar_t> p;
+  p.batch = inputs.q.size(0);
+  p.heads = inputs.q.size(1);
+  p.q_len = inputs.q.size(2);
+  p.head_dim = inputs.q.size(3);
+  p.kv_heads = inputs.k.size(1);
+  p.k_len = inputs.k.size(2);
+  if (inputs.bias.defined()) {
+    p.bias = inputs.bias.data_ptr<scalar_t>();
+    for (int dim = 0; dim < 3; ++dim) p.bias_stride[dim] = inputs.bias.stride(dim);
+  }
+  if (inputs.key_lengths.defined()) p.key_lengths = inputs.key_lengths.data_ptr<int64_t>();
+  p.causal = is_causal;
+  p.causal_offset = causal_offset;
+  p.scale = static_cast<scalar_t>(scale);
+  p.dropout = DropoutMask(seed, dropout_p);
+  return p;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const std::optional<at::Tensor>& bias,
+                                                 const std::optional<at::Tensor>& key_lengths, bool is_causal,
+                                                 int64_t causal_offset, double scale, double dropout_p, int64_t seed) {
+  const AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_lengths);
+  at::Tensor out = at::empty_like(inputs.q);
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, inputs.q.options());
+  AT_DISPATCH_FLOATING_TYPES(inputs.q.scalar_type(), "attention_fwd", [&] {
+    const auto problem = make_problem<scalar_t>(inputs, is_causal, causal_offset, scale, dropout_p, seed);
+    attention_forward_kernel(problem, inputs.q.data_ptr<scalar_t>(), inputs.k.data_ptr<scalar_t>(),
+                             inputs.v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+  });
+  return {out.to(q.scalar_type()), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& key_lengths,
+    bool is_causal, int64_t causal_offset, double scale, double dropout_p, int64_t seed) {
+  const AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_lengths);
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "attention_bwd: dout ", dout.sizes(),
+                    " and out ", out.sizes(), " must have q's shape ", q.sizes());
+  TORCH_CHECK_VALUE(lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3), "attention_bwd: lse must be [B, H, Lq]");
+  const auto dtype = inputs.q.scalar_type();
+  const at::Tensor dout_acc = dout.to(dtype).contiguous(), out_acc = out.to(dtype).contiguous();
+  const at::Tensor lse_acc = lse.to(dtype).contiguous();
+  at::Tensor dq = at::zeros_like(inputs.q), dk = at::zeros_like(inputs.k), dv = at::zeros_like(inputs.v);
+  AT_DISPATCH_FLOATING_TYPES(dtype, "attention_bwd", [&] {
+    const auto problem = make_problem<scalar_t>(inputs, is_causal, causal_offset, scale, dropout_p, seed);
+    attention_backward_kernel(problem, inputs.q.data_ptr<scalar_t>(), inputs.k.data_ptr<scalar_t>(),
+                              inputs.v.data_ptr<scalar_t>(), out_acc.data_ptr<scalar_t>(),
+                              dout_acc.data_ptr<scalar_t>(), lse_acc.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(),
+                              dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>());
+  });
+  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+}
+
+TORCH_LIBRARY_IMPL(fused_transformer_cpu, CPU, m) {
+  m.impl("attention_fwd", &attention_fwd);
+  m.impl("attention_bwd", &attention_bwd);
+}
+
+}  // namespace fused_transformer_cpu

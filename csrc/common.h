@@ -1,0 +1,218 @@
+// Helpers shared by the CPU kernels: the accumulation dtype, the counter-based dropout mask, a row-major
+// GEMM on raw pointers, and vectorisable float math (exp, erf, tanh) compiled once per instruction set.
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace fused_transformer_cpu {
+
+// Kernels run in float32 (float64 for float64 inputs); other dtypes are converted at the op boundary.
+inline at::ScalarType accumulate_dtype(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+inline at::Tensor to_accumulate_dtype(const at::Tensor& t) {
+  return t.to(accumulate_dtype(t.scalar_type())).contiguous();
+}
+
+inline void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "fused_transformer cpu kernels: ", name, " must be a CPU tensor, got ",
+                    t.device());
+}
+
+inline void check_accumulate_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
+                   "fused_transformer cpu kernels: ", name, " must be float32 or float64 here, got ",
+                   t.scalar_type());
+}
+
+// Dropout is a pure function of (seed, element index): the backward regenerates the forward's mask and
+// dropout_keep_mask() replays it for tests, with no mask stored. splitmix64's finaliser decorrelates
+// consecutive indices; its top 24 bits are compared with p.
+class DropoutMask {
+ public:
+  DropoutMask(int64_t seed, double p)
+      : seed_(static_cast<uint64_t>(seed)),
+        threshold_(static_cast<uint64_t>(p * 16777216.0)),
+        keep_scale_(p > 0.0 ? 1.0 / (1.0 - p) : 1.0),
+        enabled_(p > 0.0) {}
+
+  bool enabled() const { return enabled_; }
+  double keep_scale() const { return keep_scale_; }
+
+  bool keep(uint64_t index) const {
+    uint64_t z = seed_ + (index + 1) * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return (z >> 40) >= threshold_;
+  }
+
+  // The factor an element is multiplied by: 0 if dropped, 1 / (1 - p) if kept.
+  template <typename scalar_t>
+  scalar_t factor(uint64_t index) const {
+    return keep(index) ? static_cast<scalar_t>(keep_scale_) : scalar_t(0);
+  }
+
+ private:
+  uint64_t seed_;
+  uint64_t threshold_;
+  double keep_scale_;
+  bool enabled_;
+};
+
+// The Fortran BLAS that libtorch_cpu exports (MKL on x86-64 wheels). ATen's own cpublas::gemm wrappers are not
+// exported to extensions. Weak, so a torch without them still loads this extension and uses the loop below.
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc) __attribute__((weak));
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+            const int* ldc) __attribute__((weak));
+}
+
+template <typename scalar_t>
+using BlasGemm = void (*)(const char*, const char*, const int*, const int*, const int*, const scalar_t*,
+                          const scalar_t*, const int*, const scalar_t*, const int*, const scalar_t*, scalar_t*,
+                          const int*);
+
+template <typename scalar_t>
+BlasGemm<scalar_t> blas_gemm();
+template <>
+inline BlasGemm<float> blas_gemm<float>() { return &sgemm_; }
+template <>
+inline BlasGemm<double> blas_gemm<double>() { return &dgemm_; }
+
+// C = alpha * op(A) @ op(B) + beta * C on row-major matrices (op = transpose when the flag is set); blocks are
+// small (<= 64 x 64 x head_dim), so int sizes suffice. BLAS is column-major: row-major C is column-major
+// C^T = op(B)^T op(A)^T, so the operands swap.
+template <typename scalar_t>
+void gemm_row_major(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, scalar_t alpha,
+                    const scalar_t* a, int64_t lda, const scalar_t* b, int64_t ldb, scalar_t beta, scalar_t* c,
+                    int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  if (BlasGemm<scalar_t> gemm = blas_gemm<scalar_t>()) {
+    const char op_a = transpose_a ? 'T' : 'N', op_b = transpose_b ? 'T' : 'N';
+    const int m_ = static_cast<int>(m), n_ = static_cast<int>(n), k_ = static_cast<int>(k);
+    const int lda_ = static_cast<int>(lda), ldb_ = static_cast<int>(ldb), ldc_ = static_cast<int>(ldc);
+    gemm(&op_b, &op_a, &n_, &m_, &k_, &alpha, b, &ldb_, a, &lda_, &beta, c, &ldc_);
+    return;
+  }
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      scalar_t total = 0;
+      for (int64_t l = 0; l < k; ++l)
+        total += (transpose_a ? a[l * lda + i] : a[i * lda + l]) * (transpose_b ? b[j * ldb + l] : b[l * ldb + j]);
+      c[i * ldc + j] = alpha * total + (beta == scalar_t(0) ? scalar_t(0) : beta * c[i * ldc + j]);
+    }
+}
+
+// ------------------------------------------------------------------------------------------ float math
+// at::vec's portable (DEFAULT) build computes exp and erf with scalar std:: calls, and building its AVX2
+// variant needs per-file ISA flags. Instead the hot loops run on 8-float GCC/Clang vector types (one AVX2
+// register, two SSE2 ones) with branch-free polynomials; FT_MULTIVERSION compiles such a loop for AVX2 and for
+// the baseline ISA and picks one at load time (function multiversioning), so the wheel stays portable.
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#define FT_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define FT_MULTIVERSION
+#endif
+
+#define FT_INLINE inline __attribute__((always_inline))
+
+using Float8 = float __attribute__((vector_size(32)));
+using Int8 = int32_t __attribute__((vector_size(32)));
+
+FT_INLINE Float8 broadcast(float value) { return Float8{} + value; }
+FT_INLINE Float8 select(Int8 mask, Float8 if_true, Float8 if_false) {
+  return reinterpret_cast<Float8>((mask & reinterpret_cast<Int8>(if_true)) | (~mask & reinterpret_cast<Int8>(if_false)));
+}
+FT_INLINE Float8 abs(Float8 x) { return reinterpret_cast<Float8>(reinterpret_cast<Int8>(x) & 0x7fffffff); }
+// |magnitude| with the sign of sign.
+FT_INLINE Float8 with_sign_of(Float8 magnitude, Float8 sign) {
+  return reinterpret_cast<Float8>((reinterpret_cast<Int8>(magnitude) & 0x7fffffff) |
+                                  (reinterpret_cast<Int8>(sign) & static_cast<int32_t>(0x80000000u)));
+}
+FT_INLINE Float8 load8(const float* p) {
+  Float8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+FT_INLINE void store8(float* p, Float8 v) { std::memcpy(p, &v, sizeof(v)); }
+FT_INLINE float sum8(Float8 v) {
+  float total = 0;
+  for (int l = 0; l < 8; ++l) total += v[l];
+  return total;
+}
+
+// x[0..n) = f(x[0..n)) eight at a time; the tail goes through a padded copy (fill: its unused lanes).
+template <typename F>
+FT_INLINE void map8(float* x, int64_t n, float fill, F&& f) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(x + i, f(load8(x + i), i));
+  if (i < n) {
+    float tail[8];
+    for (int l = 0; l < 8; ++l) tail[l] = i + l < n ? x[i + l] : fill;
+    const Float8 out = f(load8(tail), i);
+    for (int64_t l = 0; i + l < n; ++l) x[i + l] = out[l];
+  }
+}
+
+// exp(x), ~1 ulp (Cephes expf): x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n via the exponent bits.
+// Below -87.3 (including -inf: masked scores) it is exactly 0; above 88.7, +inf.
+FT_INLINE Float8 fast_exp(Float8 x) {
+  const Float8 low = broadcast(-87.3365f), high = broadcast(88.7228f);
+  Float8 clamped = select(x < low, low, x);
+  clamped = select(clamped > high, high, clamped);
+  // Round to nearest by adding and subtracting 1.5 * 2^23.
+  const Float8 n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  Float8 r = clamped - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  Float8 p = broadcast(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const Int8 exponent = __builtin_convertvector(n, Int8) << 23;
+  Float8 result = reinterpret_cast<Float8>(reinterpret_cast<Int8>(p) + exponent);
+  result = select(x < low, broadcast(0.0f), result);
+  return select(x > high, broadcast(std::numeric_limits<float>::infinity()), result);
+}
+
+// erf(x) (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7, the formula of at::vec's AVX2 erf).
+FT_INLINE Float8 fast_erf(Float8 x) {
+  const Float8 ax = abs(x);
+  const Float8 t = 1.0f / (1.0f + 0.3275911f * ax);
+  Float8 p = broadcast(1.061405429f);
+  p = p * t - 1.453152027f;
+  p = p * t + 1.421413741f;
+  p = p * t - 0.284496736f;
+  p = p * t + 0.254829592f;
+  return with_sign_of(1.0f - p * t * fast_exp(-ax * ax), x);
+}
+
+// tanh(x) = sign(x) (1 - 2 / (exp(2|x|) + 1)); near 0 the series x - x^3/3 + 2x^5/15 - 17x^7/315 avoids the
+// cancellation.
+FT_INLINE Float8 fast_tanh(Float8 x) {
+  const Float8 ax = abs(x);
+  const Float8 large = 1.0f - 2.0f / (fast_exp(2.0f * ax) + 1.0f);
+  const Float8 x2 = ax * ax;
+  const Float8 small = ax * (1.0f + x2 * (-0.333333333f + x2 * (0.133333333f + x2 * -0.0539682540f)));
+  return with_sign_of(select(ax < 0.0625f, small, large), x);
+}
+
+}  // namespace fused_transformer_cpu

@@ -1,0 +1,57 @@
+// The operator schemas of the CPU kernels (torch.ops.fused_transformer_cpu.*), the dropout keep-mask replay,
+// and the Python module fused_transformer._C whose import loads them.
+//
+// Tensors in the accumulate dtype (float32, float64 for float64) unless said otherwise; the kernels live in
+// attention.cpp, layer_norm.cpp and bias_activation.cpp.
+#include <Python.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "common.h"
+
+namespace fused_transformer_cpu {
+
+// The keep-mask (True = kept) of elements 0 .. numel - 1 that a kernel drew with (seed, dropout_p).
+at::Tensor dropout_keep_mask(int64_t seed, int64_t numel, double dropout_p) {
+  TORCH_CHECK_VALUE(numel >= 0, "dropout_keep_mask: numel must be >= 0, got ", numel);
+  at::Tensor keep = at::empty({numel}, at::TensorOptions().dtype(at::kBool));
+  bool* data = keep.data_ptr<bool>();
+  const DropoutMask dropout(seed, dropout_p);
+  at::parallel_for(0, numel, 65536, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) data[i] = !dropout.enabled() || dropout.keep(i);
+  });
+  return keep;
+}
+
+TORCH_LIBRARY(fused_transformer_cpu, m) {
+  // q [B, H, Lq, D], k, v [B, Hkv, Lk, D] in any float dtype; bias broadcastable to [B, H, Lq, Lk], added to
+  // the scaled scores (-inf = masked); key_lengths [B] int64 (keys at or past it are padding). Query i sees
+  // key j <= i + causal_offset when is_causal. Returns out (q's dtype) and lse [B, H, Lq].
+  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? key_lengths, bool is_causal, "
+        "int causal_offset, float scale, float dropout_p, int seed) -> (Tensor, Tensor)");
+  // Returns dq, dk, dv in the dtypes of q, k, v.
+  m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? bias, "
+        "Tensor? key_lengths, bool is_causal, int causal_offset, float scale, float dropout_p, int seed) "
+        "-> (Tensor, Tensor, Tensor)");
+  // x, residual [rows, N]. Returns y, z (empty unless store_z), mean, rstd [rows].
+  m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, float dropout_p, "
+        "int seed, bool store_z) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Returns dx, dresidual (empty unless has_residual), dweight, dbias (empty when absent).
+  m.def("layer_norm_bwd(Tensor dy, Tensor? dz, Tensor z, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
+        "float dropout_p, int seed, bool has_residual) -> (Tensor, Tensor, Tensor, Tensor)");
+  // h [rows, F] = x @ w1^T. Returns dropout(act(h + bias)).
+  m.def("bias_activation_fwd(Tensor h, Tensor? bias, str activation, float dropout_p, int seed) -> Tensor");
+  // Returns the gradient of h + bias.
+  m.def("bias_activation_bwd(Tensor grad, Tensor h, Tensor? bias, str activation, float dropout_p, int seed) "
+        "-> Tensor");
+  m.def("dropout_keep_mask(int seed, int numel, float dropout_p) -> Tensor", &dropout_keep_mask);
+}
+
+}  // namespace fused_transformer_cpu
+
+// Importing fused_transformer._C runs the registrations above; the module itself has no Python functions.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fused_transformer._C",
+                                      "C++ CPU kernels, registered as torch.ops.fused_transformer_cpu", -1, nullptr};
+  return PyModule_Create(&module);
+}

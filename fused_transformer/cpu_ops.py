@@ -1,0 +1,284 @@
+"""The CPU backend: autograd Functions over the C++ kernels of ``csrc/`` (``torch.ops.fused_transformer_cpu``).
+
+This is the CPU analogue of ``kernels/*.py``: each op converts its masks and arguments once, calls the C++
+forward, and its ``torch.autograd.Function`` calls the C++ backward. Importing this module loads
+``fused_transformer._C`` (``backend.cpu_unavailable_reason()`` says why when that fails).
+
+Kernels compute in float32 (float64 for float64 inputs); bfloat16 / float16 inputs are converted at the op
+boundary and results returned in the input dtype. Matrix products outside attention stay with ATen.
+
+Dropout: every op that drops draws one seed with ``draw_seed()`` from torch's default generator (so
+``torch.manual_seed`` reproduces it), and element ``i`` of the dropped tensor in row-major order (attention:
+the probabilities ``[B, H, Lq, Lk]``; layer_norm: ``x``; feed_forward: the hidden activation ``[..., d_ff]``)
+is kept as ``dropout_keep_mask(seed, shape, p)`` says, for replaying the mask in the reference.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from . import _C  # noqa: F401  (registers torch.ops.fused_transformer_cpu)
+from . import reference
+
+Tensor = torch.Tensor
+_ops = torch.ops.fused_transformer_cpu
+
+
+def draw_seed() -> int:
+    """A dropout seed drawn from torch's default CPU generator, so ``torch.manual_seed`` reproduces dropout."""
+    return int(torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64).item())
+
+
+def dropout_keep_mask(seed: int, shape: Sequence[int], dropout_p: float) -> Tensor:
+    """The bool keep-mask (True = kept) of ``shape`` that an op drew with ``seed``, for ``reference.*(keep_mask=)``."""
+    numel = math.prod(shape)
+    return _ops.dropout_keep_mask(int(seed), numel, float(dropout_p)).view(tuple(shape))
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_cpu(**tensors: Optional[Tensor]) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"the cpu backend runs on CPU tensors; {name} is on {t.device}")
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+
+def _attention_masks(
+    attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], dtype: torch.dtype, k_len: int,
+) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The contract's masks -> the kernel's: an additive bias (``-inf`` = masked) broadcastable to
+    ``[B, H, Lq, Lk]`` in ``dtype``, and key lengths ``[B]`` for a right-padded ``key_padding_mask`` (whose
+    padded key blocks the kernel then skips). A padding mask with holes becomes part of the bias instead."""
+    bias = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            bias = torch.zeros(attn_mask.shape, dtype=dtype).masked_fill_(~attn_mask, float("-inf"))
+        else:
+            bias = attn_mask.to(dtype)
+    key_lengths = None
+    if key_padding_mask is not None:
+        lengths = (~key_padding_mask).sum(dim=-1)
+        right_padded = torch.arange(k_len)[None, :] >= lengths[:, None]
+        if torch.equal(right_padded, key_padding_mask):
+            key_lengths = lengths.to(torch.int64)
+        else:
+            padding = torch.zeros(key_padding_mask.shape, dtype=dtype).masked_fill_(key_padding_mask, float("-inf"))
+            padding = padding[:, None, None, :]
+            bias = padding if bias is None else bias + padding
+    return bias, key_lengths
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Autograd over ``attention_fwd`` / ``attention_bwd``; masks already converted by ``_attention_masks``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, key_lengths, is_causal, causal_offset, scale, dropout_p, seed):
+        out, lse = _ops.attention_fwd(q, k, v, bias, key_lengths, is_causal, causal_offset, scale, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, out, lse, bias, key_lengths)
+        ctx.options = (is_causal, causal_offset, scale, dropout_p, seed)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, bias, key_lengths = ctx.saved_tensors
+        dq, dk, dv = _ops.attention_bwd(dout, q, k, v, out, lse, bias, key_lengths, *ctx.options)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+    is_causal: bool,
+    causal_alignment: str,
+    dropout_p: float,
+    scale: Optional[float],
+    return_lse: bool,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``fused_transformer.functional.attention`` on the C++ flash-attention kernel (arguments checked there).
+
+    q ``[B, H, Lq, D]``, k / v ``[B, Hkv, Lk, D]``. Returns the output in q's dtype and, with ``return_lse``,
+    the LSE ``[B, H, Lq]`` (float32; float64 for float64). A float ``attn_mask`` is not differentiated.
+    """
+    _check_cpu(q=q, k=k, v=v, attn_mask=attn_mask, key_padding_mask=key_padding_mask)
+    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError("the cpu backend does not compute gradients for attn_mask; use backend 'reference'")
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    bias, key_lengths = _attention_masks(attn_mask, key_padding_mask, _stats_dtype(q.dtype), k_len)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    causal_offset = 0 if causal_alignment == "top_left" else k_len - q_len
+    seed = draw_seed() if dropout_p > 0.0 else 0
+    out, lse = AttentionFunction.apply(
+        q, k, v, bias, key_lengths, bool(is_causal), causal_offset, scale, float(dropout_p), seed
+    )
+    return (out, lse) if return_lse else out
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    *,
+    attn_mask: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+    is_causal: bool,
+    causal_alignment: str,
+    scale: Optional[float],
+) -> Tensor:
+    """``fused_transformer.functional.attention_weights``: the result is the full ``[B, H, Lq, Lk]`` matrix, so
+    there is nothing to fuse and the reference computes it."""
+    _check_cpu(q=q, k=k, lse=lse)
+    return reference.attention_weights(
+        q, k, lse, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+        causal_alignment=causal_alignment, scale=scale,
+    )
+
+
+# ------------------------------------------------------------------------------------------ layer_norm
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """Autograd over ``layer_norm_fwd`` / ``layer_norm_bwd``; x and residual already flattened to ``[rows, N]``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps, dropout_p, seed, prenorm):
+        store_z = prenorm or residual is not None or dropout_p > 0.0
+        y, z, mean, rstd = _ops.layer_norm_fwd(x, weight, bias, residual, eps, dropout_p, seed, store_z)
+        ctx.save_for_backward(z if store_z else x, weight, bias, mean, rstd)
+        ctx.dropout_p, ctx.seed, ctx.has_residual = dropout_p, seed, residual is not None
+        return (y, z) if prenorm else y
+
+    @staticmethod
+    def backward(ctx, dy, dz=None):
+        z, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dresidual, dweight, dbias = _ops.layer_norm_bwd(
+            dy, dz, z, weight, bias, mean, rstd, ctx.dropout_p, ctx.seed, ctx.has_residual
+        )
+        return (
+            dx,
+            dweight if weight is not None else None,
+            dbias if bias is not None else None,
+            dresidual if ctx.has_residual else None,
+            None, None, None, None,
+        )
+
+
+def layer_norm(
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    *,
+    residual: Optional[Tensor],
+    dropout_p: float,
+    prenorm: bool,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``fused_transformer.functional.layer_norm`` on the C++ kernel: ``y = LayerNorm(dropout(x) + residual)``
+    over the last dim, and ``z = dropout(x) + residual`` with ``prenorm``; statistics in float32."""
+    _check_cpu(x=x, weight=weight, bias=bias, residual=residual)
+    shape, n = x.shape, x.shape[-1]
+    rows = x.reshape(-1, n)
+    residual_rows = residual.reshape(-1, n) if residual is not None else None
+    seed = draw_seed() if dropout_p > 0.0 else 0
+    out = LayerNormFunction.apply(rows, weight, bias, residual_rows, float(eps), float(dropout_p), seed, bool(prenorm))
+    if prenorm:
+        y, z = out
+        return y.view(shape), z.view(shape)
+    return out.view(shape)
+
+
+# ---------------------------------------------------------------------------------------- feed_forward
+
+
+class BiasActivationFunction(torch.autograd.Function):
+    """``dropout(act(h + bias))`` over ``h [..., F]``; keeps only ``h`` for the backward."""
+
+    @staticmethod
+    def forward(ctx, h, bias, activation, dropout_p, seed):
+        rows = h.reshape(-1, h.shape[-1])
+        out = _ops.bias_activation_fwd(rows, bias, activation, dropout_p, seed)
+        ctx.save_for_backward(rows, bias)
+        ctx.activation, ctx.dropout_p, ctx.seed = activation, dropout_p, seed
+        return out.view(h.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, bias = ctx.saved_tensors
+        grad_pre = _ops.bias_activation_bwd(
+            grad.reshape(rows.shape), rows, bias, ctx.activation, ctx.dropout_p, ctx.seed
+        )
+        grad_bias = None
+        if bias is not None and ctx.needs_input_grad[1]:
+            grad_bias = grad_pre.sum(dim=0, dtype=_stats_dtype(grad_pre.dtype)).to(bias.dtype)
+        return grad_pre.view(grad.shape), grad_bias, None, None, None
+
+
+def feed_forward(
+    x: Tensor,
+    w1: Tensor,
+    b1: Optional[Tensor],
+    w2: Tensor,
+    b2: Optional[Tensor],
+    *,
+    activation: str,
+    dropout_p: float,
+) -> Tensor:
+    """``fused_transformer.functional.feed_forward``: ``linear(dropout(act(linear(x, w1, b1))), w2, b2)`` with the
+    matmuls on ATen and the bias, activation and dropout in one C++ pass in between (and one in backward)."""
+    _check_cpu(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
+    seed = draw_seed() if dropout_p > 0.0 else 0
+    hidden = BiasActivationFunction.apply(F.linear(x, w1), b1, activation, float(dropout_p), seed)
+    return F.linear(hidden, w2, b2)
+
+
+# ----------------------------------------------------------------------- shapes for torch.compile tracing
+
+
+def _register_fakes() -> None:
+    def stats(t: Tensor, shape: Sequence[int]) -> Tensor:
+        return t.new_empty(shape, dtype=_stats_dtype(t.dtype))
+
+    @torch.library.register_fake("fused_transformer_cpu::attention_fwd")
+    def _(q, k, v, bias, key_lengths, is_causal, causal_offset, scale, dropout_p, seed):
+        return torch.empty_like(q, memory_format=torch.contiguous_format), stats(q, q.shape[:3])
+
+    @torch.library.register_fake("fused_transformer_cpu::attention_bwd")
+    def _(dout, q, k, v, out, lse, bias, key_lengths, is_causal, causal_offset, scale, dropout_p, seed):
+        return (torch.empty_like(q, memory_format=torch.contiguous_format),
+                torch.empty_like(k, memory_format=torch.contiguous_format),
+                torch.empty_like(v, memory_format=torch.contiguous_format))
+
+    @torch.library.register_fake("fused_transformer_cpu::layer_norm_fwd")
+    def _(x, weight, bias, residual, eps, dropout_p, seed, store_z):
+        z = torch.empty_like(x) if store_z else x.new_empty((0,))
+        return torch.empty_like(x), z, stats(x, x.shape[:1]), stats(x, x.shape[:1])
+
+    @torch.library.register_fake("fused_transformer_cpu::layer_norm_bwd")
+    def _(dy, dz, z, weight, bias, mean, rstd, dropout_p, seed, has_residual):
+        empty = z.new_empty((0,))
+        return (torch.empty_like(z), torch.empty_like(z) if has_residual else empty,
+                torch.empty_like(weight) if weight is not None else empty,
+                torch.empty_like(bias) if bias is not None else empty)
+
+    @torch.library.register_fake("fused_transformer_cpu::bias_activation_fwd")
+    def _(h, bias, activation, dropout_p, seed):
+        return torch.empty_like(h, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("fused_transformer_cpu::bias_activation_bwd")
+    def _(grad, h, bias, activation, dropout_p, seed):
+        return torch.empty_like(h, memory_format=torch.contiguous_format)
+
+
+_register_fakes()

@@ -1,0 +1,758 @@
+"""Fused scaled-dot-product attention (FlashAttention-2 style), forward and backward, every mask in the kernel.
+
+Forward, per tile of BLOCK_M query rows of one (batch, head), over tiles of BLOCK_N keys:
+    s = q k^T * scale (+ float mask), masked to -inf        (kept in log2 units: exp2 is the fast exponential)
+    online softmax: m = running row max, l = running sum of exp(s - m), acc = sum exp(s - m) * dropout v
+    o = acc / l,   lse = m + log(l)                          (a row with no key: o = 0, lse = -inf)
+Only q, k, v, o and lse (float32, [B, H, Lq]) are saved; the [Lq, Lk] matrices are never stored.
+
+Backward recomputes p = exp(s - lse) tile by tile (Z = dropout keep / (1 - p), delta = rowsum(do * o) - dlse):
+    dv = (p Z)^T do,   dp = (do v^T) Z,   ds = p (dp - delta),   dq = ds k * scale,   dk = ds^T q * scale
+in two kernels with no atomics (deterministic): one program per query tile writes dq (and delta first), one
+program per key tile of a key/value head writes dk and dv, walking every query head of its group (GQA).
+
+Masks, composable, all inside the kernels:
+  key lengths     derived on the device from key_padding_mask (index of the last key that is not padding, + 1):
+                  key tiles past a sequence's length are skipped, not visited; keys inside it are still
+                  checked against the mask itself, so a mask that is not right-padded is exact too.
+  causal          key j visible from query i when j <= i + offset, offset = 0 (top_left) or Lk - Lq
+                  (bottom_right); tiles wholly above the diagonal are skipped.
+  attn_mask       bool (True = may attend) or float (added), read tile by tile through strides; a mask that
+                  broadcasts over batch, heads or rows has stride 0 there and is never expanded in memory.
+  query lengths   rows past a sequence's query length write zeros (kernel-level option).
+Dropout on the probabilities: element (b, h, i, j) is kept when ``dropout_keep(seed, ((b H + h) Lq + i) Lk + j,
+p)``; ``attention_keep_mask`` replays the mask for the reference.
+"""
+import dataclasses
+import functools
+import math
+from typing import List, Optional, Tuple, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, interpreting
+
+Tensor = torch.Tensor
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# What kind of attn_mask a kernel reads (a constexpr): none, bool (True = may attend) or float (added).
+MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # The interpreter computes bfloat16 dots wrongly: upcast there (the operands are already rounded to
+    # bfloat16, so the products are the ones a GPU forms).
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _tile_mask(row_ok, dims, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Load/store mask of a [rows, BLOCK_D] tile: the row bound, and the head-dim bound only when padded (with
+    HEAD_DIM == BLOCK_D the second term is the constant True and folds away, so loads stay vectorised)."""
+    return row_ok[:, None] & ((dims[None, :] < HEAD_DIM) | (HEAD_DIM == BLOCK_D))
+
+
+@triton.jit
+def _mask_scores(
+    s, rows, cols,  # s: float32 scores in log2 units; rows / cols: query / key indices broadcastable to s
+    batch, head, q_len, k_len, n_keys, causal_offset,
+    MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+    PAD, stride_pb,
+    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr,
+):
+    """``s`` with every masked (row, col) set to -inf and the float mask added (in log2 units)."""
+    keep = (rows < q_len) & (cols < k_len)
+    if IS_CAUSAL:
+        keep = keep & (cols <= rows + causal_offset)
+    if HAS_PADDING:
+        is_pad = tl.load(PAD + batch * stride_pb + cols, mask=cols < n_keys, other=1)
+        keep = keep & (is_pad == 0)
+    if MASK_KIND != 0:
+        # int32 offsets inside one (batch, head) slice (Lq * Lk < 2**31): half the registers of int64 pointers.
+        mask_ptrs = (MASK + batch * stride_mb + head * stride_mh) + (rows * stride_mm + cols * stride_mn)
+        if MASK_KIND == 1:
+            keep = keep & (tl.load(mask_ptrs, mask=keep, other=0) != 0)
+        else:
+            s += tl.load(mask_ptrs, mask=keep, other=0.0).to(tl.float32) * 1.4426950408889634
+    return tl.where(keep, s, float("-inf"))
+
+
+@triton.jit
+def _visible_key_end(first_row, q_len, k_len, causal_offset, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """One past the last key any row of the query tile starting at ``first_row`` may see."""
+    end = k_len
+    if IS_CAUSAL:
+        end = tl.minimum(end, first_row + BLOCK_M + causal_offset)
+    end = tl.where(first_row < q_len, end, 0)
+    return tl.maximum(end, 0)
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    Q,  # [B, H, Lq, D]
+    K, V,  # [B, Hkv, Lk, D]
+    O,  # [B, H, Lq, D] contiguous
+    LSE,  # [B, H, Lq] float32 contiguous, natural log
+    MASK,  # attn_mask, read through strides (MASK_KIND != 0)
+    PAD,  # [B, Lk] uint8, 1 = padding (HAS_PADDING)
+    KEY_LENS,  # [B] int32: one past each sequence's last key that is not padding (HAS_PADDING)
+    QUERY_LENS,  # [B] int32 (HAS_QUERY_LENS)
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_pb,
+    n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, seed,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    first_row = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    batch = (batch_head // n_heads).to(tl.int64)
+    head = (batch_head % n_heads).to(tl.int64)
+    kv_head = head // kv_group
+    k_len = tl.load(KEY_LENS + batch) if HAS_PADDING else n_keys
+    q_len = tl.load(QUERY_LENS + batch) if HAS_QUERY_LENS else n_queries
+
+    rows = first_row + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    q = tl.load(
+        Q + batch * stride_qb + head * stride_qh + rows[:, None].to(tl.int64) * stride_qm + dims[None, :],
+        mask=_tile_mask(rows < n_queries, dims, HEAD_DIM, BLOCK_D), other=0.0,
+    )
+    k_base = K + batch * stride_kb + kv_head * stride_kh
+    v_base = V + batch * stride_vb + kv_head * stride_vh
+    dropout_row = (batch_head.to(tl.int64) * n_queries + rows) * n_keys
+
+    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    key_end = _visible_key_end(first_row, q_len, k_len, causal_offset, BLOCK_M, IS_CAUSAL)
+    for first_col in range(0, key_end, BLOCK_N):
+        cols = first_col + tl.arange(0, BLOCK_N)
+        kv_mask = _tile_mask(cols < n_keys, dims, HEAD_DIM, BLOCK_D)
+        k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
+        s = _mask_scores(
+            s, rows[:, None], cols[None, :], batch, head, q_len, k_len, n_keys, causal_offset,
+            MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING, IS_CAUSAL,
+        )
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))
+        # A row with every key so far masked has max -inf; shifting it by 0 instead keeps exp2 free of NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.math.exp2(s - shift[:, None])
+        rescale = tl.math.exp2(row_max - shift)
+        row_sum = row_sum * rescale + tl.sum(p, axis=1)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, dropout_row[:, None] + cols[None, :], dropout_p)
+            p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
+        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, UPCAST, DOT_PRECISION)
+        row_max = new_max
+
+    has_key = row_sum > 0.0
+    out = acc / tl.where(has_key, row_sum, 1.0)[:, None]
+    lse = tl.where(has_key, (row_max + tl.math.log2(tl.where(has_key, row_sum, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    row_ok = rows < n_queries
+    tl.store(LSE + batch_head.to(tl.int64) * n_queries + rows, lse, mask=row_ok)
+    tl.store(
+        O + (batch_head.to(tl.int64) * n_queries + rows[:, None]) * HEAD_DIM + dims[None, :],
+        out.to(O.dtype.element_ty), mask=_tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D),
+    )
+
+
+@triton.jit
+def _attention_bwd_dq_kernel(
+    Q, K, V,  # as in the forward
+    O,  # [B, H, Lq, D] contiguous
+    DO,  # [B, H, Lq, D] contiguous
+    LSE,  # [B, H, Lq] float32
+    DLSE,  # [B, H, Lq] float32, gradient of the returned LSE (HAS_DLSE)
+    DELTA,  # [B, H, Lq] float32, written here: rowsum(do * o) - dlse, for the dk/dv kernel
+    DQ,  # [B, H, Lq, D] contiguous
+    MASK, PAD, KEY_LENS, QUERY_LENS,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_pb,
+    n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, seed,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    first_row = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    batch = (batch_head // n_heads).to(tl.int64)
+    head = (batch_head % n_heads).to(tl.int64)
+    kv_head = head // kv_group
+    k_len = tl.load(KEY_LENS + batch) if HAS_PADDING else n_keys
+    q_len = tl.load(QUERY_LENS + batch) if HAS_QUERY_LENS else n_queries
+
+    rows = first_row + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < n_queries
+    tile_mask = _tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D)
+    q = tl.load(
+        Q + batch * stride_qb + head * stride_qh + rows[:, None].to(tl.int64) * stride_qm + dims[None, :],
+        mask=tile_mask, other=0.0,
+    )
+    row_offsets = batch_head.to(tl.int64) * n_queries + rows
+    tile_offsets = row_offsets[:, None] * HEAD_DIM + dims[None, :]
+    do = tl.load(DO + tile_offsets, mask=tile_mask, other=0.0)
+    o = tl.load(O + tile_offsets, mask=tile_mask, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + row_offsets, mask=row_ok, other=0.0)
+    tl.store(DELTA + row_offsets, delta, mask=row_ok)
+    lse = tl.load(LSE + row_offsets, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+    # Rows with no key have lse = -inf; +inf makes exp2(s - lse) = 0 there instead of NaN.
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+
+    k_base = K + batch * stride_kb + kv_head * stride_kh
+    v_base = V + batch * stride_vb + kv_head * stride_vh
+    dropout_row = row_offsets * n_keys
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    key_end = _visible_key_end(first_row, q_len, k_len, causal_offset, BLOCK_M, IS_CAUSAL)
+    for first_col in range(0, key_end, BLOCK_N):
+        cols = first_col + tl.arange(0, BLOCK_N)
+        kv_mask = _tile_mask(cols < n_keys, dims, HEAD_DIM, BLOCK_D)
+        k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
+        s = _mask_scores(
+            s, rows[:, None], cols[None, :], batch, head, q_len, k_len, n_keys, causal_offset,
+            MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING, IS_CAUSAL,
+        )
+        p = tl.math.exp2(s - lse[:, None])
+        dp = _dot(do, tl.trans(v), UPCAST, DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, dropout_row[:, None] + cols[None, :], dropout_p)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, UPCAST, DOT_PRECISION)
+    # qk_scale carries log2(e) for exp2; the gradient wants the plain scale.
+    dq *= qk_scale * 0.6931471805599453
+    tl.store(DQ + tile_offsets, dq.to(DQ.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE,  # as in the dq kernel
+    DELTA,  # [B, H, Lq] float32, from the dq kernel
+    DK, DV,  # [B, Hkv, Lk, D] contiguous
+    MASK, PAD, KEY_LENS, QUERY_LENS,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_pb,
+    n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, seed,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Works in the transposed orientation (keys along dim 0) so no tile needs a transpose but q's and do's.
+    first_col = tl.program_id(0) * BLOCK_N
+    batch_kv_head = tl.program_id(1)
+    n_kv_heads = n_heads // kv_group
+    batch = (batch_kv_head // n_kv_heads).to(tl.int64)
+    kv_head = (batch_kv_head % n_kv_heads).to(tl.int64)
+    k_len = tl.load(KEY_LENS + batch) if HAS_PADDING else n_keys
+    q_len = tl.load(QUERY_LENS + batch) if HAS_QUERY_LENS else n_queries
+
+    cols = first_col + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    kv_mask = _tile_mask(cols < n_keys, dims, HEAD_DIM, BLOCK_D)
+    k = tl.load(K + batch * stride_kb + kv_head * stride_kh + cols[:, None].to(tl.int64) * stride_kn + dims[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + batch * stride_vb + kv_head * stride_vh + cols[:, None].to(tl.int64) * stride_vn + dims[None, :],
+                mask=kv_mask, other=0.0)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+
+    # The first query row that sees key first_col, rounded down to a tile; tiles above it see none of these keys.
+    first_visible_row = 0
+    if IS_CAUSAL:
+        first_visible_row = tl.maximum(first_col - causal_offset, 0) // BLOCK_M * BLOCK_M
+    row_end = tl.where(first_col < k_len, q_len, 0)
+    for group_member in range(0, kv_group):
+        head = kv_head * kv_group + group_member
+        batch_head = batch * n_heads + head
+        q_base = Q + batch * stride_qb + head * stride_qh
+        for first_row in range(first_visible_row, row_end, BLOCK_M):
+            rows = first_row + tl.arange(0, BLOCK_M)
+            row_ok = rows < n_queries
+            tile_mask = _tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D)
+            row_offsets = batch_head * n_queries + rows
+            q = tl.load(q_base + rows[:, None].to(tl.int64) * stride_qm + dims[None, :], mask=tile_mask, other=0.0)
+            do = tl.load(DO + row_offsets[:, None] * HEAD_DIM + dims[None, :], mask=tile_mask, other=0.0)
+            lse = tl.load(LSE + row_offsets, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)
+            delta = tl.load(DELTA + row_offsets, mask=row_ok, other=0.0)
+
+            s_t = _dot(k, tl.trans(q), UPCAST, DOT_PRECISION) * qk_scale
+            s_t = _mask_scores(
+                s_t, rows[None, :], cols[:, None], batch, head, q_len, k_len, n_keys, causal_offset,
+                MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING, IS_CAUSAL,
+            )
+            p_t = tl.math.exp2(s_t - lse[None, :])
+            dp_t = _dot(v, tl.trans(do), UPCAST, DOT_PRECISION)
+            if HAS_DROPOUT:
+                keep = dropout_keep(seed, row_offsets[None, :] * n_keys + cols[:, None], dropout_p)
+                keep_scale = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+                dv += _dot((p_t * keep_scale).to(do.dtype), do, UPCAST, DOT_PRECISION)
+                dp_t *= keep_scale
+            else:
+                dv += _dot(p_t.to(do.dtype), do, UPCAST, DOT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += _dot(ds_t.to(q.dtype), q, UPCAST, DOT_PRECISION)
+    dk *= qk_scale * 0.6931471805599453
+
+    out_offsets = (batch_kv_head.to(tl.int64) * n_keys + cols[:, None]) * HEAD_DIM + dims[None, :]
+    tl.store(DK + out_offsets, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out_offsets, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attention_weights_kernel(
+    Q, K, LSE,  # as in the forward
+    W,  # [B, H, Lq, Lk] contiguous: the normalised probabilities
+    MASK, PAD, KEY_LENS, QUERY_LENS,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_pb,
+    n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    first_row = tl.program_id(0) * BLOCK_M
+    first_col = tl.program_id(1) * BLOCK_N
+    batch_head = tl.program_id(2)
+    batch = (batch_head // n_heads).to(tl.int64)
+    head = (batch_head % n_heads).to(tl.int64)
+    kv_head = head // kv_group
+    k_len = tl.load(KEY_LENS + batch) if HAS_PADDING else n_keys
+    q_len = tl.load(QUERY_LENS + batch) if HAS_QUERY_LENS else n_queries
+
+    rows = first_row + tl.arange(0, BLOCK_M)
+    cols = first_col + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    q = tl.load(
+        Q + batch * stride_qb + head * stride_qh + rows[:, None].to(tl.int64) * stride_qm + dims[None, :],
+        mask=_tile_mask(rows < n_queries, dims, HEAD_DIM, BLOCK_D), other=0.0,
+    )
+    k = tl.load(
+        K + batch * stride_kb + kv_head * stride_kh + cols[:, None].to(tl.int64) * stride_kn + dims[None, :],
+        mask=_tile_mask(cols < n_keys, dims, HEAD_DIM, BLOCK_D), other=0.0,
+    )
+    row_offsets = batch_head.to(tl.int64) * n_queries + rows
+    lse = tl.load(LSE + row_offsets, mask=rows < n_queries, other=float("-inf")) * 1.4426950408889634
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
+    s = _mask_scores(
+        s, rows[:, None], cols[None, :], batch, head, q_len, k_len, n_keys, causal_offset,
+        MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING, IS_CAUSAL,
+    )
+    p = tl.math.exp2(s - lse[:, None])
+    tl.store(W + row_offsets[:, None] * n_keys + cols[None, :], p.to(W.dtype.element_ty),
+             mask=(rows[:, None] < n_queries) & (cols[None, :] < n_keys))
+
+
+# ------------------------------------------------------------------------------------------- configs
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+
+# (kernel, 16-bit or float32 inputs, padded head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages), for sm_80
+# and sm_90 alike. Chosen as the largest tiles that compile without register spills for both targets with
+# every feature on (float mask, padding, causal, dropout); `python -m fused_transformer.aot` re-checks them.
+# Eight warps spread the [BLOCK_M, BLOCK_N] score tile and the float mask tile over more registers; float32
+# tiles are smaller (its ieee dot runs on the CUDA cores, whose operand layouts replicate data across threads).
+_TILES = {
+    ("fwd", 16): {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 64, 8, 3), 128: (128, 32, 8, 2),
+                  256: (32, 32, 8, 1)},
+    ("fwd", 32): {16: (64, 64, 8, 2), 32: (64, 32, 8, 2), 64: (64, 32, 8, 2), 128: (32, 32, 8, 1)},
+    ("bwd_dq", 16): {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 32, 8, 2), 128: (64, 32, 8, 2),
+                     256: (32, 32, 8, 1)},
+    ("bwd_dq", 32): {16: (64, 32, 4, 2), 32: (64, 32, 8, 2), 64: (64, 32, 8, 2), 128: (16, 16, 8, 1)},
+    ("bwd_dkdv", 16): {16: (32, 128, 8, 2), 32: (32, 128, 8, 2), 64: (16, 64, 4, 1), 128: (16, 64, 8, 1),
+                       256: (16, 32, 8, 1)},
+    ("bwd_dkdv", 32): {16: (32, 32, 4, 1), 32: (32, 64, 8, 2), 64: (16, 32, 4, 1), 128: (16, 64, 8, 1)},
+    ("weights", 16): {16: (64, 64, 4, 1), 32: (64, 64, 4, 1), 64: (64, 64, 4, 1), 128: (64, 64, 4, 1),
+                      256: (32, 32, 4, 1)},
+    ("weights", 32): {16: (64, 64, 4, 1), 32: (64, 64, 4, 1), 64: (64, 64, 8, 1), 128: (32, 32, 8, 1)},
+}
+# float32 stops at head_dim 128: its dq kernel spills at every tile size tried for 256 (see the AOT report).
+MAX_HEAD_DIM_FLOAT32 = 128
+# Small tiles under the interpreter, so short test sequences still cross several tiles.
+INTERPRETER_CONFIG = AttentionConfig(32, 32, 1, 1)
+
+
+def _head_dim_bucket(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def config_for(kernel: str, dtype: torch.dtype, head_dim: int) -> AttentionConfig:
+    """The tiles ``kernel`` runs with for inputs of ``dtype`` and ``head_dim`` on a GPU (or the interpreter)."""
+    if interpreting():
+        return INTERPRETER_CONFIG
+    bits = 32 if dtype == torch.float32 else 16
+    return AttentionConfig(*_TILES[(kernel, bits)][_head_dim_bucket(head_dim)])
+
+
+# ------------------------------------------------------------------------------------------- launchers
+
+
+@dataclasses.dataclass
+class _MaskArgs:
+    """Everything the kernels need to know about the masks, in kernel form."""
+
+    mask: Optional[Tensor]  # attn_mask viewed as [B, H, Lq, Lk] with stride 0 on broadcast dims
+    mask_kind: int
+    padding: Optional[Tensor]  # [B, Lk] uint8
+    key_lens: Optional[Tensor]  # [B] int32
+    query_lens: Optional[Tensor]  # [B] int32
+    causal_offset: int
+
+    def pointer_args(self) -> tuple:
+        return (self.mask, self.padding, self.key_lens, self.query_lens)
+
+    def stride_args(self) -> tuple:
+        mask_strides = self.mask.stride() if self.mask is not None else (0, 0, 0, 0)
+        return (*mask_strides, self.padding.stride(0) if self.padding is not None else 0)
+
+    def constexprs(self, is_causal: bool) -> dict:
+        return dict(
+            MASK_KIND=self.mask_kind, HAS_PADDING=self.padding is not None,
+            HAS_QUERY_LENS=self.query_lens is not None, IS_CAUSAL=is_causal,
+        )
+
+
+def _mask_args(
+    q: Tensor, k: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
+    query_lengths: Optional[Tensor], is_causal: bool, causal_alignment: str,
+) -> _MaskArgs:
+    (batch, heads, lq, _), lk = q.shape, k.shape[2]
+    mask, mask_kind = None, MASK_NONE
+    if attn_mask is not None:
+        mask = attn_mask.expand(batch, heads, lq, lk)
+        if attn_mask.dtype == torch.bool:
+            mask, mask_kind = mask.view(torch.uint8), MASK_BOOL
+        else:
+            mask_kind = MASK_FLOAT
+    padding = key_lens = None
+    if key_padding_mask is not None:
+        padding = key_padding_mask.contiguous().view(torch.uint8)
+        positions = torch.arange(1, lk + 1, device=q.device, dtype=torch.int32)
+        key_lens = torch.where(key_padding_mask, 0, positions).amax(dim=1).to(torch.int32)
+    query_lens = None
+    if query_lengths is not None:
+        query_lens = query_lengths.to(device=q.device, dtype=torch.int32).clamp(0, lq).contiguous()
+    causal_offset = lk - lq if causal_alignment == "bottom_right" else 0
+    return _MaskArgs(mask, mask_kind, padding, key_lens, query_lens, causal_offset if is_causal else 0)
+
+
+def _dot_args(dtype: torch.dtype, allow_tf32: bool) -> dict:
+    return dict(
+        UPCAST=interpreting() and dtype == torch.bfloat16,
+        DOT_PRECISION="tf32" if allow_tf32 and not interpreting() else "ieee",
+    )
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"triton attention: {name} must be float16, bfloat16 or float32, got {t.dtype}")
+    head_dim = q.shape[-1]
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"triton attention: head_dim={head_dim} is not supported ({MIN_HEAD_DIM}..{MAX_HEAD_DIM})")
+    if q.dtype == torch.float32 and head_dim > MAX_HEAD_DIM_FLOAT32:
+        raise ValueError(
+            f"triton attention: float32 supports head_dim up to {MAX_HEAD_DIM_FLOAT32}, got {head_dim}; "
+            "use float16/bfloat16 inputs (any head_dim up to 256) or the reference backend"
+        )
+
+
+@torch.library.custom_op("fused_transformer::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
+    query_lengths: Optional[Tensor], is_causal: bool, causal_alignment: str, dropout_p: float, seed: int,
+    scale: float, allow_tf32: bool,
+) -> Tuple[Tensor, Tensor]:
+    """Launch the forward; q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` with contiguous last dims.
+
+    Returns ``o [B, H, Lq, D]`` (q's dtype) and ``lse [B, H, Lq]`` (float32).
+    """
+    _check_inputs(q, k, v)
+    batch, heads, lq, head_dim = q.shape
+    kv_heads, lk = k.shape[1], k.shape[2]
+    o = torch.empty((batch, heads, lq, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, lq), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse.fill_(float("-inf"))
+    masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment)
+    cfg = config_for("fwd", q.dtype, head_dim)
+    grid = (triton.cdiv(lq, cfg.block_m), batch * heads)
+    _attention_fwd_kernel[grid](
+        q, k, v, o, lse, *masks.pointer_args(),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *masks.stride_args(),
+        heads, heads // kv_heads, lq, lk, masks.causal_offset, scale * LOG2E, dropout_p, seed,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_head_dim_bucket(head_dim), HEAD_DIM=head_dim,
+        HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(is_causal), **_dot_args(q.dtype, allow_tf32),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return o, lse
+
+
+@attention_fwd.register_fake
+def _(q, k, v, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment, dropout_p, seed, scale,
+      allow_tf32):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("fused_transformer::attention_bwd", mutates_args=())
+def attention_bwd(
+    do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+    attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], query_lengths: Optional[Tensor],
+    is_causal: bool, causal_alignment: str, dropout_p: float, seed: int, scale: float, allow_tf32: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Launch the backward (dq kernel, then dk/dv kernel); returns ``dq, dk, dv`` in the inputs' shapes."""
+    batch, heads, lq, head_dim = q.shape
+    kv_heads, lk = k.shape[1], k.shape[2]
+    dq = torch.empty((batch, heads, lq, head_dim), dtype=q.dtype, device=q.device)
+    dk = torch.empty((batch, kv_heads, lk, head_dim), dtype=k.dtype, device=k.device)
+    dv = torch.empty((batch, kv_heads, lk, head_dim), dtype=v.dtype, device=v.device)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    do = do.contiguous()
+    delta = torch.empty((batch, heads, lq), dtype=torch.float32, device=q.device)
+    masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment)
+    common_strides = (
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *masks.stride_args(),
+        heads, heads // kv_heads, lq, lk, masks.causal_offset, scale * LOG2E, dropout_p, seed,
+    )
+    common_constexprs = dict(
+        BLOCK_D=_head_dim_bucket(head_dim), HEAD_DIM=head_dim, HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(is_causal),
+        **_dot_args(q.dtype, allow_tf32),
+    )
+    cfg = config_for("bwd_dq", q.dtype, head_dim)
+    _attention_bwd_dq_kernel[(triton.cdiv(lq, cfg.block_m), batch * heads)](
+        q, k, v, o, do, lse, dlse.contiguous() if dlse is not None else None, delta, dq, *masks.pointer_args(),
+        *common_strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_DLSE=dlse is not None, **common_constexprs,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    cfg = config_for("bwd_dkdv", q.dtype, head_dim)
+    _attention_bwd_dkdv_kernel[(triton.cdiv(lk, cfg.block_n), batch * kv_heads)](
+        q, k, v, do, lse, delta, dk, dv, *masks.pointer_args(),
+        *common_strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common_constexprs,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dq, dk, dv
+
+
+@attention_bwd.register_fake
+def _(do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment,
+      dropout_p, seed, scale, allow_tf32):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+@torch.library.custom_op("fused_transformer::attention_weights", mutates_args=())
+def attention_weights_fwd(
+    q: Tensor, k: Tensor, lse: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
+    query_lengths: Optional[Tensor], is_causal: bool, causal_alignment: str, scale: float,
+) -> Tensor:
+    """Launch the probabilities kernel: ``[B, H, Lq, Lk]`` in q's dtype, zeros where masked."""
+    _check_inputs(q, k, k)
+    batch, heads, lq, head_dim = q.shape
+    kv_heads, lk = k.shape[1], k.shape[2]
+    weights = torch.empty((batch, heads, lq, lk), dtype=q.dtype, device=q.device)
+    if weights.numel() == 0:
+        return weights
+    masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment)
+    cfg = config_for("weights", q.dtype, head_dim)
+    grid = (triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n), batch * heads)
+    _attention_weights_kernel[grid](
+        q, k, lse.contiguous(), weights, *masks.pointer_args(),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *masks.stride_args(),
+        heads, heads // kv_heads, lq, lk, masks.causal_offset, scale * LOG2E,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_head_dim_bucket(head_dim), HEAD_DIM=head_dim,
+        **masks.constexprs(is_causal), **_dot_args(q.dtype, False),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return weights
+
+
+@attention_weights_fwd.register_fake
+def _(q, k, lse, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment, scale):
+    return q.new_empty((*q.shape[:3], k.shape[2]))
+
+
+# -------------------------------------------------------------------------------------------- autograd
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Autograd over ``attention_fwd`` / ``attention_bwd``. Masks are constants (no gradient); the LSE is
+    differentiable (its gradient folds into the backward's row term)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment,
+                dropout_p, scale, allow_tf32):
+        seed = draw_dropout_seed() if dropout_p > 0.0 else 0
+        o, lse = torch.ops.fused_transformer.attention_fwd(
+            q, k, v, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment, dropout_p, seed,
+            scale, allow_tf32,
+        )
+        ctx.save_for_backward(q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths)
+        ctx.options = (is_causal, causal_alignment, dropout_p, seed, scale, allow_tf32)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths = ctx.saved_tensors
+        dq, dk, dv = torch.ops.fused_transformer.attention_bwd(
+            do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, *ctx.options
+        )
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    query_lengths: Optional[Tensor] = None,
+    allow_tf32: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Fused attention on Triton; the arguments of ``fused_transformer.functional.attention`` (which checks
+    them) plus two kernel-level options.
+
+    Args:
+        q: ``[B, H, Lq, D]``; k, v: ``[B, Hkv, Lk, D]``, float16 / bfloat16 / float32, ``D`` in 1..256, any
+            strides with the last dim contiguous (copied otherwise).
+        query_lengths: ``[B]`` integers; rows ``i >= query_lengths[b]`` give zeros (LSE ``-inf``).
+        allow_tf32: float32 products on tensor cores in TF32 (default: full float32 precision).
+
+    Returns:
+        ``[B, H, Lq, D]`` in q's dtype, and the float32 LSE ``[B, H, Lq]`` with ``return_lse``.
+    """
+    q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
+    if query_lengths is not None and tuple(query_lengths.shape) != (q.shape[0],):
+        raise ValueError(f"query_lengths must be [batch={q.shape[0]}], got shape {tuple(query_lengths.shape)}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    o, lse = AttentionFunction.apply(
+        q, k, v, attn_mask, key_padding_mask, query_lengths, bool(is_causal), causal_alignment,
+        float(dropout_p), scale, bool(allow_tf32),
+    )
+    return (o, lse) if return_lse else o
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    scale: Optional[float] = None,
+    query_lengths: Optional[Tensor] = None,
+) -> Tensor:
+    """The probabilities ``[B, H, Lq, Lk]`` (q's dtype, before dropout) of an ``attention`` call with the same
+    masks, recomputed from its LSE by a separate kernel; only modules asked for ``need_weights`` run it.
+    Not differentiable (``torch.nn`` returns these weights for inspection)."""
+    q, k = contiguous_last_dim(q), contiguous_last_dim(k)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return torch.ops.fused_transformer.attention_weights(
+        q, k, lse.float(), attn_mask, key_padding_mask, query_lengths, bool(is_causal), causal_alignment, scale
+    )
+
+
+def attention_keep_mask(seed: int, batch: int, heads: int, n_queries: int, n_keys: int, dropout_p: float,
+                        device: torch.device) -> Tensor:
+    """The bool ``[B, H, Lq, Lk]`` dropout keep-mask the kernels drew with ``seed`` (for the reference)."""
+    return dropout_keep_mask(seed, batch * heads * n_queries, n_keys, dropout_p, device).view(
+        batch, heads, n_queries, n_keys)
+
+
+# ------------------------------------------------------------------------------------------------- AOT
+
+
+# Pointers whose type does not follow the inputs' dtype (the float mask as a float32 additive bias).
+_AOT_POINTER_TYPES = {"LSE": "*fp32", "DLSE": "*fp32", "DELTA": "*fp32", "MASK": "*fp32", "PAD": "*u8",
+                      "KEY_LENS": "*i32", "QUERY_LENS": "*i32"}
+
+
+def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.aot imports this module lazily)
+    """Every attention kernel × tile config the launchers pick on a GPU, in bfloat16 (16-bit tiles) and float32,
+    with every feature on (float mask, padding, query lengths, causal, dropout): the largest register footprint."""
+    from fused_transformer.aot import AotKernel
+
+    kernels = {
+        "fwd": _attention_fwd_kernel, "bwd_dq": _attention_bwd_dq_kernel, "bwd_dkdv": _attention_bwd_dkdv_kernel,
+        "weights": _attention_weights_kernel,
+    }
+    configs = []
+    for (kernel, bits), by_head_dim in _TILES.items():
+        elem = "*bf16" if bits == 16 else "*fp32"
+        for head_dim, tiles in by_head_dim.items():
+            cfg = AttentionConfig(*tiles)
+            fn = kernels[kernel]
+            signature = {}
+            for name in fn.arg_names:
+                if name in _AOT_POINTER_TYPES:
+                    signature[name] = _AOT_POINTER_TYPES[name]
+                elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "W"):
+                    signature[name] = elem
+                elif name in ("qk_scale", "dropout_p"):
+                    signature[name] = "fp32"
+                elif name.islower():
+                    signature[name] = "i32"
+            constexprs = dict(
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, HEAD_DIM=head_dim,
+                MASK_KIND=MASK_FLOAT, HAS_PADDING=True, HAS_QUERY_LENS=True, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_DLSE=True, UPCAST=False,
+                DOT_PRECISION="ieee",
+            )
+            constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
+            configs.append(AotKernel(
+                name=f"attention_{kernel}",
+                config=f"{'bf16' if bits == 16 else 'fp32'}/D{head_dim}/BM{cfg.block_m}_BN{cfg.block_n}"
+                       f"_w{cfg.num_warps}_s{cfg.num_stages}",
+                fn=fn, signature=signature, constexprs=constexprs, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, expect_tensor_cores=bits == 16,
+                # What the JIT specialises for inputs from torch: aligned pointers and strides, odd lengths.
+                divisible_by_16=tuple(n for n, t in signature.items() if t.startswith("*") or n.startswith("stride_")),
+            ))
+    return configs

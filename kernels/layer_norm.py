@@ -1,0 +1,437 @@
+"""Fused LayerNorm / RMSNorm with residual add and dropout, one pass per row.
+
+Forward, per row of N features:
+    z = dropout(x) + residual                      (each part optional; z is rounded to x's dtype)
+    LayerNorm: y = (z - mean(z)) * rstd * weight + bias,   rstd = 1 / sqrt(mean((z - mean)^2) + eps)
+    RMSNorm:   y = z * rstd * weight + bias,                rstd = 1 / sqrt(mean(z^2) + eps)
+Mean and rstd are kept in float32 for the backward. With ``prenorm`` z is returned too, so a pre-LN block
+never reads the residual stream twice.
+
+Backward, with xhat = (z - mean) * rstd (or z * rstd) and g = dy * weight:
+    dz = (g - xhat * mean(g * xhat) - mean(g)) * rstd      (RMSNorm: no mean(g) term)  [+ dz from prenorm]
+    dresidual = dz,   dx = dropout(dz) with the forward's mask, regenerated from its seed
+    dweight = sum_rows(dy * xhat),   dbias = sum_rows(dy)
+Each backward program walks a contiguous block of rows and writes one float32 partial row of dweight/dbias;
+a second small kernel (``sum_rows``) adds the partials in a fixed order: deterministic, no atomics.
+
+Dropout keep-mask: element (row, col) of x viewed as [rows, N] is kept when ``dropout_keep(seed, row * N +
+col, p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, rows, N, p, device)`` replays it.
+"""
+import functools
+from typing import List, Optional, Tuple, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, contiguous_last_dim, draw_dropout_seed,
+    dropout_keep, interpreting, sum_rows,
+)
+
+Tensor = torch.Tensor
+
+MAX_HIDDEN = 16384
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X,  # [rows, N] input
+    RESIDUAL,  # [rows, N] (HAS_RESIDUAL)
+    W,  # [N] (HAS_WEIGHT)
+    B,  # [N] (HAS_BIAS)
+    Y,  # [rows, N] output, x's dtype
+    Z,  # [rows, N] dropout(x) + residual, x's dtype (STORE_Z)
+    MEAN,  # [rows] float32 (not written for RMSNorm)
+    RSTD,  # [rows] float32
+    stride_x_row, stride_res_row, stride_y_row, stride_z_row,
+    n_cols, eps, dropout_p, seed,
+    BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_Z: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    z = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed, row * n_cols + cols, dropout_p)
+        z = tl.where(keep, z * (1.0 / (1.0 - dropout_p)), 0.0)
+    if HAS_RESIDUAL:
+        z += tl.load(RESIDUAL + row * stride_res_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL or HAS_DROPOUT:
+        # Normalise exactly the z that is returned and that the backward reads back.
+        z = z.to(X.dtype.element_ty).to(tl.float32)
+    if STORE_Z:
+        tl.store(Z + row * stride_z_row + cols, z.to(Z.dtype.element_ty), mask=mask)
+
+    if IS_RMS_NORM:
+        centered = z
+    else:
+        mean = tl.sum(z, axis=0) / n_cols
+        tl.store(MEAN + row, mean)
+        centered = tl.where(mask, z - mean, 0.0)
+    rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
+    tl.store(RSTD + row, rstd)
+
+    y = centered * rstd
+    if HAS_WEIGHT:
+        y *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_sums(Z, DY, W, row, stride_z_row, stride_dy_row, n_cols, mean, rstd, col_start,
+              BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS_NORM: tl.constexpr):
+    """(xhat, g, dy) on the columns ``col_start + [0, BLOCK_N)`` of one row, zero past the row's end."""
+    cols = col_start + tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    z = tl.load(Z + row * stride_z_row + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * stride_dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if IS_RMS_NORM:
+        xhat = z * rstd
+    else:
+        xhat = tl.where(mask, (z - mean) * rstd, 0.0)
+    g = dy
+    if HAS_WEIGHT:
+        # Read per row (from L1) rather than held across the row loop: a register row more spills at 8192.
+        g *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    return xhat, g, dy
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    Z,  # [rows, N] the normalised input (x itself when there is no residual and no dropout)
+    DY,  # [rows, N] gradient of y
+    DZ,  # [rows, N] gradient of the returned z (HAS_DZ)
+    W,  # [N] (HAS_WEIGHT)
+    MEAN,  # [rows] float32 (not read for RMSNorm)
+    RSTD,  # [rows] float32
+    DX,  # [rows, N] gradient of x
+    DRESIDUAL,  # [rows, N] gradient of residual (HAS_RESIDUAL)
+    DW_PARTIAL,  # [programs, N] float32, this program's sum of dy * xhat (HAS_WEIGHT)
+    DB_PARTIAL,  # [programs, N] float32, this program's sum of dy (HAS_BIAS)
+    stride_z_row, stride_dy_row, stride_dz_row, stride_dx_row, stride_dres_row,
+    n_rows, n_cols, rows_per_program, dropout_p, seed,
+    BLOCK_N: tl.constexpr,
+    HAS_DZ: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_RMS_NORM: tl.constexpr, SPLIT_COLS: tl.constexpr,
+):
+    # Program (i, j) walks rows [i * rows_per_program, ...) on columns [j * BLOCK_N, ...). Without SPLIT_COLS
+    # one block holds the whole row (j = 0). With it (the widest rows, whose partial sums would not fit in
+    # registers next to the row) the row sums come from a first pass over all of the row's blocks.
+    program = tl.program_id(0).to(tl.int64)
+    col_start = tl.program_id(1) * BLOCK_N
+    cols = col_start + tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    dw_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+
+    row_start = program * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    for row in range(row_start, row_end):
+        rstd = tl.load(RSTD + row)
+        mean = 0.0
+        if not IS_RMS_NORM:
+            mean = tl.load(MEAN + row)
+        xhat, g, dy = _row_sums(Z, DY, W, row, stride_z_row, stride_dy_row, n_cols, mean, rstd, col_start,
+                                BLOCK_N, HAS_WEIGHT, IS_RMS_NORM)
+        if SPLIT_COLS:
+            sum_gx = 0.0
+            sum_g = 0.0
+            for other_start in range(0, n_cols, BLOCK_N):
+                xhat_o, g_o, dy_o = _row_sums(Z, DY, W, row, stride_z_row, stride_dy_row, n_cols, mean, rstd,
+                                              other_start, BLOCK_N, HAS_WEIGHT, IS_RMS_NORM)
+                sum_gx += tl.sum(g_o * xhat_o, axis=0)
+                sum_g += tl.sum(g_o, axis=0)
+        else:
+            sum_gx = tl.sum(g * xhat, axis=0)
+            sum_g = tl.sum(g, axis=0)
+        dz = g - xhat * (sum_gx / n_cols)
+        if not IS_RMS_NORM:
+            dz -= sum_g / n_cols
+        dz *= rstd
+        if HAS_DZ:
+            dz += tl.load(DZ + row * stride_dz_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            tl.store(DRESIDUAL + row * stride_dres_row + cols, dz.to(DRESIDUAL.dtype.element_ty), mask=mask)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, row * n_cols + cols, dropout_p)
+            dz = tl.where(keep, dz * (1.0 / (1.0 - dropout_p)), 0.0)
+        tl.store(DX + row * stride_dx_row + cols, dz.to(DX.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            dw_sum += dy * xhat
+        if HAS_BIAS:
+            db_sum += dy
+
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + program * n_cols + cols, dw_sum, mask=mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + program * n_cols + cols, db_sum, mask=mask)
+
+
+# --------------------------------------------------------------------------------------------- launchers
+
+
+def _block_n(n_cols: int) -> int:
+    return max(triton.next_power_of_2(n_cols), 16)
+
+
+def _num_warps(block_n: int) -> int:
+    """GPU warps for a row block: enough that each thread holds at most ~16-32 float32 values of the row."""
+    if block_n <= 1024:
+        return 4
+    return 8 if block_n <= 4096 else (16 if block_n <= 8192 else 32)
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_programs(device: torch.device) -> int:
+    """Backward grid size: a few programs per SM keep the GPU busy while the partial sums stay small."""
+    if device.type != "cuda":
+        return 4
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check_dtype(name: str, t: Optional[Tensor]) -> None:
+    if t is not None and t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"triton layer_norm: {name} must be float16, bfloat16 or float32, got {t.dtype}")
+
+
+# Backward rows wider than MAX_BWD_BLOCK are split over programs of SPLIT_BLOCK columns (SPLIT_COLS): the
+# per-program dweight / dbias sums of a whole 16384-wide row do not fit in registers next to the row itself.
+MAX_BWD_BLOCK = 8192
+SPLIT_BLOCK = 4096
+
+
+def _bwd_block_n(n_cols: int) -> int:
+    block_n = _block_n(n_cols)
+    return block_n if block_n <= MAX_BWD_BLOCK else SPLIT_BLOCK
+
+
+def _bwd_num_warps(block_n: int, split_cols: bool) -> int:
+    # The split kernel's extra pass over the row needs registers of its own: twice the warps of its block.
+    return 2 * _num_warps(block_n) if split_cols else _num_warps(block_n)
+
+
+def _launch_warps(block_n: int) -> int:
+    return 1 if interpreting() else _num_warps(block_n)
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty((0,))
+
+
+@torch.library.custom_op("fused_transformer::layer_norm_fwd", mutates_args=())
+def layer_norm_fwd(
+    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
+    dropout_p: float, seed: int, rms_norm: bool, store_z: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Launch the forward on ``x`` / ``residual`` ``[rows, N]`` (last dim contiguous, any row stride).
+
+    Returns ``y [rows, N]``, ``z [rows, N]`` (empty unless ``store_z``), ``mean [rows]`` (float32, empty for
+    RMSNorm) and ``rstd [rows]`` (float32).
+    """
+    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("residual", residual)):
+        _check_dtype(name, t)
+    n_rows, n_cols = x.shape
+    if n_cols > MAX_HIDDEN:
+        raise ValueError(f"triton layer_norm supports hidden sizes up to {MAX_HIDDEN}, got {n_cols}")
+    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    z = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if store_z else _empty(x)
+    mean = torch.empty((0 if rms_norm else n_rows,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return y, z, mean, rstd
+    block_n = _block_n(n_cols)
+    _layer_norm_fwd_kernel[(n_rows,)](
+        x, residual, weight, bias, y, z if store_z else None, mean if not rms_norm else None, rstd,
+        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), z.stride(0) if store_z else 0,
+        n_cols, eps, dropout_p, seed,
+        BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, STORE_Z=store_z, IS_RMS_NORM=rms_norm,
+        num_warps=_launch_warps(block_n),
+    )
+    return y, z, mean, rstd
+
+
+@layer_norm_fwd.register_fake
+def _(x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z):
+    n_rows = x.shape[0]
+    z = torch.empty_like(x) if store_z else _empty(x)
+    mean = x.new_empty((0 if rms_norm else n_rows,), dtype=torch.float32)
+    return torch.empty_like(x), z, mean, x.new_empty((n_rows,), dtype=torch.float32)
+
+
+@torch.library.custom_op("fused_transformer::layer_norm_bwd", mutates_args=())
+def layer_norm_bwd(
+    dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+    mean: Tensor, rstd: Tensor, dropout_p: float, seed: int, rms_norm: bool, has_residual: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Launch the backward; ``dy``, ``dz``, ``z`` are ``[rows, N]`` (last dim contiguous).
+
+    Returns ``dx``, ``dresidual`` (empty without a residual), ``dweight`` and ``dbias`` (empty when absent,
+    else in the parameter's dtype).
+    """
+    n_rows, n_cols = z.shape
+    dx = torch.empty((n_rows, n_cols), dtype=z.dtype, device=z.device)
+    dresidual = torch.empty_like(dx) if has_residual else _empty(dx)
+    programs = max(min(_backward_programs(z.device), n_rows), 1)
+    dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if weight is not None else None
+    db_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if bias is not None else None
+    # Launched even for zero rows: every program writes its (possibly zero) partial sums.
+    block_n = _bwd_block_n(n_cols)
+    col_blocks = triton.cdiv(n_cols, block_n)
+    _layer_norm_bwd_kernel[(programs, col_blocks)](
+        z, dy, dz, weight, mean if not rms_norm else None, rstd, dx, dresidual if has_residual else None,
+        dw_partial, db_partial,
+        z.stride(0), dy.stride(0), dz.stride(0) if dz is not None else 0, dx.stride(0),
+        dresidual.stride(0) if has_residual else 0,
+        n_rows, n_cols, triton.cdiv(n_rows, programs), dropout_p, seed,
+        BLOCK_N=block_n, HAS_DZ=dz is not None, HAS_RESIDUAL=has_residual, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, IS_RMS_NORM=rms_norm, SPLIT_COLS=col_blocks > 1,
+        num_warps=1 if interpreting() else _bwd_num_warps(block_n, col_blocks > 1),
+    )
+    dweight = sum_rows(dw_partial, weight.dtype) if weight is not None else _empty(dx)
+    dbias = sum_rows(db_partial, bias.dtype) if bias is not None else _empty(dx)
+    return dx, dresidual, dweight, dbias
+
+
+@layer_norm_bwd.register_fake
+def _(dy, dz, z, weight, bias, mean, rstd, dropout_p, seed, rms_norm, has_residual):
+    dx = torch.empty_like(z)
+    dresidual = torch.empty_like(z) if has_residual else _empty(z)
+    dweight = torch.empty_like(weight) if weight is not None else _empty(z)
+    dbias = torch.empty_like(bias) if bias is not None else _empty(z)
+    return dx, dresidual, dweight, dbias
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """Autograd over ``layer_norm_fwd`` / ``layer_norm_bwd``; inputs are already flattened to ``[rows, N]``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps, dropout_p, prenorm, rms_norm):
+        seed = draw_dropout_seed() if dropout_p > 0.0 else 0
+        store_z = prenorm or residual is not None or dropout_p > 0.0
+        y, z, mean, rstd = torch.ops.fused_transformer.layer_norm_fwd(
+            x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z
+        )
+        ctx.save_for_backward(z if store_z else x, weight, bias, mean, rstd)
+        ctx.dropout_p, ctx.seed, ctx.rms_norm = dropout_p, seed, rms_norm
+        ctx.has_residual = residual is not None
+        return (y, z) if prenorm else y
+
+    @staticmethod
+    def backward(ctx, dy, dz=None):
+        z, weight, bias, mean, rstd = ctx.saved_tensors
+        dz = contiguous_last_dim(dz) if dz is not None else None
+        dx, dresidual, dweight, dbias = torch.ops.fused_transformer.layer_norm_bwd(
+            contiguous_last_dim(dy), dz, z, weight, bias, mean, rstd, ctx.dropout_p, ctx.seed, ctx.rms_norm,
+            ctx.has_residual,
+        )
+        return (
+            dx,
+            dweight if weight is not None else None,
+            dbias if bias is not None else None,
+            dresidual if ctx.has_residual else None,
+            None, None, None, None,
+        )
+
+
+def layer_norm(
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float = 1e-5,
+    *,
+    residual: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    prenorm: bool = False,
+    rms_norm: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``y = Norm(dropout(x) + residual) * weight + bias`` over the last dim, in one pass per row.
+
+    Args:
+        x: ``[..., N]``, float16 / bfloat16 / float32, ``N <= 16384``; rows may be strided, the last dim is
+            copied only if it is not contiguous.
+        weight, bias: ``[N]`` or None, any of the three dtypes (may differ from x's).
+        eps: added to the variance.
+        residual: x's shape and dtype, or None.
+        dropout_p: dropout on x before the residual add (always applied when > 0); the mask comes from a
+            Philox seed drawn with ``draw_dropout_seed()``, so ``torch.manual_seed`` reproduces it.
+        prenorm: also return ``z = dropout(x) + residual`` (x's dtype).
+        rms_norm: RMSNorm (no mean subtraction) instead of LayerNorm.
+
+    Returns:
+        ``y`` in x's shape and dtype, or ``(y, z)`` with ``prenorm``. Statistics are float32.
+    """
+    _check_dtype("x", x)
+    shape = x.shape
+    n_cols = shape[-1]
+    x_rows = contiguous_last_dim(x).reshape(-1, n_cols)
+    residual_rows = contiguous_last_dim(residual).reshape(-1, n_cols) if residual is not None else None
+    out = LayerNormFunction.apply(
+        x_rows, weight, bias, residual_rows, float(eps), float(dropout_p), bool(prenorm), bool(rms_norm)
+    )
+    if prenorm:
+        y, z = out
+        return y.reshape(shape), z.reshape(shape)
+    return out.reshape(shape)
+
+
+# ------------------------------------------------------------------------------------------------------ AOT
+
+AOT_BLOCK_SIZES = tuple(2**i for i in range(4, 15))  # 16 .. 16384, every bucket _block_n can pick
+
+
+def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.aot imports this module lazily)
+    """Every LayerNorm kernel this module launches on a GPU, one per block-size bucket, in bfloat16 with all
+    features on (the largest register footprint), plus the partial-sum reduction."""
+    from fused_transformer.aot import AotKernel
+
+    fwd_signature = {
+        "X": "*bf16", "RESIDUAL": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "Z": "*bf16",
+        "MEAN": "*fp32", "RSTD": "*fp32", "stride_x_row": "i32", "stride_res_row": "i32", "stride_y_row": "i32",
+        "stride_z_row": "i32", "n_cols": "i32", "eps": "fp32", "dropout_p": "fp32", "seed": "i32",
+    }
+    bwd_signature = {
+        "Z": "*bf16", "DY": "*bf16", "DZ": "*bf16", "W": "*bf16", "MEAN": "*fp32", "RSTD": "*fp32",
+        "DX": "*bf16", "DRESIDUAL": "*bf16", "DW_PARTIAL": "*fp32", "DB_PARTIAL": "*fp32",
+        "stride_z_row": "i32", "stride_dy_row": "i32", "stride_dz_row": "i32", "stride_dx_row": "i32",
+        "stride_dres_row": "i32", "n_rows": "i32", "n_cols": "i32", "rows_per_program": "i32",
+        "dropout_p": "fp32", "seed": "i32",
+    }
+    features = {"HAS_RESIDUAL": True, "HAS_WEIGHT": True, "HAS_BIAS": True, "HAS_DROPOUT": True, "IS_RMS_NORM": False}
+    configs = []
+    for block_n in AOT_BLOCK_SIZES:
+        configs.append(AotKernel(
+            name="layer_norm_fwd", config=f"BLOCK_N={block_n}", fn=_layer_norm_fwd_kernel, signature=fwd_signature,
+            constexprs={"BLOCK_N": block_n, "STORE_Z": True, **features}, num_warps=_num_warps(block_n),
+            num_stages=1,
+        ))
+    # Every (block, split) pair _bwd_block_n can give: whole rows up to MAX_BWD_BLOCK, then split ones.
+    for block_n, split in [(b, False) for b in AOT_BLOCK_SIZES if b <= MAX_BWD_BLOCK] + [(SPLIT_BLOCK, True)]:
+        configs.append(AotKernel(
+            name="layer_norm_bwd", config=f"BLOCK_N={block_n}" + (",SPLIT_COLS" if split else ""),
+            fn=_layer_norm_bwd_kernel, signature=bwd_signature,
+            constexprs={"BLOCK_N": block_n, "HAS_DZ": True, "SPLIT_COLS": split, **features},
+            num_warps=_bwd_num_warps(block_n, split), num_stages=1,
+        ))
+    # The partial-sum reduction: float32 partials here, bfloat16 / float16 gradients in feed_forward's bias grads.
+    for ty in ("fp32", "bf16"):
+        configs.append(AotKernel(
+            name="sum_rows", config=f"{ty}/BLOCK_ROWS={SUM_ROWS_BLOCK_ROWS},BLOCK_COLS={SUM_ROWS_BLOCK_COLS}",
+            fn=_sum_rows_kernel,
+            signature={
+                "X": "*" + ty, "OUT": "*" + ty, "n_rows": "i32", "n_cols": "i32", "stride_x_row": "i32",
+                "stride_out_row": "i32", "rows_per_program": "i32",
+            },
+            constexprs={"BLOCK_ROWS": SUM_ROWS_BLOCK_ROWS, "BLOCK_COLS": SUM_ROWS_BLOCK_COLS}, num_warps=4,
+            num_stages=1,
+        ))
+    return configs

@@ -1,0 +1,105 @@
+"""Helpers shared by the Triton kernel tests: interpreter fixtures and the "outputs and every gradient against the
+float64 reference" check (the 2x rule of tests/numerics.py).
+
+A test module opts into the fixtures by importing them:
+    from tests.kernel_checks import interpreter_rounds_to_nearest, nan_filled_outputs  # noqa: F401
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import triton.language as tl
+
+from fused_transformer.kernels._common import draw_dropout_seed, dropout_keep_mask, interpreting
+from tests.numerics import assert_close_to_reference
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Worst err / (baseline err + floor) seen per dtype in this process; with FUSED_TRANSFORMER_RATIO_LOG=path
+# each check also appends "dtype name ratio" lines there (for reports across test files).
+WORST_RATIO: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def interpreter_rounds_to_nearest(monkeypatch):
+    """The interpreter truncates float32 -> bfloat16 casts where a GPU rounds to nearest: make it round, so
+    interpreted kernels are held to the GPU's rounding error, not twice that."""
+    if not interpreting():
+        return
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def convert_rounding(data, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+            bits = np.ascontiguousarray(data).view(np.uint32).astype(np.uint64)
+            return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).reshape(data.shape)
+        return convert(data, input_dtype, output_dtype, rounding_mode)
+
+    monkeypatch.setattr(interpreter, "_convert_float", convert_rounding)
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_outputs(monkeypatch):
+    """Every buffer the kernels allocate starts as NaN, so an element a kernel forgets to write shows up."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def nan_empty_like(*args, **kwargs):
+        t = empty_like(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+
+
+def outputs_and_grads(fn, inputs, out_grads, dtype=None):
+    """Run ``fn(**inputs)`` (cast to ``dtype`` if given) and backpropagate ``out_grads``; returns the outputs
+    and the gradient of every tensor input, by name."""
+    leaves = {}
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor):
+            t = t.detach().to(dtype if dtype is not None else t.dtype)
+            leaves[name] = t.requires_grad_(t.is_floating_point())
+        else:
+            leaves[name] = t
+    outs = fn(**leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(outs, [g.to(o.dtype) for o, g in zip(outs, out_grads)])
+    grads = {name: t.grad for name, t in leaves.items() if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return outs, grads
+
+
+def _record(dtype: torch.dtype, name: str, ratio: float) -> None:
+    WORST_RATIO[dtype] = max(WORST_RATIO.get(dtype, 0.0), ratio)
+    path = os.environ.get("FUSED_TRANSFORMER_RATIO_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]} {dtype} {name} {ratio:.3f}\n")
+
+
+def check_against_reference(kernel_fn, reference_fn, inputs, out_grads):
+    """Kernel outputs and gradients vs the float64 reference, with the reference in the kernel's own dtypes
+    as the baseline (the 2x rule of tests/numerics.py)."""
+    outs, grads = outputs_and_grads(kernel_fn, inputs, out_grads)
+    ref_outs, ref_grads = outputs_and_grads(reference_fn, inputs, out_grads, dtype=torch.float64)
+    base_outs, base_grads = outputs_and_grads(reference_fn, inputs, out_grads)
+    for i, (out, ref, base) in enumerate(zip(outs, ref_outs, base_outs)):
+        assert out.dtype == base.dtype and out.shape == base.shape
+        _record(out.dtype, f"output {i}", assert_close_to_reference(out, ref, base, f"output {i}"))
+    for name, grad in grads.items():
+        assert grad is not None, f"no gradient for {name}"
+        assert grad.dtype == inputs[name].dtype
+        _record(grad.dtype, f"d{name}", assert_close_to_reference(grad, ref_grads[name], base_grads[name], f"d{name}"))
+
+
+def replayed_keep_mask(torch_seed: int, n_rows: int, n_cols: int, dropout_p: float, device) -> torch.Tensor:
+    """The ``[n_rows, n_cols]`` keep-mask a kernel drew for its first dropout after ``torch.manual_seed(torch_seed)``."""
+    torch.manual_seed(torch_seed)
+    return dropout_keep_mask(draw_dropout_seed(), n_rows, n_cols, dropout_p, device)

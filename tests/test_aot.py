@@ -1,0 +1,98 @@
+"""AOT compile of every shipped kernel config for sm_80 / sm_90 (no GPU needed): no spills, shared memory within
+the limits, tensor cores where expected; and the AOT lists cover every config the launchers can pick.
+
+Compilation runs in spawned workers (this process interprets Triton); Triton's on-disk cache makes reruns fast.
+"""
+import importlib
+
+import pytest
+import torch
+
+from fused_transformer import aot
+from fused_transformer.kernels import feed_forward, layer_norm
+
+
+@pytest.fixture(scope="module")
+def results():
+    return aot.compile_all(jobs=2)
+
+
+def test_every_shipped_config_compiles_within_limits(results):
+    expected_jobs = aot.jobs_for(aot.KERNEL_MODULES)
+    assert len(results) == len(expected_jobs)
+    failed = [r for r in results if not r.ok]
+    assert not failed, "\n" + aot.format_table(failed)
+
+
+def test_matmuls_use_tensor_cores(results):
+    matmuls = [r for r in results if r.expect_tensor_cores]
+    assert matmuls, "no kernel expects tensor cores: the fp16/bf16 matmul configs are missing"
+    assert all(r.tensor_cores for r in matmuls)
+
+
+def test_hopper_and_ampere_configs_compile_only_for_their_target(results):
+    for r in results:
+        if r.module.endswith("feed_forward"):
+            assert r.config.startswith(f"sm_{r.target}/")
+
+
+@pytest.mark.parametrize("module", aot.KERNEL_MODULES)
+def test_every_module_lists_configs(module):
+    configs = importlib.import_module(module).aot_configs()
+    assert configs and all(isinstance(k, aot.AotKernel) for k in configs)
+    assert all(set(k.targets) <= set(aot.SHARED_MEMORY_LIMIT) for k in configs)
+
+
+def _hidden_sizes():
+    sizes = {1, 13, 1000, layer_norm.MAX_HIDDEN}
+    for i in range(15):
+        sizes |= {2**i - 1, 2**i, 2**i + 1}
+    return sorted(n for n in sizes if 1 <= n <= layer_norm.MAX_HIDDEN)
+
+
+def test_layer_norm_configs_cover_every_block_the_launcher_picks():
+    configs = layer_norm.aot_configs()
+    fwd = {(k.constexprs["BLOCK_N"], k.num_warps) for k in configs if k.name == "layer_norm_fwd"}
+    bwd = {(k.constexprs["BLOCK_N"], k.constexprs["SPLIT_COLS"], k.num_warps) for k in configs
+           if k.name == "layer_norm_bwd"}
+    for n in _hidden_sizes():
+        block_n = layer_norm._block_n(n)
+        assert (block_n, layer_norm._num_warps(block_n)) in fwd, n
+        bwd_block = layer_norm._bwd_block_n(n)
+        split = -(-n // bwd_block) > 1
+        assert (bwd_block, split, layer_norm._bwd_num_warps(bwd_block, split)) in bwd, n
+    assert any(k.name == "sum_rows" for k in configs)
+
+
+def test_layer_norm_configs_do_not_depend_on_the_interpreter():
+    # This process interprets Triton (one warp per launch); the AOT list must hold the GPU's warps.
+    warps = {k.constexprs["BLOCK_N"]: k.num_warps for k in layer_norm.aot_configs() if k.name == "layer_norm_fwd"}
+    assert warps[16384] == layer_norm._num_warps(16384) > 1
+
+
+def test_feed_forward_configs_cover_every_matmul_config():
+    configs = feed_forward.aot_configs()
+    for (generation, dtype, fused), cfg in feed_forward.MATMUL_CONFIGS.items():
+        described = feed_forward._describe(cfg)
+        matching = [k for k in configs if k.config.endswith(described) and k.config.startswith(generation)
+                    and k.targets == (int(generation[3:]),)]
+        variants = {k.name for k in matching}
+        if fused:
+            assert {"ffn_matmul_linear1_fwd", "ffn_matmul_dpre_bwd"} <= variants, (generation, dtype)
+        else:
+            assert {"ffn_matmul_linear2_fwd", "ffn_matmul_weight_grad", "ffn_matmul_input_grad"} <= variants
+        for k in matching:
+            assert (k.num_warps, k.num_stages) == (cfg.num_warps, cfg.num_stages)
+            assert k.expect_tensor_cores == (dtype != torch.float32)
+
+
+def test_problems_are_reported():
+    base = dict(module="m", name="k", config="c", num_warps=4)
+    assert aot.AotResult(**base, target=80, registers=64).ok
+    assert not aot.AotResult(**base, target=80, stack_bytes=8).ok
+    assert not aot.AotResult(**base, target=80, shared_bytes=aot.SHARED_MEMORY_LIMIT[80] + 1).ok
+    assert aot.AotResult(**base, target=90, shared_bytes=aot.SHARED_MEMORY_LIMIT[80] + 1).ok
+    assert not aot.AotResult(**base, target=90, expect_tensor_cores=True).ok
+    assert not aot.AotResult(**base, target=90, error="boom").ok
+    table = aot.format_table([aot.AotResult(**base, target=90, spill_bytes=4)])
+    assert "FAIL" in table and "sm_90" in table

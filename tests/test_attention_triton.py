@@ -1,0 +1,268 @@
+"""Triton attention against the float64 reference: output, LSE and the three gradients, for every mask kind and
+combination, odd lengths, head dims, grouped-query heads, dtypes and dropout.
+
+Runs on CUDA when present, else on CPU tensors under the Triton interpreter (set up in conftest.py), which is
+slow: shapes stay small, but every one crosses several 32 x 32 interpreter tiles.
+"""
+import pytest
+import torch
+
+from fused_transformer import backend, functional, reference
+from fused_transformer.kernels import attention as triton_attention
+from fused_transformer.kernels._common import draw_dropout_seed
+from tests.numerics import DEVICE, assert_close_to_reference
+
+pytestmark = pytest.mark.usefixtures("interpreter_rounds_to_nearest", "nan_filled_outputs")
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _masks(kind: str, batch: int, heads: int, lq: int, lk: int, generator: torch.Generator) -> dict:
+    """Attention keyword arguments for one mask kind, on DEVICE (masks hold at least one visible key per row
+    unless the kind is about rows without keys)."""
+    def rand(*shape):
+        return torch.rand(*shape, generator=generator).to(DEVICE)
+
+    lengths = torch.tensor([lk, max(lk // 2, 1), 1][:batch] + [lk] * max(batch - 3, 0))
+    right_padding = (torch.arange(lk)[None, :] >= lengths[:, None]).to(DEVICE)
+    if kind == "none":
+        return {}
+    if kind == "key_padding":
+        return {"key_padding_mask": right_padding}
+    if kind == "key_padding_scattered":  # not right-padded: the general path
+        return {"key_padding_mask": rand(batch, lk) < 0.4}
+    if kind == "causal":
+        return {"is_causal": True}
+    if kind == "causal_bottom_right":
+        return {"is_causal": True, "causal_alignment": "bottom_right"}
+    if kind == "bool_mask":
+        return {"attn_mask": rand(lq, lk) < 0.7}
+    if kind == "float_mask":
+        return {"attn_mask": torch.randn(batch, 1, lq, lk, generator=generator).to(DEVICE)}
+    if kind == "float_mask_with_inf":
+        mask = torch.randn(1, heads, lq, 1, generator=generator) * torch.ones(lk)
+        return {"attn_mask": mask.masked_fill(torch.rand(1, heads, lq, lk, generator=generator) < 0.3,
+                                              float("-inf")).to(DEVICE)}
+    if kind == "padding_causal_float_mask":
+        return {"key_padding_mask": right_padding, "is_causal": True, "causal_alignment": "bottom_right",
+                "attn_mask": torch.randn(lq, lk, generator=generator).to(DEVICE)}
+    if kind == "scattered_padding_bool_mask_causal":
+        return {"key_padding_mask": rand(batch, lk) < 0.3, "attn_mask": rand(batch, heads, lq, lk) < 0.8,
+                "is_causal": True}
+    raise ValueError(kind)
+
+
+MASK_KINDS = (
+    "none", "key_padding", "key_padding_scattered", "causal", "causal_bottom_right", "bool_mask", "float_mask",
+    "float_mask_with_inf", "padding_causal_float_mask", "scattered_padding_bool_mask_causal",
+)
+
+
+def _random_inputs(batch, heads, kv_heads, lq, lk, head_dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, lq, head_dim, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, kv_heads, lk, head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, kv_heads, lk, head_dim, generator=g, dtype=torch.float64)
+    do = torch.randn(batch, heads, lq, head_dim, generator=g, dtype=torch.float64)
+    dlse = torch.randn(batch, heads, lq, generator=g, dtype=torch.float64)
+    return [t.to(DEVICE) for t in (q, k, v, do, dlse)], g
+
+
+def _run(fn, q, k, v, do, dlse, dtype, masks, **options):
+    """Output, LSE and (dq, dk, dv) of ``fn`` on inputs cast to ``dtype``, backpropagating ``do`` (and ``dlse``
+    through the LSE when given)."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    masks = {name: (m.to(dtype) if isinstance(m, torch.Tensor) and m.is_floating_point() and dtype == torch.float64
+                    else m) for name, m in masks.items()}
+    out, lse = fn(q, k, v, return_lse=True, **masks, **options)
+    loss = (out * do.to(out.dtype)).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(torch.isinf(lse), 0.0, lse) * dlse.to(lse.dtype)).sum()
+    loss.backward()
+    return out, lse, q.grad, k.grad, v.grad
+
+
+def _check(batch=2, heads=2, kv_heads=2, lq=37, lk=50, head_dim=32, dtype=torch.float32, mask_kind="none",
+           seed=0, with_dlse=False):
+    (q, k, v, do, dlse), g = _random_inputs(batch, heads, kv_heads, lq, lk, head_dim, seed)
+    masks = _masks(mask_kind, batch, heads, lq, lk, g)
+    dlse = dlse if with_dlse else None
+    got = _run(triton_attention.attention, q, k, v, do, dlse, dtype, masks)
+    ref = _run(reference.attention, q, k, v, do, dlse, torch.float64, masks)
+    base = _run(reference.attention, q, k, v, do, dlse, dtype, masks)
+    ratios = {}
+    for name, out, ref64, baseline in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
+        assert out.shape == baseline.shape and out.dtype == baseline.dtype, name
+        ratios[name] = assert_close_to_reference(out, ref64, baseline, f"{name} ({mask_kind}, {dtype})")
+    return ratios
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+def test_every_mask_kind_and_dtype_matches_reference(mask_kind, dtype):
+    _check(dtype=dtype, mask_kind=mask_kind)
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 1), (7, 7), (77, 77), (130, 77), (7, 130), (1, 77)])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "causal_bottom_right", "padding_causal_float_mask"])
+def test_odd_and_unequal_lengths(lq, lk, mask_kind):
+    _check(batch=2, heads=1, kv_heads=1, lq=lq, lk=lk, head_dim=16, mask_kind=mask_kind, seed=lq * 1000 + lk)
+
+
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
+def test_head_dims_including_non_powers_of_two(head_dim):
+    _check(batch=1, heads=2, kv_heads=2, lq=40, lk=45, head_dim=head_dim, dtype=torch.float16, mask_kind="causal")
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("mask_kind", ["none", "padding_causal_float_mask"])
+def test_grouped_query_attention(kv_heads, mask_kind):
+    _check(batch=2, heads=4, kv_heads=kv_heads, lq=33, lk=40, head_dim=16, dtype=torch.bfloat16, mask_kind=mask_kind)
+
+
+def test_gradient_through_the_returned_lse():
+    _check(mask_kind="padding_causal_float_mask", with_dlse=True)
+
+
+def test_rows_with_no_key_give_zeros_and_zero_gradients():
+    batch, heads, lq, lk, dim = 2, 2, 40, 36, 16
+    (q, k, v, do, _), _ = _random_inputs(batch, heads, heads, lq, lk, dim, seed=3)
+    attn_mask = torch.ones(lq, lk, dtype=torch.bool, device=DEVICE)
+    attn_mask[::5] = False  # every 5th query sees nothing
+    key_padding_mask = torch.zeros(batch, lk, dtype=torch.bool, device=DEVICE)
+    key_padding_mask[1] = True  # the second sequence is all padding
+    out, lse, dq, dk, dv = _run(triton_attention.attention, q, k, v, do, None, torch.float32,
+                                {"attn_mask": attn_mask, "key_padding_mask": key_padding_mask})
+    for t in (out, dq, dk, dv):
+        assert torch.isfinite(t).all()
+    no_key = torch.zeros(batch, lq, dtype=torch.bool, device=DEVICE)
+    no_key[:, ::5] = True
+    no_key[1] = True
+    assert (out[no_key.unsqueeze(1).expand(batch, heads, lq)] == 0).all()
+    assert (lse[no_key.unsqueeze(1).expand(batch, heads, lq)] == float("-inf")).all()
+    assert (dq[no_key.unsqueeze(1).expand(batch, heads, lq)] == 0).all()
+    assert (dk[1] == 0).all() and (dv[1] == 0).all()
+    assert (out[0, :, 1] != 0).any()
+
+
+def test_query_lengths_write_zero_rows():
+    (q, k, v, do, _), g = _random_inputs(2, 2, 2, 45, 40, 16, seed=4)
+    query_lengths = torch.tensor([45, 20], device=DEVICE)
+    out, lse, dq, _, _ = _run(triton_attention.attention, q, k, v, do, None, torch.float32, {},
+                              query_lengths=query_lengths)
+    ref = reference.attention(q, k, v)
+    assert (out[1, :, 20:] == 0).all() and (lse[1, :, 20:] == float("-inf")).all() and (dq[1, :, 20:] == 0).all()
+    torch.testing.assert_close(out[0].double(), ref[0], atol=2e-5, rtol=0)
+    torch.testing.assert_close(out[1, :, :20].double(), ref[1, :, :20], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mask_kind", ["none", "padding_causal_float_mask"])
+def test_dropout_replays_exactly_in_the_reference(dtype, mask_kind):
+    batch, heads, lq, lk, dim, p = 2, 2, 37, 50, 16, 0.3
+    (q, k, v, do, _), g = _random_inputs(batch, heads, heads, lq, lk, dim, seed=5)
+    masks = _masks(mask_kind, batch, heads, lq, lk, g)
+    torch.manual_seed(11)
+    seed = draw_dropout_seed()
+    torch.manual_seed(11)  # the kernel draws the same seed
+    got = _run(triton_attention.attention, q, k, v, do, None, dtype, masks, dropout_p=p)
+    keep = triton_attention.attention_keep_mask(seed, batch, heads, lq, lk, p, q.device)
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.02
+    ref = _run(reference.attention, q, k, v, do, None, torch.float64, masks, dropout_p=p, keep_mask=keep)
+    base = _run(reference.attention, q, k, v, do, None, dtype, masks, dropout_p=p, keep_mask=keep)
+    for name, out, ref64, baseline in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
+        assert_close_to_reference(out, ref64, baseline, f"{name} with dropout")
+
+
+def test_dropout_is_reproducible_with_torch_manual_seed():
+    (q, k, v, _, _), _ = _random_inputs(1, 2, 2, 33, 33, 16, seed=6)
+    runs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        runs.append(triton_attention.attention(q.float(), k.float(), v.float(), dropout_p=0.5))
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "scattered_padding_bool_mask_causal", "float_mask_with_inf"])
+def test_attention_weights_kernel_matches_reference(mask_kind):
+    batch, heads, lq, lk, dim = 2, 4, 37, 50, 16
+    (q, k, _, _, _), g = _random_inputs(batch, heads, 2, lq, lk, dim, seed=7)
+    masks = _masks(mask_kind, batch, heads, lq, lk, g)
+    for dtype in (torch.float32, torch.bfloat16):
+        _, lse = triton_attention.attention(q.to(dtype), k.to(dtype), k.to(dtype), return_lse=True, **masks)
+        weights = triton_attention.attention_weights(q.to(dtype), k.to(dtype), lse, **masks)
+        _, lse64 = reference.attention(q, k, k, return_lse=True, **masks)
+        ref = reference.attention_weights(q, k, lse64, **masks)
+        base = reference.attention_weights(q.to(dtype), k.to(dtype), lse.to(torch.float32), **masks)
+        assert weights.dtype == dtype
+        assert_close_to_reference(weights, ref, base, f"weights ({mask_kind}, {dtype})")
+
+
+def test_strided_inputs_are_read_in_place():
+    """q/k/v as slices of one packed [B, L, 3, H, D] projection, transposed to [B, H, L, D]: no copies."""
+    batch, length, heads, dim = 2, 40, 2, 16
+    packed = torch.randn(batch, length, 3, heads, dim, device=DEVICE)
+    q, k, v = (packed[:, :, i].transpose(1, 2) for i in range(3))
+    assert q.stride(-1) == 1 and not q.is_contiguous()
+    out = triton_attention.attention(q, k, v, is_causal=True)
+    ref = reference.attention(q.double(), k.double(), v.double(), is_causal=True)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+
+
+def test_saved_tensors_grow_linearly_with_sequence_length():
+    def saved_numels(length):
+        q, k, v = (torch.randn(1, 2, length, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+        numels = []
+
+        def pack(t):
+            numels.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            triton_attention.attention(q, k, v, attn_mask=torch.ones(length, length, dtype=torch.bool,
+                                                                      device=DEVICE), is_causal=True)
+        return numels
+
+    short, long = saved_numels(64), saved_numels(128)
+    mask_numels = (64 * 64, 128 * 128)  # the user's own mask is kept by reference, not copied
+    short_no_mask = sum(n for n in short if n != mask_numels[0])
+    long_no_mask = sum(n for n in long if n != mask_numels[1])
+    assert long_no_mask == 2 * short_no_mask
+    assert max(n for n in long if n != mask_numels[1]) <= 2 * 128 * 16
+
+
+def test_functional_dispatches_to_the_kernel_on_the_triton_backend(monkeypatch):
+    (q, k, v, _, _), _ = _random_inputs(1, 2, 2, 20, 20, 16, seed=8)
+    calls = []
+    original = triton_attention.attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "attention", spy)
+    with backend.use_backend("triton"):
+        out = functional.attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert len(calls) == 1 and calls[0]["is_causal"]
+    torch.testing.assert_close(out.double(), reference.attention(q, k, v, is_causal=True), atol=2e-5, rtol=0)
+
+
+def test_unsupported_inputs_raise_clear_errors():
+    q = torch.randn(1, 1, 8, 300, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim=300"):
+        triton_attention.attention(q, q, q)
+    q = torch.randn(1, 1, 8, 16, device=DEVICE, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64"):
+        triton_attention.attention(q, q, q)
+    q = torch.randn(2, 1, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="query_lengths"):
+        triton_attention.attention(q, q, q, query_lengths=torch.tensor([8]))
+
+
+def test_float32_head_dims_above_128_are_refused_clearly():
+    q = torch.randn(1, 1, 8, 160, device=DEVICE)
+    with pytest.raises(ValueError, match="float32 supports head_dim up to 128"):
+        triton_attention.attention(q, q, q)
+    out = triton_attention.attention(q.half(), q.half(), q.half())  # 16-bit inputs take any head_dim to 256
+    assert out.shape == q.shape

@@ -1,0 +1,328 @@
+"""The C++ CPU kernels (backend "cpu") against the float64 reference: forward and every gradient, with the 2x rule
+in float32 / bfloat16 / float16, exactly (to round-off) in float64, plus gradcheck, dropout replay and
+reproducibility, and torch.compile / profiler visibility of the registered operators.
+
+Skipped, with the reason, when the extension is not built, unless FUSED_TRANSFORMER_REQUIRE_CPU=1 (CI), where
+its absence fails loudly."""
+import os
+
+import pytest
+import torch
+
+import fused_transformer as ft
+from fused_transformer import backend, reference
+from numerics import assert_close_to_reference
+
+UNAVAILABLE = backend.cpu_unavailable_reason()
+REQUIRED = os.environ.get("FUSED_TRANSFORMER_REQUIRE_CPU") == "1"
+if UNAVAILABLE is not None and not REQUIRED:
+    pytest.skip(f"cpu backend unavailable: {UNAVAILABLE}", allow_module_level=True)
+
+LOW_PRECISION = [torch.float32, torch.bfloat16]
+
+
+def cpu_ops():
+    from fused_transformer import cpu_ops as module
+
+    return module
+
+
+def test_cpu_extension_is_built():
+    assert UNAVAILABLE is None, UNAVAILABLE
+
+
+def randn(*shape, generator):
+    return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+
+def run_with_grads(fn, inputs, dtype, grad_out, **kwargs):
+    """fn(*inputs in dtype) -> (outputs..., gradients of each input) with output gradient grad_out."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    out = fn(*leaves, **kwargs)
+    outputs = out if isinstance(out, tuple) else (out,)
+    grads = torch.autograd.grad(outputs[0], leaves, grad_out.to(dtype))
+    return [o.detach() for o in outputs] + list(grads)
+
+
+def compare_all(fn_ours, fn_ref, inputs, dtype, grad_out, names, **kwargs):
+    """Ours (cpu backend) in dtype vs the reference in float64, allowing 2x the reference's own error in dtype."""
+    with ft.use_backend("cpu"):
+        ours = run_with_grads(fn_ours, inputs, dtype, grad_out, **kwargs)
+    ref64 = run_with_grads(fn_ref, inputs, torch.float64, grad_out, **kwargs)
+    baseline = run_with_grads(fn_ref, inputs, dtype, grad_out, **kwargs)
+    return [assert_close_to_reference(o, r, b, name) for o, r, b, name in zip(ours, ref64, baseline, names)]
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+MASK_KINDS = ["none", "padding_right", "padding_holes", "causal_top_left", "causal_bottom_right", "bool_mask",
+              "float_mask_broadcast", "causal_bottom_right+padding+float_mask", "fully_masked_rows"]
+
+
+def attention_masks(kind, batch, heads, lq, lk, generator):
+    lengths = torch.tensor([max(1, lk - 3 * b) for b in range(batch)])
+    right_padded = torch.arange(lk)[None, :] >= lengths[:, None]
+    if kind == "none":
+        return {}
+    if kind == "padding_right":
+        return dict(key_padding_mask=right_padded)
+    if kind == "padding_holes":
+        holes = torch.rand(batch, lk, generator=generator) < 0.3
+        holes[:, 0] = False
+        return dict(key_padding_mask=holes)
+    if kind == "causal_top_left":
+        return dict(is_causal=True)
+    if kind == "causal_bottom_right":
+        return dict(is_causal=True, causal_alignment="bottom_right")
+    if kind == "bool_mask":
+        mask = torch.rand(batch, 1, lq, lk, generator=generator) < 0.7
+        mask[..., 0] = True
+        return dict(attn_mask=mask)
+    if kind == "float_mask_broadcast":
+        return dict(attn_mask=torch.randn(heads, 1, lk, generator=generator, dtype=torch.float64))
+    if kind == "causal_bottom_right+padding+float_mask":
+        return dict(is_causal=True, causal_alignment="bottom_right", key_padding_mask=right_padded,
+                    attn_mask=torch.randn(lq, lk, generator=generator, dtype=torch.float64))
+    if kind == "fully_masked_rows":
+        mask = torch.rand(lq, lk, generator=generator) < 0.7
+        mask[::2] = False  # every other query row sees no key
+        padding = right_padded.clone()
+        padding[0] = True  # and batch 0 has no key at all
+        return dict(attn_mask=mask, key_padding_mask=padding)
+    raise AssertionError(kind)
+
+
+def check_attention(dtype, batch, heads, kv_heads, lq, lk, dim, kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = randn(batch, heads, lq, dim, generator=g), randn(batch, kv_heads, lk, dim, generator=g), randn(
+        batch, kv_heads, lk, dim, generator=g)
+    masks = attention_masks(kind, batch, heads, lq, lk, g)
+    if "attn_mask" in masks and masks["attn_mask"].is_floating_point():
+        masks["attn_mask"] = masks["attn_mask"].to(torch.float32 if dtype != torch.float64 else dtype)
+    grad_out = randn(batch, heads, lq, dim, generator=g)
+
+    def fn(q, k, v, impl):
+        return impl.attention(q, k, v, return_lse=True, **masks)
+
+    ratios = compare_all(lambda *a: fn(*a, ft), lambda *a: fn(*a, reference), [q, k, v], dtype, grad_out,
+                         ["out", "lse", "dq", "dk", "dv"])
+    if kind == "fully_masked_rows":
+        with ft.use_backend("cpu"):
+            leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+            out, lse = fn(*leaves, ft)
+            out.backward(grad_out.to(dtype))
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all()
+        assert torch.equal(out[1, :, ::2], torch.zeros_like(out[1, :, ::2]))
+        assert all(torch.isfinite(t.grad).all() for t in leaves)
+        assert torch.equal(leaves[0].grad[0], torch.zeros_like(leaves[0].grad[0]))
+    return ratios
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("lq,lk,dim", [(1, 1, 16), (7, 7, 48), (77, 130, 64), (130, 77, 16)])
+def test_attention_float32_matches_reference(kind, lq, lk, dim):
+    check_attention(torch.float32, 2, 4, 2, lq, lk, dim, kind)
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_low_precision_matches_reference(kind, dtype):
+    check_attention(dtype, 2, 4, 1, 77, 130, 64, kind)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal_bottom_right+padding+float_mask", "padding_holes"])
+def test_attention_float64_matches_reference_to_round_off(kind):
+    ratios = check_attention(torch.float64, 2, 4, 4, 33, 70, 16, kind)
+    assert max(ratios) < 2.0
+
+
+def test_attention_long_sequences_cross_block_boundaries():
+    check_attention(torch.float32, 1, 2, 1, 200, 300, 64, "causal_bottom_right+padding+float_mask")
+
+
+def attention_dropout_case(dtype, dropout_p=0.3):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = randn(2, 4, 37, 16, generator=g), randn(2, 2, 50, 16, generator=g), randn(2, 2, 50, 16, generator=g)
+    kpm = torch.arange(50)[None, :] >= torch.tensor([50, 20])[:, None]
+    return [t.to(dtype) for t in (q, k, v)], dict(key_padding_mask=kpm, is_causal=True,
+                                                  causal_alignment="bottom_right", dropout_p=dropout_p)
+
+
+def seeded_call(fn, manual_seed=1234):
+    """Run ``fn`` after torch.manual_seed; return its result and the dropout seed the op drew."""
+    torch.manual_seed(manual_seed)
+    seed = cpu_ops().draw_seed()
+    torch.manual_seed(manual_seed)
+    return fn(), seed
+
+
+def test_attention_dropout_matches_reference_fed_the_keep_mask():
+    (q, k, v), kwargs = attention_dropout_case(torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with ft.use_backend("cpu"):
+        out, seed = seeded_call(lambda: ft.attention(*leaves, **kwargs))
+    keep = cpu_ops().dropout_keep_mask(seed, (2, 4, 37, 50), kwargs["dropout_p"])
+    assert 0.6 < keep.float().mean() < 0.8
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*ref_leaves, keep_mask=keep, **kwargs)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(ref, ref_leaves, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_dropout_is_reproducible_with_manual_seed():
+    (q, k, v), kwargs = attention_dropout_case(torch.float32)
+    x = torch.randn(5, 13)
+    with ft.use_backend("cpu"):
+        for run in (lambda: ft.attention(q, k, v, **kwargs), lambda: ft.layer_norm(x, None, None, dropout_p=0.4),
+                    lambda: ft.feed_forward(x, torch.randn(8, 13), None, torch.randn(3, 8), None, dropout_p=0.4)):
+            first, _ = seeded_call(run, 7)
+            again, _ = seeded_call(run, 7)
+            other, _ = seeded_call(run, 8)
+            assert torch.equal(first, again)
+            assert not torch.equal(first, other)
+
+
+def test_attention_gradcheck_float64():
+    ops = cpu_ops()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = randn(1, 2, 5, 8, generator=g), randn(1, 1, 6, 8, generator=g), randn(1, 1, 6, 8, generator=g)
+    bias, lengths = ops._attention_masks(torch.randn(5, 6, dtype=torch.float64), torch.tensor([[False] * 5 + [True]]),
+                                         torch.float64, 6)
+    for causal, offset, dropout_p in ((False, 0, 0.0), (True, 1, 0.0), (True, 0, 0.4)):
+        def fn(q, k, v):
+            return ops.AttentionFunction.apply(q, k, v, bias, lengths, causal, offset, 0.3, dropout_p, 11)[0]
+
+        assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in (q, k, v)])
+
+
+def test_attention_weights_follow_the_forward_lse():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (randn(1, 2, 9, 16, generator=g).float() for _ in range(3))
+    with ft.use_backend("cpu"):
+        out, lse = ft.attention(q, k, v, is_causal=True, return_lse=True)
+        weights = ft.attention_weights(q, k, lse, is_causal=True)
+    torch.testing.assert_close(weights @ v, out, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ layer_norm
+
+LAYER_NORM_OPTIONS = [dict(), dict(residual=True), dict(residual=True, prenorm=True),
+                      dict(residual=True, prenorm=True, dropout_p=0.2), dict(dropout_p=0.2, no_affine=True)]
+
+
+@pytest.mark.parametrize("options", LAYER_NORM_OPTIONS, ids=lambda o: "+".join(o) or "plain")
+@pytest.mark.parametrize("rows", [1, 37])
+@pytest.mark.parametrize("hidden", [1, 13, 768, 1000])
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_layer_norm_matches_reference(dtype, hidden, rows, options):
+    g = torch.Generator().manual_seed(hidden + rows)
+    x, residual = randn(rows, hidden, generator=g), randn(rows, hidden, generator=g)
+    weight, bias = 1 + randn(hidden, generator=g) / 4, randn(hidden, generator=g)
+    dropout_p = options.get("dropout_p", 0.0)
+    prenorm = options.get("prenorm", False)
+    inputs = [x] + ([residual] if options.get("residual") else []) + ([] if options.get("no_affine") else [weight, bias])
+    grad_out = randn(rows, hidden, generator=g)
+    _, seed = seeded_call(lambda: None)
+    keep = cpu_ops().dropout_keep_mask(seed, (rows, hidden), dropout_p)
+
+    def unpack(args):
+        x, rest = args[0], list(args[1:])
+        residual = rest.pop(0) if options.get("residual") else None
+        weight, bias = rest if rest else (None, None)
+        return x, residual, weight, bias
+
+    def ours(*args):
+        x, residual, weight, bias = unpack(args)
+        torch.manual_seed(1234)
+        return ft.layer_norm(x, weight, bias, residual=residual, dropout_p=dropout_p, prenorm=prenorm)
+
+    def ref(*args):
+        x, residual, weight, bias = unpack(args)
+        return reference.layer_norm(x, weight, bias, residual=residual, dropout_p=dropout_p, prenorm=prenorm,
+                                    keep_mask=keep)
+
+    names = ["y"] + (["z"] if prenorm else []) + [f"gradient of input {i}" for i in range(len(inputs))]
+    compare_all(ours, ref, inputs, dtype, grad_out, names)
+
+
+def test_layer_norm_gradcheck_float64_with_prenorm_output_used():
+    ops = cpu_ops()
+    g = torch.Generator().manual_seed(9)
+    leaves = [randn(4, 6, generator=g), randn(6, generator=g), randn(6, generator=g), randn(4, 6, generator=g)]
+
+    def fn(x, weight, bias, residual):
+        y, z = ops.LayerNormFunction.apply(x, weight, bias, residual, 1e-5, 0.3, 17, True)
+        return y, z * 0.5
+
+    assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in leaves])
+
+
+# ---------------------------------------------------------------------------------------- feed_forward
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_feed_forward_matches_reference(dtype, activation, dropout_p):
+    g = torch.Generator().manual_seed(4)
+    x = randn(3, 13, 64, generator=g)
+    w1, b1 = randn(256, 64, generator=g) / 8, randn(256, generator=g)
+    w2, b2 = randn(48, 256, generator=g) / 16, randn(48, generator=g)
+    grad_out = randn(3, 13, 48, generator=g)
+    _, seed = seeded_call(lambda: None)
+    keep = cpu_ops().dropout_keep_mask(seed, (3, 13, 256), dropout_p)
+
+    def ours(*args):
+        torch.manual_seed(1234)
+        return ft.feed_forward(*args, activation=activation, dropout_p=dropout_p)
+
+    def ref(*args):
+        return reference.feed_forward(*args, activation=activation, dropout_p=dropout_p, keep_mask=keep)
+
+    compare_all(ours, ref, [x, w1, b1, w2, b2], dtype, grad_out, ["out", "dx", "dw1", "db1", "dw2", "db2"])
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
+def test_bias_activation_gradcheck_float64(activation):
+    ops = cpu_ops()
+    g = torch.Generator().manual_seed(6)
+    h, bias = randn(5, 7, generator=g), randn(7, generator=g)
+
+    def fn(h, bias):
+        return ops.BiasActivationFunction.apply(h, bias, activation, 0.3, 23)
+
+    assert torch.autograd.gradcheck(fn, [h.requires_grad_(), bias.requires_grad_()])
+
+
+# ---------------------------------------------------------------------------------- operator plumbing
+
+
+def test_ops_trace_under_torch_compile_and_show_in_the_profiler():
+    q, k, v = (torch.randn(1, 2, 9, 16) for _ in range(3))
+
+    def block(q, k, v):
+        out = ft.attention(q, k, v, is_causal=True)
+        return ft.layer_norm(out, None, None, residual=q)
+
+    with ft.use_backend("cpu"):
+        eager = block(q, k, v)
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=False)(q, k, v)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            block(q, k, v)
+    torch.testing.assert_close(compiled, eager)
+    names = {event.name for event in prof.events()}
+    assert {"fused_transformer_cpu::attention_fwd", "fused_transformer_cpu::layer_norm_fwd"} <= names
+
+
+def test_non_cpu_tensors_are_rejected_clearly():
+    q = torch.empty(1, 1, 2, 4, device="meta")
+    with pytest.raises(ValueError, match="q is on meta"):
+        cpu_ops().attention(q, q, q, attn_mask=None, key_padding_mask=None, is_causal=False,
+                            causal_alignment="top_left", dropout_p=0.0, scale=None, return_lse=False)
+
+
+def test_auto_backend_uses_the_cpu_kernels_for_float32_and_the_reference_for_float64():
+    assert backend.current("cpu", torch.float32) == "cpu"
+    assert backend.current("cpu", torch.float64) == "reference"

@@ -1,0 +1,183 @@
+"""Triton LayerNorm / RMSNorm (residual + dropout) against the float64 reference, outputs and every gradient.
+
+Runs on CUDA when present, else on CPU tensors under the Triton interpreter (set up in conftest.py).
+"""
+import pytest
+import torch
+
+from fused_transformer import backend, functional, reference
+from fused_transformer.kernels import layer_norm as triton_layer_norm
+from tests.kernel_checks import (  # noqa: F401 (autouse fixtures)
+    DTYPES, check_against_reference, interpreter_rounds_to_nearest, nan_filled_outputs, replayed_keep_mask,
+)
+from tests.numerics import DEVICE, assert_close_to_reference
+
+EPS = 1e-5
+
+
+def _random_inputs(shape, dtype, *, weight=True, bias=True, residual=False, param_dtype=None):
+    n = shape[-1]
+    param_dtype = param_dtype or dtype
+    return {
+        "x": torch.randn(shape, device=DEVICE, dtype=dtype),
+        "weight": 1.0 + 0.5 * torch.randn(n, device=DEVICE, dtype=param_dtype) if weight else None,
+        "bias": torch.randn(n, device=DEVICE, dtype=param_dtype) if bias else None,
+        "residual": torch.randn(shape, device=DEVICE, dtype=dtype) if residual else None,
+    }
+
+
+def _replayed_keep_mask(torch_seed, x, dropout_p):
+    """The keep-mask the kernel drew after ``torch.manual_seed(torch_seed)``, shaped like x."""
+    n = x.shape[-1]
+    return replayed_keep_mask(torch_seed, x.numel() // n, n, dropout_p, x.device).reshape(x.shape)
+
+
+VARIANTS = {
+    # name: (residual, prenorm, dropout_p, weight, bias)
+    "affine": (False, False, 0.0, True, True),
+    "no_affine": (False, False, 0.0, False, False),
+    "weight_only_prenorm": (False, True, 0.0, True, False),
+    "residual_prenorm": (True, True, 0.0, True, True),
+    "residual_dropout": (True, False, 0.3, True, True),
+    "residual_dropout_prenorm": (True, True, 0.3, False, True),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("hidden", [1, 13, 768])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_matches_reference(dtype, hidden, variant):
+    residual, prenorm, dropout_p, weight, bias = VARIANTS[variant]
+    torch.manual_seed(hidden)
+    inputs = _random_inputs((37, hidden), dtype, weight=weight, bias=bias, residual=residual)
+    keep = _replayed_keep_mask(7, inputs["x"], dropout_p) if dropout_p > 0 else None
+    out_grads = [torch.randn_like(inputs["x"]) for _ in range(2)]
+
+    def kernel_fn(x, weight, bias, residual):
+        torch.manual_seed(7)
+        with backend.use_backend("triton"):
+            return functional.layer_norm(x, weight, bias, EPS, residual=residual, dropout_p=dropout_p, prenorm=prenorm)
+
+    def reference_fn(x, weight, bias, residual):
+        return reference.layer_norm(
+            x, weight, bias, EPS, residual=residual, dropout_p=dropout_p, prenorm=prenorm, keep_mask=keep
+        )
+
+    check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, param_dtype",
+    [
+        ((1, 1000), torch.float32, torch.float32),
+        ((2, 3, 1000), torch.bfloat16, torch.float32),  # leading dims, float32 params with bfloat16 x
+        ((3, 16384), torch.float32, torch.float32),  # the largest hidden size
+        ((2, 5000), torch.float16, torch.float16),
+    ],
+)
+def test_layer_norm_shapes_and_mixed_dtypes(shape, dtype, param_dtype):
+    torch.manual_seed(len(shape))
+    inputs = _random_inputs(shape, dtype, residual=True, param_dtype=param_dtype)
+    out_grads = [torch.randn_like(inputs["x"]) for _ in range(2)]
+
+    def kernel_fn(x, weight, bias, residual):
+        return triton_layer_norm.layer_norm(x, weight, bias, EPS, residual=residual, prenorm=True)
+
+    def reference_fn(x, weight, bias, residual):
+        return reference.layer_norm(x, weight, bias, EPS, residual=residual, prenorm=True)
+
+    check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
+
+
+@pytest.mark.parametrize("rms_norm", [False, True])
+def test_widest_rows_split_backward(rms_norm):
+    """Hidden sizes above 8192 run the backward on column blocks (SPLIT_COLS), dropout and prenorm included."""
+    torch.manual_seed(3)
+    inputs = _random_inputs((5, 9000), torch.bfloat16, residual=True)
+    keep = _replayed_keep_mask(7, inputs["x"], 0.2)
+    out_grads = [torch.randn_like(inputs["x"]) for _ in range(2)]
+
+    def kernel_fn(x, weight, bias, residual):
+        torch.manual_seed(7)
+        return triton_layer_norm.layer_norm(
+            x, weight, bias, EPS, residual=residual, dropout_p=0.2, prenorm=True, rms_norm=rms_norm
+        )
+
+    def reference_fn(x, weight, bias, residual):
+        z = reference.dropout(x, 0.2, keep) + residual
+        if rms_norm:
+            return _reference_rms_norm(z, weight, bias, torch.zeros_like(z), EPS)
+        return reference.layer_norm(z, weight, bias, EPS, prenorm=True)
+
+    check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
+
+
+def test_layer_norm_strided_rows():
+    torch.manual_seed(0)
+    storage = torch.randn(37, 80, device=DEVICE, dtype=torch.float32)
+    x = storage[:, 3:67]  # rows 80 apart, last dim contiguous: no copy needed
+    weight, bias = torch.randn(64, device=DEVICE), torch.randn(64, device=DEVICE)
+    expected = reference.layer_norm(x.double(), weight.double(), bias.double(), EPS)
+    baseline = reference.layer_norm(x, weight, bias, EPS)
+    assert_close_to_reference(triton_layer_norm.layer_norm(x, weight, bias, EPS), expected, baseline)
+
+
+def _reference_rms_norm(x, weight, bias, residual, eps):
+    z = x + residual
+    zs = z.to(reference.stats_dtype(z.dtype))
+    y = zs * torch.rsqrt(zs.square().mean(dim=-1, keepdim=True) + eps) * weight.to(zs.dtype) + bias.to(zs.dtype)
+    return y.to(x.dtype), z
+
+
+@pytest.mark.parametrize("hidden", [13, 1000])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_reference(dtype, hidden):
+    torch.manual_seed(hidden)
+    inputs = _random_inputs((37, hidden), dtype, residual=True)
+    out_grads = [torch.randn_like(inputs["x"]) for _ in range(2)]
+
+    def kernel_fn(x, weight, bias, residual):
+        return triton_layer_norm.layer_norm(x, weight, bias, EPS, residual=residual, prenorm=True, rms_norm=True)
+
+    def reference_fn(x, weight, bias, residual):
+        return _reference_rms_norm(x, weight, bias, residual, EPS)
+
+    check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
+
+
+def test_dropout_is_reproducible_from_torch_seed():
+    x = torch.randn(37, 100, device=DEVICE)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return triton_layer_norm.layer_norm(x, None, None, EPS, dropout_p=0.5)
+
+    assert torch.equal(run(1), run(1))
+    assert not torch.equal(run(1), run(2))
+    keep = _replayed_keep_mask(1, x, 0.5)
+    assert 0.4 < keep.float().mean().item() < 0.6
+
+
+def test_float64_is_rejected():
+    x = torch.randn(4, 8, device=DEVICE, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        with backend.use_backend("triton"):
+            functional.layer_norm(x, None, None)
+
+
+def test_hidden_size_above_limit_is_rejected():
+    x = torch.randn(1, triton_layer_norm.MAX_HIDDEN + 1, device=DEVICE)
+    with pytest.raises(ValueError, match="hidden sizes up to"):
+        triton_layer_norm.layer_norm(x, None, None)
+
+
+def test_custom_ops_pass_opcheck():
+    torch.manual_seed(0)
+    x, residual = torch.randn(5, 24, device=DEVICE), torch.randn(5, 24, device=DEVICE)
+    weight, bias = torch.randn(24, device=DEVICE), torch.randn(24, device=DEVICE)
+    args = (x, weight, bias, residual, EPS, 0.1, 123, False, True)
+    torch.library.opcheck(torch.ops.fused_transformer.layer_norm_fwd, args)
+    y, z, mean, rstd = torch.ops.fused_transformer.layer_norm_fwd(*args)
+    torch.library.opcheck(
+        torch.ops.fused_transformer.layer_norm_bwd, (torch.randn_like(y), None, z, weight, bias, mean, rstd, 0.1, 123, False, True)
+    )
