@@ -1,4 +1,4 @@
-"""The main job: ``python -m fused_transformer [check | bench | all]``.
+"""The main job: ``python -m fused_transformer [check | bench | all | demo]``.
 
 ``check`` runs every op on every backend usable here against the float64 reference and prints the error
 and the error ratio (kernel error / error of PyTorch in the same dtype); exit code 1 on any failure.
@@ -112,8 +112,12 @@ def bench(device: torch.device, quick: bool) -> None:
 
 
 def main(argv: List[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:  # the Seq2Seq demo parses its own options
+        from fused_transformer.models.demo import main as demo_main
+        return demo_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m fused_transformer", description=__doc__.splitlines()[0])
-    parser.add_argument("command", nargs="?", default="all", choices=["check", "bench", "all"])
+    parser.add_argument("command", nargs="?", default="all", choices=["check", "bench", "all", "demo"])
     parser.add_argument("--quick", action="store_true", help="a smaller grid and shorter timings")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)

@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 # Modules whose ``aot_configs()`` are compiled; a new kernel module adds its name here.
 KERNEL_MODULES = (
+    "fused_transformer.kernels.attention",
     "fused_transformer.kernels.layer_norm",
     "fused_transformer.kernels.feed_forward",
 )

@@ -12,7 +12,9 @@ Backward, with xhat = (z - mean) * rstd (or z * rstd) and g = dy * weight:
     dresidual = dz,   dx = dropout(dz) with the forward's mask, regenerated from its seed
     dweight = sum_rows(dy * xhat),   dbias = sum_rows(dy)
 Each backward program walks a contiguous block of rows and writes one float32 partial row of dweight/dbias;
-a second small kernel (``sum_rows``) adds the partials in a fixed order: deterministic, no atomics.
+a second small kernel (``sum_rows``) adds the partials in a fixed order: deterministic, no atomics. Rows
+wider than 8192 are split over programs of 4096 columns that first sum the whole row (SPLIT_COLS): a whole
+16384-wide row and its partial sums do not fit in registers (``python -m fused_transformer.aot``).
 
 Dropout keep-mask: element (row, col) of x viewed as [rows, N] is kept when ``dropout_keep(seed, row * N +
 col, p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, rows, N, p, device)`` replays it.

@@ -203,10 +203,11 @@ class Seq2SeqTransformer(nn.Module):
         Returns:
             logits ``[B, T, tgt_vocab_size]`` (and the attention if asked).
         """
+        self._check_tokens("src", src, self.src_token_embedding.num_embeddings)
         self._check_tokens("tgt", tgt, self.tgt_vocab_size)
-        memory, src_padding = self.encode(src)
         if tgt.shape[0] != src.shape[0]:
             raise ValueError(f"src {tuple(src.shape)} and tgt {tuple(tgt.shape)} have different batch sizes")
+        memory, src_padding = self.encode(src)
         if not return_attention:
             return self.decode(tgt, memory, src_padding)
         with self._capture_last_cross_attention() as captured:

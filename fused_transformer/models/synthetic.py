@@ -172,13 +172,16 @@ def train(
     checkpoint_path: Optional[str] = None,
     resume: bool = False,
     time_limit: Optional[float] = None,
+    stop_after: Optional[int] = None,
     progress: Optional[TextIO] = sys.stderr,
     progress_every: int = 10,
 ) -> TrainResult:
-    """Train ``model`` on ``task`` up to ``config.steps`` total steps (or ``time_limit`` seconds).
+    """Train ``model`` on ``task`` up to ``config.steps`` total steps.
 
-    With ``resume=True`` and an existing ``checkpoint_path``, everything restarts from the checkpoint,
-    so an interrupted run continues as if it had not stopped. The checkpoint is written at the end.
+    ``time_limit`` (seconds) or ``stop_after`` (steps) end this call early, leaving the learning-rate
+    schedule as planned for ``config.steps``. With ``resume=True`` and an existing ``checkpoint_path``,
+    everything restarts from the checkpoint, so an interrupted run continues as if it had not stopped;
+    the checkpoint is written at the end. A fresh run seeds torch's generator (dropout) with ``config.seed``.
     """
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay)
@@ -187,13 +190,14 @@ def train(
     step = 0
     if resume and checkpoint_path is not None and os.path.exists(checkpoint_path):
         step = load_checkpoint(checkpoint_path, model, optimizer, scheduler, data_generator)
-    elif config.seed is not None:
+    else:
         torch.manual_seed(config.seed)  # dropout draws
     result = TrainResult(step=step)
     bar = _ProgressLine(progress, config.steps, progress_every)
     model.train()
     start = time.perf_counter()
-    while step < config.steps and (time_limit is None or time.perf_counter() - start < time_limit):
+    last_step = config.steps if stop_after is None else min(config.steps, step + stop_after)
+    while step < last_step and (time_limit is None or time.perf_counter() - start < time_limit):
         src, tgt = task.sample(config.batch_size, data_generator)
         src, tgt = src.to(device), tgt.to(device)
         loss = model.loss(src, tgt, label_smoothing=config.label_smoothing)
