@@ -668,6 +668,9 @@ def attention(
         ``[B, H, Lq, D]`` in q's dtype, and the float32 LSE ``[B, H, Lq]`` with ``return_lse``.
     """
     q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
+    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError("triton attention: attn_mask requires grad, but masks are constants here (no gradient); "
+                         "pass attn_mask.detach(), or use the reference backend to differentiate the mask")
     if query_lengths is not None and tuple(query_lengths.shape) != (q.shape[0],):
         raise ValueError(f"query_lengths must be [batch={q.shape[0]}], got shape {tuple(query_lengths.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

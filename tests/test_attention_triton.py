@@ -266,3 +266,11 @@ def test_float32_head_dims_above_128_are_refused_clearly():
         triton_attention.attention(q, q, q)
     out = triton_attention.attention(q.half(), q.half(), q.half())  # 16-bit inputs take any head_dim to 256
     assert out.shape == q.shape
+
+
+def test_a_mask_that_requires_grad_is_refused_not_silently_ignored():
+    q = torch.randn(1, 1, 8, 16, device=DEVICE, requires_grad=True)
+    mask = torch.randn(8, 8, device=DEVICE, requires_grad=True)
+    with pytest.raises(ValueError, match="attn_mask requires grad"):
+        triton_attention.attention(q, q, q, attn_mask=mask)
+    triton_attention.attention(q, q, q, attn_mask=mask.detach())
