@@ -74,7 +74,7 @@ setup(
     install_requires=["torch>=2.1", "numpy"],
     extras_require={
         "triton": ["triton>=3.0"],
-        "test": ["pytest>=7", "triton>=3.0", "numpy"],
+        "test": ["pytest>=7", "triton>=3.0", "numpy", "matplotlib"],
         "bench": ["pytest-benchmark", "matplotlib"],
     },
 )

@@ -8,7 +8,8 @@ registers and local memory from ``cuobjdump --dump-resource-usage`` and looks fo
 PTX. A config fails when it spills, needs more shared memory than one block may have, or (``expect_tensor_cores``)
 runs its matmul on the CUDA cores.
 
-    python -m fused_transformer.aot            # table; exit status 1 if any config fails
+    python -m fused_transformer report         # table; exit status 1 if any config fails
+    python -m fused_transformer.aot            # the same
 
 Compilation runs in spawned worker processes with ``TRITON_INTERPRET=0``: under the interpreter (as in the test
 process, on a machine without a GPU) ``@triton.jit`` makes interpreter functions that cannot be compiled.
@@ -236,7 +237,7 @@ def format_table(results: Sequence[AotResult]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fused_transformer.aot",
+        prog="python -m fused_transformer report",
         description="Compile every shipped kernel config for sm_80 / sm_90 (no GPU needed) and check "
                     "spills, shared memory and tensor-core use.",
     )

@@ -239,7 +239,12 @@ def feed_forward(
     matmuls on ATen and the bias, activation and dropout in one C++ pass in between (and one in backward)."""
     _check_cpu(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
     seed = draw_seed() if dropout_p > 0.0 else 0
-    hidden = BiasActivationFunction.apply(F.linear(x, w1), b1, activation, float(dropout_p), seed)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        # The bias must be added before the pre-activation is rounded to 16 bits, as ATen's addmm does: rounding
+        # first moves values near 0 across ReLU's kink, whose gradient then flips between 0 and 1.
+        hidden = BiasActivationFunction.apply(F.linear(x, w1, b1), None, activation, float(dropout_p), seed)
+    else:
+        hidden = BiasActivationFunction.apply(F.linear(x, w1), b1, activation, float(dropout_p), seed)
     return F.linear(hidden, w2, b2)
 
 

@@ -21,41 +21,20 @@ def _fresh_backend():
 
 
 @pytest.fixture
-def interpreter_rounds_to_nearest(monkeypatch):
+def interpreter_rounds_to_nearest():
     """The Triton interpreter truncates float32 -> bfloat16 casts where a GPU rounds to nearest: make it round,
     so interpreted kernels are held to the GPU's rounding error, not twice that."""
-    from fused_transformer.kernels._common import interpreting
+    from fused_transformer.selfcheck import interpreter_rounds_to_nearest
 
-    if not interpreting():
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    convert = interpreter._convert_float
-
-    def convert_rounding(data, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
-            bits = np.ascontiguousarray(data).view(np.uint32).astype(np.uint64)
-            return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).reshape(data.shape)
-        return convert(data, input_dtype, output_dtype, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", convert_rounding)
+    with interpreter_rounds_to_nearest():
+        yield
 
 
 @pytest.fixture
-def nan_filled_outputs(monkeypatch):
+def nan_filled_outputs():
     """Every floating buffer allocated with torch.empty / empty_like starts as NaN, so an element a kernel
     forgets to write shows up in the comparison."""
-    empty, empty_like = torch.empty, torch.empty_like
+    from fused_transformer.selfcheck import unwritten_elements_are_nan
 
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    def nan_empty_like(*args, **kwargs):
-        t = empty_like(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+    with unwritten_elements_are_nan():
+        yield

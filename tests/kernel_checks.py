@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
-import triton.language as tl
 
-from fused_transformer.kernels._common import draw_dropout_seed, dropout_keep_mask, interpreting
+from fused_transformer import selfcheck
+from fused_transformer.kernels._common import draw_dropout_seed, dropout_keep_mask
+from fused_transformer.selfcheck import outputs_and_grads
 from tests.numerics import assert_close_to_reference
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -24,56 +24,18 @@ WORST_RATIO: dict = {}
 
 
 @pytest.fixture(autouse=True)
-def interpreter_rounds_to_nearest(monkeypatch):
+def interpreter_rounds_to_nearest():
     """The interpreter truncates float32 -> bfloat16 casts where a GPU rounds to nearest: make it round, so
     interpreted kernels are held to the GPU's rounding error, not twice that."""
-    if not interpreting():
-        return
-    from triton.runtime import interpreter
-
-    convert = interpreter._convert_float
-
-    def convert_rounding(data, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
-            bits = np.ascontiguousarray(data).view(np.uint32).astype(np.uint64)
-            return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).reshape(data.shape)
-        return convert(data, input_dtype, output_dtype, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", convert_rounding)
+    with selfcheck.interpreter_rounds_to_nearest():
+        yield
 
 
 @pytest.fixture(autouse=True)
-def nan_filled_outputs(monkeypatch):
+def nan_filled_outputs():
     """Every buffer the kernels allocate starts as NaN, so an element a kernel forgets to write shows up."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    def nan_empty_like(*args, **kwargs):
-        t = empty_like(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
-
-
-def outputs_and_grads(fn, inputs, out_grads, dtype=None):
-    """Run ``fn(**inputs)`` (cast to ``dtype`` if given) and backpropagate ``out_grads``; returns the outputs
-    and the gradient of every tensor input, by name."""
-    leaves = {}
-    for name, t in inputs.items():
-        if isinstance(t, torch.Tensor):
-            t = t.detach().to(dtype if dtype is not None else t.dtype)
-            leaves[name] = t.requires_grad_(t.is_floating_point())
-        else:
-            leaves[name] = t
-    outs = fn(**leaves)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    torch.autograd.backward(outs, [g.to(o.dtype) for o, g in zip(outs, out_grads)])
-    grads = {name: t.grad for name, t in leaves.items() if isinstance(t, torch.Tensor) and t.is_floating_point()}
-    return outs, grads
+    with selfcheck.unwritten_elements_are_nan():
+        yield
 
 
 def _record(dtype: torch.dtype, name: str, ratio: float) -> None:

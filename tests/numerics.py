@@ -1,23 +1,15 @@
 """Shared numerical checks: a kernel is compared with the float64 reference, and in low precision it may be
-at most FACTOR times as far from it as the same PyTorch computation run in that precision."""
+at most FACTOR times as far from it as the same PyTorch computation run in that precision.
+
+The rule itself (FACTOR, the per-dtype floor, max_error) lives in ``fused_transformer.selfcheck``, which
+``python -m fused_transformer check`` applies to every op on every backend; the tests use the same one."""
 from __future__ import annotations
 
 import torch
 
-FACTOR = 2.0
-# Absolute floor added to the allowed error, per dtype: round-off of a handful of ulps near 1.
-ATOL_FLOOR = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+from fused_transformer.selfcheck import ATOL_FLOOR, FACTOR, max_error
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def max_error(x: torch.Tensor, ref64: torch.Tensor) -> float:
-    if x.shape != ref64.shape:
-        raise AssertionError(f"shape {tuple(x.shape)} != reference shape {tuple(ref64.shape)}")
-    x, ref64 = x.detach(), ref64.detach()
-    diff = (x.double() - ref64.double()).abs()
-    # inf - inf is NaN: positions where both are the same infinity agree.
-    same_inf = torch.isinf(x.double()) & (x.double() == ref64.double())
-    return float(torch.where(same_inf, torch.zeros_like(diff), diff).max()) if diff.numel() else 0.0
 
 
 def assert_close_to_reference(

@@ -96,3 +96,29 @@ def test_problems_are_reported():
     assert not aot.AotResult(**base, target=90, error="boom").ok
     table = aot.format_table([aot.AotResult(**base, target=90, spill_bytes=4)])
     assert "FAIL" in table and "sm_90" in table
+
+
+def test_report_command_prints_every_kernel_and_config(results, monkeypatch, capsys):
+    from fused_transformer.__main__ import main
+
+    monkeypatch.setattr(aot, "compile_all", lambda jobs, modules: [r for r in results if r.module in modules])
+    assert main(["report"]) == 0
+    out = capsys.readouterr().out
+    for module in aot.KERNEL_MODULES:
+        for kernel in importlib.import_module(module).aot_configs():
+            assert kernel.name in out
+    for r in results:
+        assert r.config in out
+    assert "sm_80" in out and "sm_90" in out
+    assert f"{len(results)} compilations, 0 failed" in out
+
+
+def test_report_command_exits_1_when_a_compilation_fails(results, monkeypatch, capsys):
+    from dataclasses import replace
+
+    from fused_transformer.__main__ import main
+
+    broken = [replace(results[0], spill_bytes=8)] + list(results[1:])
+    monkeypatch.setattr(aot, "compile_all", lambda jobs, modules: broken)
+    assert main(["report"]) == 1
+    assert "1 failed" in capsys.readouterr().out

@@ -284,6 +284,25 @@ def test_feed_forward_matches_reference(dtype, activation, dropout_p):
     compare_all(ours, ref, [x, w1, b1, w2, b2], dtype, grad_out, ["out", "dx", "dw1", "db1", "dw2", "db2"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_feed_forward_relu_gradients_round_like_pytorch_in_16_bit(dtype):
+    """The bias is added before the pre-activation is rounded to 16 bits: rounding first pushes values near 0
+    across ReLU's kink (a few in 10^4 here), and their gradients flip between 0 and 1."""
+    g = torch.Generator().manual_seed(11)
+    x = randn(4, 37, 64, generator=g)
+    w1, b1 = randn(256, 64, generator=g) / 8, randn(256, generator=g)
+    w2, b2 = randn(64, 256, generator=g) / 16, randn(64, generator=g)
+    grad_out = randn(4, 37, 64, generator=g)
+
+    def ours(*args):
+        return ft.feed_forward(*args, activation="relu")
+
+    def ref(*args):
+        return reference.feed_forward(*args, activation="relu")
+
+    compare_all(ours, ref, [x, w1, b1, w2, b2], dtype, grad_out, ["out", "dx", "dw1", "db1", "dw2", "db2"])
+
+
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
 def test_bias_activation_gradcheck_float64(activation):
     ops = cpu_ops()

@@ -1,0 +1,57 @@
+"""pytest-benchmark over the cases of ``fused_transformer.bench_suites``, the ones ``python -m fused_transformer
+bench`` measures: ``pytest benchmarks/ --benchmark-only``. Not part of the default test run (pyproject's
+testpaths is ``tests``). Options below; pytest-benchmark's own (``--benchmark-max-time``, ``--benchmark-json``,
+``--benchmark-compare``) apply as usual.
+"""
+import pytest
+import torch
+
+from fused_transformer import bench_suites
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("fused_transformer benchmarks")
+    group.addoption("--bench-device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu or cuda (default: cuda when there is one)")
+    group.addoption("--bench-dtype", choices=("fp32", "fp16", "bf16"), default=None,
+                    help="default fp32 on CPU, bf16 on CUDA")
+    group.addoption("--bench-grid", choices=("small", "quick", "full"), default="small",
+                    help="sequence lengths per suite: small = the shortest of --quick (default), quick = those of "
+                         "bench --quick, full = those of bench")
+    group.addoption("--bench-lengths", default=None, help="sequence lengths for every suite, e.g. 128,512")
+    group.addoption("--bench-suite", action="append", choices=bench_suites.SUITES, default=None,
+                    help="a suite to run; repeat for several (default: all)")
+
+
+def bench_setup(config) -> bench_suites.Setup:
+    device = torch.device(config.getoption("--bench-device"))
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: None}[
+        config.getoption("--bench-dtype")]
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return bench_suites.Setup(device, dtype)
+
+
+def pytest_generate_tests(metafunc):
+    if {"setup", "case", "impl"} <= set(metafunc.fixturenames):
+        setup, pairs = bench_cases(metafunc.config)
+        metafunc.parametrize("setup", [setup], ids=[setup.device.type])
+        metafunc.parametrize(("case", "impl"), pairs, ids=[f"{case.id}-{impl}" for case, impl in pairs])
+
+
+def bench_cases(config):
+    """The setup, and the (case, impl) pairs to parametrize over."""
+    setup = bench_setup(config)
+    if setup.device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--bench-device cuda: no CUDA device is available here")
+    grid, lengths = config.getoption("--bench-grid"), config.getoption("--bench-lengths")
+    pairs = []
+    for suite in config.getoption("--bench-suite") or bench_suites.SUITES:
+        if lengths:
+            suite_lengths = [int(n) for n in lengths.split(",")]
+        else:
+            suite_lengths = bench_suites.default_lengths(suite, setup.device, quick=grid != "full")
+            suite_lengths = suite_lengths[:1] if grid == "small" else suite_lengths
+        for case in bench_suites.cases(suite, setup, suite_lengths):
+            pairs.extend((case, impl) for impl in case.impls)
+    return setup, pairs

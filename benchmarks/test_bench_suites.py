@@ -1,0 +1,34 @@
+"""One pytest-benchmark test per (case, implementation) of ``fused_transformer.bench_suites``; the tests of a case
+share a benchmark group, so pytest-benchmark's table sets ours beside its baselines. The case list, the work
+counted and the timed call (gradients reset, then the call, then a device sync) are the suite module's."""
+import warnings
+
+import pytest
+
+from fused_transformer import bench_suites
+
+
+def test_bench(benchmark, setup, case, impl):  # parametrized by conftest.pytest_generate_tests
+    built = case.build()
+    fn = bench_suites.runner(built.fns[impl], built.grads, setup.device)
+    with warnings.catch_warnings():
+        if bench_suites.is_competitor(impl) or impl == "sdpa":
+            warnings.simplefilter("ignore", UserWarning)  # SDPA explains each backend that refuses the case
+        try:
+            fn()  # warm-up, and whether this implementation takes the case at all
+        except (RuntimeError, ValueError, NotImplementedError) as exc:
+            if not bench_suites.is_competitor(impl):
+                raise
+            pytest.skip(f"{impl} refuses this case: {str(exc).splitlines()[0]}")
+        benchmark.group = case.id
+        benchmark.extra_info.update(suite=case.suite, case=case.case, mode=case.mode, impl=impl,
+                                    seq_len=case.seq_len, baseline=case.baseline)
+        benchmark(fn)
+    stats = getattr(benchmark, "stats", None)
+    if stats is not None:  # None under --benchmark-disable
+        ms = stats.stats.median * 1e3
+        benchmark.extra_info["tokens_per_s"] = bench_suites.tokens_per_s(case, ms)
+        if case.flops is not None:
+            benchmark.extra_info["tflops"] = bench_suites.tflops_of(case, ms)
+        if case.nbytes is not None:
+            benchmark.extra_info["gb_per_s"] = bench_suites.gbps_of(case, ms)

@@ -1,0 +1,619 @@
+"""The benchmark suites: every case that ``python -m fused_transformer bench`` and ``pytest benchmarks/`` measure,
+the implementations compared in each, the work counted, and how time and memory are measured.
+
+Suites (``SUITES``), each over sequence lengths:
+
+- ``attention``: ``ft.attention`` forward (under ``no_grad``) and forward+backward, no mask / causal / 50% key
+  padding (and causal + 50% padding on CUDA); head dim 64 on CPU (B 8, H 8), 64 and 128 on CUDA (16k tokens per
+  batch, 2048 / D heads). Against ``F.scaled_dot_product_attention`` with its default dispatch (the baseline,
+  ``sdpa``) and under each ``sdpa_kernel`` backend for this device (``sdpa:math``, ``sdpa:flash_attention``, and
+  on CUDA ``sdpa:efficient_attention``, ``sdpa:cudnn_attention``), plus ``flash_attn`` and ``xformers`` on CUDA
+  when installed. SDPA gets the padding as a boolean ``attn_mask`` (its only way to take it).
+- ``layer_norm``: ``ft.layer_norm(x, w, b, residual=r, dropout_p=0.1)`` against ``F.layer_norm(F.dropout(x) + r)``.
+- ``feed_forward``: ``ft.feed_forward(..., activation="gelu", dropout_p=0.1)`` against
+  ``F.linear -> F.gelu -> F.dropout -> F.linear``.
+- ``encoder_layer`` / ``decoder_layer``: ``ft.TransformerEncoderLayer`` / ``TransformerDecoderLayer`` against the
+  ``torch.nn`` layer holding the same weights (dropout 0.1, batch_first, post-norm); a training step (forward +
+  backward) and an eval forward under ``no_grad`` (torch.nn then takes its fast path), without padding and
+  with 50% key padding; the decoder self-attention is causal and its memory has the target's length.
+
+"ours" runs on the ``auto`` backend: the C++ kernels for CPU tensors, Triton for CUDA tensors.
+
+Padding: sequences alternately keep ``1 - 3p/2`` and ``1 - p/2`` of their keys (p = 0.5: a quarter and three
+quarters), right-padded, so a padding ratio p removes the fraction p of the keys of a batch.
+
+Work counted (``attention_flops``, ``feed_forward_flops``, ``layer_norm_bytes``) is the work actually needed:
+attention counts ``4 * D`` FLOPs per (query, key) pair a query may attend, so causal (top-left) counts
+``L (L + 1) / 2`` pairs per head (about half) and padding counts only the kept keys; forward+backward is 3.5x the
+forward (the backward does five matmuls to the forward's two). The feed-forward counts its two matmuls,
+``4 * tokens * d_model * d_ff`` forward, 3x that forward+backward. LayerNorm counts the bytes it must move (see
+``layer_norm_bytes``). Every implementation of a case divides the same count by its own time.
+
+Time (``time_ms``): on CUDA the median of ``triton.testing.do_bench`` (gradients reset to None outside the timed
+region); on CPU ``torch.utils.benchmark.Timer`` over ``reset gradients; call``, the implementations of a case
+taking turns in blocks so that a noisy machine slows them alike, and the median over the blocks. Peak memory:
+on CUDA ``torch.cuda.max_memory_allocated`` over one call, above what was allocated before it; on CPU torch has
+no allocator statistics, so it is the peak of the bytes allocated through torch's CPU allocator during one call
+(on the calling thread), above the start, read from the profiler's memory events (``profile_memory=True``).
+``python -m fused_transformer bench`` measures it on the first call of each implementation of a case on CPU (the
+slowest calls take seconds; that call is also the warm-up), on a second call on CUDA (the first may autotune).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import fused_transformer as ft
+
+SUITES = ("attention", "layer_norm", "feed_forward", "encoder_layer", "decoder_layer")
+DROPOUT = 0.1
+GPU_ATTENTION_TOKENS = 16384  # tokens per batch on CUDA: batch = 16384 // L (at least 2)
+
+# Default sequence lengths: (device type, suite) -> (full, --quick).
+LENGTHS = {
+    ("cpu", "attention"): ((128, 256, 512, 1024, 2048), (128, 512)),
+    ("cpu", "layer_norm"): ((128, 512, 2048), (128, 512)),
+    ("cpu", "feed_forward"): ((128, 512, 2048), (128, 512)),
+    ("cpu", "encoder_layer"): ((128, 256, 512), (128,)),
+    ("cpu", "decoder_layer"): ((128, 256, 512), (128,)),
+    ("cuda", "attention"): ((512, 1024, 2048, 4096, 8192, 16384), (1024, 4096)),
+    ("cuda", "layer_norm"): ((512, 1024, 2048, 4096, 8192), (1024, 4096)),
+    ("cuda", "feed_forward"): ((512, 1024, 2048, 4096), (1024, 4096)),
+    ("cuda", "encoder_layer"): ((512, 1024, 2048, 4096), (1024, 4096)),
+    ("cuda", "decoder_layer"): ((512, 1024, 2048, 4096), (1024, 4096)),
+}
+
+# Peak DRAM bandwidth in GB/s, by a substring of torch.cuda.get_device_name() (first match wins).
+PEAK_BANDWIDTH_GBPS = {
+    "H100 PCIe": 2000.0, "H100": 3350.0, "H200": 4800.0, "A100-SXM4-80GB": 2039.0, "A100": 1555.0,
+    "L40S": 864.0, "RTX 4090": 1008.0, "A10G": 600.0,
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where and how every case runs."""
+
+    device: torch.device
+    dtype: torch.dtype
+    backend: str = "auto"  # the fused_transformer backend "ours" runs on
+
+
+@dataclass
+class Built:
+    """A case made concrete: one zero-argument callable per implementation (the thing timed), and the tensors
+    whose ``.grad`` is reset to None before every call so that each call does the same work."""
+
+    fns: Dict[str, Callable[[], object]]
+    grads: List[Tensor] = field(default_factory=list)
+    notes: Dict[str, str] = field(default_factory=dict)  # impl -> a remark for the CSV's note column
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measurement point; ``build()`` allocates its tensors (call it when about to time it)."""
+
+    suite: str
+    case: str  # mask or shape label, e.g. "causal", "pad50%", "d1024"
+    mode: str  # "fwd", "fwd+bwd" (ops), "train", "eval" (layers)
+    seq_len: int
+    batch: int
+    impls: Tuple[str, ...]  # the baseline first
+    build: Callable[[], Built] = field(repr=False, compare=False)
+    heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    d_model: Optional[int] = None
+    d_ff: Optional[int] = None
+    causal: bool = False
+    padding: float = 0.0  # fraction of the keys that are padding
+    flops: Optional[float] = None  # work counted, for TFLOP/s
+    nbytes: Optional[float] = None  # bytes counted, for GB/s
+
+    @property
+    def baseline(self) -> str:
+        return self.impls[0]
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+    @property
+    def id(self) -> str:
+        head_dim = f"-D{self.head_dim}" if self.suite == "attention" else ""
+        return f"{self.suite}-{self.case.replace(' ', '_')}-{self.mode}-L{self.seq_len}{head_dim}"
+
+
+# ------------------------------------------------------------------------------------------ work counted
+
+
+def kept_lengths(batch: int, length: int, padding: float) -> List[int]:
+    """Keys kept per sequence for a padding ratio: alternately ``1 - 3p/2`` and ``1 - p/2`` of ``length``."""
+    if not 0.0 <= padding <= 2.0 / 3.0:
+        raise ValueError(f"padding={padding} must be in [0, 2/3]")
+    fractions = (1.0 - 1.5 * padding, 1.0 - 0.5 * padding)
+    return [max(1, round(length * fractions[b % 2])) for b in range(batch)]
+
+
+def padding_ratio(kept: Sequence[int], length: int) -> float:
+    return 1.0 - sum(kept) / (len(kept) * length)
+
+
+def attention_pairs(q_len: int, kept: int, causal: bool) -> int:
+    """(query, key) pairs one head attends: every query sees ``kept`` keys, or with a top-left causal mask
+    query ``i`` sees ``min(i + 1, kept)``."""
+    if not causal:
+        return q_len * kept
+    if kept >= q_len:
+        return q_len * (q_len + 1) // 2
+    return kept * (kept + 1) // 2 + (q_len - kept) * kept
+
+
+def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int, *, causal: bool = False,
+                    kept: Optional[Sequence[int]] = None, backward: bool = False) -> float:
+    """FLOPs attention needs: ``4 * head_dim`` per attended (query, key) pair (``q kᵀ`` and ``p v``), summed over
+    the batch's key lengths ``kept`` (default: no padding); 3.5x that with the backward."""
+    kept = [seq_len] * batch if kept is None else kept
+    if len(kept) != batch:
+        raise ValueError(f"kept has {len(kept)} entries for batch {batch}")
+    pairs = sum(attention_pairs(seq_len, k, causal) for k in kept)
+    return 4.0 * head_dim * heads * pairs * (3.5 if backward else 1.0)
+
+
+def feed_forward_flops(tokens: int, d_model: int, d_ff: int, *, backward: bool = False) -> float:
+    """The two matmuls: ``2 * 2 * tokens * d_model * d_ff`` forward; the backward does twice that."""
+    return 4.0 * tokens * d_model * d_ff * (3.0 if backward else 1.0)
+
+
+def layer_norm_bytes(tokens: int, hidden: int, element_size: int, *, backward: bool = False) -> float:
+    """Bytes residual + LayerNorm must move: forward reads x, residual and writes y (3 rows) plus weight and
+    bias; the backward reads dy and the saved sum and writes dx and dresidual (4 rows) plus weight, dweight,
+    dbias. The dropout mask is not counted."""
+    forward = 3 * tokens * hidden + 2 * hidden
+    return float(element_size * (forward + (4 * tokens * hidden + 3 * hidden if backward else 0)))
+
+
+def peak_bandwidth_gbps(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((gbps for key, gbps in PEAK_BANDWIDTH_GBPS.items() if key in name), None)
+
+
+# ------------------------------------------------------------------------------------------- competitors
+
+
+def sdpa_backends(device: torch.device) -> Dict[str, object]:
+    """``sdpa:<name>`` -> ``SDPBackend`` for the backends SDPA has on this device type."""
+    from torch.nn.attention import SDPBackend
+
+    names = ("math", "flash_attention") if device.type == "cpu" else (
+        "flash_attention", "efficient_attention", "cudnn_attention", "math")
+    return {f"sdpa:{name}": SDPBackend.__members__[name.upper()] for name in names}
+
+
+def sdpa_dispatch(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool) -> Optional[str]:
+    """The backend SDPA's default dispatch picks for these inputs (a private torch function: None if absent)."""
+    try:
+        choice = int(torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, causal))
+        from torch.nn.attention import SDPBackend
+
+        return next(name.lower() for name, member in SDPBackend.__members__.items() if int(member.value) == choice)
+    except Exception:  # noqa: BLE001 (private API: any failure only loses a note)
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def third_party(name: str) -> Optional[object]:
+    """The flash_attn / xformers.ops module, or None when it is not installed."""
+    try:
+        return importlib.import_module({"flash_attn": "flash_attn", "xformers": "xformers.ops"}[name])
+    except ImportError:
+        return None
+
+
+def competitor_notes(device: torch.device) -> List[str]:
+    """What is measured against, and what is left out and why: to print loudly before a run."""
+    notes = [f"sdpa backends tried: {', '.join(name[5:] for name in sdpa_backends(device))} "
+             "(a backend that refuses a case is left out of it, and the table says so)"]
+    if device.type != "cuda":
+        notes.append("flash_attn, xformers: CUDA only, not measured on this device")
+        return notes
+    for name, pip in (("flash_attn", "flash-attn"), ("xformers", "xformers")):
+        if third_party(name) is None:
+            notes.append(f"{name}: NOT INSTALLED, its rows are left out (pip install {pip})")
+        else:
+            notes.append(f"{name}: measured without padding (padding needs its varlen API, not measured here)")
+    return notes
+
+
+# --------------------------------------------------------------------------------------------- builders
+
+
+def _forward(fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
+    def run() -> Tensor:
+        with torch.no_grad():
+            return fn()
+    return run
+
+
+def _forward_backward(fn: Callable[[], Tensor], grad: Tensor) -> Callable[[], None]:
+    def run() -> None:
+        fn().backward(grad)
+    return run
+
+
+def _on_backend(backend: str, fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
+    def run() -> Tensor:
+        with ft.use_backend(backend):
+            return fn()
+    return run
+
+
+def _randn(setup: Setup, *shape: int, scale: float = 1.0, grad: bool = False) -> Tensor:
+    t = torch.randn(*shape, device=setup.device, dtype=setup.dtype) * scale
+    return t.requires_grad_(grad)
+
+
+def _padding_mask(kept: Sequence[int], length: int, device: torch.device) -> Tensor:
+    """``[B, L]`` bool, True = padding (the torch.nn convention)."""
+    return torch.arange(length, device=device)[None, :] >= torch.tensor(list(kept), device=device)[:, None]
+
+
+def _build_attention(setup: Setup, impls: Tuple[str, ...], batch: int, heads: int, length: int, head_dim: int,
+                     causal: bool, kept: Optional[List[int]], backward: bool) -> Built:
+    torch.manual_seed(0)
+    q, k, v = (_randn(setup, batch, heads, length, head_dim, grad=backward) for _ in range(3))
+    grad = _randn(setup, batch, heads, length, head_dim)
+    key_padding = _padding_mask(kept, length, setup.device) if kept is not None else None
+    sdpa_mask = None
+    if key_padding is not None:
+        sdpa_mask = ~key_padding[:, None, None, :]
+        if causal:
+            sdpa_mask = sdpa_mask & torch.ones(length, length, dtype=torch.bool, device=setup.device).tril()
+
+    def sdpa() -> Tensor:
+        if sdpa_mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def under(backend: object) -> Callable[[], Tensor]:
+        def run() -> Tensor:
+            from torch.nn.attention import sdpa_kernel
+
+            with sdpa_kernel([backend]):
+                return sdpa()
+        return run
+
+    calls: Dict[str, Callable[[], Tensor]] = {
+        "sdpa": sdpa,
+        "ours": _on_backend(setup.backend, lambda: ft.attention(q, k, v, key_padding_mask=key_padding,
+                                                                is_causal=causal)),
+    }
+    calls.update({name: under(backend) for name, backend in sdpa_backends(setup.device).items()})
+    grads = [q, k, v]
+    if "flash_attn" in impls or "xformers" in impls:
+        # Both take [B, L, H, D]: transposed copies made here, outside the timed call.
+        qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_(backward) for t in (q, k, v))
+        grad_t = grad.transpose(1, 2).contiguous()
+        grads += [qt, kt, vt]
+        if "flash_attn" in impls:
+            calls["flash_attn"] = lambda: third_party("flash_attn").flash_attn_func(qt, kt, vt, causal=causal)
+        if "xformers" in impls:
+            xops = third_party("xformers")
+            calls["xformers"] = lambda: xops.memory_efficient_attention(
+                qt, kt, vt, attn_bias=xops.LowerTriangularMask() if causal else None)
+    fns = {}
+    for name in impls:
+        out_grad = grad_t if name in ("flash_attn", "xformers") else grad
+        fns[name] = _forward_backward(calls[name], out_grad) if backward else _forward(calls[name])
+    dispatch = sdpa_dispatch(q, k, v, sdpa_mask, causal and sdpa_mask is None)
+    return Built(fns, grads, {"sdpa": f"dispatch {dispatch}"} if dispatch else {})
+
+
+def attention_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
+    gpu = setup.device.type == "cuda"
+    masks = [("none", False, 0.0), ("causal", True, 0.0), ("pad50%", False, 0.5)]
+    if gpu:
+        masks.append(("causal+pad50%", True, 0.5))
+    for head_dim in (64, 128) if gpu else (64,):
+        for mask, causal, padding in masks:
+            impls = ("sdpa", "ours", *sdpa_backends(setup.device))
+            if gpu and padding == 0.0:
+                impls += tuple(name for name in ("flash_attn", "xformers") if third_party(name) is not None)
+            for mode in ("fwd", "fwd+bwd"):
+                for length in lengths:
+                    batch, heads = (max(GPU_ATTENTION_TOKENS // length, 2), 2048 // head_dim) if gpu else (8, 8)
+                    kept = kept_lengths(batch, length, padding)
+                    backward = mode == "fwd+bwd"
+                    yield Case(
+                        "attention", mask, mode, length, batch, impls, heads=heads, head_dim=head_dim,
+                        d_model=heads * head_dim, causal=causal, padding=padding_ratio(kept, length),
+                        flops=attention_flops(batch, heads, length, head_dim, causal=causal, kept=kept,
+                                              backward=backward),
+                        build=functools.partial(_build_attention, setup, impls, batch, heads, length, head_dim,
+                                                causal, kept if padding else None, backward),
+                    )
+
+
+def _build_layer_norm(setup: Setup, batch: int, length: int, hidden: int, backward: bool) -> Built:
+    torch.manual_seed(0)
+    x, residual = (_randn(setup, batch, length, hidden, grad=backward) for _ in range(2))
+    weight = (1 + _randn(setup, hidden, scale=0.1)).requires_grad_(backward)
+    bias = _randn(setup, hidden, scale=0.1, grad=backward)
+    grad = _randn(setup, batch, length, hidden)
+    calls = {
+        "torch": lambda: F.layer_norm(F.dropout(x, DROPOUT) + residual, (hidden,), weight, bias),
+        "ours": _on_backend(setup.backend, lambda: ft.layer_norm(x, weight, bias, residual=residual,
+                                                                 dropout_p=DROPOUT)),
+    }
+    wrap = (lambda fn: _forward_backward(fn, grad)) if backward else _forward
+    return Built({name: wrap(fn) for name, fn in calls.items()}, [x, residual, weight, bias])
+
+
+def layer_norm_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
+    batch = 8
+    for hidden in (1024, 4096) if setup.device.type == "cuda" else (256, 1024):
+        for mode in ("fwd", "fwd+bwd"):
+            for length in lengths:
+                backward = mode == "fwd+bwd"
+                yield Case(
+                    "layer_norm", f"d{hidden}", mode, length, batch, ("torch", "ours"), d_model=hidden,
+                    nbytes=layer_norm_bytes(batch * length, hidden, setup.dtype.itemsize, backward=backward),
+                    build=functools.partial(_build_layer_norm, setup, batch, length, hidden, backward),
+                )
+
+
+def _build_feed_forward(setup: Setup, batch: int, length: int, d_model: int, d_ff: int, backward: bool) -> Built:
+    torch.manual_seed(0)
+    x = _randn(setup, batch, length, d_model, grad=backward)
+    w1 = _randn(setup, d_ff, d_model, scale=d_model ** -0.5, grad=backward)
+    b1 = _randn(setup, d_ff, scale=0.1, grad=backward)
+    w2 = _randn(setup, d_model, d_ff, scale=d_ff ** -0.5, grad=backward)
+    b2 = _randn(setup, d_model, scale=0.1, grad=backward)
+    grad = _randn(setup, batch, length, d_model)
+    calls = {
+        "torch": lambda: F.linear(F.dropout(F.gelu(F.linear(x, w1, b1)), DROPOUT), w2, b2),
+        "ours": _on_backend(setup.backend, lambda: ft.feed_forward(x, w1, b1, w2, b2, activation="gelu",
+                                                                   dropout_p=DROPOUT)),
+    }
+    wrap = (lambda fn: _forward_backward(fn, grad)) if backward else _forward
+    return Built({name: wrap(fn) for name, fn in calls.items()}, [x, w1, b1, w2, b2])
+
+
+def feed_forward_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
+    batch = 8
+    shapes = ((1024, 4096), (4096, 16384)) if setup.device.type == "cuda" else ((256, 1024), (512, 2048))
+    for d_model, d_ff in shapes:
+        for mode in ("fwd", "fwd+bwd"):
+            for length in lengths:
+                backward = mode == "fwd+bwd"
+                yield Case(
+                    "feed_forward", f"d{d_model} ff{d_ff}", mode, length, batch, ("torch", "ours"),
+                    d_model=d_model, d_ff=d_ff,
+                    flops=feed_forward_flops(batch * length, d_model, d_ff, backward=backward),
+                    build=functools.partial(_build_feed_forward, setup, batch, length, d_model, d_ff, backward),
+                )
+
+
+def _build_layer(setup: Setup, decoder: bool, batch: int, length: int, d_model: int, heads: int, d_ff: int,
+                 kept: Optional[List[int]], train: bool) -> Built:
+    torch.manual_seed(0)
+    torch_class = nn.TransformerDecoderLayer if decoder else nn.TransformerEncoderLayer
+    ours_class = ft.TransformerDecoderLayer if decoder else ft.TransformerEncoderLayer
+    theirs = torch_class(d_model, heads, d_ff, dropout=DROPOUT, batch_first=True, device=setup.device,
+                         dtype=setup.dtype)
+    ours = ours_class(d_model, heads, d_ff, dropout=DROPOUT, batch_first=True, device=setup.device,
+                      dtype=setup.dtype)
+    ours.load_state_dict(theirs.state_dict())
+    x = _randn(setup, batch, length, d_model)
+    memory = _randn(setup, batch, length, d_model)
+    grad = _randn(setup, batch, length, d_model)
+    padding = _padding_mask(kept, length, setup.device) if kept is not None else None
+    causal = torch.ones(length, length, dtype=torch.bool, device=setup.device).triu(1)  # True = masked
+
+    def call(layer: nn.Module) -> Callable[[], Tensor]:
+        if decoder:
+            return lambda: layer(x, memory, tgt_mask=causal, tgt_key_padding_mask=padding,
+                                 memory_key_padding_mask=padding, tgt_is_causal=True)
+        return lambda: layer(x, src_key_padding_mask=padding)
+
+    fns = {}
+    for name, layer, fn in (("torch.nn", theirs, call(theirs)), ("ours", ours, _on_backend(setup.backend, call(ours)))):
+        layer.train(train)
+        fns[name] = _forward_backward(fn, grad) if train else _forward(fn)
+    return Built(fns, [*theirs.parameters(), *ours.parameters()])
+
+
+def _layer_cases(setup: Setup, lengths: Sequence[int], decoder: bool) -> Iterator[Case]:
+    gpu = setup.device.type == "cuda"
+    batch, d_model, heads, d_ff = (8, 1024, 16, 4096) if gpu else (16, 256, 8, 512)
+    suite = "decoder_layer" if decoder else "encoder_layer"
+    for case, padding in (("no padding", 0.0), ("pad50%", 0.5)):
+        for mode in ("train", "eval"):
+            for length in lengths:
+                kept = kept_lengths(batch, length, padding)
+                yield Case(
+                    suite, case, mode, length, batch, ("torch.nn", "ours"), heads=heads,
+                    head_dim=d_model // heads, d_model=d_model, d_ff=d_ff, causal=decoder,
+                    padding=padding_ratio(kept, length),
+                    build=functools.partial(_build_layer, setup, decoder, batch, length, d_model, heads, d_ff,
+                                            kept if padding else None, mode == "train"),
+                )
+
+
+CASES: Dict[str, Callable[[Setup, Sequence[int]], Iterator[Case]]] = {
+    "attention": attention_cases,
+    "layer_norm": layer_norm_cases,
+    "feed_forward": feed_forward_cases,
+    "encoder_layer": functools.partial(_layer_cases, decoder=False),
+    "decoder_layer": functools.partial(_layer_cases, decoder=True),
+}
+
+
+def describe(suite: str, setup: Setup) -> str:
+    """The shapes a suite runs on this device, in words (for the table's header)."""
+    gpu = setup.device.type == "cuda"
+    if suite == "attention":
+        if gpu:
+            return (f"batch {GPU_ATTENTION_TOKENS} / L (at least 2), 2048 / D heads, D 64 and 128, "
+                    f"dropout 0")
+        return "batch 8, 8 heads, D 64, dropout 0"
+    if suite == "layer_norm":
+        return f"batch 8, d_model {'1024, 4096' if gpu else '256, 1024'}, residual, dropout {DROPOUT}"
+    if suite == "feed_forward":
+        shapes = "1024/4096, 4096/16384" if gpu else "256/1024, 512/2048"
+        return f"batch 8, d_model/d_ff {shapes}, GELU, dropout {DROPOUT}"
+    dims = "batch 8, d_model 1024, 16 heads, d_ff 4096" if gpu else "batch 16, d_model 256, 8 heads, d_ff 512"
+    causal = ", causal self-attention, memory as long as the target" if suite == "decoder_layer" else ""
+    return f"{dims}, dropout {DROPOUT}{causal}"
+
+
+def default_lengths(suite: str, device: torch.device, quick: bool) -> Tuple[int, ...]:
+    full, short = LENGTHS[("cuda" if device.type == "cuda" else "cpu", suite)]
+    return short if quick else full
+
+
+def cases(suite: str, setup: Setup, lengths: Optional[Sequence[int]] = None, quick: bool = False) -> List[Case]:
+    """Every case of ``suite`` on ``setup``, over ``lengths`` (default: the suite's lengths for this device)."""
+    if suite not in CASES:
+        raise ValueError(f"suite={suite!r} is not one of {', '.join(SUITES)}")
+    return list(CASES[suite](setup, lengths or default_lengths(suite, setup.device, quick)))
+
+
+# ------------------------------------------------------------------------------------------- measuring
+
+
+def reset_grads(tensors: Sequence[Tensor]) -> None:
+    for t in tensors:
+        t.grad = None
+
+
+def runner(fn: Callable[[], object], grads: Sequence[Tensor], device: torch.device) -> Callable[[], None]:
+    """One benchmarked call as CPU timers see it: reset gradients, call, wait for the device."""
+    def run() -> None:
+        reset_grads(grads)
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return run
+
+
+def time_ms(fns: Dict[str, Callable[[], object]], grads: Sequence[Tensor], device: torch.device,
+            min_time: float, max_rounds: int = 5) -> Dict[str, float]:
+    """Median milliseconds of one call of each implementation, measured side by side.
+
+    CUDA: ``triton.testing.do_bench`` medians, one implementation after the other. CPU: the implementations
+    take turns: one call each, then up to ``max_rounds - 1`` rounds in which each runs a block of calls lasting
+    about ``min_time / rounds``, so that a slow-down of a shared machine hits them all alike. The result is the
+    median over the blocks of ``torch.utils.benchmark`` time per call (a single call when one takes
+    ``min_time`` or more).
+    """
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return {name: float(do_bench(fn, grad_to_none=list(grads) or None, return_mode="median"))
+                for name, fn in fns.items()}
+    from torch.utils.benchmark import Timer
+
+    timers = {name: Timer("run()", globals={"run": runner(fn, grads, device)}, num_threads=torch.get_num_threads())
+              for name, fn in fns.items()}
+    # A first block of one call each sizes the others (and counts): calls of a second or more get no more.
+    blocks = {name: [timer.timeit(1).median] for name, timer in timers.items()}  # seconds per call
+    rounds = min(max_rounds - 1, int(min_time / max(times[0] for times in blocks.values())))
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            blocks[name].append(timer.timeit(max(1, round(min_time / rounds / blocks[name][0]))).median)
+    return {name: statistics.median(times) * 1e3 for name, times in blocks.items()}
+
+
+MEMORY_MEASURES = {
+    "cuda": "cuda max_memory_allocated over one call, above the start",
+    "cpu": "CPU allocator bytes allocated during one call (profiler memory events), peak above the start",
+}
+
+
+def peak_memory_mb(fn: Callable[[], object], grads: Sequence[Tensor], device: torch.device) -> float:
+    """Peak memory of one call in MiB, as ``MEMORY_MEASURES`` describes for the device type."""
+    reset_grads(grads)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    return _cpu_allocated_peak(fn) / 2**20
+
+
+def _cpu_allocated_peak(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated through torch's CPU allocator during ``fn()`` (on this thread), above the start.
+
+    The profiler's memory events carry the allocator's running total ("Total Allocated") after each allocation
+    and free; the first event's total minus its own size is the level at the start.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        with _quiet_stderr():
+            prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.remove(path)
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    if not memory:
+        return 0
+    start = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
+    return max(0, max(e["args"]["Total Allocated"] for e in memory) - start)
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence the profiler's C++ start/stop log lines (written straight to file descriptor 2)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def is_competitor(impl: str) -> bool:
+    """Implementations allowed to refuse a case (left out of it with a note) rather than fail the run."""
+    return impl.startswith("sdpa:") or impl in ("flash_attn", "xformers")
+
+
+def tflops_of(case: Case, ms: float) -> Optional[float]:
+    return case.flops / ms / 1e9 if case.flops is not None else None
+
+
+def gbps_of(case: Case, ms: float) -> Optional[float]:
+    return case.nbytes / ms / 1e6 if case.nbytes is not None else None
+
+
+def tokens_per_s(case: Case, ms: float) -> float:
+    return case.tokens / ms * 1e3
+
+
+def finite(x: Optional[float]) -> bool:
+    return x is not None and math.isfinite(x)

@@ -1,0 +1,419 @@
+"""``python -m fused_transformer bench``: throughput of the fused ops and layers against their torch equivalents.
+
+    python -m fused_transformer bench [--quick] [--device cpu|cuda] [--suite NAME ...] [--lengths 128,256]
+                                      [--dtype fp32|fp16|bf16] [--out DIR] [--min-time S] [--threads N]
+                                      [--backend NAME] [--no-plots]
+
+Runs the suites of ``fused_transformer.bench_suites`` (attention, layer_norm, feed_forward, encoder_layer,
+decoder_layer; all by default), prints one table row per measurement as it goes, and writes to ``--out``
+(default ``bench-results/``):
+
+- ``bench_<device>.csv``, one row per (case, implementation), columns ``COLUMNS``:
+  ``suite, case, mode, impl`` (what was measured: ``case`` is the mask or shape, ``mode`` fwd / fwd+bwd for the
+  ops, train / eval for the layers, ``impl`` ours / sdpa / sdpa:<backend> / flash_attn / xformers / torch /
+  torch.nn); ``device, dtype, batch, heads, seq_len, head_dim, d_model, d_ff, causal, padding`` (the shape;
+  ``padding`` is the fraction of keys that are padding); ``ms`` (median time of one call);
+  ``tflops`` (counted work / time, attention and feed-forward), ``tokens_per_s`` (batch * seq_len / time),
+  ``gb_per_s`` and ``bw_of_peak`` (layer_norm: counted bytes / time, and that as a fraction of the GPU's peak
+  DRAM bandwidth when known); ``peak_mem_mb`` and ``mem_measure`` (peak memory of one call in MiB, and how it
+  was measured: ``cuda_max_allocated`` or ``cpu_profiler_alloc``); ``baseline`` (the implementation the
+  speed-up is against: sdpa's default dispatch, torch, torch.nn) and ``speedup`` (baseline ms / this ms: > 1 means
+  faster than the baseline, 1.0 for the baseline itself); ``note`` (the backend ours ran on, the backend SDPA's
+  default dispatch picked).
+- ``<suite>_<device>_throughput.png``: TFLOP/s (attention, feed-forward) or tokens/s (layer_norm, layers) against
+  the sequence length, one line per implementation, one panel per case and mode;
+- ``<suite>_<device>_memory.png``: peak memory against the sequence length, same panels.
+
+Work counted, timing and memory measurement are described in ``fused_transformer.bench_suites``. Exit code 0,
+or 1 if one of our implementations or a baseline failed on a case (the other cases are still measured).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+import fused_transformer as ft
+from fused_transformer import bench_suites as suites
+from fused_transformer.bench_suites import Case, Setup
+
+COLUMNS = (
+    "suite", "case", "mode", "impl", "device", "dtype", "batch", "heads", "seq_len", "head_dim", "d_model",
+    "d_ff", "causal", "padding", "ms", "tflops", "tokens_per_s", "gb_per_s", "bw_of_peak", "peak_mem_mb",
+    "mem_measure", "baseline", "speedup", "note",
+)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+Row = Dict[str, object]
+
+
+# -------------------------------------------------------------------------------------------- measuring
+
+
+def measure(case: Case, setup: Setup, min_time: float, failures: List[str]) -> Iterator[Row]:
+    """Time every implementation of ``case`` side by side (``bench_suites.time_ms``) and yield its CSV rows,
+    the baseline first, then ours. An implementation that refuses the case yields a row with ``ms`` None and
+    the reason in ``note``."""
+    try:
+        built = case.build()
+    except (RuntimeError, ValueError) as exc:  # e.g. out of memory while allocating the inputs
+        failures.append(f"{case.id}: {_first_line(exc)}")
+        yield _row(case, setup, case.baseline, None, None, f"FAILED to build the case: {_first_line(exc)}")
+        return
+    accepted, memory = {}, {}
+    for impl in case.impls:
+        fn = built.fns[impl]
+        try:
+            with _quiet(impl == "sdpa" or suites.is_competitor(impl)):
+                # The first call warms up and tells whether this implementation takes the case at all. On CPU it
+                # is also the memory measurement (the slowest calls take seconds); on CUDA the first call of a
+                # new shape may autotune, so memory is measured on a second one.
+                if setup.device.type == "cuda":
+                    suites.reset_grads(built.grads)
+                    fn()
+                memory[impl] = suites.peak_memory_mb(fn, built.grads, setup.device)
+        except (RuntimeError, ValueError, NotImplementedError) as exc:
+            _free_device_memory(setup.device)
+            if suites.is_competitor(impl):
+                yield _row(case, setup, impl, None, None, f"refused, left out: {_first_line(exc)}")
+                continue
+            failures.append(f"{case.id} {impl}: {_first_line(exc)}")
+            yield _row(case, setup, impl, None, None, f"FAILED: {_first_line(exc)}")
+            if impl == case.baseline:
+                return  # no speed-up to report against
+            continue
+        accepted[impl] = fn
+    notes = built.notes
+    try:
+        with _quiet(case.suite == "attention"):
+            times = suites.time_ms(accepted, built.grads, setup.device, min_time)
+    except (RuntimeError, ValueError, NotImplementedError) as exc:  # out of memory, say
+        failures.append(f"{case.id}: {_first_line(exc)}")
+        yield _row(case, setup, case.baseline, None, None, f"FAILED while timing: {_first_line(exc)}")
+        return
+    finally:
+        del built, accepted  # the inputs, before the next case allocates its own
+        _free_device_memory(setup.device)
+    for impl, ms in times.items():
+        yield _row(case, setup, impl, ms, memory[impl], _note(notes, setup, impl), times.get(case.baseline))
+
+
+def _row(case: Case, setup: Setup, impl: str, ms: Optional[float], mem: Optional[float], note: str,
+         baseline_ms: Optional[float] = None) -> Row:
+    measured = ms is not None
+    bandwidth = suites.gbps_of(case, ms) if measured else None
+    peak = suites.peak_bandwidth_gbps(setup.device)
+    return {
+        "suite": case.suite, "case": case.case, "mode": case.mode, "impl": impl, "device": setup.device.type,
+        "dtype": str(setup.dtype).replace("torch.", ""), "batch": case.batch, "heads": case.heads,
+        "seq_len": case.seq_len, "head_dim": case.head_dim, "d_model": case.d_model, "d_ff": case.d_ff,
+        "causal": case.causal, "padding": round(case.padding, 4), "ms": ms,
+        "tflops": suites.tflops_of(case, ms) if measured else None,
+        "tokens_per_s": suites.tokens_per_s(case, ms) if measured else None,
+        "gb_per_s": bandwidth, "bw_of_peak": bandwidth / peak if bandwidth is not None and peak else None,
+        "peak_mem_mb": mem, "mem_measure": _mem_measure(setup.device) if measured else None,
+        "baseline": case.baseline,
+        "speedup": baseline_ms / ms if measured and baseline_ms is not None else None,
+        "note": note,
+    }
+
+
+def _mem_measure(device: torch.device) -> str:
+    return "cuda_max_allocated" if device.type == "cuda" else "cpu_profiler_alloc"
+
+
+def _note(notes: Dict[str, str], setup: Setup, impl: str) -> str:
+    if impl == "ours":
+        with ft.use_backend(setup.backend):
+            return f"backend {ft.current(setup.device, setup.dtype)}"
+    return notes.get(impl, "")
+
+
+@contextlib.contextmanager
+def _quiet(active: bool) -> Iterator[None]:
+    """SDPA warns about each backend that refuses a case: the table already says so."""
+    with warnings.catch_warnings():
+        if active:
+            warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+def _free_device_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:160]
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def _rate(row: Row) -> str:
+    if row["tflops"] is not None:
+        return f"{row['tflops']:.3g} TFLOP/s"
+    text = f"{row['tokens_per_s'] / 1e3:.4g}k tok/s"
+    if row["gb_per_s"] is not None:
+        text += f", {row['gb_per_s']:.3g} GB/s"
+        if row["bw_of_peak"] is not None:
+            text += f" ({row['bw_of_peak']:.0%} of peak)"
+    return text
+
+
+TABLE = "{case:<14}{mode:<9}{seq_len:>6}  {impl:<22}{ms:>10}  {rate:<34}{mem:>10}{speedup:>10}"
+
+
+def print_header(suite: str, setup: Setup, baseline: str) -> None:
+    print(f"\n== {suite}: {suites.describe(suite, setup)}; {setup.device.type} {str(setup.dtype)[6:]}; "
+          f"speed-up = {baseline} ms / ms (> 1: faster than {baseline})")
+    print(TABLE.format(case="case", mode="mode", seq_len="L", impl="impl", ms="ms", rate="throughput",
+                       mem="peak MB", speedup="speed-up"), flush=True)
+
+
+def print_row(row: Row) -> None:
+    if row["ms"] is None:
+        print(TABLE.format(case=row["case"], mode=row["mode"], seq_len=row["seq_len"], impl=row["impl"], ms="-",
+                           rate=row["note"], mem="", speedup=""), flush=True)
+        return
+    speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else "-"
+    note = f"  {row['note']}" if row["note"] and row["impl"] != "ours" else ""  # ours' backend is in the header
+    print(TABLE.format(case=row["case"], mode=row["mode"], seq_len=row["seq_len"], impl=row["impl"],
+                       ms=f"{row['ms']:.3f}", rate=_rate(row), mem=f"{row['peak_mem_mb']:.1f}", speedup=speedup)
+          + note, flush=True)
+
+
+def _csv_value(value: object) -> object:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return "" if value is None else value
+
+
+THROUGHPUT = {  # suite -> (CSV column, axis label)
+    "attention": ("tflops", "TFLOP/s (attended pairs counted)"),
+    "feed_forward": ("tflops", "TFLOP/s"),
+    "layer_norm": ("tokens_per_s", "tokens/s"),
+    "encoder_layer": ("tokens_per_s", "tokens/s"),
+    "decoder_layer": ("tokens_per_s", "tokens/s"),
+}
+MEMORY_AXIS = {
+    "cuda": "peak MiB allocated over one call\n(cuda max_memory_allocated)",
+    "cpu": "peak MiB allocated during one call\n(CPU allocator, profiler memory events)",
+}
+
+
+def plot_suite(rows: Sequence[Row], suite: str, setup: Setup, out_dir: str) -> List[str]:
+    """Write the throughput and memory figures of one suite; return their paths."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    rows = [r for r in rows if r["suite"] == suite and r["ms"] is not None]
+    if not rows:
+        return []
+    head_dims = {r["head_dim"] for r in rows}
+    row_keys = list(dict.fromkeys(_panel_row(r, len(head_dims) > 1 and suite == "attention") for r in rows))
+    col_keys = list(dict.fromkeys(r["case"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    colors = {impl: "black" if impl == "ours" else f"C{i}" for i, impl in enumerate(impls)}
+    lengths = sorted({r["seq_len"] for r in rows})
+    device, dtype = setup.device.type, str(setup.dtype)[6:]
+    paths = []
+    for kind, (column, label) in (("throughput", THROUGHPUT[suite]), ("memory", ("peak_mem_mb", MEMORY_AXIS[device]))):
+        fig = Figure(figsize=(3.6 * len(col_keys) + 0.4, 2.7 * len(row_keys) + 0.8), dpi=100)
+        canvas = FigureCanvasAgg(fig)
+        axes = fig.subplots(len(row_keys), len(col_keys), squeeze=False, sharex=True)
+        for i, row_key in enumerate(row_keys):
+            for j, col_key in enumerate(col_keys):
+                ax = axes[i][j]
+                panel = [r for r in rows if r["case"] == col_key and
+                         _panel_row(r, len(head_dims) > 1 and suite == "attention") == row_key]
+                for impl in impls:
+                    points = sorted((r["seq_len"], r[column]) for r in panel if r["impl"] == impl
+                                    and suites.finite(r[column]) and (kind == "throughput" or r[column] > 0))
+                    if points:
+                        ax.plot(*zip(*points), marker="o", markersize=3, color=colors[impl], label=impl,
+                                linewidth=2.4 if impl == "ours" else 1.2, linestyle="-" if impl == "ours" else "--")
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(lengths, [str(n) for n in lengths])
+                ax.xaxis.set_minor_formatter(NullFormatter())
+                if kind == "memory":  # linear and quadratic growth both read as straight lines
+                    ax.set_yscale("log")
+                    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+                    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+                    ax.yaxis.set_minor_formatter(NullFormatter())
+                ax.tick_params(axis="both", which="both", labelsize=7)
+                ax.set_title(f"{col_key}, {row_key}", fontsize=9)
+                ax.grid(True, alpha=0.3)
+                if i == len(row_keys) - 1:
+                    ax.set_xlabel("sequence length", fontsize=8)
+                if j == 0:
+                    ax.set_ylabel(label, fontsize=8)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        for ax in axes.flat:  # a panel may lack an implementation: collect every label once
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels:
+                    handles.append(h)
+                    labels.append(lab)
+        better = "higher" if kind == "throughput" else "lower"
+        fig.suptitle(f"{suite} on {device}, {dtype}: {kind} ({better} is better)", fontsize=10)
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, 0.06 if len(row_keys) > 1 else 0.1, 1, 0.96))
+        path = os.path.join(out_dir, f"{suite}_{device}_{kind}.png")
+        _save_png(canvas, path)
+        paths.append(path)
+    return paths
+
+
+def _save_png(canvas: object, path: str) -> None:
+    """A 64-colour palette PNG: line plots need no more, and the file is a third of the size."""
+    from PIL import Image  # matplotlib's own dependency
+
+    canvas.draw()
+    image = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
+    image.convert("RGB").quantize(colors=64).save(path, optimize=True)
+
+
+def _panel_row(row: Row, by_head_dim: bool) -> str:
+    return f"{row['mode']} D{row['head_dim']}" if by_head_dim else str(row["mode"])
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def _lengths(text: str) -> List[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: the lengths must be positive integers")
+    return values
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+    return value
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m fused_transformer bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer sequence lengths and shorter timings (about 1-2 minutes on a 2-core CPU)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda[:N] (default: cuda when there is one)")
+    parser.add_argument("--suite", action="append", metavar="NAME", choices=suites.SUITES,
+                        help=f"a suite to run, one of {', '.join(suites.SUITES)}; repeat for several (default: all)")
+    parser.add_argument("--lengths", type=_lengths, metavar="L,L,...",
+                        help="sequence lengths, e.g. 128,256 (default: per suite and device)")
+    parser.add_argument("--dtype", choices=DTYPES, help="default fp32 on CPU, bf16 on CUDA")
+    parser.add_argument("--out", default="bench-results", metavar="DIR",
+                        help="folder for the CSV and the plots (default: %(default)s)")
+    parser.add_argument("--min-time", type=_positive, metavar="SECONDS",
+                        help="CPU: seconds each implementation of a case is timed for, at least (default 0.5, 0.2 "
+                        "with --quick)")
+    parser.add_argument("--backend", default="auto", choices=ft.backend.BACKENDS,
+                        help="the fused_transformer backend 'ours' runs on (default: %(default)s)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help=f"CPU threads for torch and our kernels (default {torch.get_num_threads()}, torch's)")
+    parser.add_argument("--no-plots", action="store_true", help="write the CSV only")
+    args = parser.parse_args(argv)
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a torch device")
+    if args.device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device} is not supported: cpu or cuda")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here")
+    args.dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if args.device.type == "cuda" else torch.float32)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads {args.threads}: must be at least 1")
+    if args.min_time is None:
+        args.min_time = 0.2 if args.quick else 0.5
+    with ft.use_backend(args.backend):
+        try:
+            ft.current(args.device, args.dtype)
+        except RuntimeError as exc:
+            parser.error(f"--backend {args.backend}: {exc}")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or threads)
+    try:
+        return run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup = Setup(args.device, args.dtype, args.backend)
+    names = list(dict.fromkeys(args.suite or suites.SUITES))
+    os.makedirs(args.out, exist_ok=True)
+    if setup.device.type == "cuda":
+        torch.cuda.set_device(setup.device)  # do_bench and the memory statistics use the current device
+    device_name = torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else "CPU"
+    with ft.use_backend(setup.backend):
+        ours = ft.current(setup.device, setup.dtype)
+    print(f"fused_transformer bench: torch {torch.__version__}, {device_name}, {torch.get_num_threads()} threads, "
+          f"{str(setup.dtype)[6:]}; ours = backend {setup.backend!r} -> {ours}")
+    if setup.backend == "auto" and setup.device.type == "cpu" and ours != "cpu":
+        print(f"WARNING: the C++ cpu backend is unavailable ({ft.backend.cpu_unavailable_reason()}); "
+              "'ours' is the pure-PyTorch reference here")
+    for note in suites.competitor_notes(setup.device):
+        print(f"  {note}")
+    timing = ("triton.testing.do_bench median" if setup.device.type == "cuda" else
+              f"torch.utils.benchmark, the implementations of a case taking turns (at least {args.min_time:g} s "
+              "each), median")
+    print(f"  time: {timing}\n  peak memory: {suites.MEMORY_MEASURES[setup.device.type]}")
+    csv_path = os.path.join(args.out, f"bench_{setup.device.type}.csv")
+    rows: List[Row] = []
+    failures: List[str] = []
+    started = time.perf_counter()
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for name in names:
+            suite_started = time.perf_counter()
+            cases = suites.cases(name, setup, args.lengths, args.quick)
+            print_header(name, setup, cases[0].baseline)
+            for case in cases:
+                for row in measure(case, setup, args.min_time, failures):
+                    print_row(row)
+                    rows.append(row)
+                    writer.writerow({key: _csv_value(value) for key, value in row.items()})
+                    f.flush()
+            print(f"({name}: {len(cases)} cases in {time.perf_counter() - suite_started:.0f} s)", flush=True)
+    print(f"\nwrote {csv_path} ({len(rows)} rows) in {time.perf_counter() - started:.0f} s")
+    if not args.no_plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("matplotlib is NOT INSTALLED: no plots written (pip install matplotlib, or the [bench] extra)")
+        else:
+            for name in names:
+                for path in plot_suite(rows, name, setup, args.out):
+                    print(f"wrote {path}")
+    if failures:
+        print(f"\n{len(failures)} failure(s):\n  " + "\n  ".join(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""``python -m fused_transformer bench``: runs end to end on CPU, writes the promised CSV columns and the plots,
+counts the work it promises to count, and refuses bad options."""
+import csv
+import math
+
+import pytest
+import torch
+
+from fused_transformer import backend, bench_suites, benchmark
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One tiny run of every suite on CPU: length 32, short timings."""
+    out = tmp_path_factory.mktemp("bench")
+    code = benchmark.main(["--quick", "--device", "cpu", "--lengths", "32", "--min-time", "0.01",
+                           "--threads", "1", "--out", str(out)])
+    with open(out / "bench_cpu.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        return code, out, reader.fieldnames, list(reader)
+
+
+def test_cli_runs_end_to_end(bench_run):
+    code, _, _, rows = bench_run
+    assert code == 0
+    assert {row["suite"] for row in rows} == set(bench_suites.SUITES)
+
+
+def test_csv_has_the_promised_columns(bench_run):
+    _, _, fieldnames, rows = bench_run
+    assert tuple(fieldnames) == benchmark.COLUMNS == (
+        "suite", "case", "mode", "impl", "device", "dtype", "batch", "heads", "seq_len", "head_dim", "d_model",
+        "d_ff", "causal", "padding", "ms", "tflops", "tokens_per_s", "gb_per_s", "bw_of_peak", "peak_mem_mb",
+        "mem_measure", "baseline", "speedup", "note",
+    )
+    assert rows and all(row["device"] == "cpu" and row["dtype"] == "float32" for row in rows)
+
+
+def test_csv_has_ours_and_every_baseline(bench_run):
+    _, _, _, rows = bench_run
+    impls = {suite: {row["impl"] for row in rows if row["suite"] == suite and row["ms"]}
+             for suite in bench_suites.SUITES}
+    assert {"ours", "sdpa", "sdpa:math", "sdpa:flash_attention"} <= impls["attention"]
+    assert impls["layer_norm"] == impls["feed_forward"] == {"ours", "torch"}
+    assert impls["encoder_layer"] == impls["decoder_layer"] == {"ours", "torch.nn"}
+    masks = {(row["case"], row["mode"]) for row in rows if row["suite"] == "attention"}
+    assert masks == {(m, p) for m in ("none", "causal", "pad50%") for p in ("fwd", "fwd+bwd")}
+    expected = "backend cpu" if backend.cpu_unavailable_reason() is None else "backend reference"
+    assert all(row["note"] == expected for row in rows if row["impl"] == "ours")
+
+
+def test_speedup_is_baseline_time_over_time(bench_run):
+    _, _, _, rows = bench_run
+    key = ("suite", "case", "mode", "seq_len", "head_dim", "d_model")
+    baseline_ms = {tuple(r[k] for k in key): float(r["ms"]) for r in rows if r["impl"] == r["baseline"]}
+    measured = [row for row in rows if row["ms"]]
+    assert len(measured) > len(baseline_ms)
+    for row in measured:
+        expected = baseline_ms[tuple(row[k] for k in key)] / float(row["ms"])
+        assert math.isclose(float(row["speedup"]), expected, rel_tol=1e-4), row
+        if row["impl"] == row["baseline"]:
+            assert float(row["speedup"]) == 1.0
+
+
+def test_throughput_and_memory_columns(bench_run):
+    _, _, _, rows = bench_run
+    for row in (r for r in rows if r["ms"]):
+        assert float(row["ms"]) > 0 and float(row["tokens_per_s"]) > 0
+        assert float(row["peak_mem_mb"]) >= 0 and row["mem_measure"] == "cpu_profiler_alloc"
+        assert bool(row["tflops"]) == (row["suite"] in ("attention", "feed_forward"))
+        assert bool(row["gb_per_s"]) == (row["suite"] == "layer_norm")
+        assert row["bw_of_peak"] == ""  # no peak bandwidth on CPU
+    # The math backend materialises the [L, L] scores: it allocates more than ours.
+    fwd = {row["impl"]: float(row["peak_mem_mb"]) for row in rows
+           if row["suite"] == "attention" and row["case"] == "none" and row["mode"] == "fwd+bwd"}
+    assert fwd["sdpa:math"] > fwd["ours"] > 0
+
+
+def test_plots_are_written(bench_run):
+    _, out, _, _ = bench_run
+    for suite in bench_suites.SUITES:
+        for kind in ("throughput", "memory"):
+            data = (out / f"{suite}_cpu_{kind}.png").read_bytes()
+            assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
+
+
+def test_table_is_printed_as_it_goes(tmp_path, capsys):
+    argv = ["--suite", "layer_norm", "--lengths", "16", "--min-time", "0.01", "--threads", "1", "--out", str(tmp_path),
+            "--no-plots"]
+    assert benchmark.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if line.startswith("d256 ") or line.startswith("d1024 ")]
+    assert len(rows) == 8 and all(row[-1].endswith("x") for row in rows)
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_attention_flops_count_the_attended_pairs():
+    full = bench_suites.attention_flops(2, 3, 128, 64)
+    assert full == 4 * 64 * 3 * 2 * 128 * 128
+    causal = bench_suites.attention_flops(2, 3, 128, 64, causal=True)
+    assert causal / full == pytest.approx(0.5, abs=0.01) and causal == 4 * 64 * 3 * 2 * 128 * 129 // 2
+    padded = bench_suites.attention_flops(2, 3, 128, 64, kept=[32, 96])
+    assert padded / full == 0.5
+    # causal and padding: query i sees min(i + 1, kept) keys
+    both = bench_suites.attention_flops(1, 1, 4, 1, causal=True, kept=[2])
+    assert both == 4 * (1 + 2 + 2 + 2)
+    assert bench_suites.attention_flops(2, 3, 128, 64, backward=True) == 3.5 * full
+    with pytest.raises(ValueError):
+        bench_suites.attention_flops(2, 3, 128, 64, kept=[128])
+
+
+def test_padding_ratio_and_other_counts():
+    kept = bench_suites.kept_lengths(8, 128, 0.5)
+    assert kept[:2] == [32, 96] and bench_suites.padding_ratio(kept, 128) == 0.5
+    assert bench_suites.kept_lengths(3, 10, 0.0) == [10, 10, 10]
+    assert bench_suites.feed_forward_flops(10, 4, 8) == 2 * 2 * 10 * 4 * 8
+    assert bench_suites.feed_forward_flops(10, 4, 8, backward=True) == 3 * 2 * 2 * 10 * 4 * 8
+    assert bench_suites.layer_norm_bytes(10, 4, 2) == 2 * (3 * 10 * 4 + 2 * 4)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--suite", "nope"],
+    ["--lengths", "abc"],
+    ["--lengths", "0,128"],
+    ["--dtype", "fp8"],
+    ["--device", "tpu"],
+    ["--device", "not a device"],
+    ["--min-time", "-1"],
+    ["--threads", "0"],
+    ["--backend", "cuda"],
+    ["--frobnicate"],
+])
+def test_bad_options_are_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        benchmark.main(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given when there is no GPU")
+def test_cuda_without_a_gpu_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        benchmark.main(["--device", "cuda"])
+    assert exc.value.code == 2 and "no CUDA device" in capsys.readouterr().err

@@ -1,0 +1,228 @@
+"""``python -m fused_transformer check``: runs end to end, covers every op, module and usable backend, fails
+(exit 1) when an op is broken, and its options and the rule behave as documented."""
+import io
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fused_transformer import __main__ as cli
+from fused_transformer import selfcheck
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # what `check` picks by default
+ROW = re.compile(r"^(?P<op>\w+)\s+(?P<backend>triton|cpu|reference)\s+(?P<dtype>float32|float16|bfloat16)\s+.*?"
+                 r"\s(?P<result>pass|FAIL|ERROR)(\s|$)")
+
+
+def rows(text):
+    """(op, backend, dtype, result, line) of every table row in ``text``."""
+    found = []
+    for line in text.splitlines():
+        m = ROW.match(line)
+        if m:
+            found.append((m["op"], m["backend"], m["dtype"], m["result"], line))
+    return found
+
+
+def run_check(capsys, *args):
+    code = cli.main(["check", "--no-progress", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_quick_check_covers_every_op_module_and_usable_backend(capsys):
+    code = cli.main(["check", "--quick"])
+    out, err = capsys.readouterr()
+    assert code == 0, out
+    usable = selfcheck.usable_backends(DEVICE)
+    assert "triton" in usable and "reference" in usable  # conftest switched the interpreter on without a GPU
+    found = rows(out)
+    assert {(op, b, d) for op, b, d, _, _ in found} == {
+        (op, b, d) for op in selfcheck.CHECKS for b in usable for d in selfcheck.QUICK_DTYPES
+    }
+    assert all(result == "pass" for *_, result, _ in found)
+    assert re.search(rf"^summary: {len(found)} checks, 0 failed; worst ratio float32 [\d.]+ .*bfloat16 [\d.]+ .*\d s$",
+                     out, re.M)
+    assert "backends: triton (" in out and "auto picks: float32 -> " in out
+    # stderr is not a terminal here: at most a sparse progress line, never escape codes or carriage returns
+    assert "\r" not in out + err and "\x1b" not in out + err
+    assert all(line.startswith("check: ") for line in err.splitlines())
+
+
+def test_hook_breaks_only_the_named_op_and_backend(capsys, monkeypatch):
+    args = ["--quick", "--op", "layer_norm", "--op", "feed_forward"]
+    code, out, _ = run_check(capsys, *args)
+    assert code == 0 and rows(out) and all(result == "pass" for *_, result, _ in rows(out))
+
+    monkeypatch.setattr(selfcheck, "CORRUPT", {("layer_norm", "cpu")})
+    code, out, _ = run_check(capsys, *args)
+    assert code == 1
+    assert "TEST HOOK: outputs perturbed before comparison for layer_norm on cpu" in out
+    found = rows(out)
+    assert {b for op, b, *_ in found} == set(selfcheck.usable_backends(DEVICE))
+    for op, backend, dtype, result, line in found:
+        broken = (op, backend) == ("layer_norm", "cpu")
+        assert result == ("FAIL" if broken else "pass"), line
+        if broken:  # only the perturbed output fails, flagged as the hook's doing
+            assert re.search(r"FAIL\s+y \(test hook\)$", line), line
+    assert re.search(rf"^summary: {len(found)} checks, {len(selfcheck.QUICK_DTYPES)} failed;", out, re.M)
+
+
+def test_hook_from_the_environment(capsys, monkeypatch):
+    monkeypatch.setenv(selfcheck.CORRUPT_ENV, "MultiheadAttention:reference")
+    code, out, _ = run_check(capsys, "--quick", "--op", "MultiheadAttention", "--backend", "reference",
+                             "--dtype", "bfloat16")
+    assert code == 1
+    [(op, backend, dtype, result, line)] = rows(out)
+    assert (op, backend, dtype, result) == ("MultiheadAttention", "reference", "bfloat16", "FAIL")
+
+
+def test_hook_perturbs_the_real_output():
+    case = selfcheck.build_cases(DEVICE, ["layer_norm"], quick=True)[0]
+    results = case.run(torch.float32, False)
+    before = {n: t.clone() for n, t in results.items()}
+    selfcheck._corrupt(results)
+    changed = {n: int((results[n] != before[n]).sum()) for n in results}
+    assert changed == {n: (1 if n == "y" else 0) for n in results}
+
+
+def test_bad_hook_value_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setenv(selfcheck.CORRUPT_ENV, "layernorm:cpu")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check"])
+    assert exc.value.code == 2
+    assert "expected op:backend" in capsys.readouterr().err
+
+
+def test_filters_select_a_slice(capsys):
+    code, out, _ = run_check(capsys, "--quick", "--op", "attention", "--backend", "reference", "--dtype", "float32")
+    assert code == 0
+    quick_attention = selfcheck.build_cases(DEVICE, ["attention"], quick=True)
+    assert [(op, b, d) for op, b, d, *_ in rows(out)] == [("attention", "reference", "float32")] * len(quick_attention)
+    for case, (*_, line) in zip(quick_attention, rows(out)):
+        assert case.label in line
+    # the full grid has more cases and all three dtypes
+    full = selfcheck.build_cases(DEVICE, ["attention"])
+    assert len(full) > len(quick_attention) and {c.label for c in quick_attention} <= {c.label for c in full}
+
+
+@pytest.mark.parametrize("args, choices", [
+    (["--op", "attn"], selfcheck.CHECKS),
+    (["--backend", "gpu"], selfcheck.BACKENDS),
+    (["--dtype", "float64"], list(selfcheck.DTYPES)),
+])
+def test_bad_arguments_are_rejected_with_the_choices(capsys, args, choices):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", *args])
+    assert exc.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"argument {args[0]}: invalid choice: '{args[1]}' (choose from " in err
+    listed = err.split("(choose from ", 1)[1].rsplit(")", 1)[0]
+    assert [c.strip(" '") for c in listed.split(",")] == list(choices)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of a CUDA device where there is none")
+def test_device_without_cuda_is_rejected(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", "--device", "cuda"])
+    assert exc.value.code == 2
+    assert "CUDA is not available here" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU triton is usable without the interpreter")
+def test_requested_backend_that_cannot_run_fails_loudly(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    code, out, _ = run_check(capsys, "--quick", "--op", "layer_norm", "--backend", "triton", "--backend", "reference")
+    assert code == 1
+    assert "not usable here (requested): backend 'triton' on CPU tensors needs the Triton interpreter" in out
+    assert {b for _, b, *_ in rows(out)} == {"reference"}
+    assert "(requested backend triton not usable here)" in out
+
+
+def test_main_switches_the_interpreter_on_in_a_fresh_process():
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", selfcheck.CORRUPT_ENV)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "fused_transformer", "check", "--quick", "--op", "layer_norm"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = rows(proc.stdout)
+    assert {op for op, *_ in found} == {"layer_norm"} and all(result == "pass" for *_, result, _ in found)
+    assert {b for _, b, *_ in found} == set(selfcheck.usable_backends(DEVICE))
+    if not torch.cuda.is_available():
+        assert "Triton interpreter on CPU tensors, TRITON_INTERPRET=1" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------- the rule
+
+
+def test_ratio_is_two_exactly_at_the_limit():
+    ref = torch.zeros(4, dtype=torch.float64) + 0.5
+    floor = selfcheck.ATOL_FLOOR[torch.bfloat16]
+    baseline = (ref + 0.01).to(torch.bfloat16)
+    base_err = selfcheck.max_error(baseline, ref)
+    at_limit = ref.clone()
+    at_limit[0] += selfcheck.FACTOR * base_err + floor
+    verdict = selfcheck.judge("out", at_limit.to(torch.bfloat16), ref, baseline)
+    err = selfcheck.max_error(at_limit.to(torch.bfloat16), ref)
+    assert verdict.ratio == pytest.approx(err / (base_err + floor / 2))
+    assert verdict.ok == (err <= 2 * base_err + floor) == (verdict.ratio <= 2)
+    same = selfcheck.judge("out", baseline, ref, baseline)
+    assert same.ok and same.ratio < 1  # PyTorch against itself: below 1 by construction
+
+
+def test_non_finite_results_fail_but_matching_infinities_agree():
+    ref = torch.tensor([0.5, -math.inf, 1.0], dtype=torch.float64)
+    good = ref.to(torch.float32)
+    assert selfcheck.judge("lse", good, ref, good).ok
+    for bad_value in (math.nan, math.inf):
+        bad = good.clone()
+        bad[2] = bad_value
+        verdict = selfcheck.judge("lse", bad, ref, good)
+        assert not verdict.ok and verdict.note == "1 non-finite" and verdict.ratio == math.inf
+    assert not selfcheck.judge("dq", None, ref, good).ok
+
+
+def test_progress_bar_redraws_in_place_on_a_terminal_and_clears_before_rows():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    bar = selfcheck.ProgressBar(4, stream=stream)
+    bar.show(1, "attention triton float32")
+    assert stream.getvalue().startswith("\r\x1b[K[#######-") and "1/4" in stream.getvalue()
+    bar.clear()
+    assert stream.getvalue().endswith("\r\x1b[K") and "\n" not in stream.getvalue()
+
+    log = io.StringIO()  # not a terminal: plain lines, at most one per every_s
+    sparse = selfcheck.ProgressBar(4, stream=log, every_s=0.0)
+    sparse.show(2, "x")
+    sparse.clear()
+    assert log.getvalue() == "check: 2/4 done, 0 s\n"
+    quiet = io.StringIO()
+    selfcheck.ProgressBar(4, stream=quiet, enabled=False).show(1, "x")
+    assert quiet.getvalue() == ""
+
+
+def test_main_job_runs_check_then_bench_with_the_shared_options(monkeypatch):
+    from fused_transformer import __main__ as cli
+    from fused_transformer import benchmark
+
+    calls = []
+    monkeypatch.setattr(selfcheck, "main", lambda argv: calls.append(("check", argv)) or 1)
+    monkeypatch.setattr(benchmark, "main", lambda argv: calls.append(("bench", argv)) or 0)
+    assert cli.main(["--quick", "--out", "somewhere"]) == 1  # a failed check fails the job, after the bench
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert calls == [("check", ["--device", device, "--quick"]),
+                     ("bench", ["--device", device, "--quick", "--out", "somewhere"])]
+    calls.clear()
+    monkeypatch.setattr(selfcheck, "main", lambda argv: calls.append(("check", argv)) or 0)
+    assert cli.main(["all"]) == 0
+    assert [name for name, _ in calls] == ["check", "bench"]
+    with pytest.raises(SystemExit):
+        cli.main(["--suite", "attention"])  # bench-only options go to `bench`, not to the main job
