@@ -59,7 +59,14 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def triton_interpreting() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def draw_dropout_seed() -> int:
+    """A dropout (Philox) seed drawn from torch's default CPU generator, so ``torch.manual_seed`` reproduces
+    dropout on every backend."""
+    return int(torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64).item())
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,7 +7,7 @@ forward, and its ``torch.autograd.Function`` calls the C++ backward. Importing t
 Kernels compute in float32 (float64 for float64 inputs); bfloat16 / float16 inputs are converted at the op
 boundary and results returned in the input dtype. Matrix products outside attention stay with ATen.
 
-Dropout: every op that drops draws one seed with ``draw_seed()`` from torch's default generator (so
+Dropout: every op that drops draws one seed with ``draw_dropout_seed()`` from torch's default generator (so
 ``torch.manual_seed`` reproduces it), and element ``i`` of the dropped tensor in row-major order (attention:
 the probabilities ``[B, H, Lq, Lk]``; layer_norm: ``x``; feed_forward: the hidden activation ``[..., d_ff]``)
 is kept as ``dropout_keep_mask(seed, shape, p)`` says, for replaying the mask in the reference.
@@ -22,14 +22,10 @@ import torch.nn.functional as F
 
 from . import _C  # noqa: F401  (registers torch.ops.fused_transformer_cpu)
 from . import reference
+from .backend import draw_dropout_seed
 
 Tensor = torch.Tensor
 _ops = torch.ops.fused_transformer_cpu
-
-
-def draw_seed() -> int:
-    """A dropout seed drawn from torch's default CPU generator, so ``torch.manual_seed`` reproduces dropout."""
-    return int(torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64).item())
 
 
 def dropout_keep_mask(seed: int, shape: Sequence[int], dropout_p: float) -> Tensor:
@@ -119,7 +115,7 @@ def attention(
     bias, key_lengths = _attention_masks(attn_mask, key_padding_mask, _stats_dtype(q.dtype), k_len)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     causal_offset = 0 if causal_alignment == "top_left" else k_len - q_len
-    seed = draw_seed() if dropout_p > 0.0 else 0
+    seed = draw_dropout_seed() if dropout_p > 0.0 else 0
     out, lse = AttentionFunction.apply(
         q, k, v, bias, key_lengths, bool(is_causal), causal_offset, scale, float(dropout_p), seed
     )
@@ -191,7 +187,7 @@ def layer_norm(
     shape, n = x.shape, x.shape[-1]
     rows = x.reshape(-1, n)
     residual_rows = residual.reshape(-1, n) if residual is not None else None
-    seed = draw_seed() if dropout_p > 0.0 else 0
+    seed = draw_dropout_seed() if dropout_p > 0.0 else 0
     out = LayerNormFunction.apply(rows, weight, bias, residual_rows, float(eps), float(dropout_p), seed, bool(prenorm))
     if prenorm:
         y, z = out
@@ -238,7 +234,7 @@ def feed_forward(
     """``fused_transformer.functional.feed_forward``: ``linear(dropout(act(linear(x, w1, b1))), w2, b2)`` with the
     matmuls on ATen and the bias, activation and dropout in one C++ pass in between (and one in backward)."""
     _check_cpu(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
-    seed = draw_seed() if dropout_p > 0.0 else 0
+    seed = draw_dropout_seed() if dropout_p > 0.0 else 0
     if x.dtype in (torch.float16, torch.bfloat16):
         # The bias must be added before the pre-activation is rounded to 16 bits, as ATen's addmm does: rounding
         # first moves values near 0 across ReLU's kink, whose gradient then flips between 0 and 1.

@@ -2,21 +2,12 @@
 replay, and a deterministic row reduction."""
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-
-def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def draw_dropout_seed() -> int:
-    """A Philox seed drawn from torch's default CPU generator, so ``torch.manual_seed`` reproduces dropout."""
-    return int(torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64).item())
+from ..backend import draw_dropout_seed  # noqa: F401 (re-exported for the kernel modules)
+from ..backend import triton_interpreting as interpreting  # noqa: F401 (the kernels' name for it)
 
 
 def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:

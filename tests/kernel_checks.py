@@ -1,17 +1,11 @@
-"""Helpers shared by the Triton kernel tests: interpreter fixtures and the "outputs and every gradient against the
-float64 reference" check (the 2x rule of tests/numerics.py).
-
-A test module opts into the fixtures by importing them:
-    from tests.kernel_checks import interpreter_rounds_to_nearest, nan_filled_outputs  # noqa: F401
-"""
+"""Helpers shared by the Triton kernel tests: the "outputs and every gradient against the float64 reference"
+check (the 2x rule of tests/numerics.py) and dropout replay. The interpreter fixtures live in conftest.py."""
 from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
-from fused_transformer import selfcheck
 from fused_transformer.kernels._common import draw_dropout_seed, dropout_keep_mask
 from fused_transformer.selfcheck import outputs_and_grads
 from tests.numerics import assert_close_to_reference
@@ -21,21 +15,6 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Worst err / (baseline err + floor) seen per dtype in this process; with FUSED_TRANSFORMER_RATIO_LOG=path
 # each check also appends "dtype name ratio" lines there (for reports across test files).
 WORST_RATIO: dict = {}
-
-
-@pytest.fixture(autouse=True)
-def interpreter_rounds_to_nearest():
-    """The interpreter truncates float32 -> bfloat16 casts where a GPU rounds to nearest: make it round, so
-    interpreted kernels are held to the GPU's rounding error, not twice that."""
-    with selfcheck.interpreter_rounds_to_nearest():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def nan_filled_outputs():
-    """Every buffer the kernels allocate starts as NaN, so an element a kernel forgets to write shows up."""
-    with selfcheck.unwritten_elements_are_nan():
-        yield
 
 
 def _record(dtype: torch.dtype, name: str, ratio: float) -> None:

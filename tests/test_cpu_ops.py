@@ -151,7 +151,7 @@ def attention_dropout_case(dtype, dropout_p=0.3):
 def seeded_call(fn, manual_seed=1234):
     """Run ``fn`` after torch.manual_seed; return its result and the dropout seed the op drew."""
     torch.manual_seed(manual_seed)
-    seed = cpu_ops().draw_seed()
+    seed = cpu_ops().draw_dropout_seed()
     torch.manual_seed(manual_seed)
     return fn(), seed
 

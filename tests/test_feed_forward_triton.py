@@ -8,10 +8,10 @@ import torch
 from fused_transformer import backend, functional, reference
 from fused_transformer.kernels import feed_forward as triton_ffn
 from fused_transformer.kernels._common import interpreting
-from tests.kernel_checks import (  # noqa: F401 (autouse fixtures)
-    DTYPES, check_against_reference, interpreter_rounds_to_nearest, nan_filled_outputs, replayed_keep_mask,
-)
+from tests.kernel_checks import DTYPES, check_against_reference, replayed_keep_mask
 from tests.numerics import DEVICE, assert_close_to_reference
+
+pytestmark = pytest.mark.usefixtures("interpreter_rounds_to_nearest", "nan_filled_outputs")
 
 ACTIVATIONS = triton_ffn.ACTIVATIONS
 
