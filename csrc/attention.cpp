@@ -1,7 +1,8 @@
 // Flash attention on the CPU: online softmax over key blocks, nothing of [Lq, Lk] kept beyond one block per thread.
 //
 // Forward, per (batch, head, block of query rows), over the key blocks that block can see:
-//   S = Q K^T * scale + bias, -inf above the causal diagonal (keys past the sequence's length are never read)
+//   S = Q K^T * scale + bias, -inf above the causal diagonal and at padded keys (keys after a sequence's last
+//   real key are never read)
 //   m' = max(m, rowmax S),  P = exp(S - m'),  l = l exp(m - m') + rowsum P,  acc = acc exp(m - m') + dropout(P) V
 //   out = acc / l,  lse = m + log l   (a row with no visible key: out = 0, lse = -inf)
 // Dropout scales probabilities by keep / (1 - p) after the softmax, so l sums the undropped P.
@@ -30,14 +31,16 @@ struct AttentionProblem {
   int64_t batch, heads, kv_heads, q_len, k_len, head_dim;
   const scalar_t* bias = nullptr;  // [B, H, Lq, Lk] through bias_stride (0 for broadcast dims), last stride 1
   int64_t bias_stride[3] = {0, 0, 0};
-  const int64_t* key_lengths = nullptr;  // [B]: keys past a sequence's length are padding
+  const bool* key_padding = nullptr;  // [B, Lk], true = padding
+  const int64_t* key_ends = nullptr;  // [B]: 1 + the last key that is not padding (0 if none)
+  const bool* padding_has_holes = nullptr;  // [B]: some key before key_ends[b] is padding
   bool causal = false;
   int64_t causal_offset = 0;  // query i sees key j <= i + causal_offset
   scalar_t scale = 1;
   DropoutMask dropout{0, 0.0};
 
   int64_t group() const { return heads / kv_heads; }
-  int64_t key_length(int64_t b) const { return key_lengths ? std::min(key_lengths[b], k_len) : k_len; }
+  int64_t key_length(int64_t b) const { return key_ends ? key_ends[b] : k_len; }
   // Keys [0, key_end) may be visible to query row i (the mask may still hide some).
   int64_t key_end(int64_t b, int64_t i) const {
     int64_t end = key_length(b);
@@ -107,13 +110,32 @@ scalar_t dot(const scalar_t* a, const scalar_t* b, int64_t n) {
 
 // ------------------------------------------------------------------------------------------ blocks
 
-// scores[rows, cols] (row stride kKeyBlock) for query rows i0.. of head h against keys j0.. of k_block.
+// A [B, heads, L, D] tensor read through its strides, each row of D values contiguous: q, k and v straight out
+// of a fused projection (views with gaps) need no copy, and out / dq / dk / dv are written as [B, L, heads, D]
+// so that merging the heads afterwards is a free view.
+template <typename T>
+struct HeadRows {
+  T* data;
+  int64_t batch_stride, head_stride, row_stride;
+
+  T* at(int64_t b, int64_t h, int64_t i) const { return data + b * batch_stride + h * head_stride + i * row_stride; }
+};
+
+template <typename T>
+HeadRows<T> head_rows(const at::Tensor& t) {
+  return {t.data_ptr<std::remove_const_t<T>>(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// scores[rows, cols] (row stride kKeyBlock) for query rows i0.. of head h of batch b against keys j0.. of
+// that head's k.
 template <typename scalar_t>
-void compute_scores(const AttentionProblem<scalar_t>& p, const scalar_t* q_block, const scalar_t* k_block, int64_t b,
-                    int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols, scalar_t* scores) {
-  const int64_t d = p.head_dim;
-  gemm_row_major<scalar_t>(false, true, rows, cols, d, p.scale, q_block, d, k_block, d, 0, scores, kKeyBlock);
-  if (p.bias == nullptr && !p.causal) return;
+void compute_scores(const AttentionProblem<scalar_t>& p, const HeadRows<const scalar_t>& q,
+                    const HeadRows<const scalar_t>& k, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
+                    int64_t cols, scalar_t* scores) {
+  gemm_row_major<scalar_t>(false, true, rows, cols, p.head_dim, p.scale, q.at(b, h, i0), q.row_stride,
+                           k.at(b, h / p.group(), j0), k.row_stride, 0, scores, kKeyBlock);
+  const bool* padding = p.key_padding && p.padding_has_holes[b] ? p.key_padding + b * p.k_len + j0 : nullptr;
+  if (p.bias == nullptr && !p.causal && padding == nullptr) return;
   const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     scalar_t* row = scores + r * kKeyBlock;
@@ -122,6 +144,9 @@ void compute_scores(const AttentionProblem<scalar_t>& p, const scalar_t* q_block
       const scalar_t* bias_row = p.bias + b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2] + j0;
       for (int64_t c = 0; c < cols; ++c) row[c] += bias_row[c];
     }
+    if (padding != nullptr)
+      for (int64_t c = 0; c < cols; ++c)
+        if (padding[c]) row[c] = minus_inf;
     if (p.causal) {
       const int64_t visible = std::clamp<int64_t>(i + p.causal_offset + 1 - j0, 0, cols);
       std::fill(row + visible, row + cols, minus_inf);
@@ -146,9 +171,10 @@ void apply_dropout(const AttentionProblem<scalar_t>& p, int64_t bh, int64_t i0, 
 // ------------------------------------------------------------------------------------------ kernels
 
 template <typename scalar_t>
-void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const scalar_t* q, const scalar_t* k,
-                              const scalar_t* v, scalar_t* out, scalar_t* lse) {
-  const int64_t d = p.head_dim, q_len = p.q_len, k_len = p.k_len;
+void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRows<const scalar_t>& q,
+                              const HeadRows<const scalar_t>& k, const HeadRows<const scalar_t>& v,
+                              const HeadRows<scalar_t>& out, scalar_t* lse) {
+  const int64_t d = p.head_dim, q_len = p.q_len;
   const int64_t q_blocks = (q_len + kQueryBlock - 1) / kQueryBlock;
   const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
   at::parallel_for(0, p.batch * p.heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -157,20 +183,16 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const scalar_
     if (p.dropout.enabled()) dropped.assign(kQueryBlock * kKeyBlock, 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / q_blocks, b = bh / p.heads, h = bh % p.heads;
-      const int64_t kv_head = b * p.kv_heads + h / p.group();
       const int64_t i0 = (task % q_blocks) * kQueryBlock, rows = std::min(kQueryBlock, q_len - i0);
-      const scalar_t* q_block = q + (bh * q_len + i0) * d;
-      const scalar_t* k_head = k + kv_head * k_len * d;
-      const scalar_t* v_head = v + kv_head * k_len * d;
-      std::fill(row_max_.begin(), row_max_.end(), minus_inf);
-      std::fill(row_sum.begin(), row_sum.end(), scalar_t(0));
-      std::fill(acc.begin(), acc.end(), scalar_t(0));
+      std::fill(row_max_.begin(), row_max_.begin() + rows, minus_inf);
+      std::fill(row_sum.begin(), row_sum.begin() + rows, scalar_t(0));
+      std::fill(acc.begin(), acc.begin() + rows * d, scalar_t(0));
 
       // The last row of the block sees the most keys; blocks wholly above the diagonal are never visited.
       const int64_t key_stop = p.key_end(b, i0 + rows - 1);
       for (int64_t j0 = 0; j0 < key_stop; j0 += kKeyBlock) {
         const int64_t cols = std::min(kKeyBlock, key_stop - j0);
-        compute_scores(p, q_block, k_head + j0 * d, b, h, i0, rows, j0, cols, scores.data());
+        compute_scores(p, q, k, b, h, i0, rows, j0, cols, scores.data());
         for (int64_t r = 0; r < rows; ++r) {
           scalar_t* row = scores.data() + r * kKeyBlock;
           const scalar_t new_max = std::max(row_max_[r], row_max(row, cols));
@@ -189,12 +211,12 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const scalar_
           apply_dropout(p, bh, i0, rows, j0, cols, scores.data(), dropped.data());
           weights = dropped.data();
         }
-        gemm_row_major<scalar_t>(false, false, rows, d, cols, 1, weights, kKeyBlock, v_head + j0 * d, d, 1,
-                                 acc.data(), d);
+        gemm_row_major<scalar_t>(false, false, rows, d, cols, 1, weights, kKeyBlock, v.at(b, h / p.group(), j0),
+                                 v.row_stride, 1, acc.data(), d);
       }
 
       for (int64_t r = 0; r < rows; ++r) {
-        scalar_t* out_row = out + (bh * q_len + i0 + r) * d;
+        scalar_t* out_row = out.at(b, h, i0 + r);
         const bool has_key = row_sum[r] > 0;
         const scalar_t inverse = has_key ? scalar_t(1) / row_sum[r] : scalar_t(0);
         for (int64_t c = 0; c < d; ++c) out_row[c] = acc[r * d + c] * inverse;
@@ -206,37 +228,36 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const scalar_
 
 // dq, dk, dv must be zero on entry.
 template <typename scalar_t>
-void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const scalar_t* q, const scalar_t* k,
-                               const scalar_t* v, const scalar_t* out, const scalar_t* dout, const scalar_t* lse,
-                               scalar_t* dq, scalar_t* dk, scalar_t* dv) {
-  const int64_t d = p.head_dim, q_len = p.q_len, k_len = p.k_len, group = p.group();
+void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRows<const scalar_t>& q,
+                               const HeadRows<const scalar_t>& k, const HeadRows<const scalar_t>& v,
+                               const HeadRows<const scalar_t>& out, const HeadRows<const scalar_t>& dout,
+                               const scalar_t* lse, const HeadRows<scalar_t>& dq, const HeadRows<scalar_t>& dk,
+                               const HeadRows<scalar_t>& dv) {
+  const int64_t d = p.head_dim, q_len = p.q_len, group = p.group();
   const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
   at::parallel_for(0, p.batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> probs(kQueryBlock * kKeyBlock, 0), dprobs(kQueryBlock * kKeyBlock, 0), dropped;
     std::vector<scalar_t> delta(group * q_len);
     if (p.dropout.enabled()) dropped.assign(kQueryBlock * kKeyBlock, 0);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / p.kv_heads, first_bh = b * p.heads + (task % p.kv_heads) * group;
-      for (int64_t row = 0; row < group * q_len; ++row) {
-        const int64_t at = (first_bh * q_len + row) * d;
-        delta[row] = dot(dout + at, out + at, d);
-      }
+      const int64_t b = task / p.kv_heads, kv_head = task % p.kv_heads, first_h = kv_head * group;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < q_len; ++i)
+          delta[g * q_len + i] = dot(dout.at(b, first_h + g, i), out.at(b, first_h + g, i), d);
       const int64_t key_len = p.key_length(b);
       for (int64_t j0 = 0; j0 < key_len; j0 += kKeyBlock) {
         const int64_t cols = std::min(kKeyBlock, key_len - j0);
-        const scalar_t* k_block = k + (task * k_len + j0) * d;
-        const scalar_t* v_block = v + (task * k_len + j0) * d;
-        scalar_t* dk_block = dk + (task * k_len + j0) * d;
-        scalar_t* dv_block = dv + (task * k_len + j0) * d;
+        const scalar_t* k_block = k.at(b, kv_head, j0);
+        const scalar_t* v_block = v.at(b, kv_head, j0);
+        scalar_t* dk_block = dk.at(b, kv_head, j0);
+        scalar_t* dv_block = dv.at(b, kv_head, j0);
         // Under the causal mask, queries before first_query see none of these keys.
         const int64_t first_query = p.causal ? std::clamp<int64_t>(j0 - p.causal_offset, 0, q_len) : 0;
         for (int64_t g = 0; g < group; ++g) {
-          const int64_t bh = first_bh + g, h = bh % p.heads;
+          const int64_t h = first_h + g, bh = b * p.heads + h;
           for (int64_t i0 = first_query; i0 < q_len; i0 += kQueryBlock) {
             const int64_t rows = std::min(kQueryBlock, q_len - i0);
-            const scalar_t* q_block = q + (bh * q_len + i0) * d;
-            const scalar_t* dout_block = dout + (bh * q_len + i0) * d;
-            compute_scores(p, q_block, k_block, b, h, i0, rows, j0, cols, probs.data());
+            compute_scores(p, q, k, b, h, i0, rows, j0, cols, probs.data());
             for (int64_t r = 0; r < rows; ++r) {
               scalar_t* row = probs.data() + r * kKeyBlock;
               const scalar_t row_lse = lse[bh * q_len + i0 + r];
@@ -250,17 +271,20 @@ void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const scalar
               apply_dropout(p, bh, i0, rows, j0, cols, probs.data(), dropped.data());
               weights = dropped.data();
             }
-            gemm_row_major<scalar_t>(true, false, cols, d, rows, 1, weights, kKeyBlock, dout_block, d, 1, dv_block, d);
-            gemm_row_major<scalar_t>(false, true, rows, cols, d, 1, dout_block, d, v_block, d, 0, dprobs.data(),
-                                     kKeyBlock);
+            const scalar_t* q_block = q.at(b, h, i0);
+            const scalar_t* dout_block = dout.at(b, h, i0);
+            gemm_row_major<scalar_t>(true, false, cols, d, rows, 1, weights, kKeyBlock, dout_block, dout.row_stride,
+                                     1, dv_block, dv.row_stride);
+            gemm_row_major<scalar_t>(false, true, rows, cols, d, 1, dout_block, dout.row_stride, v_block,
+                                     v.row_stride, 0, dprobs.data(), kKeyBlock);
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t at = r * kKeyBlock;
               softmax_grad_row(weights + at, probs.data() + at, dprobs.data() + at, cols, delta[g * q_len + i0 + r]);
             }
-            gemm_row_major<scalar_t>(false, false, rows, d, cols, p.scale, dprobs.data(), kKeyBlock, k_block, d, 1,
-                                     dq + (bh * q_len + i0) * d, d);
-            gemm_row_major<scalar_t>(true, false, cols, d, rows, p.scale, dprobs.data(), kKeyBlock, q_block, d, 1,
-                                     dk_block, d);
+            gemm_row_major<scalar_t>(false, false, rows, d, cols, p.scale, dprobs.data(), kKeyBlock, k_block,
+                                     k.row_stride, 1, dq.at(b, h, i0), dq.row_stride);
+            gemm_row_major<scalar_t>(true, false, cols, d, rows, p.scale, dprobs.data(), kKeyBlock, q_block,
+                                     q.row_stride, 1, dk_block, dk.row_stride);
           }
         }
       }
@@ -270,13 +294,26 @@ void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const scalar
 
 // ----------------------------------------------------------------------------------------------- ops
 
-// Shapes, the bias in the accumulate dtype broadcast to [B, H, Lq, Lk], and the key lengths, checked once.
+// t in dtype, copied only if its last dim is strided: HeadRows reads the other dims through their strides.
+at::Tensor with_contiguous_rows(const at::Tensor& t, at::ScalarType dtype) {
+  at::Tensor converted = t.to(dtype);
+  return converted.stride(-1) == 1 ? converted : converted.contiguous();
+}
+
+// A zeroed or uninitialised [B, heads, L, D] tensor laid out as [B, L, heads, D] (see HeadRows).
+at::Tensor new_head_rows(const at::Tensor& like, bool zeroed) {
+  const std::vector<int64_t> sizes = {like.size(0), like.size(2), like.size(1), like.size(3)};
+  return (zeroed ? at::zeros(sizes, like.options()) : at::empty(sizes, like.options())).transpose(1, 2);
+}
+
+// Shapes, the bias in the accumulate dtype broadcast to [B, H, Lq, Lk], and the key padding with where each
+// sequence's keys end and whether padding interrupts them, checked once.
 struct AttentionInputs {
-  at::Tensor q, k, v, bias, key_lengths;
+  at::Tensor q, k, v, bias, key_padding, key_ends, padding_has_holes;
 };
 
 AttentionInputs prepare_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& key_lengths) {
+                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& key_padding) {
   check_cpu(q, "q");
   check_cpu(k, "k");
   check_cpu(v, "v");
@@ -286,9 +323,10 @@ AttentionInputs prepare_inputs(const at::Tensor& q, const at::Tensor& k, const a
   TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
                     "attention: k ", k.sizes(), " does not match q ", q.sizes());
   AttentionInputs inputs;
-  inputs.q = to_accumulate_dtype(q);
-  inputs.k = k.to(inputs.q.scalar_type()).contiguous();
-  inputs.v = v.to(inputs.q.scalar_type()).contiguous();
+  const at::ScalarType dtype = accumulate_dtype(q.scalar_type());
+  inputs.q = with_contiguous_rows(q, dtype);
+  inputs.k = with_contiguous_rows(k, dtype);
+  inputs.v = with_contiguous_rows(v, dtype);
   const int64_t batch = q.size(0), heads = q.size(1), q_len = q.size(2), k_len = k.size(2);
   if (bias.has_value()) {
     check_cpu(*bias, "bias");
@@ -303,11 +341,25 @@ AttentionInputs prepare_inputs(const at::Tensor& q, const at::Tensor& k, const a
     }
     inputs.bias = b.expand({batch, heads, q_len, k_len});
   }
-  if (key_lengths.has_value()) {
-    check_cpu(*key_lengths, "key_lengths");
-    TORCH_CHECK_VALUE(key_lengths->dim() == 1 && key_lengths->size(0) == batch,
-                      "attention: key_lengths must be [B] = [", batch, "], got ", key_lengths->sizes());
-    inputs.key_lengths = key_lengths->to(at::kLong).contiguous();
+  if (key_padding.has_value()) {
+    check_cpu(*key_padding, "key_padding");
+    TORCH_CHECK_VALUE(key_padding->scalar_type() == at::kBool && key_padding->dim() == 2 &&
+                          key_padding->size(0) == batch && key_padding->size(1) == k_len,
+                      "attention: key_padding must be bool [B, Lk] = [", batch, ", ", k_len, "], got ",
+                      key_padding->scalar_type(), " ", key_padding->sizes());
+    inputs.key_padding = key_padding->contiguous();
+    inputs.key_ends = at::empty({batch}, at::TensorOptions().dtype(at::kLong));
+    inputs.padding_has_holes = at::empty({batch}, at::TensorOptions().dtype(at::kBool));
+    const bool* padding = inputs.key_padding.data_ptr<bool>();
+    int64_t* ends = inputs.key_ends.data_ptr<int64_t>();
+    bool* holes = inputs.padding_has_holes.data_ptr<bool>();
+    for (int64_t b = 0; b < batch; ++b) {
+      const bool* row = padding + b * k_len;
+      int64_t end = k_len;
+      while (end > 0 && row[end - 1]) --end;
+      ends[b] = end;
+      holes[b] = std::find(row, row + end, true) != row + end;
+    }
   }
   return inputs;
 }
@@ -326,7 +378,11 @@ AttentionProblem<scalar_t> make_problem(const AttentionInputs& inputs, bool is_c
     p.bias = inputs.bias.data_ptr<scalar_t>();
     for (int dim = 0; dim < 3; ++dim) p.bias_stride[dim] = inputs.bias.stride(dim);
   }
-  if (inputs.key_lengths.defined()) p.key_lengths = inputs.key_lengths.data_ptr<int64_t>();
+  if (inputs.key_padding.defined()) {
+    p.key_padding = inputs.key_padding.data_ptr<bool>();
+    p.key_ends = inputs.key_ends.data_ptr<int64_t>();
+    p.padding_has_holes = inputs.padding_has_holes.data_ptr<bool>();
+  }
   p.causal = is_causal;
   p.causal_offset = causal_offset;
   p.scale = static_cast<scalar_t>(scale);
@@ -338,37 +394,37 @@ AttentionProblem<scalar_t> make_problem(const AttentionInputs& inputs, bool is_c
 
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const std::optional<at::Tensor>& bias,
-                                                 const std::optional<at::Tensor>& key_lengths, bool is_causal,
+                                                 const std::optional<at::Tensor>& key_padding, bool is_causal,
                                                  int64_t causal_offset, double scale, double dropout_p, int64_t seed) {
-  const AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_lengths);
-  at::Tensor out = at::empty_like(inputs.q);
+  const AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_padding);
+  at::Tensor out = new_head_rows(inputs.q, /*zeroed=*/false);
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, inputs.q.options());
   AT_DISPATCH_FLOATING_TYPES(inputs.q.scalar_type(), "attention_fwd", [&] {
     const auto problem = make_problem<scalar_t>(inputs, is_causal, causal_offset, scale, dropout_p, seed);
-    attention_forward_kernel(problem, inputs.q.data_ptr<scalar_t>(), inputs.k.data_ptr<scalar_t>(),
-                             inputs.v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+    attention_forward_kernel(problem, head_rows<const scalar_t>(inputs.q), head_rows<const scalar_t>(inputs.k),
+                             head_rows<const scalar_t>(inputs.v), head_rows<scalar_t>(out), lse.data_ptr<scalar_t>());
   });
   return {out.to(q.scalar_type()), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& key_lengths,
+    const at::Tensor& lse, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& key_padding,
     bool is_causal, int64_t causal_offset, double scale, double dropout_p, int64_t seed) {
-  const AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_lengths);
+  const AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_padding);
   TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "attention_bwd: dout ", dout.sizes(),
                     " and out ", out.sizes(), " must have q's shape ", q.sizes());
   TORCH_CHECK_VALUE(lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3), "attention_bwd: lse must be [B, H, Lq]");
   const auto dtype = inputs.q.scalar_type();
-  const at::Tensor dout_acc = dout.to(dtype).contiguous(), out_acc = out.to(dtype).contiguous();
+  const at::Tensor dout_acc = with_contiguous_rows(dout, dtype), out_acc = with_contiguous_rows(out, dtype);
   const at::Tensor lse_acc = lse.to(dtype).contiguous();
-  at::Tensor dq = at::zeros_like(inputs.q), dk = at::zeros_like(inputs.k), dv = at::zeros_like(inputs.v);
+  at::Tensor dq = new_head_rows(inputs.q, true), dk = new_head_rows(inputs.k, true), dv = new_head_rows(inputs.v, true);
   AT_DISPATCH_FLOATING_TYPES(dtype, "attention_bwd", [&] {
     const auto problem = make_problem<scalar_t>(inputs, is_causal, causal_offset, scale, dropout_p, seed);
-    attention_backward_kernel(problem, inputs.q.data_ptr<scalar_t>(), inputs.k.data_ptr<scalar_t>(),
-                              inputs.v.data_ptr<scalar_t>(), out_acc.data_ptr<scalar_t>(),
-                              dout_acc.data_ptr<scalar_t>(), lse_acc.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(),
-                              dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>());
+    attention_backward_kernel(problem, head_rows<const scalar_t>(inputs.q), head_rows<const scalar_t>(inputs.k),
+                              head_rows<const scalar_t>(inputs.v), head_rows<const scalar_t>(out_acc),
+                              head_rows<const scalar_t>(dout_acc), lse_acc.data_ptr<scalar_t>(),
+                              head_rows<scalar_t>(dq), head_rows<scalar_t>(dk), head_rows<scalar_t>(dv));
   });
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
 }

@@ -22,10 +22,6 @@ inline at::ScalarType accumulate_dtype(at::ScalarType dtype) {
   return dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-inline at::Tensor to_accumulate_dtype(const at::Tensor& t) {
-  return t.to(accumulate_dtype(t.scalar_type())).contiguous();
-}
-
 inline void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), "fused_transformer cpu kernels: ", name, " must be a CPU tensor, got ",
                     t.device());
@@ -95,28 +91,58 @@ inline BlasGemm<float> blas_gemm<float>() { return &sgemm_; }
 template <>
 inline BlasGemm<double> blas_gemm<double>() { return &dgemm_; }
 
-// C = alpha * op(A) @ op(B) + beta * C on row-major matrices (op = transpose when the flag is set); blocks are
-// small (<= 64 x 64 x head_dim), so int sizes suffice. BLAS is column-major: row-major C is column-major
-// C^T = op(B)^T op(A)^T, so the operands swap.
+// C = alpha * op(A) @ op(B) + beta * C on row-major matrices, by loops whose innermost index is contiguous in
+// memory. For small products (one decoding query against a few keys) this beats a BLAS call, whose fixed
+// cost is larger than the arithmetic.
+template <typename scalar_t>
+void gemm_loops(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, scalar_t alpha,
+                const scalar_t* a, int64_t lda, const scalar_t* b, int64_t ldb, scalar_t beta, scalar_t* c,
+                int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i) {
+    scalar_t* c_row = c + i * ldc;
+    for (int64_t j = 0; j < n; ++j) c_row[j] = beta == scalar_t(0) ? scalar_t(0) : beta * c_row[j];
+  }
+  if (transpose_b) {  // C[i, j] += alpha * dot(op(A)[i, :], B[j, :])
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        const scalar_t* b_row = b + j * ldb;
+        scalar_t total = 0;
+        if (transpose_a)
+          for (int64_t l = 0; l < k; ++l) total += a[l * lda + i] * b_row[l];
+        else
+          for (int64_t l = 0; l < k; ++l) total += a[i * lda + l] * b_row[l];
+        c[i * ldc + j] += alpha * total;
+      }
+    return;
+  }
+  for (int64_t i = 0; i < m; ++i)  // C[i, :] += alpha * op(A)[i, l] * B[l, :]
+    for (int64_t l = 0; l < k; ++l) {
+      const scalar_t factor = alpha * (transpose_a ? a[l * lda + i] : a[i * lda + l]);
+      const scalar_t* b_row = b + l * ldb;
+      scalar_t* c_row = c + i * ldc;
+      for (int64_t j = 0; j < n; ++j) c_row[j] += factor * b_row[j];
+    }
+}
+
+// The same through BLAS (column-major: row-major C is column-major C^T = op(B)^T op(A)^T, so the operands
+// swap), except for products below kSmallGemm multiply-adds or when torch exports no BLAS. Blocks are small
+// (<= 64 x 128 x head_dim), so int sizes suffice.
+constexpr int64_t kSmallGemm = 4096;
+
 template <typename scalar_t>
 void gemm_row_major(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, scalar_t alpha,
                     const scalar_t* a, int64_t lda, const scalar_t* b, int64_t ldb, scalar_t beta, scalar_t* c,
                     int64_t ldc) {
   if (m == 0 || n == 0) return;
-  if (BlasGemm<scalar_t> gemm = blas_gemm<scalar_t>()) {
-    const char op_a = transpose_a ? 'T' : 'N', op_b = transpose_b ? 'T' : 'N';
-    const int m_ = static_cast<int>(m), n_ = static_cast<int>(n), k_ = static_cast<int>(k);
-    const int lda_ = static_cast<int>(lda), ldb_ = static_cast<int>(ldb), ldc_ = static_cast<int>(ldc);
-    gemm(&op_b, &op_a, &n_, &m_, &k_, &alpha, b, &ldb_, a, &lda_, &beta, c, &ldc_);
+  BlasGemm<scalar_t> gemm = blas_gemm<scalar_t>();
+  if (gemm == nullptr || m * n * k < kSmallGemm) {
+    gemm_loops(transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) {
-      scalar_t total = 0;
-      for (int64_t l = 0; l < k; ++l)
-        total += (transpose_a ? a[l * lda + i] : a[i * lda + l]) * (transpose_b ? b[j * ldb + l] : b[l * ldb + j]);
-      c[i * ldc + j] = alpha * total + (beta == scalar_t(0) ? scalar_t(0) : beta * c[i * ldc + j]);
-    }
+  const char op_a = transpose_a ? 'T' : 'N', op_b = transpose_b ? 'T' : 'N';
+  const int m_ = static_cast<int>(m), n_ = static_cast<int>(n), k_ = static_cast<int>(k);
+  const int lda_ = static_cast<int>(lda), ldb_ = static_cast<int>(ldb), ldc_ = static_cast<int>(ldc);
+  gemm(&op_b, &op_a, &n_, &m_, &k_, &alpha, b, &ldb_, a, &lda_, &beta, c, &ldc_);
 }
 
 // ------------------------------------------------------------------------------------------ float math

@@ -24,14 +24,15 @@ at::Tensor dropout_keep_mask(int64_t seed, int64_t numel, double dropout_p) {
 }
 
 TORCH_LIBRARY(fused_transformer_cpu, m) {
-  // q [B, H, Lq, D], k, v [B, Hkv, Lk, D] in any float dtype; bias broadcastable to [B, H, Lq, Lk], added to
-  // the scaled scores (-inf = masked); key_lengths [B] int64 (keys at or past it are padding). Query i sees
-  // key j <= i + causal_offset when is_causal. Returns out (q's dtype) and lse [B, H, Lq].
-  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? key_lengths, bool is_causal, "
+  // q [B, H, Lq, D], k, v [B, Hkv, Lk, D] in any float dtype and any strides; bias broadcastable to
+  // [B, H, Lq, Lk], added to the scaled scores (-inf = masked); key_padding bool [B, Lk], true = padding (keys
+  // after a sequence's last real key are not even read). Query i sees key j <= i + causal_offset when
+  // is_causal. Returns out (q's dtype, laid out in memory as [B, Lq, H, D]) and lse [B, H, Lq].
+  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? key_padding, bool is_causal, "
         "int causal_offset, float scale, float dropout_p, int seed) -> (Tensor, Tensor)");
-  // Returns dq, dk, dv in the dtypes of q, k, v.
+  // Returns dq, dk, dv in the dtypes of q, k, v, laid out like out.
   m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? bias, "
-        "Tensor? key_lengths, bool is_causal, int causal_offset, float scale, float dropout_p, int seed) "
+        "Tensor? key_padding, bool is_causal, int causal_offset, float scale, float dropout_p, int seed) "
         "-> (Tensor, Tensor, Tensor)");
   // x, residual [rows, N]. Returns y, z (empty unless store_z), mean, rstd [rows].
   m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, float dropout_p, "

@@ -15,7 +15,7 @@ is kept as ``dropout_keep_mask(seed, shape, p)`` says, for replaying the mask in
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.nn.functional as F
@@ -44,49 +44,52 @@ def _check_cpu(**tensors: Optional[Tensor]) -> None:
             raise ValueError(f"the cpu backend runs on CPU tensors; {name} is on {t.device}")
 
 
+class _NoGradContext:
+    """What a Function's ``forward`` gets for ``ctx`` when nothing needs a gradient: saving is a no-op."""
+
+    def save_for_backward(self, *tensors: Optional[Tensor]) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors: Tensor) -> None:
+        pass
+
+
+def _apply(function: Type[torch.autograd.Function], *args: object) -> object:
+    """``function.apply(*args)``; when no tensor argument needs a gradient, its ``forward`` alone, without
+    autograd's per-call Python cost (about 20 us, as much as the kernel of a one-token decoding step)."""
+    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+        return function.apply(*args)
+    return function.forward(_NoGradContext(), *args)
+
+
 # ------------------------------------------------------------------------------------------- attention
 
 
-def _attention_masks(
-    attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], dtype: torch.dtype, k_len: int,
-) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """The contract's masks -> the kernel's: an additive bias (``-inf`` = masked) broadcastable to
-    ``[B, H, Lq, Lk]`` in ``dtype``, and key lengths ``[B]`` for a right-padded ``key_padding_mask`` (whose
-    padded key blocks the kernel then skips). A padding mask with holes becomes part of the bias instead."""
-    bias = None
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            bias = torch.zeros(attn_mask.shape, dtype=dtype).masked_fill_(~attn_mask, float("-inf"))
-        else:
-            bias = attn_mask.to(dtype)
-    key_lengths = None
-    if key_padding_mask is not None:
-        lengths = (~key_padding_mask).sum(dim=-1)
-        right_padded = torch.arange(k_len)[None, :] >= lengths[:, None]
-        if torch.equal(right_padded, key_padding_mask):
-            key_lengths = lengths.to(torch.int64)
-        else:
-            padding = torch.zeros(key_padding_mask.shape, dtype=dtype).masked_fill_(key_padding_mask, float("-inf"))
-            padding = padding[:, None, None, :]
-            bias = padding if bias is None else bias + padding
-    return bias, key_lengths
+def _attention_bias(attn_mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """The contract's ``attn_mask`` -> the kernel's additive bias (``-inf`` = masked) in ``dtype``. The key
+    padding mask goes to the kernel as it is."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        return torch.zeros(attn_mask.shape, dtype=dtype).masked_fill_(~attn_mask, float("-inf"))
+    return attn_mask.to(dtype)
 
 
 class AttentionFunction(torch.autograd.Function):
-    """Autograd over ``attention_fwd`` / ``attention_bwd``; masks already converted by ``_attention_masks``."""
+    """Autograd over ``attention_fwd`` / ``attention_bwd``; ``attn_mask`` already converted by ``_attention_bias``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, key_lengths, is_causal, causal_offset, scale, dropout_p, seed):
-        out, lse = _ops.attention_fwd(q, k, v, bias, key_lengths, is_causal, causal_offset, scale, dropout_p, seed)
-        ctx.save_for_backward(q, k, v, out, lse, bias, key_lengths)
+    def forward(ctx, q, k, v, bias, key_padding, is_causal, causal_offset, scale, dropout_p, seed):
+        out, lse = _ops.attention_fwd(q, k, v, bias, key_padding, is_causal, causal_offset, scale, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, out, lse, bias, key_padding)
         ctx.options = (is_causal, causal_offset, scale, dropout_p, seed)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, bias, key_lengths = ctx.saved_tensors
-        dq, dk, dv = _ops.attention_bwd(dout, q, k, v, out, lse, bias, key_lengths, *ctx.options)
+        q, k, v, out, lse, bias, key_padding = ctx.saved_tensors
+        dq, dk, dv = _ops.attention_bwd(dout, q, k, v, out, lse, bias, key_padding, *ctx.options)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -112,12 +115,12 @@ def attention(
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         raise ValueError("the cpu backend does not compute gradients for attn_mask; use backend 'reference'")
     q_len, k_len = q.shape[-2], k.shape[-2]
-    bias, key_lengths = _attention_masks(attn_mask, key_padding_mask, _stats_dtype(q.dtype), k_len)
+    bias = _attention_bias(attn_mask, _stats_dtype(q.dtype))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     causal_offset = 0 if causal_alignment == "top_left" else k_len - q_len
     seed = draw_dropout_seed() if dropout_p > 0.0 else 0
-    out, lse = AttentionFunction.apply(
-        q, k, v, bias, key_lengths, bool(is_causal), causal_offset, scale, float(dropout_p), seed
+    out, lse = _apply(
+        AttentionFunction, q, k, v, bias, key_padding_mask, bool(is_causal), causal_offset, scale, float(dropout_p), seed
     )
     return (out, lse) if return_lse else out
 
@@ -188,7 +191,9 @@ def layer_norm(
     rows = x.reshape(-1, n)
     residual_rows = residual.reshape(-1, n) if residual is not None else None
     seed = draw_dropout_seed() if dropout_p > 0.0 else 0
-    out = LayerNormFunction.apply(rows, weight, bias, residual_rows, float(eps), float(dropout_p), seed, bool(prenorm))
+    out = _apply(
+        LayerNormFunction, rows, weight, bias, residual_rows, float(eps), float(dropout_p), seed, bool(prenorm)
+    )
     if prenorm:
         y, z = out
         return y.view(shape), z.view(shape)
@@ -238,9 +243,9 @@ def feed_forward(
     if x.dtype in (torch.float16, torch.bfloat16):
         # The bias must be added before the pre-activation is rounded to 16 bits, as ATen's addmm does: rounding
         # first moves values near 0 across ReLU's kink, whose gradient then flips between 0 and 1.
-        hidden = BiasActivationFunction.apply(F.linear(x, w1, b1), None, activation, float(dropout_p), seed)
+        hidden = _apply(BiasActivationFunction, F.linear(x, w1, b1), None, activation, float(dropout_p), seed)
     else:
-        hidden = BiasActivationFunction.apply(F.linear(x, w1), b1, activation, float(dropout_p), seed)
+        hidden = _apply(BiasActivationFunction, F.linear(x, w1), b1, activation, float(dropout_p), seed)
     return F.linear(hidden, w2, b2)
 
 
@@ -251,15 +256,16 @@ def _register_fakes() -> None:
     def stats(t: Tensor, shape: Sequence[int]) -> Tensor:
         return t.new_empty(shape, dtype=_stats_dtype(t.dtype))
 
+    def head_rows(t: Tensor) -> Tensor:  # [B, H, L, D] laid out as [B, L, H, D], as the kernels write it
+        return t.new_empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])).transpose(1, 2)
+
     @torch.library.register_fake("fused_transformer_cpu::attention_fwd")
-    def _(q, k, v, bias, key_lengths, is_causal, causal_offset, scale, dropout_p, seed):
-        return torch.empty_like(q, memory_format=torch.contiguous_format), stats(q, q.shape[:3])
+    def _(q, k, v, bias, key_padding, is_causal, causal_offset, scale, dropout_p, seed):
+        return head_rows(q), stats(q, q.shape[:3])
 
     @torch.library.register_fake("fused_transformer_cpu::attention_bwd")
-    def _(dout, q, k, v, out, lse, bias, key_lengths, is_causal, causal_offset, scale, dropout_p, seed):
-        return (torch.empty_like(q, memory_format=torch.contiguous_format),
-                torch.empty_like(k, memory_format=torch.contiguous_format),
-                torch.empty_like(v, memory_format=torch.contiguous_format))
+    def _(dout, q, k, v, out, lse, bias, key_padding, is_causal, causal_offset, scale, dropout_p, seed):
+        return head_rows(q), head_rows(k), head_rows(v)
 
     @torch.library.register_fake("fused_transformer_cpu::layer_norm_fwd")
     def _(x, weight, bias, residual, eps, dropout_p, seed, store_z):

@@ -184,15 +184,43 @@ def test_dropout_is_reproducible_with_manual_seed():
             assert not torch.equal(first, other)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_reads_strided_inputs_without_copies_and_writes_heads_interleaved(dtype):
+    """q/k/v as views of one fused projection (gaps between heads) and k/v broadcast over the batch give
+    bitwise the results of contiguous copies; out and the gradients come back laid out as [B, L, H, D]."""
+    g = torch.Generator().manual_seed(5)
+    batch, length, heads, dim = 3, 11, 4, 16
+    qkv = randn(batch, length, 3, heads, dim, generator=g).to(dtype)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    k, v = k[:1].expand(batch, -1, -1, -1), v[:1].expand(batch, -1, -1, -1)
+    assert not (q.is_contiguous() or k.is_contiguous())
+    padding = torch.arange(length)[None, :] >= torch.tensor([[11], [7], [4]])
+    grad_out = randn(batch, heads, length, dim, generator=g).to(dtype)
+
+    def run(q, k, v):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with ft.use_backend("cpu"):
+            out = ft.attention(*leaves, key_padding_mask=padding, is_causal=True, causal_alignment="bottom_right")
+        out.backward(grad_out)
+        return out, [t.grad for t in leaves]
+
+    out, grads = run(q, k, v)
+    expected_out, expected_grads = run(q.contiguous(), k.contiguous(), v.contiguous())
+    assert torch.equal(out, expected_out)
+    assert out.transpose(1, 2).is_contiguous()
+    for grad, expected in zip(grads, expected_grads):
+        assert torch.equal(grad, expected)
+
+
 def test_attention_gradcheck_float64():
     ops = cpu_ops()
     g = torch.Generator().manual_seed(3)
     q, k, v = randn(1, 2, 5, 8, generator=g), randn(1, 1, 6, 8, generator=g), randn(1, 1, 6, 8, generator=g)
-    bias, lengths = ops._attention_masks(torch.randn(5, 6, dtype=torch.float64), torch.tensor([[False] * 5 + [True]]),
-                                         torch.float64, 6)
+    bias = ops._attention_bias(torch.randn(5, 6, dtype=torch.float64), torch.float64)
+    padding = torch.tensor([[False, True, False, False, False, True]])  # a hole and a padded tail
     for causal, offset, dropout_p in ((False, 0, 0.0), (True, 1, 0.0), (True, 0, 0.4)):
         def fn(q, k, v):
-            return ops.AttentionFunction.apply(q, k, v, bias, lengths, causal, offset, 0.3, dropout_p, 11)[0]
+            return ops.AttentionFunction.apply(q, k, v, bias, padding, causal, offset, 0.3, dropout_p, 11)[0]
 
         assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in (q, k, v)])
 

@@ -394,6 +394,20 @@ def test_demo_runs_end_to_end(capsys):
     assert "identical tokens" in out
 
 
+def test_demo_plans_its_steps_from_a_time_budget(capsys):
+    assert demo.main(["--quick", "--minutes", "0.05", "--batch-size", "16"]) == 0
+    out = capsys.readouterr().out
+    planned = int(out.split("training ")[1].split(" steps")[0])
+    trained = int(out.split("trained ")[1].split(" steps")[0])
+    assert planned >= 20 and 1 <= trained <= planned
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--minutes", "0"], ["--minutes", "1", "--steps", "5"]])
+def test_demo_rejects_bad_budgets(argv):
+    with pytest.raises(SystemExit):
+        demo.main(argv)
+
+
 def test_cli_forwards_demo(monkeypatch):
     from fused_transformer import __main__ as cli
 

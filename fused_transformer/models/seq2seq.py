@@ -283,7 +283,8 @@ class Seq2SeqTransformer(nn.Module):
             attn = layer.multihead_attn
             bias = None if attn.in_proj_bias is None else attn.in_proj_bias[self.hid_dim:]
             k, v = F.linear(memory, attn.in_proj_weight[self.hid_dim:], bias).chunk(2, dim=-1)
-            cross_kv.append((self._split_heads(k), self._split_heads(v)))
+            # Contiguous once here rather than copied by the attention kernel at every step.
+            cross_kv.append((self._split_heads(k).contiguous(), self._split_heads(v).contiguous()))
         return DecoderCache(src_padding=src_padding, cross_kv=cross_kv)
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
