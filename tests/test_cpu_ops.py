@@ -212,6 +212,27 @@ def test_attention_reads_strided_inputs_without_copies_and_writes_heads_interlea
         assert torch.equal(grad, expected)
 
 
+def test_ops_without_gradients_give_the_same_results_outside_autograd():
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (randn(2, 4, 7, 16, generator=g).float() for _ in range(3))
+    x, residual = randn(5, 32, generator=g).float(), randn(5, 32, generator=g).float()
+    w1, w2 = randn(64, 32, generator=g).float(), randn(32, 64, generator=g).float()
+    padding = torch.tensor([[False] * 7, [False] * 4 + [True] * 3])
+    runs = [
+        lambda q, k, v, x, r: ft.attention(q, k, v, key_padding_mask=padding, is_causal=True, return_lse=True),
+        lambda q, k, v, x, r: ft.layer_norm(x, None, None, residual=r, prenorm=True),
+        lambda q, k, v, x, r: (ft.feed_forward(x, w1, None, w2, None, activation="relu"),),
+    ]
+    with ft.use_backend("cpu"):
+        for run in runs:
+            tracked = run(*(t.clone().requires_grad_() for t in (q, k, v, x, residual)))
+            untracked = run(q, k, v, x, residual)
+            assert all(t.grad_fn is not None for t in tracked[:1])
+            assert all(t.grad_fn is None and not t.requires_grad for t in untracked)
+            for a, b in zip(tracked, untracked):
+                assert torch.equal(a.detach(), b)
+
+
 def test_attention_gradcheck_float64():
     ops = cpu_ops()
     g = torch.Generator().manual_seed(3)
