@@ -114,7 +114,13 @@ void layer_norm_backward_kernel(const scalar_t* dy, const scalar_t* dz, const sc
 // partial [chunks, n] -> [n], adding the chunks in order.
 at::Tensor sum_partials(const at::Tensor& partial, at::ScalarType out_dtype) {
   at::Tensor total = partial.select(0, 0).clone();
-  for (int64_t chunk = 1; chunk < partial.size(0); ++chunk) total.add_(partial.select(0, chunk));
+  AT_DISPATCH_FLOATING_TYPES(partial.scalar_type(), "sum_partials", [&] {
+    const int64_t chunks = partial.size(0), n = partial.size(1);
+    const scalar_t* rows = partial.data_ptr<scalar_t>();
+    scalar_t* out = total.data_ptr<scalar_t>();
+    for (int64_t chunk = 1; chunk < chunks; ++chunk)
+      for (int64_t c = 0; c < n; ++c) out[c] += rows[chunk * n + c];
+  });
   return total.to(out_dtype);
 }
 

@@ -180,8 +180,20 @@ def test_decode_step_equals_the_full_decoder(norm_first, fused):
         # one token, then three at once (the bottom-right causal mask), then one more
         steps = [model.decode_step(tgt[:, :1], cache), model.decode_step(tgt[:, 1:4], cache),
                  model.decode_step(tgt[:, 4:5], cache)]
-    assert cache.length == 5 and cache.self_kv[0][0].shape == (4, SMALL["n_heads"], 5, 8)
+    assert cache.length == 5 and cache.keys_values(0)[0].shape == (4, SMALL["n_heads"], 5, 8)
     torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_cache_refuses_positions_past_its_capacity():
+    model = small_model(False, seed=3).eval()
+    src, _ = padded_batch()
+    with torch.no_grad():
+        cache = model.start_cache(*model.encode(src), capacity=2)
+        model.decode_step(torch.full((src.shape[0], 2), 5), cache)
+        with pytest.raises(ValueError, match="holds 2 positions"):
+            model.decode_step(torch.full((src.shape[0], 1), 5), cache)
+    with pytest.raises(ValueError, match="capacity"):
+        model.start_cache(*model.encode(src), capacity=model.max_len + 1)
 
 
 @pytest.mark.parametrize("fused", [True, False])

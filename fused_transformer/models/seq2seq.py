@@ -88,14 +88,35 @@ class DecoderCache:
     """What incremental decoding keeps between steps, per decoder layer.
 
     ``cross_kv[i]``: the cross-attention keys and values of layer ``i``, ``[B, H, S, D]`` each, projected
-    from the encoder output once. ``self_kv[i]``: the self-attention keys and values of the tokens decoded
-    so far, ``[B, H, length, D]`` each. ``src_padding``: ``[B, S]``, True = padding.
+    from the encoder output once. ``self_kv[i]``: buffers ``[B, H, capacity, D]`` for the self-attention keys
+    and values of layer ``i``, of which the first ``length`` positions are filled (``keys_values(i)``), so a
+    step writes only its new positions. ``src_padding``: ``[B, S]``, True = padding.
     """
 
     src_padding: Tensor
     cross_kv: List[Tuple[Tensor, Tensor]]
+    capacity: int
     self_kv: List[Tuple[Tensor, Tensor]] = field(default_factory=list)
     length: int = 0
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        """Write the new keys and values ``[B, H, n, D]`` of ``layer`` after the cached ones (at position
+        ``length``, which ``decode_step`` advances once every layer has appended); returns all of them so far."""
+        end = self.length + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"the decoding cache holds {self.capacity} positions; {end} were asked for")
+        if layer == len(self.self_kv):
+            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
+            self.self_kv.append((k.new_empty(shape), v.new_empty(shape)))
+        keys, values = self.self_kv[layer]
+        keys[:, :, self.length:end] = k
+        values[:, :, self.length:end] = v
+        return keys[:, :, :end], values[:, :, :end]
+
+    def keys_values(self, layer: int) -> Tuple[Tensor, Tensor]:
+        """The cached self-attention keys and values of ``layer``, ``[B, H, length, D]`` each (views)."""
+        keys, values = self.self_kv[layer]
+        return keys[:, :, :self.length], values[:, :, :self.length]
 
     def select(self, rows: Tensor) -> None:
         """Keep rows ``rows`` of the self-attention cache, in that order (beam search's reordering). The
@@ -108,7 +129,7 @@ class DecoderCache:
             return t.repeat_interleave(repeats, dim=0)
 
         return DecoderCache(
-            rep(self.src_padding), [(rep(k), rep(v)) for k, v in self.cross_kv],
+            rep(self.src_padding), [(rep(k), rep(v)) for k, v in self.cross_kv], self.capacity,
             [(rep(k), rep(v)) for k, v in self.self_kv], self.length,
         )
 
@@ -276,16 +297,20 @@ class Seq2SeqTransformer(nn.Module):
 
     # ------------------------------------------------------------------------------ incremental decoding
 
-    def start_cache(self, memory: Tensor, src_padding: Tensor) -> DecoderCache:
-        """An empty decoding cache holding the cross-attention keys/values of ``memory`` for every layer."""
+    def start_cache(self, memory: Tensor, src_padding: Tensor, capacity: Optional[int] = None) -> DecoderCache:
+        """An empty decoding cache holding the cross-attention keys/values of ``memory`` for every layer, with
+        room for ``capacity`` target positions (default ``max_len``)."""
+        capacity = self.max_len if capacity is None else capacity
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= self.max_len:
+            raise ValueError(f"capacity={capacity!r} must be an int in [1, max_len={self.max_len}]")
         cross_kv = []
         for layer in self.decoder.layers:
             attn = layer.multihead_attn
             bias = None if attn.in_proj_bias is None else attn.in_proj_bias[self.hid_dim:]
             k, v = F.linear(memory, attn.in_proj_weight[self.hid_dim:], bias).chunk(2, dim=-1)
-            # Contiguous once here rather than copied by the attention kernel at every step.
+            # One copy here makes every step read each head from contiguous memory.
             cross_kv.append((self._split_heads(k).contiguous(), self._split_heads(v).contiguous()))
-        return DecoderCache(src_padding=src_padding, cross_kv=cross_kv)
+        return DecoderCache(src_padding=src_padding, cross_kv=cross_kv, capacity=capacity)
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """Run the next target tokens ``[B, n]`` (usually ``n = 1``) through the decoder, appending their
@@ -295,27 +320,19 @@ class Seq2SeqTransformer(nn.Module):
         if cache.length + tokens.shape[1] > self.max_len:
             raise ValueError(f"decoding past max_len={self.max_len} positions")
         x = self._embed(tokens, self.tgt_token_embedding, self.tgt_position_embedding, start=cache.length)
-        first_step = not cache.self_kv
         for i, layer in enumerate(self.decoder.layers):
-            x = self._cached_layer(layer, i, x, cache, first_step)
+            x = self._cached_layer(layer, i, x, cache)
         cache.length += tokens.shape[1]
         if self.decoder.norm is not None:
             x = self.decoder.norm(x)
         return self.output_projection(x)
 
-    def _cached_layer(self, layer: nn.TransformerDecoderLayer, index: int, x: Tensor, cache: DecoderCache,
-                      first_step: bool) -> Tensor:
+    def _cached_layer(self, layer: nn.TransformerDecoderLayer, index: int, x: Tensor, cache: DecoderCache) -> Tensor:
         """``layer.forward`` for the new positions only, reading earlier positions from ``cache``."""
         def self_attention(h: Tensor) -> Tensor:
             attn = layer.self_attn
             q, k, v = (self._split_heads(t) for t in F.linear(h, attn.in_proj_weight, attn.in_proj_bias).chunk(3, -1))
-            if not first_step:
-                past_k, past_v = cache.self_kv[index]
-                k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-            if first_step:
-                cache.self_kv.append((k, v))
-            else:
-                cache.self_kv[index] = (k, v)
+            k, v = cache.append(index, k, v)
             return attn.out_proj(self._attend(q, k, v, causal=True))
 
         def cross_attention(h: Tensor) -> Tensor:
@@ -398,7 +415,7 @@ class Seq2SeqTransformer(nn.Module):
             memory, src_padding = self.encode(src)
             tokens = torch.full((src.shape[0], 1), self.bos_idx, dtype=torch.long, device=src.device)
             finished = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
-            cache = self.start_cache(memory, src_padding) if use_cache else None
+            cache = self.start_cache(memory, src_padding, capacity=max_len) if use_cache else None
             for _ in range(max_len):
                 if cache is not None:
                     logits = self.decode_step(tokens[:, -1:], cache)[:, -1]
@@ -435,7 +452,7 @@ class Seq2SeqTransformer(nn.Module):
 
         with self._evaluating():
             memory, src_padding = self.encode(src)
-            cache = self.start_cache(memory, src_padding).repeat_interleave(k)
+            cache = self.start_cache(memory, src_padding, capacity=max_len).repeat_interleave(k)
             device = src.device
             tokens = torch.full((batch * k, 1), self.bos_idx, dtype=torch.long, device=device)
             # Only the first beam of each source is live at the start, so the first step does not pick k copies.
