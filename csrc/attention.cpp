@@ -294,10 +294,13 @@ void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRo
 
 // ----------------------------------------------------------------------------------------------- ops
 
-// t in dtype, copied only if its last dim is strided: HeadRows reads the other dims through their strides.
+// t [B, heads, L, D] in dtype, copied only if its rows are not contiguous and apart (BLAS needs a row stride of at
+// least D: a sequence dim broadcast with stride 0 does not qualify); HeadRows reads the other dims through
+// their strides.
 at::Tensor with_contiguous_rows(const at::Tensor& t, at::ScalarType dtype) {
   at::Tensor converted = t.to(dtype);
-  return converted.stride(-1) == 1 ? converted : converted.contiguous();
+  const bool rows_apart = converted.stride(3) == 1 && converted.stride(2) >= converted.size(3);
+  return rows_apart ? converted : converted.contiguous();
 }
 
 // A zeroed or uninitialised [B, heads, L, D] tensor laid out as [B, L, heads, D] (see HeadRows).

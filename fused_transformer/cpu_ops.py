@@ -120,7 +120,8 @@ def attention(
     causal_offset = 0 if causal_alignment == "top_left" else k_len - q_len
     seed = draw_dropout_seed() if dropout_p > 0.0 else 0
     out, lse = _apply(
-        AttentionFunction, q, k, v, bias, key_padding_mask, bool(is_causal), causal_offset, scale, float(dropout_p), seed
+        AttentionFunction, q, k, v, bias, key_padding_mask, bool(is_causal), causal_offset, scale, float(dropout_p),
+        seed,
     )
     return (out, lse) if return_lse else out
 

@@ -211,6 +211,14 @@ def test_attention_reads_strided_inputs_without_copies_and_writes_heads_interlea
     for grad, expected in zip(grads, expected_grads):
         assert torch.equal(grad, expected)
 
+    # Rows broadcast along the sequence (stride 0) are copied first: BLAS refuses a row stride below D.
+    q_long, k_long = (randn(batch, heads, 70, dim, generator=g).to(dtype) for _ in range(2))
+    v_rows = randn(batch, heads, 1, dim, generator=g).to(dtype).expand(-1, -1, 70, -1)
+    with ft.use_backend("cpu"):
+        out = ft.attention(q_long, k_long, v_rows, is_causal=True)
+        assert torch.equal(out, ft.attention(q_long, k_long, v_rows.contiguous(), is_causal=True))
+    torch.testing.assert_close(out, v_rows, rtol=1e-2, atol=1e-2)  # every row averages copies of one value
+
 
 def test_ops_without_gradients_give_the_same_results_outside_autograd():
     g = torch.Generator().manual_seed(6)

@@ -27,6 +27,7 @@ FULL = dict(model=dict(hid_dim=256, n_layers=3, n_heads=8, ff_dim=512, dropout=0
 QUICK = dict(model=dict(hid_dim=64, n_layers=2, n_heads=4, ff_dim=128, dropout=0.0), vocab=12, max_len=8,
              held_out=300, steps=500, lr=3e-3)
 
+
 def _alternated_median(fns: List[Callable[[], object]], rounds: int, repeats: int) -> List[float]:
     """Median seconds per call of each fn, timing them in turn ``rounds`` times (``repeats`` calls each)."""
     times: List[List[float]] = [[] for _ in fns]
@@ -66,7 +67,7 @@ def decoding_speed(runs: List[Callable[[], torch.Tensor]], rounds: int = 3) -> T
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fused_transformer demo", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help=f"a small model (d 64, 2 layers), {QUICK['steps']} steps on one thread: about 30 s")
+                        help=f"a small model (d 64, 2 layers), {QUICK['steps']} steps on one thread: about 40 s")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"training steps (default {FULL['steps']}, or {QUICK['steps']} with --quick)")
     parser.add_argument("--minutes", type=float, default=None,

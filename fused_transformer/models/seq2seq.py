@@ -15,8 +15,8 @@ masks from ``pad_idx`` itself.
 Incremental decoding. ``start_cache(memory, src_padding)`` projects the encoder output to the
 cross-attention keys/values of every decoder layer once; ``decode_step(tokens, cache)`` runs only the new
 tokens through each layer, with that layer's own parameters, writing their self-attention keys/values into
-the cache's preallocated buffers, so a greedy step costs O(L) instead of O(L^2). ``greedy_decode`` and ``beam_search`` are
-batched and stop per sequence at ``eos_idx``.
+the cache's preallocated buffers, so a greedy step costs O(L) instead of O(L^2). ``greedy_decode`` and
+``beam_search`` are batched and stop per sequence at ``eos_idx``.
 """
 from __future__ import annotations
 
