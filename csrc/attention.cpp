@@ -19,6 +19,17 @@
 
 #include "common.h"
 
+// The Fortran BLAS that libtorch_cpu exports (MKL on x86-64 wheels). ATen's own cpublas::gemm wrappers are not
+// exported to extensions. Weak, so a torch without them still loads this extension and uses gemm_loops.
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc) __attribute__((weak));
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+            const int* ldc) __attribute__((weak));
+}
+
 namespace fused_transformer_cpu {
 
 namespace {
@@ -101,11 +112,98 @@ void softmax_grad_row(const double* dropped, const double* probs, double* dpd, i
   for (int64_t i = 0; i < n; ++i) dpd[i] = dropped[i] * dpd[i] - probs[i] * delta;
 }
 
+// Eight independent partial sums, which the compiler vectorises (a single accumulator would be serial).
 template <typename scalar_t>
-scalar_t dot(const scalar_t* a, const scalar_t* b, int64_t n) {
+FT_INLINE scalar_t dot(const scalar_t* a, const scalar_t* b, int64_t n) {
+  scalar_t lanes[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] += a[i + l] * b[i + l];
   scalar_t total = 0;
-  for (int64_t i = 0; i < n; ++i) total += a[i] * b[i];
+  for (; i < n; ++i) total += a[i] * b[i];
+  for (int l = 0; l < 8; ++l) total += lanes[l];
   return total;
+}
+
+// -------------------------------------------------------------------------------------------- gemm
+
+template <typename scalar_t>
+using BlasGemm = void (*)(const char*, const char*, const int*, const int*, const int*, const scalar_t*,
+                          const scalar_t*, const int*, const scalar_t*, const int*, const scalar_t*, scalar_t*,
+                          const int*);
+
+template <typename scalar_t>
+BlasGemm<scalar_t> blas_gemm();
+template <>
+inline BlasGemm<float> blas_gemm<float>() { return &sgemm_; }
+template <>
+inline BlasGemm<double> blas_gemm<double>() { return &dgemm_; }
+
+// C = alpha * op(A) @ op(B) + beta * C on row-major matrices, by loops whose innermost index is contiguous in
+// memory. For small products (one decoding query against a few keys) this beats a BLAS call, whose fixed
+// cost is larger than the arithmetic.
+template <typename scalar_t>
+FT_INLINE void gemm_loops_body(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, scalar_t alpha,
+                               const scalar_t* a, int64_t lda, const scalar_t* b, int64_t ldb, scalar_t beta,
+                               scalar_t* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i) {
+    scalar_t* c_row = c + i * ldc;
+    for (int64_t j = 0; j < n; ++j) c_row[j] = beta == scalar_t(0) ? scalar_t(0) : beta * c_row[j];
+  }
+  if (transpose_b) {  // C[i, j] += alpha * dot(op(A)[i, :], B[j, :])
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        const scalar_t* b_row = b + j * ldb;
+        scalar_t total = 0;
+        if (transpose_a)
+          for (int64_t l = 0; l < k; ++l) total += a[l * lda + i] * b_row[l];
+        else
+          total = dot(a + i * lda, b_row, k);
+        c[i * ldc + j] += alpha * total;
+      }
+    return;
+  }
+  for (int64_t i = 0; i < m; ++i)  // C[i, :] += alpha * op(A)[i, l] * B[l, :]
+    for (int64_t l = 0; l < k; ++l) {
+      const scalar_t factor = alpha * (transpose_a ? a[l * lda + i] : a[i * lda + l]);
+      const scalar_t* b_row = b + l * ldb;
+      scalar_t* c_row = c + i * ldc;
+      for (int64_t j = 0; j < n; ++j) c_row[j] += factor * b_row[j];
+    }
+}
+
+// float is compiled for AVX2 as well (see FT_MULTIVERSION): these loops are the whole of a decoding step's
+// attention arithmetic.
+FT_MULTIVERSION void gemm_loops(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
+                                const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                                int64_t ldc) {
+  gemm_loops_body(transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void gemm_loops(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
+                int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  gemm_loops_body(transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+// The same through BLAS (column-major: row-major C is column-major C^T = op(B)^T op(A)^T, so the operands
+// swap), except for products below kSmallGemm multiply-adds or when torch exports no BLAS. Blocks are small
+// (<= 64 x 128 x head_dim), so int sizes suffice.
+constexpr int64_t kSmallGemm = 4096;
+
+template <typename scalar_t>
+void gemm_row_major(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, scalar_t alpha,
+                    const scalar_t* a, int64_t lda, const scalar_t* b, int64_t ldb, scalar_t beta, scalar_t* c,
+                    int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  BlasGemm<scalar_t> gemm = blas_gemm<scalar_t>();
+  if (gemm == nullptr || m * n * k < kSmallGemm) {
+    gemm_loops(transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  const char op_a = transpose_a ? 'T' : 'N', op_b = transpose_b ? 'T' : 'N';
+  const int m_ = static_cast<int>(m), n_ = static_cast<int>(n), k_ = static_cast<int>(k);
+  const int lda_ = static_cast<int>(lda), ldb_ = static_cast<int>(ldb), ldc_ = static_cast<int>(ldc);
+  gemm(&op_b, &op_a, &n_, &m_, &k_, &alpha, b, &ldb_, a, &lda_, &beta, c, &ldc_);
 }
 
 // ------------------------------------------------------------------------------------------ blocks
