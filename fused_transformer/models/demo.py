@@ -67,7 +67,7 @@ def decoding_speed(runs: List[Callable[[], torch.Tensor]], rounds: int = 3) -> T
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fused_transformer demo", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help=f"a small model (d 64, 2 layers), {QUICK['steps']} steps on one thread: about 40 s")
+                        help=f"a small model (d 64, 2 layers), {QUICK['steps']} steps on one thread: about 30 s")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"training steps (default {FULL['steps']}, or {QUICK['steps']} with --quick)")
     parser.add_argument("--minutes", type=float, default=None,
