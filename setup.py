@@ -67,7 +67,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["fused_transformer", "fused_transformer.kernels", "fused_transformer.models"],
+    packages=["fused_transformer", "fused_transformer.kernels", "fused_transformer.models", "fused_transformer.tools"],
     package_dir={"fused_transformer": "fused_transformer", "fused_transformer.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -1,4 +1,4 @@
-"""pytest-benchmark over the cases of ``fused_transformer.bench_suites``, the ones ``python -m fused_transformer
+"""pytest-benchmark over the cases of ``fused_transformer.tools.bench_cases``, the ones ``python -m fused_transformer
 bench`` measures: ``pytest benchmarks/ --benchmark-only``. Not part of the default test run (pyproject's
 testpaths is ``tests``). Options below; pytest-benchmark's own (``--benchmark-max-time``, ``--benchmark-json``,
 ``--benchmark-compare``) apply as usual.
@@ -6,7 +6,7 @@ testpaths is ``tests``). Options below; pytest-benchmark's own (``--benchmark-ma
 import pytest
 import torch
 
-from fused_transformer import bench_suites
+from fused_transformer.tools import bench_cases
 
 
 def pytest_addoption(parser):
@@ -19,17 +19,17 @@ def pytest_addoption(parser):
                     help="sequence lengths per suite: small = the shortest of --quick (default), quick = those of "
                          "bench --quick, full = those of bench")
     group.addoption("--bench-lengths", default=None, help="sequence lengths for every suite, e.g. 128,512")
-    group.addoption("--bench-suite", action="append", choices=bench_suites.SUITES, default=None,
+    group.addoption("--bench-suite", action="append", choices=bench_cases.SUITES, default=None,
                     help="a suite to run; repeat for several (default: all)")
 
 
-def bench_setup(config) -> bench_suites.Setup:
+def bench_setup(config) -> bench_cases.Setup:
     device = torch.device(config.getoption("--bench-device"))
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: None}[
         config.getoption("--bench-dtype")]
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return bench_suites.Setup(device, dtype)
+    return bench_cases.Setup(device, dtype)
 
 
 def pytest_generate_tests(metafunc):
@@ -46,12 +46,12 @@ def bench_cases(config):
         raise pytest.UsageError("--bench-device cuda: no CUDA device is available here")
     grid, lengths = config.getoption("--bench-grid"), config.getoption("--bench-lengths")
     pairs = []
-    for suite in config.getoption("--bench-suite") or bench_suites.SUITES:
+    for suite in config.getoption("--bench-suite") or bench_cases.SUITES:
         if lengths:
             suite_lengths = [int(n) for n in lengths.split(",")]
         else:
-            suite_lengths = bench_suites.default_lengths(suite, setup.device, quick=grid != "full")
+            suite_lengths = bench_cases.default_lengths(suite, setup.device, quick=grid != "full")
             suite_lengths = suite_lengths[:1] if grid == "small" else suite_lengths
-        for case in bench_suites.cases(suite, setup, suite_lengths):
+        for case in bench_cases.cases(suite, setup, suite_lengths):
             pairs.extend((case, impl) for impl in case.impls)
     return setup, pairs

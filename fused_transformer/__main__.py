@@ -40,8 +40,8 @@ def _check_then_bench(argv: List[str]) -> int:
     args = parser.parse_args(argv)
     shared = ["--device", args.device] + (["--quick"] if args.quick else [])
 
-    from fused_transformer.benchmark import main as bench_main
-    from fused_transformer.selfcheck import main as check_main
+    from fused_transformer.tools.bench import main as bench_main
+    from fused_transformer.tools.check import main as check_main
 
     check_status = check_main(shared)
     bench_status = bench_main(shared + (["--out", args.out] if args.out else []))
@@ -57,11 +57,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command in ("all", "check"):
         _interpret_triton_without_gpu()
     if command == "check":
-        from fused_transformer.selfcheck import main as run
+        from fused_transformer.tools.check import main as run
     elif command == "bench":
-        from fused_transformer.benchmark import main as run
+        from fused_transformer.tools.bench import main as run
     elif command == "report":
-        from fused_transformer.aot import main as run
+        from fused_transformer.tools.report import main as run
     elif command == "demo":
         from fused_transformer.models.demo import main as run
     else:

@@ -386,7 +386,7 @@ class AttentionConfig:
 
 # (kernel, 16-bit or float32 inputs, padded head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages), for sm_80
 # and sm_90 alike. Chosen as the largest tiles that compile without register spills for both targets with
-# every feature on (float mask, padding, causal, dropout); `python -m fused_transformer.aot` re-checks them.
+# every feature on (float mask, padding, causal, dropout); `python -m fused_transformer report` re-checks them.
 # Eight warps spread the [BLOCK_M, BLOCK_N] score tile and the float mask tile over more registers; float32
 # tiles are smaller (its ieee dot runs on the CUDA cores, whose operand layouts replicate data across threads).
 _TILES = {
@@ -718,10 +718,10 @@ _AOT_POINTER_TYPES = {"LSE": "*fp32", "DLSE": "*fp32", "DELTA": "*fp32", "MASK":
                       "KEY_LENS": "*i32", "QUERY_LENS": "*i32"}
 
 
-def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.aot imports this module lazily)
+def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.report imports this module lazily)
     """Every attention kernel × tile config the launchers pick on a GPU, in bfloat16 (16-bit tiles) and float32,
     with every feature on (float mask, padding, query lengths, causal, dropout): the largest register footprint."""
-    from fused_transformer.aot import AotKernel
+    from fused_transformer.tools.report import AotKernel
 
     kernels = {
         "fwd": _attention_fwd_kernel, "bwd_dq": _attention_bwd_dq_kernel, "bwd_dkdv": _attention_bwd_dkdv_kernel,

@@ -155,7 +155,7 @@ class MatmulConfig:
 # (GPU generation, dtype, fused epilogue) -> tile config. Hopper (sm_90) has the larger shared memory; every
 # other GPU gets the Ampere (sm_80) configs. float32 tiles are smaller: ieee float32 runs on the CUDA cores.
 # The fused epilogue (activation, its derivative, Philox dropout on 64-bit offsets) needs many registers per
-# output element, so those products take half-width tiles: full ones spill (python -m fused_transformer.aot).
+# output element, so those products take half-width tiles: full ones spill (python -m fused_transformer report).
 MATMUL_CONFIGS = {
     ("sm_90", torch.float16, False): MatmulConfig(128, 128, 64, 8, 8, 4),
     ("sm_90", torch.bfloat16, False): MatmulConfig(128, 128, 64, 8, 8, 4),
@@ -353,10 +353,10 @@ def feed_forward(
 _TARGETS = {"sm_80": 80, "sm_90": 90}
 
 
-def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.aot imports this module lazily)
+def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.report imports this module lazily)
     """Every matmul variant the op launches on a GPU, for each (generation, dtype) config, with the memory
     layouts of the real calls (unit strides as constants) and GELU, the costliest activation."""
-    from fused_transformer.aot import AotKernel
+    from fused_transformer.tools.report import AotKernel
 
     # (variant, fused epilogue, epilogue constexprs, A's unit stride, B's unit stride)
     variants = (

@@ -14,7 +14,7 @@ Backward, with xhat = (z - mean) * rstd (or z * rstd) and g = dy * weight:
 Each backward program walks a contiguous block of rows and writes one float32 partial row of dweight/dbias;
 a second small kernel (``sum_rows``) adds the partials in a fixed order: deterministic, no atomics. Rows
 wider than 8192 are split over programs of 4096 columns that first sum the whole row (SPLIT_COLS): a whole
-16384-wide row and its partial sums do not fit in registers (``python -m fused_transformer.aot``).
+16384-wide row and its partial sums do not fit in registers (``python -m fused_transformer report``).
 
 Dropout keep-mask: element (row, col) of x viewed as [rows, N] is kept when ``dropout_keep(seed, row * N +
 col, p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, rows, N, p, device)`` replays it.
@@ -391,10 +391,10 @@ def layer_norm(
 AOT_BLOCK_SIZES = tuple(2**i for i in range(4, 15))  # 16 .. 16384, every bucket _block_n can pick
 
 
-def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.aot imports this module lazily)
+def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.report imports this module lazily)
     """Every LayerNorm kernel this module launches on a GPU, one per block-size bucket, in bfloat16 with all
     features on (the largest register footprint), plus the partial-sum reduction."""
-    from fused_transformer.aot import AotKernel
+    from fused_transformer.tools.report import AotKernel
 
     fwd_signature = {
         "X": "*bf16", "RESIDUAL": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "Z": "*bf16",

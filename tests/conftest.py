@@ -24,7 +24,7 @@ def _fresh_backend():
 def interpreter_rounds_to_nearest():
     """The Triton interpreter truncates float32 -> bfloat16 casts where a GPU rounds to nearest: make it round,
     so interpreted kernels are held to the GPU's rounding error, not twice that."""
-    from fused_transformer.selfcheck import interpreter_rounds_to_nearest
+    from fused_transformer.tools.numerics import interpreter_rounds_to_nearest
 
     with interpreter_rounds_to_nearest():
         yield
@@ -34,7 +34,7 @@ def interpreter_rounds_to_nearest():
 def nan_filled_outputs():
     """Every floating buffer allocated with torch.empty / empty_like starts as NaN, so an element a kernel
     forgets to write shows up in the comparison."""
-    from fused_transformer.selfcheck import unwritten_elements_are_nan
+    from fused_transformer.tools.numerics import unwritten_elements_are_nan
 
     with unwritten_elements_are_nan():
         yield

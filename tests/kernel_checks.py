@@ -7,7 +7,7 @@ import os
 import torch
 
 from fused_transformer.kernels._common import draw_dropout_seed, dropout_keep_mask
-from fused_transformer.selfcheck import outputs_and_grads
+from fused_transformer.tools.numerics import outputs_and_grads
 from tests.numerics import assert_close_to_reference
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -1,13 +1,13 @@
 """Shared numerical checks: a kernel is compared with the float64 reference, and in low precision it may be
 at most FACTOR times as far from it as the same PyTorch computation run in that precision.
 
-The rule itself (FACTOR, the per-dtype floor, max_error) lives in ``fused_transformer.selfcheck``, which
+The rule itself (FACTOR, the per-dtype floor, max_error) lives in ``fused_transformer.tools.numerics``, which
 ``python -m fused_transformer check`` applies to every op on every backend; the tests use the same one."""
 from __future__ import annotations
 
 import torch
 
-from fused_transformer.selfcheck import ATOL_FLOOR, FACTOR, max_error
+from fused_transformer.tools.numerics import ATOL_FLOOR, FACTOR, max_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

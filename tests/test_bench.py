@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from fused_transformer import backend, bench_suites, benchmark
+from fused_transformer import backend
+from fused_transformer.tools import bench, bench_cases
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -15,7 +16,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def bench_run(tmp_path_factory):
     """One tiny run of every suite on CPU: length 32, short timings."""
     out = tmp_path_factory.mktemp("bench")
-    code = benchmark.main(["--quick", "--device", "cpu", "--lengths", "32", "--min-time", "0.01",
+    code = bench.main(["--quick", "--device", "cpu", "--lengths", "32", "--min-time", "0.01",
                            "--threads", "1", "--out", str(out)])
     with open(out / "bench_cpu.csv", newline="") as f:
         reader = csv.DictReader(f)
@@ -25,12 +26,12 @@ def bench_run(tmp_path_factory):
 def test_cli_runs_end_to_end(bench_run):
     code, _, _, rows = bench_run
     assert code == 0
-    assert {row["suite"] for row in rows} == set(bench_suites.SUITES)
+    assert {row["suite"] for row in rows} == set(bench_cases.SUITES)
 
 
 def test_csv_has_the_promised_columns(bench_run):
     _, _, fieldnames, rows = bench_run
-    assert tuple(fieldnames) == benchmark.COLUMNS == (
+    assert tuple(fieldnames) == bench.COLUMNS == (
         "suite", "case", "mode", "impl", "device", "dtype", "batch", "heads", "seq_len", "head_dim", "d_model",
         "d_ff", "causal", "padding", "ms", "tflops", "tokens_per_s", "gb_per_s", "bw_of_peak", "peak_mem_mb",
         "mem_measure", "baseline", "speedup", "note",
@@ -41,7 +42,7 @@ def test_csv_has_the_promised_columns(bench_run):
 def test_csv_has_ours_and_every_baseline(bench_run):
     _, _, _, rows = bench_run
     impls = {suite: {row["impl"] for row in rows if row["suite"] == suite and row["ms"]}
-             for suite in bench_suites.SUITES}
+             for suite in bench_cases.SUITES}
     assert {"ours", "sdpa", "sdpa:math", "sdpa:flash_attention"} <= impls["attention"]
     assert impls["layer_norm"] == impls["feed_forward"] == {"ours", "torch"}
     assert impls["encoder_layer"] == impls["decoder_layer"] == {"ours", "torch.nn"}
@@ -80,7 +81,7 @@ def test_throughput_and_memory_columns(bench_run):
 
 def test_plots_are_written(bench_run):
     _, out, _, _ = bench_run
-    for suite in bench_suites.SUITES:
+    for suite in bench_cases.SUITES:
         for kind in ("throughput", "memory"):
             data = (out / f"{suite}_cpu_{kind}.png").read_bytes()
             assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
@@ -89,7 +90,7 @@ def test_plots_are_written(bench_run):
 def test_table_is_printed_as_it_goes(tmp_path, capsys):
     argv = ["--suite", "layer_norm", "--lengths", "16", "--min-time", "0.01", "--threads", "1", "--out", str(tmp_path),
             "--no-plots"]
-    assert benchmark.main(argv) == 0
+    assert bench.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in lines if line.startswith("d256 ") or line.startswith("d1024 ")]
     assert len(rows) == 8 and all(row[-1].endswith("x") for row in rows)
@@ -97,27 +98,27 @@ def test_table_is_printed_as_it_goes(tmp_path, capsys):
 
 
 def test_attention_flops_count_the_attended_pairs():
-    full = bench_suites.attention_flops(2, 3, 128, 64)
+    full = bench_cases.attention_flops(2, 3, 128, 64)
     assert full == 4 * 64 * 3 * 2 * 128 * 128
-    causal = bench_suites.attention_flops(2, 3, 128, 64, causal=True)
+    causal = bench_cases.attention_flops(2, 3, 128, 64, causal=True)
     assert causal / full == pytest.approx(0.5, abs=0.01) and causal == 4 * 64 * 3 * 2 * 128 * 129 // 2
-    padded = bench_suites.attention_flops(2, 3, 128, 64, kept=[32, 96])
+    padded = bench_cases.attention_flops(2, 3, 128, 64, kept=[32, 96])
     assert padded / full == 0.5
     # causal and padding: query i sees min(i + 1, kept) keys
-    both = bench_suites.attention_flops(1, 1, 4, 1, causal=True, kept=[2])
+    both = bench_cases.attention_flops(1, 1, 4, 1, causal=True, kept=[2])
     assert both == 4 * (1 + 2 + 2 + 2)
-    assert bench_suites.attention_flops(2, 3, 128, 64, backward=True) == 3.5 * full
+    assert bench_cases.attention_flops(2, 3, 128, 64, backward=True) == 3.5 * full
     with pytest.raises(ValueError):
-        bench_suites.attention_flops(2, 3, 128, 64, kept=[128])
+        bench_cases.attention_flops(2, 3, 128, 64, kept=[128])
 
 
 def test_padding_ratio_and_other_counts():
-    kept = bench_suites.kept_lengths(8, 128, 0.5)
-    assert kept[:2] == [32, 96] and bench_suites.padding_ratio(kept, 128) == 0.5
-    assert bench_suites.kept_lengths(3, 10, 0.0) == [10, 10, 10]
-    assert bench_suites.feed_forward_flops(10, 4, 8) == 2 * 2 * 10 * 4 * 8
-    assert bench_suites.feed_forward_flops(10, 4, 8, backward=True) == 3 * 2 * 2 * 10 * 4 * 8
-    assert bench_suites.layer_norm_bytes(10, 4, 2) == 2 * (3 * 10 * 4 + 2 * 4)
+    kept = bench_cases.kept_lengths(8, 128, 0.5)
+    assert kept[:2] == [32, 96] and bench_cases.padding_ratio(kept, 128) == 0.5
+    assert bench_cases.kept_lengths(3, 10, 0.0) == [10, 10, 10]
+    assert bench_cases.feed_forward_flops(10, 4, 8) == 2 * 2 * 10 * 4 * 8
+    assert bench_cases.feed_forward_flops(10, 4, 8, backward=True) == 3 * 2 * 2 * 10 * 4 * 8
+    assert bench_cases.layer_norm_bytes(10, 4, 2) == 2 * (3 * 10 * 4 + 2 * 4)
 
 
 @pytest.mark.parametrize("argv", [
@@ -134,7 +135,7 @@ def test_padding_ratio_and_other_counts():
 ])
 def test_bad_options_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:
-        benchmark.main(argv)
+        bench.main(argv)
     assert exc.value.code == 2
     assert "error:" in capsys.readouterr().err
 
@@ -142,5 +143,5 @@ def test_bad_options_are_argparse_errors(argv, capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given when there is no GPU")
 def test_cuda_without_a_gpu_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exc:
-        benchmark.main(["--device", "cuda"])
+        bench.main(["--device", "cuda"])
     assert exc.value.code == 2 and "no CUDA device" in capsys.readouterr().err

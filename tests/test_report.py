@@ -8,20 +8,20 @@ import importlib
 import pytest
 import torch
 
-from fused_transformer import aot
+from fused_transformer.tools import report
 from fused_transformer.kernels import feed_forward, layer_norm
 
 
 @pytest.fixture(scope="module")
 def results():
-    return aot.compile_all(jobs=2)
+    return report.compile_all(jobs=2)
 
 
 def test_every_shipped_config_compiles_within_limits(results):
-    expected_jobs = aot.jobs_for(aot.KERNEL_MODULES)
+    expected_jobs = report.jobs_for(report.KERNEL_MODULES)
     assert len(results) == len(expected_jobs)
     failed = [r for r in results if not r.ok]
-    assert not failed, "\n" + aot.format_table(failed)
+    assert not failed, "\n" + report.format_table(failed)
 
 
 def test_matmuls_use_tensor_cores(results):
@@ -36,11 +36,11 @@ def test_hopper_and_ampere_configs_compile_only_for_their_target(results):
             assert r.config.startswith(f"sm_{r.target}/")
 
 
-@pytest.mark.parametrize("module", aot.KERNEL_MODULES)
+@pytest.mark.parametrize("module", report.KERNEL_MODULES)
 def test_every_module_lists_configs(module):
     configs = importlib.import_module(module).aot_configs()
-    assert configs and all(isinstance(k, aot.AotKernel) for k in configs)
-    assert all(set(k.targets) <= set(aot.SHARED_MEMORY_LIMIT) for k in configs)
+    assert configs and all(isinstance(k, report.AotKernel) for k in configs)
+    assert all(set(k.targets) <= set(report.SHARED_MEMORY_LIMIT) for k in configs)
 
 
 def _hidden_sizes():
@@ -88,23 +88,23 @@ def test_feed_forward_configs_cover_every_matmul_config():
 
 def test_problems_are_reported():
     base = dict(module="m", name="k", config="c", num_warps=4)
-    assert aot.AotResult(**base, target=80, registers=64).ok
-    assert not aot.AotResult(**base, target=80, stack_bytes=8).ok
-    assert not aot.AotResult(**base, target=80, shared_bytes=aot.SHARED_MEMORY_LIMIT[80] + 1).ok
-    assert aot.AotResult(**base, target=90, shared_bytes=aot.SHARED_MEMORY_LIMIT[80] + 1).ok
-    assert not aot.AotResult(**base, target=90, expect_tensor_cores=True).ok
-    assert not aot.AotResult(**base, target=90, error="boom").ok
-    table = aot.format_table([aot.AotResult(**base, target=90, spill_bytes=4)])
+    assert report.AotResult(**base, target=80, registers=64).ok
+    assert not report.AotResult(**base, target=80, stack_bytes=8).ok
+    assert not report.AotResult(**base, target=80, shared_bytes=report.SHARED_MEMORY_LIMIT[80] + 1).ok
+    assert report.AotResult(**base, target=90, shared_bytes=report.SHARED_MEMORY_LIMIT[80] + 1).ok
+    assert not report.AotResult(**base, target=90, expect_tensor_cores=True).ok
+    assert not report.AotResult(**base, target=90, error="boom").ok
+    table = report.format_table([report.AotResult(**base, target=90, spill_bytes=4)])
     assert "FAIL" in table and "sm_90" in table
 
 
 def test_report_command_prints_every_kernel_and_config(results, monkeypatch, capsys):
     from fused_transformer.__main__ import main
 
-    monkeypatch.setattr(aot, "compile_all", lambda jobs, modules: [r for r in results if r.module in modules])
+    monkeypatch.setattr(report, "compile_all", lambda jobs, modules: [r for r in results if r.module in modules])
     assert main(["report"]) == 0
     out = capsys.readouterr().out
-    for module in aot.KERNEL_MODULES:
+    for module in report.KERNEL_MODULES:
         for kernel in importlib.import_module(module).aot_configs():
             assert kernel.name in out
     for r in results:
@@ -119,6 +119,6 @@ def test_report_command_exits_1_when_a_compilation_fails(results, monkeypatch, c
     from fused_transformer.__main__ import main
 
     broken = [replace(results[0], spill_bytes=8)] + list(results[1:])
-    monkeypatch.setattr(aot, "compile_all", lambda jobs, modules: broken)
+    monkeypatch.setattr(report, "compile_all", lambda jobs, modules: broken)
     assert main(["report"]) == 1
     assert "1 failed" in capsys.readouterr().out

@@ -9,7 +9,7 @@ PTX. A config fails when it spills, needs more shared memory than one block may 
 runs its matmul on the CUDA cores.
 
     python -m fused_transformer report         # table; exit status 1 if any config fails
-    python -m fused_transformer.aot            # the same
+    python -m fused_transformer.tools.report   # the same
 
 Compilation runs in spawned worker processes with ``TRITON_INTERPRET=0``: under the interpreter (as in the test
 process, on a machine without a GPU) ``@triton.jit`` makes interpreter functions that cannot be compiled.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fused_transformer import __main__ as cli
-from fused_transformer import selfcheck
+from fused_transformer.tools import check, check_cases, numerics
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # what `check` picks by default
 ROW = re.compile(r"^(?P<op>\w+)\s+(?P<backend>triton|cpu|reference)\s+(?P<dtype>float32|float16|bfloat16)\s+.*?"
@@ -38,11 +38,11 @@ def test_quick_check_covers_every_op_module_and_usable_backend(capsys):
     code = cli.main(["check", "--quick"])
     out, err = capsys.readouterr()
     assert code == 0, out
-    usable = selfcheck.usable_backends(DEVICE)
+    usable = check.usable_backends(DEVICE)
     assert "triton" in usable and "reference" in usable  # conftest switched the interpreter on without a GPU
     found = rows(out)
     assert {(op, b, d) for op, b, d, _, _ in found} == {
-        (op, b, d) for op in selfcheck.CHECKS for b in usable for d in selfcheck.QUICK_DTYPES
+        (op, b, d) for op in check_cases.CHECKS for b in usable for d in check_cases.QUICK_DTYPES
     }
     assert all(result == "pass" for *_, result, _ in found)
     assert re.search(rf"^summary: {len(found)} checks, 0 failed; worst ratio float32 [\d.]+ .*bfloat16 [\d.]+ .*\d s$",
@@ -58,22 +58,22 @@ def test_hook_breaks_only_the_named_op_and_backend(capsys, monkeypatch):
     code, out, _ = run_check(capsys, *args)
     assert code == 0 and rows(out) and all(result == "pass" for *_, result, _ in rows(out))
 
-    monkeypatch.setattr(selfcheck, "CORRUPT", {("layer_norm", "cpu")})
+    monkeypatch.setattr(check, "CORRUPT", {("layer_norm", "cpu")})
     code, out, _ = run_check(capsys, *args)
     assert code == 1
     assert "TEST HOOK: outputs perturbed before comparison for layer_norm on cpu" in out
     found = rows(out)
-    assert {b for op, b, *_ in found} == set(selfcheck.usable_backends(DEVICE))
+    assert {b for op, b, *_ in found} == set(check.usable_backends(DEVICE))
     for op, backend, dtype, result, line in found:
         broken = (op, backend) == ("layer_norm", "cpu")
         assert result == ("FAIL" if broken else "pass"), line
         if broken:  # only the perturbed output fails, flagged as the hook's doing
             assert re.search(r"FAIL\s+y \(test hook\)$", line), line
-    assert re.search(rf"^summary: {len(found)} checks, {len(selfcheck.QUICK_DTYPES)} failed;", out, re.M)
+    assert re.search(rf"^summary: {len(found)} checks, {len(check_cases.QUICK_DTYPES)} failed;", out, re.M)
 
 
 def test_hook_from_the_environment(capsys, monkeypatch):
-    monkeypatch.setenv(selfcheck.CORRUPT_ENV, "MultiheadAttention:reference")
+    monkeypatch.setenv(check.CORRUPT_ENV, "MultiheadAttention:reference")
     code, out, _ = run_check(capsys, "--quick", "--op", "MultiheadAttention", "--backend", "reference",
                              "--dtype", "bfloat16")
     assert code == 1
@@ -82,16 +82,16 @@ def test_hook_from_the_environment(capsys, monkeypatch):
 
 
 def test_hook_perturbs_the_real_output():
-    case = selfcheck.build_cases(DEVICE, ["layer_norm"], quick=True)[0]
+    case = check_cases.build_cases(DEVICE, ["layer_norm"], quick=True)[0]
     results = case.run(torch.float32, False)
     before = {n: t.clone() for n, t in results.items()}
-    selfcheck._corrupt(results)
+    check._corrupt(results)
     changed = {n: int((results[n] != before[n]).sum()) for n in results}
     assert changed == {n: (1 if n == "y" else 0) for n in results}
 
 
 def test_bad_hook_value_is_a_usage_error(capsys, monkeypatch):
-    monkeypatch.setenv(selfcheck.CORRUPT_ENV, "layernorm:cpu")
+    monkeypatch.setenv(check.CORRUPT_ENV, "layernorm:cpu")
     with pytest.raises(SystemExit) as exc:
         cli.main(["check"])
     assert exc.value.code == 2
@@ -101,19 +101,19 @@ def test_bad_hook_value_is_a_usage_error(capsys, monkeypatch):
 def test_filters_select_a_slice(capsys):
     code, out, _ = run_check(capsys, "--quick", "--op", "attention", "--backend", "reference", "--dtype", "float32")
     assert code == 0
-    quick_attention = selfcheck.build_cases(DEVICE, ["attention"], quick=True)
+    quick_attention = check_cases.build_cases(DEVICE, ["attention"], quick=True)
     assert [(op, b, d) for op, b, d, *_ in rows(out)] == [("attention", "reference", "float32")] * len(quick_attention)
     for case, (*_, line) in zip(quick_attention, rows(out)):
         assert case.label in line
     # the full grid has more cases and all three dtypes
-    full = selfcheck.build_cases(DEVICE, ["attention"])
+    full = check_cases.build_cases(DEVICE, ["attention"])
     assert len(full) > len(quick_attention) and {c.label for c in quick_attention} <= {c.label for c in full}
 
 
 @pytest.mark.parametrize("args, choices", [
-    (["--op", "attn"], selfcheck.CHECKS),
-    (["--backend", "gpu"], selfcheck.BACKENDS),
-    (["--dtype", "float64"], list(selfcheck.DTYPES)),
+    (["--op", "attn"], check_cases.CHECKS),
+    (["--backend", "gpu"], check.BACKENDS),
+    (["--dtype", "float64"], list(check_cases.DTYPES)),
 ])
 def test_bad_arguments_are_rejected_with_the_choices(capsys, args, choices):
     with pytest.raises(SystemExit) as exc:
@@ -144,7 +144,7 @@ def test_requested_backend_that_cannot_run_fails_loudly(capsys, monkeypatch):
 
 
 def test_main_switches_the_interpreter_on_in_a_fresh_process():
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", selfcheck.CORRUPT_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", check.CORRUPT_ENV)}
     proc = subprocess.run(
         [sys.executable, "-m", "fused_transformer", "check", "--quick", "--op", "layer_norm"],
         env=env, capture_output=True, text=True, timeout=300,
@@ -152,7 +152,7 @@ def test_main_switches_the_interpreter_on_in_a_fresh_process():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     found = rows(proc.stdout)
     assert {op for op, *_ in found} == {"layer_norm"} and all(result == "pass" for *_, result, _ in found)
-    assert {b for _, b, *_ in found} == set(selfcheck.usable_backends(DEVICE))
+    assert {b for _, b, *_ in found} == set(check.usable_backends(DEVICE))
     if not torch.cuda.is_available():
         assert "Triton interpreter on CPU tensors, TRITON_INTERPRET=1" in proc.stdout
 
@@ -162,29 +162,29 @@ def test_main_switches_the_interpreter_on_in_a_fresh_process():
 
 def test_ratio_is_two_exactly_at_the_limit():
     ref = torch.zeros(4, dtype=torch.float64) + 0.5
-    floor = selfcheck.ATOL_FLOOR[torch.bfloat16]
+    floor = numerics.ATOL_FLOOR[torch.bfloat16]
     baseline = (ref + 0.01).to(torch.bfloat16)
-    base_err = selfcheck.max_error(baseline, ref)
+    base_err = numerics.max_error(baseline, ref)
     at_limit = ref.clone()
-    at_limit[0] += selfcheck.FACTOR * base_err + floor
-    verdict = selfcheck.judge("out", at_limit.to(torch.bfloat16), ref, baseline)
-    err = selfcheck.max_error(at_limit.to(torch.bfloat16), ref)
+    at_limit[0] += numerics.FACTOR * base_err + floor
+    verdict = numerics.judge("out", at_limit.to(torch.bfloat16), ref, baseline)
+    err = numerics.max_error(at_limit.to(torch.bfloat16), ref)
     assert verdict.ratio == pytest.approx(err / (base_err + floor / 2))
     assert verdict.ok == (err <= 2 * base_err + floor) == (verdict.ratio <= 2)
-    same = selfcheck.judge("out", baseline, ref, baseline)
+    same = numerics.judge("out", baseline, ref, baseline)
     assert same.ok and same.ratio < 1  # PyTorch against itself: below 1 by construction
 
 
 def test_non_finite_results_fail_but_matching_infinities_agree():
     ref = torch.tensor([0.5, -math.inf, 1.0], dtype=torch.float64)
     good = ref.to(torch.float32)
-    assert selfcheck.judge("lse", good, ref, good).ok
+    assert numerics.judge("lse", good, ref, good).ok
     for bad_value in (math.nan, math.inf):
         bad = good.clone()
         bad[2] = bad_value
-        verdict = selfcheck.judge("lse", bad, ref, good)
+        verdict = numerics.judge("lse", bad, ref, good)
         assert not verdict.ok and verdict.note == "1 non-finite" and verdict.ratio == math.inf
-    assert not selfcheck.judge("dq", None, ref, good).ok
+    assert not numerics.judge("dq", None, ref, good).ok
 
 
 def test_progress_bar_redraws_in_place_on_a_terminal_and_clears_before_rows():
@@ -193,35 +193,35 @@ def test_progress_bar_redraws_in_place_on_a_terminal_and_clears_before_rows():
             return True
 
     stream = Terminal()
-    bar = selfcheck.ProgressBar(4, stream=stream)
+    bar = check.ProgressBar(4, stream=stream)
     bar.show(1, "attention triton float32")
     assert stream.getvalue().startswith("\r\x1b[K[#######-") and "1/4" in stream.getvalue()
     bar.clear()
     assert stream.getvalue().endswith("\r\x1b[K") and "\n" not in stream.getvalue()
 
     log = io.StringIO()  # not a terminal: plain lines, at most one per every_s
-    sparse = selfcheck.ProgressBar(4, stream=log, every_s=0.0)
+    sparse = check.ProgressBar(4, stream=log, every_s=0.0)
     sparse.show(2, "x")
     sparse.clear()
     assert log.getvalue() == "check: 2/4 done, 0 s\n"
     quiet = io.StringIO()
-    selfcheck.ProgressBar(4, stream=quiet, enabled=False).show(1, "x")
+    check.ProgressBar(4, stream=quiet, enabled=False).show(1, "x")
     assert quiet.getvalue() == ""
 
 
 def test_main_job_runs_check_then_bench_with_the_shared_options(monkeypatch):
     from fused_transformer import __main__ as cli
-    from fused_transformer import benchmark
+    from fused_transformer.tools import bench
 
     calls = []
-    monkeypatch.setattr(selfcheck, "main", lambda argv: calls.append(("check", argv)) or 1)
-    monkeypatch.setattr(benchmark, "main", lambda argv: calls.append(("bench", argv)) or 0)
+    monkeypatch.setattr(check, "main", lambda argv: calls.append(("check", argv)) or 1)
+    monkeypatch.setattr(bench, "main", lambda argv: calls.append(("bench", argv)) or 0)
     assert cli.main(["--quick", "--out", "somewhere"]) == 1  # a failed check fails the job, after the bench
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert calls == [("check", ["--device", device, "--quick"]),
                      ("bench", ["--device", device, "--quick", "--out", "somewhere"])]
     calls.clear()
-    monkeypatch.setattr(selfcheck, "main", lambda argv: calls.append(("check", argv)) or 0)
+    monkeypatch.setattr(check, "main", lambda argv: calls.append(("check", argv)) or 0)
     assert cli.main(["all"]) == 0
     assert [name for name, _ in calls] == ["check", "bench"]
     with pytest.raises(SystemExit):

@@ -4,7 +4,7 @@
                                       [--dtype fp32|fp16|bf16] [--out DIR] [--min-time S] [--threads N]
                                       [--backend NAME] [--no-plots]
 
-Runs the suites of ``fused_transformer.bench_suites`` (attention, layer_norm, feed_forward, encoder_layer,
+Runs the suites of ``fused_transformer.tools.bench_cases`` (attention, layer_norm, feed_forward, encoder_layer,
 decoder_layer; all by default), prints one table row per measurement as it goes, and writes to ``--out``
 (default ``bench-results/``):
 
@@ -24,7 +24,7 @@ decoder_layer; all by default), prints one table row per measurement as it goes,
   the sequence length, one line per implementation, one panel per case and mode;
 - ``<suite>_<device>_memory.png``: peak memory against the sequence length, same panels.
 
-Work counted, timing and memory measurement are described in ``fused_transformer.bench_suites``. Exit code 0,
+Work counted, timing and memory measurement are described in ``fused_transformer.tools.bench_cases``. Exit code 0,
 or 1 if one of our implementations or a baseline failed on a case (the other cases are still measured).
 """
 from __future__ import annotations
@@ -37,13 +37,15 @@ import os
 import sys
 import time
 import warnings
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
 import fused_transformer as ft
-from fused_transformer import bench_suites as suites
-from fused_transformer.bench_suites import Case, Setup
+from fused_transformer.tools import bench_cases as suites
+from fused_transformer.tools.bench_cases import Case, Setup
+from fused_transformer.tools.bench_plots import plot_suite
+from fused_transformer.tools.bench_timing import MEMORY_MEASURES, peak_memory_mb, reset_grads, time_ms
 
 COLUMNS = (
     "suite", "case", "mode", "impl", "device", "dtype", "batch", "heads", "seq_len", "head_dim", "d_model",
@@ -58,7 +60,7 @@ Row = Dict[str, object]
 
 
 def measure(case: Case, setup: Setup, min_time: float, failures: List[str]) -> Iterator[Row]:
-    """Time every implementation of ``case`` side by side (``bench_suites.time_ms``) and yield its CSV rows,
+    """Time every implementation of ``case`` side by side (``bench_timing.time_ms``) and yield its CSV rows,
     the baseline first, then ours. An implementation that refuses the case yields a row with ``ms`` None and
     the reason in ``note``."""
     try:
@@ -76,9 +78,9 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str]) -> I
                 # is also the memory measurement (the slowest calls take seconds); on CUDA the first call of a
                 # new shape may autotune, so memory is measured on a second one.
                 if setup.device.type == "cuda":
-                    suites.reset_grads(built.grads)
+                    reset_grads(built.grads)
                     fn()
-                memory[impl] = suites.peak_memory_mb(fn, built.grads, setup.device)
+                memory[impl] = peak_memory_mb(fn, built.grads, setup.device)
         except (RuntimeError, ValueError, NotImplementedError) as exc:
             _free_device_memory(setup.device)
             if suites.is_competitor(impl):
@@ -93,7 +95,7 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str]) -> I
     notes = built.notes
     try:
         with _quiet(case.suite == "attention"):
-            times = suites.time_ms(accepted, built.grads, setup.device, min_time)
+            times = time_ms(accepted, built.grads, setup.device, min_time)
     except (RuntimeError, ValueError, NotImplementedError) as exc:  # out of memory, say
         failures.append(f"{case.id}: {_first_line(exc)}")
         yield _row(case, setup, case.baseline, None, None, f"FAILED while timing: {_first_line(exc)}")
@@ -197,94 +199,6 @@ def _csv_value(value: object) -> object:
     return "" if value is None else value
 
 
-THROUGHPUT = {  # suite -> (CSV column, axis label)
-    "attention": ("tflops", "TFLOP/s (attended pairs counted)"),
-    "feed_forward": ("tflops", "TFLOP/s"),
-    "layer_norm": ("tokens_per_s", "tokens/s"),
-    "encoder_layer": ("tokens_per_s", "tokens/s"),
-    "decoder_layer": ("tokens_per_s", "tokens/s"),
-}
-MEMORY_AXIS = {
-    "cuda": "peak MiB allocated over one call\n(cuda max_memory_allocated)",
-    "cpu": "peak MiB allocated during one call\n(CPU allocator, profiler memory events)",
-}
-
-
-def plot_suite(rows: Sequence[Row], suite: str, setup: Setup, out_dir: str) -> List[str]:
-    """Write the throughput and memory figures of one suite; return their paths."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    rows = [r for r in rows if r["suite"] == suite and r["ms"] is not None]
-    if not rows:
-        return []
-    head_dims = {r["head_dim"] for r in rows}
-    row_keys = list(dict.fromkeys(_panel_row(r, len(head_dims) > 1 and suite == "attention") for r in rows))
-    col_keys = list(dict.fromkeys(r["case"] for r in rows))
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
-    colors = {impl: "black" if impl == "ours" else f"C{i}" for i, impl in enumerate(impls)}
-    lengths = sorted({r["seq_len"] for r in rows})
-    device, dtype = setup.device.type, str(setup.dtype)[6:]
-    paths = []
-    for kind, (column, label) in (("throughput", THROUGHPUT[suite]), ("memory", ("peak_mem_mb", MEMORY_AXIS[device]))):
-        fig = Figure(figsize=(3.6 * len(col_keys) + 0.4, 2.7 * len(row_keys) + 0.8), dpi=100)
-        canvas = FigureCanvasAgg(fig)
-        axes = fig.subplots(len(row_keys), len(col_keys), squeeze=False, sharex=True)
-        for i, row_key in enumerate(row_keys):
-            for j, col_key in enumerate(col_keys):
-                ax = axes[i][j]
-                panel = [r for r in rows if r["case"] == col_key and
-                         _panel_row(r, len(head_dims) > 1 and suite == "attention") == row_key]
-                for impl in impls:
-                    points = sorted((r["seq_len"], r[column]) for r in panel if r["impl"] == impl
-                                    and suites.finite(r[column]) and (kind == "throughput" or r[column] > 0))
-                    if points:
-                        ax.plot(*zip(*points), marker="o", markersize=3, color=colors[impl], label=impl,
-                                linewidth=2.4 if impl == "ours" else 1.2, linestyle="-" if impl == "ours" else "--")
-                ax.set_xscale("log", base=2)
-                ax.set_xticks(lengths, [str(n) for n in lengths])
-                ax.xaxis.set_minor_formatter(NullFormatter())
-                if kind == "memory":  # linear and quadratic growth both read as straight lines
-                    ax.set_yscale("log")
-                    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-                    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-                    ax.yaxis.set_minor_formatter(NullFormatter())
-                ax.tick_params(axis="both", which="both", labelsize=7)
-                ax.set_title(f"{col_key}, {row_key}", fontsize=9)
-                ax.grid(True, alpha=0.3)
-                if i == len(row_keys) - 1:
-                    ax.set_xlabel("sequence length", fontsize=8)
-                if j == 0:
-                    ax.set_ylabel(label, fontsize=8)
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        for ax in axes.flat:  # a panel may lack an implementation: collect every label once
-            for h, lab in zip(*ax.get_legend_handles_labels()):
-                if lab not in labels:
-                    handles.append(h)
-                    labels.append(lab)
-        better = "higher" if kind == "throughput" else "lower"
-        fig.suptitle(f"{suite} on {device}, {dtype}: {kind} ({better} is better)", fontsize=10)
-        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), fontsize=8, frameon=False)
-        fig.tight_layout(rect=(0, 0.06 if len(row_keys) > 1 else 0.1, 1, 0.96))
-        path = os.path.join(out_dir, f"{suite}_{device}_{kind}.png")
-        _save_png(canvas, path)
-        paths.append(path)
-    return paths
-
-
-def _save_png(canvas: object, path: str) -> None:
-    """A 64-colour palette PNG: line plots need no more, and the file is a third of the size."""
-    from PIL import Image  # matplotlib's own dependency
-
-    canvas.draw()
-    image = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
-    image.convert("RGB").quantize(colors=64).save(path, optimize=True)
-
-
-def _panel_row(row: Row, by_head_dim: bool) -> str:
-    return f"{row['mode']} D{row['head_dim']}" if by_head_dim else str(row["mode"])
-
 
 # ------------------------------------------------------------------------------------------------- CLI
 
@@ -381,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     timing = ("triton.testing.do_bench median" if setup.device.type == "cuda" else
               f"torch.utils.benchmark, the implementations of a case taking turns (at least {args.min_time:g} s "
               "each), median")
-    print(f"  time: {timing}\n  peak memory: {suites.MEMORY_MEASURES[setup.device.type]}")
+    print(f"  time: {timing}\n  peak memory: {MEMORY_MEASURES[setup.device.type]}")
     csv_path = os.path.join(args.out, f"bench_{setup.device.type}.csv")
     rows: List[Row] = []
     failures: List[str] = []

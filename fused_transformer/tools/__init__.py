@@ -1,0 +1,7 @@
+"""The tools behind ``python -m fused_transformer``: nothing here is needed to use the modules.
+
+- ``check`` (with its grid ``check_cases`` and the accuracy rule ``numerics``): every op and module on every
+  backend against float64.
+- ``bench`` (with ``bench_cases``, ``bench_timing``, ``bench_plots``): throughput and memory against torch.
+- ``report``: the ahead-of-time resource report of every shipped Triton kernel config.
+"""

@@ -1,0 +1,98 @@
+"""The figures ``python -m fused_transformer bench`` writes: throughput and peak memory against the sequence
+length, one panel per case and mode, one line per implementation."""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Sequence
+
+from fused_transformer.tools.bench_cases import Setup, finite
+
+Row = Dict[str, object]
+
+THROUGHPUT = {  # suite -> (CSV column, axis label)
+    "attention": ("tflops", "TFLOP/s (attended pairs counted)"),
+    "feed_forward": ("tflops", "TFLOP/s"),
+    "layer_norm": ("tokens_per_s", "tokens/s"),
+    "encoder_layer": ("tokens_per_s", "tokens/s"),
+    "decoder_layer": ("tokens_per_s", "tokens/s"),
+}
+MEMORY_AXIS = {
+    "cuda": "peak MiB allocated over one call\n(cuda max_memory_allocated)",
+    "cpu": "peak MiB allocated during one call\n(CPU allocator, profiler memory events)",
+}
+
+
+def plot_suite(rows: Sequence[Row], suite: str, setup: Setup, out_dir: str) -> List[str]:
+    """Write the throughput and memory figures of one suite; return their paths."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    rows = [r for r in rows if r["suite"] == suite and r["ms"] is not None]
+    if not rows:
+        return []
+    head_dims = {r["head_dim"] for r in rows}
+    row_keys = list(dict.fromkeys(_panel_row(r, len(head_dims) > 1 and suite == "attention") for r in rows))
+    col_keys = list(dict.fromkeys(r["case"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    colors = {impl: "black" if impl == "ours" else f"C{i}" for i, impl in enumerate(impls)}
+    lengths = sorted({r["seq_len"] for r in rows})
+    device, dtype = setup.device.type, str(setup.dtype)[6:]
+    paths = []
+    for kind, (column, label) in (("throughput", THROUGHPUT[suite]), ("memory", ("peak_mem_mb", MEMORY_AXIS[device]))):
+        fig = Figure(figsize=(3.6 * len(col_keys) + 0.4, 2.7 * len(row_keys) + 0.8), dpi=100)
+        canvas = FigureCanvasAgg(fig)
+        axes = fig.subplots(len(row_keys), len(col_keys), squeeze=False, sharex=True)
+        for i, row_key in enumerate(row_keys):
+            for j, col_key in enumerate(col_keys):
+                ax = axes[i][j]
+                panel = [r for r in rows if r["case"] == col_key and
+                         _panel_row(r, len(head_dims) > 1 and suite == "attention") == row_key]
+                for impl in impls:
+                    points = sorted((r["seq_len"], r[column]) for r in panel if r["impl"] == impl
+                                    and finite(r[column]) and (kind == "throughput" or r[column] > 0))
+                    if points:
+                        ax.plot(*zip(*points), marker="o", markersize=3, color=colors[impl], label=impl,
+                                linewidth=2.4 if impl == "ours" else 1.2, linestyle="-" if impl == "ours" else "--")
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(lengths, [str(n) for n in lengths])
+                ax.xaxis.set_minor_formatter(NullFormatter())
+                if kind == "memory":  # linear and quadratic growth both read as straight lines
+                    ax.set_yscale("log")
+                    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+                    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+                    ax.yaxis.set_minor_formatter(NullFormatter())
+                ax.tick_params(axis="both", which="both", labelsize=7)
+                ax.set_title(f"{col_key}, {row_key}", fontsize=9)
+                ax.grid(True, alpha=0.3)
+                if i == len(row_keys) - 1:
+                    ax.set_xlabel("sequence length", fontsize=8)
+                if j == 0:
+                    ax.set_ylabel(label, fontsize=8)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        for ax in axes.flat:  # a panel may lack an implementation: collect every label once
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels:
+                    handles.append(h)
+                    labels.append(lab)
+        better = "higher" if kind == "throughput" else "lower"
+        fig.suptitle(f"{suite} on {device}, {dtype}: {kind} ({better} is better)", fontsize=10)
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, 0.06 if len(row_keys) > 1 else 0.1, 1, 0.96))
+        path = os.path.join(out_dir, f"{suite}_{device}_{kind}.png")
+        _save_png(canvas, path)
+        paths.append(path)
+    return paths
+
+
+def _save_png(canvas: object, path: str) -> None:
+    """A 64-colour palette PNG: line plots need no more, and the file is a third of the size."""
+    from PIL import Image  # matplotlib's own dependency
+
+    canvas.draw()
+    image = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
+    image.convert("RGB").quantize(colors=64).save(path, optimize=True)
+
+
+def _panel_row(row: Row, by_head_dim: bool) -> str:
+    return f"{row['mode']} D{row['head_dim']}" if by_head_dim else str(row["mode"])

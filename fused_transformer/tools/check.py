@@ -1,0 +1,319 @@
+"""``python -m fused_transformer check``: every op and module, on every backend usable here, against float64.
+
+A check runs one op or module of the grid (``fused_transformer.tools.check_cases``) in one precision on one
+backend, and compares each of its results (output, attention weights, every gradient) with the same computation
+in float64 on the reference backend, under the project's rule (``fused_transformer.tools.numerics``: at most 2x
+PyTorch's own error in that precision, plus a small floor). The float64 run starts from the very inputs,
+parameters and output gradients the checked run got (rounded to its precision), so the comparison measures the
+computation, not the rounding of its inputs. A check passes when every one of its results passes.
+
+Table columns: ``max err`` and ``torch err`` are those of the check's worst result, named in the last column;
+``ratio`` is ``err / (torch err + floor / 2)``, so 1.0 means "as accurate as PyTorch in this precision" (below 1:
+more accurate) and a check passes exactly when its ratio is at most 2.0. The reference backend's own rows
+compare PyTorch with itself (ratio below 1 by construction): they check the dispatch and the module wiring.
+Interpreted Triton kernels round bfloat16 as a GPU does, and their unwritten elements read as NaN.
+
+Test-only hook: ``CORRUPT`` (a set of ``(op, backend)``) and the environment variable
+``FUSED_TRANSFORMER_CHECK_CORRUPT=op:backend[,op:backend...]`` make every check of that op on that backend add
+``CORRUPT_SCALE * max|out|`` to one element of its real output before the comparison, as a broken kernel
+would; the header says so. Nothing else uses them.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Set, TextIO, Tuple
+
+import torch
+
+import fused_transformer as ft
+from fused_transformer import backend
+from fused_transformer.tools.check_cases import CHECKS, DTYPES, QUICK_DTYPES, Case, Results, build_cases
+from fused_transformer.tools.numerics import (
+    ATOL_FLOOR, FACTOR, Verdict, interpreter_rounds_to_nearest, judge, unwritten_elements_are_nan,
+)
+
+BACKENDS = ("triton", "cpu", "reference")
+
+# Test-only (see the module docstring): (op, backend) pairs whose output is perturbed before the comparison.
+CORRUPT: Set[Tuple[str, str]] = set()
+CORRUPT_ENV = "FUSED_TRANSFORMER_CHECK_CORRUPT"
+# Large enough to break the rule in every dtype, bfloat16 modules included.
+CORRUPT_SCALE = 0.5
+
+
+def backend_status(device: torch.device) -> Dict[str, Optional[str]]:
+    """Backend name -> None when it runs on ``device`` here, else why not."""
+    status = {}
+    for name in BACKENDS:
+        try:
+            with ft.use_backend(name):
+                ft.current(device)
+            status[name] = None
+        except RuntimeError as exc:
+            status[name] = str(exc)
+    return status
+
+
+def usable_backends(device: torch.device) -> List[str]:
+    return [name for name, reason in backend_status(device).items() if reason is None]
+
+
+def corrupted_checks() -> Set[Tuple[str, str]]:
+    """Test-only: the (op, backend) pairs to perturb, from ``CORRUPT`` and ``FUSED_TRANSFORMER_CHECK_CORRUPT``."""
+    pairs = set(CORRUPT)
+    for item in os.environ.get(CORRUPT_ENV, "").split(","):
+        if item.strip():
+            op, _, name = item.strip().partition(":")
+            if op not in CHECKS or name not in BACKENDS:
+                raise ValueError(f"{CORRUPT_ENV}={os.environ[CORRUPT_ENV]!r}: expected op:backend[,...] with op one "
+                                 f"of {', '.join(CHECKS)} and backend one of {', '.join(BACKENDS)}")
+            pairs.add((op, name))
+    return pairs
+
+
+def _corrupt(results: Results) -> None:
+    """Test-only: a wrong element in the check's own output (its first result), as a broken kernel would write."""
+    out = next(iter(results.values()))
+    out.view(-1)[0] += CORRUPT_SCALE * float(out.abs().max())
+
+
+def _describe_backend(name: str, device: torch.device) -> str:
+    if name == "triton":
+        if device.type == "cpu":
+            return ("triton (Triton interpreter on CPU tensors, TRITON_INTERPRET=1: slow; "
+                    "bfloat16 casts round as on a GPU)")
+        return f"triton (Triton kernels on {torch.cuda.get_device_name(device)})"
+    if name == "cpu":
+        return "cpu (C++ kernels of fused_transformer._C; 16-bit inputs computed in float32)"
+    return "reference (plain PyTorch, the baseline)"
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+class ProgressBar:
+    """``[#####-----] 12/54  31 s  attention triton bfloat16`` on stderr, redrawn in place on a terminal; on
+    anything else (a log, a pipe, pytest's capture) a plain line every ``every_s`` seconds at most. Call ``clear``
+    before writing a table row, so that the bar never lands inside the table when both share a terminal."""
+
+    def __init__(self, total: int, stream: Optional[TextIO] = None, enabled: bool = True, every_s: float = 30.0):
+        self.total, self.stream, self.every_s = total, stream or sys.stderr, every_s
+        self.tty = enabled and getattr(self.stream, "isatty", lambda: False)()
+        self.sparse = enabled and not self.tty
+        self.start = self.last = time.perf_counter()
+        self.visible = False
+
+    def show(self, done: int, what: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        if self.tty:
+            filled = 30 * done // max(self.total, 1)
+            line = f"[{'#' * filled}{'-' * (30 - filled)}] {done}/{self.total}  {elapsed:.0f} s  {what}"
+            width = shutil.get_terminal_size().columns - 1  # a wrapped line could not be redrawn in place
+            self.stream.write("\r\x1b[K" + line[:width])
+            self.stream.flush()
+            self.visible = True
+        elif self.sparse and time.perf_counter() - self.last >= self.every_s:
+            self.stream.write(f"check: {done}/{self.total} done, {elapsed:.0f} s\n")
+            self.stream.flush()
+            self.last = time.perf_counter()
+
+    def clear(self) -> None:
+        if self.visible:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.visible = False
+
+
+@dataclass
+class Row:
+    """One check: an op or module, on one backend, in one dtype, on one case of the grid."""
+
+    op: str
+    backend: str
+    dtype: str
+    label: str
+    worst: Verdict
+    failed: List[str]
+    error: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.failed
+
+
+def _error_row(case: Case, name: str, dtype_name: str, error: str) -> Row:
+    return Row(case.op, name, dtype_name, case.label, Verdict("-", math.nan, math.nan, math.inf, False), [], error)
+
+
+def _check_one(case: Case, name: str, dtype_name: str, oracle: Results, baseline: Results, corrupt: bool) -> Row:
+    """Run ``case`` on backend ``name`` and judge every result; an exception becomes a row with ``error``."""
+    try:
+        with ft.use_backend(name), unwritten_elements_are_nan():
+            results = case.run(DTYPES[dtype_name], False)
+        if corrupt:
+            _corrupt(results)
+    except Exception as exc:  # noqa: BLE001 (reported as a failed check, never swallowed)
+        return _error_row(case, name, dtype_name, f"{type(exc).__name__}: {exc}")
+    verdicts = [judge(n, results.get(n), ref, baseline.get(n)) for n, ref in oracle.items()]
+    verdicts += [Verdict(n, math.nan, math.nan, math.inf, False, "unexpected") for n in results if n not in oracle]
+    worst = max(verdicts, key=lambda v: (not v.ok, math.inf if math.isnan(v.ratio) else v.ratio))
+    failed = [v.name + (f" ({v.note})" if v.note else "") for v in verdicts if not v.ok]
+    return Row(case.op, name, dtype_name, case.label, worst, failed)
+
+
+def _header(device: torch.device, quick: bool, status: Dict[str, Optional[str]], requested: Sequence[str],
+            corrupt: Set[Tuple[str, str]]) -> List[str]:
+    threads = f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else ""
+    lines = [
+        f"fused_transformer {ft.__version__} check ({'quick' if quick else 'full'} grid): torch {torch.__version__}, "
+        f"triton {_version('triton')}, python {platform.python_version()}, device {device}{threads}",
+        "backends: " + "; ".join(_describe_backend(n, device) for n in requested if status[n] is None),
+    ]
+    for name in BACKENDS:
+        if status[name] is not None:
+            lines.append(f"not usable here{' (requested)' if name in requested else ''}: {status[name]}")
+    with ft.use_backend("auto"):
+        auto = ", ".join(f"{n} -> {backend.current(device, DTYPES[n])}" for n in DTYPES)
+    lines.append(f"auto picks: {auto}; every backend takes all three dtypes (none is skipped)")
+    floors = ", ".join(f"{n} {ATOL_FLOOR[DTYPES[n]]:.1e}" for n in DTYPES)
+    lines.append(f"rule: pass iff err <= {FACTOR:g} x torch err + floor ({floors}) for the output and every gradient; "
+                 f"ratio = err / (torch err + floor/{FACTOR:g}), pass iff <= {FACTOR:g}")
+    if corrupt:
+        pairs = ", ".join(f"{op} on {name}" for op, name in sorted(corrupt))
+        lines.append(f"TEST HOOK: outputs perturbed before comparison for {pairs}")
+    return lines
+
+
+def _summary(rows: List[Row], failures: int, dtype_names: Sequence[str], unchecked: Sequence[str],
+             seconds: float) -> str:
+    worst = []
+    for dtype_name in dtype_names:
+        mine = [row for row in rows if row.dtype == dtype_name]
+        if mine:
+            top = max(mine, key=lambda r: math.inf if math.isnan(r.worst.ratio) else r.worst.ratio)
+            worst.append(f"{dtype_name} {top.worst.ratio:.2f} ({top.op} on {top.backend}, {top.worst.name})")
+    missing = f" (requested backend {', '.join(unchecked)} not usable here)" if unchecked else ""
+    return (f"summary: {len(rows)} checks, {failures} failed{missing}; worst ratio {'; '.join(worst) or '-'} "
+            f"(limit {FACTOR:g}); {seconds:.1f} s")
+
+
+def check(
+    device: torch.device, quick: bool = False, *, ops: Sequence[str] = CHECKS, backends: Optional[Sequence[str]] = None,
+    dtypes: Optional[Sequence[str]] = None, progress: bool = True, out: Optional[TextIO] = None,
+) -> int:
+    """Print the header, the table and the summary to ``out`` (stdout); return the number of failed checks.
+    ``backends`` None: every backend usable here; a named one that is not usable counts as a failure."""
+    out = out or sys.stdout
+    started = time.perf_counter()
+    status = backend_status(device)
+    corrupt = corrupted_checks()
+    requested = list(backends) if backends else [name for name in BACKENDS if status[name] is None]
+    names = [name for name in requested if status[name] is None]
+    unchecked = [name for name in requested if status[name] is not None]
+    dtype_names = list(dtypes) if dtypes else list(QUICK_DTYPES if quick else DTYPES)
+    cases = build_cases(device, ops, quick)
+
+    def say(line: str = "") -> None:
+        print(line, file=out, flush=True)
+
+    for line in _header(device, quick, status, requested, corrupt):
+        say(line)
+    op_w = max([len("op")] + [len(c.op) for c in cases]) + 2
+    label_w = max([len("case")] + [len(c.label) for c in cases]) + 2
+    header = (f"{'op':<{op_w}}{'backend':<11}{'dtype':<10}{'case':<{label_w}}{'max err':>10}{'torch err':>11}"
+              f"{'ratio':>8}  result  worst")
+    say()
+    say(header)
+    say("-" * len(header))
+
+    rows: List[Row] = []
+    notes: List[str] = []
+    bar = ProgressBar(len(cases) * len(dtype_names) * len(names), enabled=progress)
+    with interpreter_rounds_to_nearest():
+        for case in cases:
+            for dtype_name in dtype_names:
+                bar.show(len(rows), f"{case.op} {case.label} {dtype_name}: float64 and torch")
+                try:
+                    with ft.use_backend("reference"):
+                        oracle = case.run(DTYPES[dtype_name], True)
+                        baseline = case.run(DTYPES[dtype_name], False)
+                    reference_error = None
+                except Exception as exc:  # noqa: BLE001 (every row of this case and dtype reports it)
+                    oracle, baseline, reference_error = {}, {}, f"reference: {type(exc).__name__}: {exc}"
+                for name in names:
+                    bar.show(len(rows), f"{case.op} {name} {dtype_name} {case.label}")
+                    hooked = (case.op, name) in corrupt
+                    if reference_error is None:
+                        row = _check_one(case, name, dtype_name, oracle, baseline, hooked)
+                    else:
+                        row = _error_row(case, name, dtype_name, reference_error)
+                    rows.append(row)
+                    if row.error:
+                        notes.append(f"[{len(notes) + 1}] {case.op} {name} {dtype_name} {case.label}: {row.error}")
+                        detail = f"see [{len(notes)}]"
+                    elif row.failed:
+                        more = len(row.failed) - 3
+                        detail = ", ".join(row.failed[:3]) + (f" and {more} more" if more > 0 else "")
+                    else:
+                        detail = row.worst.name
+                    result = "pass" if row.ok else ("ERROR" if row.error else "FAIL")
+                    bar.clear()
+                    w = row.worst
+                    say(f"{row.op:<{op_w}}{row.backend:<11}{row.dtype:<10}{row.label:<{label_w}}{w.err:>10.2e}"
+                        f"{w.baseline_err:>11.2e}{w.ratio:>8.2f}  {result:<6}  {detail}" + " (test hook)" * hooked)
+    bar.clear()
+
+    failures = sum(not row.ok for row in rows) + len(unchecked)
+    say()
+    for note in notes:
+        say(note)
+    say(_summary(rows, failures, dtype_names, unchecked, time.perf_counter() - started))
+    return failures
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fused_transformer check", description=__doc__.splitlines()[0],
+        epilog="Exit code 1 when any check fails. See fused_transformer.tools.numerics for the rule.",
+    )
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smaller grid: small shapes, fewer masks, {' and '.join(QUICK_DTYPES)} only")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="default: %(default)s")
+    parser.add_argument("--backend", action="append", choices=BACKENDS, metavar="NAME",
+                        help=f"check only this backend (repeatable; {', '.join(BACKENDS)}); default: all usable here")
+    parser.add_argument("--op", action="append", choices=CHECKS, metavar="NAME",
+                        help=f"check only this op or module (repeatable; one of {', '.join(CHECKS)}); default: all")
+    parser.add_argument("--dtype", action="append", choices=list(DTYPES), metavar="NAME",
+                        help=f"check only this dtype (repeatable; one of {', '.join(DTYPES)})")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    args = parser.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        parser.error(f"--device {args.device}: {exc}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here")
+    try:
+        corrupted_checks()
+    except ValueError as exc:
+        parser.error(str(exc))
+    dedup = lambda names: list(dict.fromkeys(names)) if names else None  # noqa: E731
+    failures = check(device, args.quick, ops=dedup(args.op) or CHECKS, backends=dedup(args.backend),
+                     dtypes=dedup(args.dtype), progress=not args.no_progress)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
