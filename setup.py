@@ -71,7 +71,7 @@ setup(
     package_dir={"fused_transformer": "fused_transformer", "fused_transformer.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    install_requires=["torch>=2.1", "numpy"],
+    install_requires=["torch>=2.1", "numpy", "tqdm"],
     extras_require={
         "triton": ["triton>=3.0"],
         "test": ["pytest>=7", "triton>=3.0", "numpy", "matplotlib"],

@@ -1,21 +1,35 @@
-"""The main job: ``python -m fused_transformer [all | check | bench | report | demo] [options]``.
-
-- ``check``: every op and module on every backend usable here against the float64 reference; exit 1 on a failure.
-- ``bench``: throughput against the torch equivalents; a table, a CSV and plots.
-- ``report``: the AOT resource table of every shipped Triton kernel config for sm_80 and sm_90 (no GPU needed).
-- ``demo``: train the Seq2Seq model of the study notes on a synthetic task, fused against torch.nn.
-- ``all`` (the default): ``check`` then ``bench``, passing the options on (``--quick`` for a short run).
+"""The main job: ``python -m fused_transformer [COMMAND] [options]``; ``--help`` lists the commands and
+``python -m fused_transformer COMMAND --help`` the options of each.
 
 Without a GPU the Triton kernels are checked on CPU tensors under the Triton interpreter, which has to be
 switched on before triton is imported: that is why this module sets ``TRITON_INTERPRET`` before anything else.
+
+Ctrl-C (SIGINT) anywhere stops the command with one line on stderr saying what was kept (the rows already
+printed, a partial benchmark CSV, the last training checkpoint) and exit status 130, the shell's convention.
 """
 from __future__ import annotations
 
+import argparse
+import importlib
 import os
 import sys
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional
 
-COMMANDS = ("all", "check", "bench", "report", "demo")
+from fused_transformer.tools import Interrupted
+
+COMMANDS: Dict[str, str] = {
+    "all": "check, then bench (the default command)",
+    "check": "every op and module on every usable backend against float64",
+    "bench": "throughput and memory against torch: a table, a CSV, plots",
+    "report": "compile every shipped Triton kernel config without a GPU: registers, spills, shared memory",
+    "demo": "train the study notes' Seq2Seq model, fused against torch.nn",
+}
+# The module whose main(argv) runs each command but "all".
+COMMAND_MODULES = {
+    "check": "fused_transformer.tools.check", "bench": "fused_transformer.tools.bench",
+    "report": "fused_transformer.tools.report", "demo": "fused_transformer.models.demo",
+}
+INTERRUPTED_STATUS = 130  # 128 + SIGINT
 
 
 def _interpret_triton_without_gpu() -> None:
@@ -28,8 +42,6 @@ def _interpret_triton_without_gpu() -> None:
 def _check_then_bench(argv: List[str]) -> int:
     """``all``: the self-check, then the benchmark (also when a check failed: its figures still say something),
     with the options the two share; exit status 1 if either failed."""
-    import argparse
-
     import torch
 
     parser = argparse.ArgumentParser(prog="python -m fused_transformer [all]",
@@ -48,25 +60,45 @@ def _check_then_bench(argv: List[str]) -> int:
     return check_status or bench_status
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fused_transformer", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="fused_transformer's main job: self-check, benchmark, resource report, Seq2Seq demo.",
+        epilog="With no command, 'all' runs with the options given (e.g. python -m fused_transformer --quick).\n"
+               "Ctrl-C stops any command with one line and exit status 130, keeping what had finished.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_line in COMMANDS.items():
+        commands.add_parser(name, help=help_line, add_help=False)
+    return parser
+
+
+def _command_main(command: str) -> Callable[[List[str]], int]:
+    if command == "all":
+        return _check_then_bench
+    return importlib.import_module(COMMAND_MODULES[command]).main
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
     if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__)
+        parser.print_help()
         return 0
-    command = argv.pop(0) if argv and argv[0] in COMMANDS else "all"
+    if argv and argv[0] in COMMANDS:
+        command = argv.pop(0)
+    elif argv and not argv[0].startswith("-"):
+        parser.error(f"unknown command {argv[0]!r}: choose from {', '.join(COMMANDS)}")
+    else:
+        command = "all"
     if command in ("all", "check"):
         _interpret_triton_without_gpu()
-    if command == "check":
-        from fused_transformer.tools.check import main as run
-    elif command == "bench":
-        from fused_transformer.tools.bench import main as run
-    elif command == "report":
-        from fused_transformer.tools.report import main as run
-    elif command == "demo":
-        from fused_transformer.models.demo import main as run
-    else:
-        return _check_then_bench(argv)
-    return run(argv)
+    try:
+        return _command_main(command)(argv)
+    except KeyboardInterrupt as exc:
+        kept = f": {exc}" if isinstance(exc, Interrupted) and str(exc) else ""
+        print(f"\ninterrupted{kept}", file=sys.stderr, flush=True)
+        return INTERRUPTED_STATUS
 
 
 if __name__ == "__main__":

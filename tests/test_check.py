@@ -187,26 +187,18 @@ def test_non_finite_results_fail_but_matching_infinities_agree():
     assert not numerics.judge("dq", None, ref, good).ok
 
 
-def test_progress_bar_redraws_in_place_on_a_terminal_and_clears_before_rows():
+def test_progress_bar_goes_to_a_terminal_only_and_never_into_the_table(monkeypatch):
     class Terminal(io.StringIO):
         def isatty(self):
             return True
 
-    stream = Terminal()
-    bar = check.ProgressBar(4, stream=stream)
-    bar.show(1, "attention triton float32")
-    assert stream.getvalue().startswith("\r\x1b[K[#######-") and "1/4" in stream.getvalue()
-    bar.clear()
-    assert stream.getvalue().endswith("\r\x1b[K") and "\n" not in stream.getvalue()
-
-    log = io.StringIO()  # not a terminal: plain lines, at most one per every_s
-    sparse = check.ProgressBar(4, stream=log, every_s=0.0)
-    sparse.show(2, "x")
-    sparse.clear()
-    assert log.getvalue() == "check: 2/4 done, 0 s\n"
-    quiet = io.StringIO()
-    check.ProgressBar(4, stream=quiet, enabled=False).show(1, "x")
-    assert quiet.getvalue() == ""
+    for progress, stderr, shown in ((True, Terminal(), True), (True, io.StringIO(), False), (False, Terminal(), False)):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        table = io.StringIO()
+        assert check.check(DEVICE, True, ops=["layer_norm"], backends=["reference"], progress=progress, out=table) == 0
+        assert ("layer_norm reference" in stderr.getvalue()) == shown, stderr.getvalue()
+        assert "\r" not in table.getvalue() and "it/s" not in table.getvalue() and "check/s" not in table.getvalue()
+        assert re.search(r"^summary: 2 checks, 0 failed;", table.getvalue(), re.M)
 
 
 def test_main_job_runs_check_then_bench_with_the_shared_options(monkeypatch):

@@ -40,8 +40,10 @@ import warnings
 from typing import Dict, Iterator, List, Optional
 
 import torch
+from tqdm import tqdm
 
 import fused_transformer as ft
+from fused_transformer.tools import Interrupted
 from fused_transformer.tools import bench_cases as suites
 from fused_transformer.tools.bench_cases import Case, Setup
 from fused_transformer.tools.bench_plots import plot_suite
@@ -174,23 +176,29 @@ def _rate(row: Row) -> str:
 TABLE = "{case:<14}{mode:<9}{seq_len:>6}  {impl:<22}{ms:>10}  {rate:<34}{mem:>10}{speedup:>10}"
 
 
+def say(text: str = "") -> None:
+    """A line on stdout; a progress bar on the same terminal is cleared first and redrawn after."""
+    tqdm.write(text, file=sys.stdout)
+    sys.stdout.flush()
+
+
 def print_header(suite: str, setup: Setup, baseline: str) -> None:
-    print(f"\n== {suite}: {suites.describe(suite, setup)}; {setup.device.type} {str(setup.dtype)[6:]}; "
-          f"speed-up = {baseline} ms / ms (> 1: faster than {baseline})")
-    print(TABLE.format(case="case", mode="mode", seq_len="L", impl="impl", ms="ms", rate="throughput",
-                       mem="peak MB", speedup="speed-up"), flush=True)
+    say(f"\n== {suite}: {suites.describe(suite, setup)}; {setup.device.type} {str(setup.dtype)[6:]}; "
+        f"speed-up = {baseline} ms / ms (> 1: faster than {baseline})")
+    say(TABLE.format(case="case", mode="mode", seq_len="L", impl="impl", ms="ms", rate="throughput",
+                     mem="peak MB", speedup="speed-up"))
 
 
 def print_row(row: Row) -> None:
     if row["ms"] is None:
-        print(TABLE.format(case=row["case"], mode=row["mode"], seq_len=row["seq_len"], impl=row["impl"], ms="-",
-                           rate=row["note"], mem="", speedup=""), flush=True)
+        say(TABLE.format(case=row["case"], mode=row["mode"], seq_len=row["seq_len"], impl=row["impl"], ms="-",
+                         rate=row["note"], mem="", speedup=""))
         return
     speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else "-"
     note = f"  {row['note']}" if row["note"] and row["impl"] != "ours" else ""  # ours' backend is in the header
-    print(TABLE.format(case=row["case"], mode=row["mode"], seq_len=row["seq_len"], impl=row["impl"],
-                       ms=f"{row['ms']:.3f}", rate=_rate(row), mem=f"{row['peak_mem_mb']:.1f}", speedup=speedup)
-          + note, flush=True)
+    say(TABLE.format(case=row["case"], mode=row["mode"], seq_len=row["seq_len"], impl=row["impl"],
+                     ms=f"{row['ms']:.3f}", rate=_rate(row), mem=f"{row['peak_mem_mb']:.1f}", speedup=speedup)
+        + note)
 
 
 def _csv_value(value: object) -> object:
@@ -244,6 +252,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, metavar="N",
                         help=f"CPU threads for torch and our kernels (default {torch.get_num_threads()}, torch's)")
     parser.add_argument("--no-plots", action="store_true", help="write the CSV only")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
     try:
         args.device = torch.device(args.device)
@@ -258,12 +267,25 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         parser.error(f"--threads {args.threads}: must be at least 1")
     if args.min_time is None:
         args.min_time = 0.2 if args.quick else 0.5
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out!r} exists and is not a folder")
+    blocking = next((p for p in _parents(args.out) if os.path.exists(p) and not os.path.isdir(p)), None)
+    if blocking is not None:
+        parser.error(f"--out {args.out!r}: {blocking!r} is a file, so the folder cannot be made")
     with ft.use_backend(args.backend):
         try:
             ft.current(args.device, args.dtype)
         except RuntimeError as exc:
             parser.error(f"--backend {args.backend}: {exc}")
     return args
+
+
+def _parents(path: str) -> List[str]:
+    parents, path = [], os.path.dirname(os.path.abspath(path))
+    while path != os.path.dirname(path):
+        parents.append(path)
+        path = os.path.dirname(path)
+    return parents
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -300,20 +322,34 @@ def run(args: argparse.Namespace) -> int:
     rows: List[Row] = []
     failures: List[str] = []
     started = time.perf_counter()
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for name in names:
-            suite_started = time.perf_counter()
-            cases = suites.cases(name, setup, args.lengths, args.quick)
-            print_header(name, setup, cases[0].baseline)
-            for case in cases:
-                for row in measure(case, setup, args.min_time, failures):
-                    print_row(row)
-                    rows.append(row)
-                    writer.writerow({key: _csv_value(value) for key, value in row.items()})
-                    f.flush()
-            print(f"({name}: {len(cases)} cases in {time.perf_counter() - suite_started:.0f} s)", flush=True)
+    suite_cases = {name: suites.cases(name, setup, args.lengths, args.quick) for name in names}
+    # Rows go to a new file as they are measured; the previous CSV is replaced only by a complete run.
+    partial_path = csv_path + ".partial"
+    bar = tqdm(total=sum(map(len, suite_cases.values())), unit="case", file=sys.stderr, dynamic_ncols=True,
+               disable=True if args.no_progress else None, leave=False)
+    try:
+        with open(partial_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            for name, cases in suite_cases.items():
+                suite_started = time.perf_counter()
+                print_header(name, setup, cases[0].baseline)
+                for case in cases:
+                    bar.set_description(f"{name} {case.case} {case.mode} L{case.seq_len}")
+                    for row in measure(case, setup, args.min_time, failures):
+                        print_row(row)
+                        rows.append(row)
+                        writer.writerow({key: _csv_value(value) for key, value in row.items()})
+                        f.flush()
+                    bar.update()
+                say(f"({name}: {len(cases)} cases in {time.perf_counter() - suite_started:.0f} s)")
+            os.fsync(f.fileno())
+    except KeyboardInterrupt:
+        bar.close()
+        kept = f"{csv_path} untouched" if os.path.exists(csv_path) else f"no {csv_path} written"
+        raise Interrupted(f"{len(rows)} rows measured are in {partial_path}; {kept}") from None
+    bar.close()
+    os.replace(partial_path, csv_path)
     print(f"\nwrote {csv_path} ({len(rows)} rows) in {time.perf_counter() - started:.0f} s")
     if not args.no_plots:
         try:

@@ -25,16 +25,17 @@ import importlib.metadata
 import math
 import os
 import platform
-import shutil
 import sys
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, TextIO, Tuple
 
 import torch
+from tqdm import tqdm
 
 import fused_transformer as ft
 from fused_transformer import backend
+from fused_transformer.tools import Interrupted
 from fused_transformer.tools.check_cases import CHECKS, DTYPES, QUICK_DTYPES, Case, Results, build_cases
 from fused_transformer.tools.numerics import (
     ATOL_FLOOR, FACTOR, Verdict, interpreter_rounds_to_nearest, judge, unwritten_elements_are_nan,
@@ -101,39 +102,6 @@ def _version(package: str) -> str:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
-
-
-class ProgressBar:
-    """``[#####-----] 12/54  31 s  attention triton bfloat16`` on stderr, redrawn in place on a terminal; on
-    anything else (a log, a pipe, pytest's capture) a plain line every ``every_s`` seconds at most. Call ``clear``
-    before writing a table row, so that the bar never lands inside the table when both share a terminal."""
-
-    def __init__(self, total: int, stream: Optional[TextIO] = None, enabled: bool = True, every_s: float = 30.0):
-        self.total, self.stream, self.every_s = total, stream or sys.stderr, every_s
-        self.tty = enabled and getattr(self.stream, "isatty", lambda: False)()
-        self.sparse = enabled and not self.tty
-        self.start = self.last = time.perf_counter()
-        self.visible = False
-
-    def show(self, done: int, what: str) -> None:
-        elapsed = time.perf_counter() - self.start
-        if self.tty:
-            filled = 30 * done // max(self.total, 1)
-            line = f"[{'#' * filled}{'-' * (30 - filled)}] {done}/{self.total}  {elapsed:.0f} s  {what}"
-            width = shutil.get_terminal_size().columns - 1  # a wrapped line could not be redrawn in place
-            self.stream.write("\r\x1b[K" + line[:width])
-            self.stream.flush()
-            self.visible = True
-        elif self.sparse and time.perf_counter() - self.last >= self.every_s:
-            self.stream.write(f"check: {done}/{self.total} done, {elapsed:.0f} s\n")
-            self.stream.flush()
-            self.last = time.perf_counter()
-
-    def clear(self) -> None:
-        if self.visible:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self.visible = False
 
 
 @dataclass
@@ -225,8 +193,9 @@ def check(
     dtype_names = list(dtypes) if dtypes else list(QUICK_DTYPES if quick else DTYPES)
     cases = build_cases(device, ops, quick)
 
-    def say(line: str = "") -> None:
-        print(line, file=out, flush=True)
+    def say(line: str = "") -> None:  # through tqdm, so that a bar on the same terminal is cleared first
+        tqdm.write(line, file=out)
+        out.flush()
 
     for line in _header(device, quick, status, requested, corrupt):
         say(line)
@@ -240,40 +209,48 @@ def check(
 
     rows: List[Row] = []
     notes: List[str] = []
-    bar = ProgressBar(len(cases) * len(dtype_names) * len(names), enabled=progress)
-    with interpreter_rounds_to_nearest():
-        for case in cases:
-            for dtype_name in dtype_names:
-                bar.show(len(rows), f"{case.op} {case.label} {dtype_name}: float64 and torch")
-                try:
-                    with ft.use_backend("reference"):
-                        oracle = case.run(DTYPES[dtype_name], True)
-                        baseline = case.run(DTYPES[dtype_name], False)
-                    reference_error = None
-                except Exception as exc:  # noqa: BLE001 (every row of this case and dtype reports it)
-                    oracle, baseline, reference_error = {}, {}, f"reference: {type(exc).__name__}: {exc}"
-                for name in names:
-                    bar.show(len(rows), f"{case.op} {name} {dtype_name} {case.label}")
-                    hooked = (case.op, name) in corrupt
-                    if reference_error is None:
-                        row = _check_one(case, name, dtype_name, oracle, baseline, hooked)
-                    else:
-                        row = _error_row(case, name, dtype_name, reference_error)
-                    rows.append(row)
-                    if row.error:
-                        notes.append(f"[{len(notes) + 1}] {case.op} {name} {dtype_name} {case.label}: {row.error}")
-                        detail = f"see [{len(notes)}]"
-                    elif row.failed:
-                        more = len(row.failed) - 3
-                        detail = ", ".join(row.failed[:3]) + (f" and {more} more" if more > 0 else "")
-                    else:
-                        detail = row.worst.name
-                    result = "pass" if row.ok else ("ERROR" if row.error else "FAIL")
-                    bar.clear()
-                    w = row.worst
-                    say(f"{row.op:<{op_w}}{row.backend:<11}{row.dtype:<10}{row.label:<{label_w}}{w.err:>10.2e}"
-                        f"{w.baseline_err:>11.2e}{w.ratio:>8.2f}  {result:<6}  {detail}" + " (test hook)" * hooked)
-    bar.clear()
+    bar = tqdm(total=len(cases) * len(dtype_names) * len(names), unit="check", file=sys.stderr, leave=False,
+               dynamic_ncols=True, disable=None if progress else True)
+    try:
+        with interpreter_rounds_to_nearest():
+            for case in cases:
+                for dtype_name in dtype_names:
+                    bar.set_description(f"{case.op} {dtype_name}: float64 and torch")
+                    try:
+                        with ft.use_backend("reference"):
+                            oracle = case.run(DTYPES[dtype_name], True)
+                            baseline = case.run(DTYPES[dtype_name], False)
+                        reference_error = None
+                    except Exception as exc:  # noqa: BLE001 (every row of this case and dtype reports it)
+                        oracle, baseline, reference_error = {}, {}, f"reference: {type(exc).__name__}: {exc}"
+                    for name in names:
+                        bar.set_description(f"{case.op} {name} {dtype_name}")
+                        hooked = (case.op, name) in corrupt
+                        if reference_error is None:
+                            row = _check_one(case, name, dtype_name, oracle, baseline, hooked)
+                        else:
+                            row = _error_row(case, name, dtype_name, reference_error)
+                        rows.append(row)
+                        if row.error:
+                            notes.append(f"[{len(notes) + 1}] {case.op} {name} {dtype_name} {case.label}: {row.error}")
+                            detail = f"see [{len(notes)}]"
+                        elif row.failed:
+                            more = len(row.failed) - 3
+                            detail = ", ".join(row.failed[:3]) + (f" and {more} more" if more > 0 else "")
+                        else:
+                            detail = row.worst.name
+                        result = "pass" if row.ok else ("ERROR" if row.error else "FAIL")
+                        bar.update()
+                        w = row.worst
+                        say(f"{row.op:<{op_w}}{row.backend:<11}{row.dtype:<10}{row.label:<{label_w}}{w.err:>10.2e}"
+                            f"{w.baseline_err:>11.2e}{w.ratio:>8.2f}  {result:<6}  {detail}" + " (test hook)" * hooked)
+    except KeyboardInterrupt:
+        bar.close()
+        say()
+        say(_summary(rows, sum(not row.ok for row in rows), dtype_names, (), time.perf_counter() - started)
+            + " (interrupted)")
+        raise Interrupted(f"{len(rows)} of {bar.total} checks done: their rows and summary are above") from None
+    bar.close()
 
     failures = sum(not row.ok for row in rows) + len(unchecked)
     say()

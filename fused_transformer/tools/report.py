@@ -25,10 +25,13 @@ import importlib
 import multiprocessing
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from fused_transformer.tools import Interrupted
 
 # Modules whose ``aot_configs()`` are compiled; a new kernel module adds its name here.
 KERNEL_MODULES = (
@@ -185,6 +188,8 @@ def _compile_job(module: str, index: int, target: int) -> AotResult:
 
 
 def _init_worker() -> None:
+    # Ctrl-C on a terminal reaches the whole process group: the parent alone stops the run.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Before any kernel module is imported in this worker, so @triton.jit makes compilable functions.
     os.environ["TRITON_INTERPRET"] = "0"
     # Triton 3.9's default (FP fusion on), stated so it stops warning in every worker.
@@ -208,8 +213,14 @@ def compile_all(jobs: int = 2, modules: Sequence[str] = KERNEL_MODULES) -> List[
     with concurrent.futures.ProcessPoolExecutor(
         max_workers=max(1, jobs), mp_context=context, initializer=_init_worker
     ) as pool:
-        futures = [pool.submit(_compile_job, *job) for job in work]
-        return [f.result() for f in futures]
+        futures: List[concurrent.futures.Future] = []
+        try:
+            futures.extend(pool.submit(_compile_job, *job) for job in work)
+            return [f.result() for f in futures]
+        except KeyboardInterrupt:
+            pool.shutdown(wait=False, cancel_futures=True)
+            done = sum(f.done() and not f.cancelled() for f in futures)
+            raise Interrupted(f"{done} of {len(work)} compilations finished; report writes nothing") from None
 
 
 # ---------------------------------------------------------------------------------------------- reporting

@@ -1,0 +1,118 @@
+"""``python -m fused_transformer``: argparse help, unknown commands, and Ctrl-C in every long command: one line on
+stderr saying what was kept, no traceback, exit status 130, and nothing finished is lost."""
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fused_transformer import __main__ as cli
+
+INTERRUPTED = 130
+
+
+def test_help_lists_every_command(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m fused_transformer")
+    for command in ("all", "check", "bench", "report", "demo"):
+        assert f"\n    {command} " in out
+
+
+def test_unknown_command_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["chek"])
+    assert exc.value.code == 2
+    assert "unknown command 'chek': choose from all, check, bench, report, demo" in capsys.readouterr().err
+
+
+def interrupt(args, ready, timeout=240):
+    """Start ``python -m fused_transformer *args``, send SIGINT once ``ready(pid)`` is true (polled), and return
+    (exit status, stdout, stderr)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "fused_transformer", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready(proc.pid):
+            if proc.poll() is not None:
+                out, err = proc.communicate()
+                pytest.fail(f"finished (status {proc.returncode}) before it could be interrupted:\n{out}\n{err}")
+            if time.monotonic() > deadline:
+                pytest.fail("never became ready to interrupt")
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out, err
+
+
+def assert_one_line(err):
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("interrupted"), err
+    return lines[-1]
+
+
+def test_ctrl_c_in_bench_keeps_the_previous_csv_and_the_rows_measured(tmp_path):
+    previous = tmp_path / "bench_cpu.csv"
+    previous.write_text("a complete earlier run\n")
+    partial = tmp_path / "bench_cpu.csv.partial"
+
+    def some_rows_written(pid):
+        return partial.exists() and partial.read_text().count("\n") >= 3
+
+    status, _, err = interrupt(["bench", "--device", "cpu", "--suite", "attention", "--lengths", "64,128,256",
+                                "--min-time", "0.5", "--threads", "1", "--out", str(tmp_path)], some_rows_written)
+    assert status == INTERRUPTED, err
+    line = assert_one_line(err)
+    assert str(partial) in line and "untouched" in line
+    assert previous.read_text() == "a complete earlier run\n"
+    with open(partial, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) >= 2 and all(row["suite"] == "attention" for row in rows)
+
+
+def test_ctrl_c_in_check_prints_the_summary_of_the_rows_done(tmp_path):
+    log = tmp_path / "out.txt"  # stdout goes to a file, read while the check runs
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "fused_transformer", "check", "--quick", "--backend", "reference"],
+                                stdout=out, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + 240
+        while " pass " not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, "check finished before it could be interrupted"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == INTERRUPTED, err
+    assert "checks done: their rows and summary are above" in assert_one_line(err)
+    text = log.read_text()
+    assert " pass " in text and text.splitlines()[-1].endswith("(interrupted)")
+
+
+def children(pid):
+    """Process ids whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except (FileNotFoundError, ProcessLookupError):  # the process ended meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the compiler workers through /proc")
+def test_ctrl_c_in_report_stops_the_compiler_workers():
+    status, out, err = interrupt(["report", "--jobs", "2"], ready=lambda pid: len(children(pid)) >= 2)
+    assert status == INTERRUPTED, out + err
+    assert "compilations finished; report writes nothing" in assert_one_line(err)
