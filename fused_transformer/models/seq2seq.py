@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
@@ -408,7 +409,8 @@ class Seq2SeqTransformer(nn.Module):
 
         Returns:
             ``[B, T]`` generated tokens, without BOS, each row ending at its EOS and padded after it with
-            ``pad_idx``; ``T`` is the step at which every row had ended (or ``max_len``).
+            ``pad_idx``; ``T`` is the step at which every row had ended (or ``max_len``); ``[0, 0]`` for an
+            empty batch.
         """
         max_len = self._check_max_len(max_len)
         with self._evaluating():
@@ -417,6 +419,8 @@ class Seq2SeqTransformer(nn.Module):
             finished = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
             cache = self.start_cache(memory, src_padding, capacity=max_len) if use_cache else None
             for _ in range(max_len):
+                if bool(finished.all()):  # at the top: an empty batch decodes nothing
+                    break
                 if cache is not None:
                     logits = self.decode_step(tokens[:, -1:], cache)[:, -1]
                 else:
@@ -425,8 +429,6 @@ class Seq2SeqTransformer(nn.Module):
                 next_token = next_token.masked_fill(finished, self.pad_idx)
                 tokens = torch.cat([tokens, next_token[:, None]], dim=1)
                 finished |= next_token == self.eos_idx
-                if bool(finished.all()):
-                    break
         return tokens[:, 1:]
 
     def beam_search(
@@ -440,10 +442,16 @@ class Seq2SeqTransformer(nn.Module):
         or after ``max_len`` tokens. ``beam_size=1`` is greedy decoding.
 
         Returns:
-            the best beam per source, ``[B, T]`` in ``greedy_decode``'s format, and its normalised score ``[B]``.
+            the best beam per source, ``[B, T]`` in ``greedy_decode``'s format (long), and its normalised score
+            ``[B]`` (float32); ``[0, 0]`` and ``[0]`` for an empty batch.
         """
         if isinstance(beam_size, bool) or not isinstance(beam_size, int) or not 1 <= beam_size <= self.tgt_vocab_size - 2:
             raise ValueError(f"beam_size={beam_size!r} must be an int in [1, {self.tgt_vocab_size - 2}]")
+        if isinstance(length_penalty, bool) or not isinstance(length_penalty, numbers.Real):
+            raise TypeError(f"length_penalty={length_penalty!r} must be a real number, "
+                            f"got {type(length_penalty).__name__}")
+        if not math.isfinite(length_penalty):
+            raise ValueError(f"length_penalty={length_penalty!r} must be finite (GNMT's alpha, usually 0..1)")
         max_len = self._check_max_len(max_len)
         batch, k, vocab = src.shape[0], beam_size, self.tgt_vocab_size
 
@@ -462,6 +470,8 @@ class Seq2SeqTransformer(nn.Module):
             lengths = torch.zeros(batch * k, dtype=torch.long, device=device)
             finished = torch.zeros(batch * k, dtype=torch.bool, device=device)
             for _ in range(max_len):
+                if bool(finished.all()):  # at the top: an empty batch decodes nothing
+                    break
                 step_log_prob = torch.log_softmax(self._next_token_scores(self.decode_step(tokens[:, -1:], cache)[:, -1]), -1)
                 # A finished beam has one continuation, padding, that leaves its log-probability unchanged.
                 step_log_prob[finished] = float("-inf")
@@ -477,9 +487,7 @@ class Seq2SeqTransformer(nn.Module):
                 tokens = torch.cat([tokens.index_select(0, rows), next_token[:, None]], dim=1)
                 finished = finished.index_select(0, rows) | (next_token == self.eos_idx)
                 cache.select(rows)
-                if bool(finished.all()):
-                    break
             # topk sorts, so the best beam of each source is its first.
             best_rows = torch.arange(batch, device=device) * k
-            width = int(lengths[best_rows].max())
+            width = max(lengths[best_rows].tolist(), default=0)
             return tokens[best_rows, 1:1 + width], (log_prob / penalty(lengths))[best_rows]

@@ -3,26 +3,34 @@
 The task: a source of 3..``max_len`` random tokens (padded), and as target the same tokens reversed (or
 sorted), as ``BOS ... EOS`` padded. Held-out sequences are drawn once and never appear in training batches.
 
-The loop: AdamW, linear warm-up then inverse-square-root decay, label-smoothed cross-entropy that ignores
-padding, gradient-norm clipping, a progress line, and checkpoints that resume exactly where they stopped
-(model, optimizer, scheduler, step and both random generators).
+The loop: AdamW, linear warm-up then a cosine (or inverse-square-root) decay, label-smoothed cross-entropy that ignores
+padding, gradient-norm clipping, a tqdm progress bar, and checkpoints (``checkpoint.py``) written every N
+steps and on Ctrl-C, from which a run resumes bitwise where it stopped.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
+import numbers
 import os
+import signal
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Set, TextIO, Tuple
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Set, TextIO, Tuple
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
+from ..tools import Interrupted
+from .checkpoint import load_checkpoint, model_from_checkpoint, rng_states, save_checkpoint
 from .seq2seq import Seq2SeqTransformer
 
 __all__ = [
-    "PAD", "BOS", "EOS", "SequenceTask", "TrainConfig", "TrainResult", "train", "exact_match_accuracy",
+    "PAD", "BOS", "EOS", "SequenceTask", "TrainConfig", "TrainResult", "train", "run_config", "exact_match_accuracy",
     "save_checkpoint", "load_checkpoint", "model_from_checkpoint",
 ]
 
@@ -86,6 +94,13 @@ class SequenceTask:
         self.held_out.update(chosen)
         return self._batch(list(chosen.values()))
 
+    @property
+    def config(self) -> Dict[str, object]:
+        """What decides the training batches: the constructor arguments and the held-out set (as a digest)."""
+        held_out = hashlib.sha256(repr(sorted(self.held_out)).encode()).hexdigest()[:16]
+        return dict(vocab_size=self.vocab_size, min_len=self.min_len, max_len=self.max_len, kind=self.kind,
+                    held_out=len(self.held_out), held_out_digest=held_out)
+
     def distinct_sequences(self) -> int:
         kinds = self.vocab_size - 3
         return sum(kinds ** length for length in range(self.min_len, self.max_len + 1))
@@ -109,6 +124,22 @@ class TrainConfig:
     weight_decay: float = 0.01
     seed: int = 0
     schedule: str = "cosine"
+
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("batch_size", 1), ("warmup_steps", 0), ("seed", None)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+                raise ValueError(f"{name}={value!r} must be an int" + ("" if low is None else f" >= {low}"))
+        for name, expected, ok in (("lr", "> 0", lambda v: v > 0), ("clip_norm", "> 0", lambda v: v > 0),
+                                   ("weight_decay", ">= 0", lambda v: v >= 0),
+                                   ("label_smoothing", "in [0, 1)", lambda v: 0 <= v < 1)):
+            value = getattr(self, name)
+            real = not isinstance(value, bool) and isinstance(value, numbers.Real)
+            if not (real and math.isfinite(value) and ok(value)):
+                raise ValueError(f"{name}={value!r} must be a finite number {expected}")
+            setattr(self, name, float(value))  # a numpy scalar would make the checkpoint unloadable (weights_only)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
 
 
 @dataclass
@@ -144,25 +175,9 @@ def lr_factor(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
     return factor
 
 
-class _ProgressLine:
-    """One self-rewriting status line (a line per update when the stream is not a terminal)."""
-
-    def __init__(self, stream: Optional[TextIO], total: int, every: int = 10) -> None:
-        self.stream, self.total, self.every = stream, total, every
-        self.tty = stream is not None and stream.isatty()
-
-    def update(self, step: int, loss: float, lr: float, elapsed: float) -> None:
-        if self.stream is None or (step % self.every and step != self.total):
-            return
-        done = min(1.0, step / self.total) if self.total else 1.0
-        bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
-        line = f"[{bar}] step {step}/{self.total} loss {loss:.3f} lr {lr:.2e} {elapsed:.0f}s"
-        self.stream.write(("\r" + line) if self.tty else (line + "\n"))
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.stream is not None and self.tty:
-            self.stream.write("\n")
+def run_config(config: TrainConfig, task: SequenceTask) -> Dict[str, Dict[str, object]]:
+    """What a checkpoint records of the run that wrote it, and a run resuming from it must match."""
+    return {"train": asdict(config), "task": task.config}
 
 
 def train(
@@ -174,47 +189,112 @@ def train(
     time_limit: Optional[float] = None,
     stop_after: Optional[int] = None,
     progress: Optional[TextIO] = sys.stderr,
-    progress_every: int = 10,
+    save_every: Optional[int] = None,
+    on_step: Optional[Callable[[int, float], None]] = None,
 ) -> TrainResult:
     """Train ``model`` on ``task`` up to ``config.steps`` total steps.
 
     ``time_limit`` (seconds) or ``stop_after`` (steps) end this call early, leaving the learning-rate
-    schedule as planned for ``config.steps``. With ``resume=True`` and an existing ``checkpoint_path``,
-    everything restarts from the checkpoint, so an interrupted run continues as if it had not stopped;
-    the checkpoint is written at the end. A fresh run seeds torch's generator (dropout) with ``config.seed``.
+    schedule as planned for ``config.steps``. A fresh run seeds torch's generator (dropout) with ``config.seed``.
+
+    Checkpoints (``checkpoint_path``): written every ``save_every`` steps, when the call ends, and on
+    ``KeyboardInterrupt`` (Ctrl-C), which then becomes ``Interrupted`` (a KeyboardInterrupt saying where the
+    checkpoint is). That one holds the last completed step: Ctrl-C during a step's update is held back until
+    the update is done, and one during the forward or backward pass abandons that step. With ``resume=True``
+    and an existing checkpoint, everything restarts from it (after checking it was saved by the same model,
+    ``config`` and task: ``CheckpointMismatch`` otherwise), so the run continues bitwise as if it had not
+    stopped; without a file there, training starts afresh.
+
+    ``progress``: a tqdm bar on this stream when it is a terminal; None: none.
+    ``on_step(step, loss)`` is called after each completed step (and its checkpoint, if due).
     """
+    if save_every is not None and (isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1):
+        raise ValueError(f"save_every={save_every!r} must be a positive int (steps between checkpoints) or None")
+    if checkpoint_path is None and (resume or save_every is not None):
+        raise ValueError(f"resume={resume} and save_every={save_every} need a checkpoint_path")
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config.schedule, config.warmup_steps, config.steps))
     data_generator = torch.Generator().manual_seed(config.seed)
-    step = 0
-    if resume and checkpoint_path is not None and os.path.exists(checkpoint_path):
-        step = load_checkpoint(checkpoint_path, model, optimizer, scheduler, data_generator)
+    run = run_config(config, task)
+    step, saved_step = 0, None  # saved_step: the step of the checkpoint file as it is
+    if resume and os.path.exists(checkpoint_path):
+        step = saved_step = load_checkpoint(checkpoint_path, model, optimizer, scheduler, data_generator, run)
     else:
         torch.manual_seed(config.seed)  # dropout draws
+
+    def save(rng: Optional[Dict[str, Tensor]] = None) -> None:
+        nonlocal saved_step
+        save_checkpoint(checkpoint_path, model, optimizer, scheduler, step, data_generator, run, rng)
+        saved_step = step
+
     result = TrainResult(step=step)
-    bar = _ProgressLine(progress, config.steps, progress_every)
     model.train()
     start = time.perf_counter()
     last_step = config.steps if stop_after is None else min(config.steps, step + stop_after)
-    while step < last_step and (time_limit is None or time.perf_counter() - start < time_limit):
-        src, tgt = task.sample(config.batch_size, data_generator)
-        src, tgt = src.to(device), tgt.to(device)
-        loss = model.loss(src, tgt, label_smoothing=config.label_smoothing)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
-        optimizer.step()
-        scheduler.step()
-        step += 1
-        result.losses.append(loss.item())
-        result.tokens += int((tgt[:, 1:] != PAD).sum())
-        bar.update(step, result.losses[-1], scheduler.get_last_lr()[0], time.perf_counter() - start)
+    # While a step runs: the generators as the last completed step left them (the step draws batch and dropout).
+    rng_before_step = None
+    bar = tqdm(total=config.steps, initial=step, file=progress, disable=not _is_terminal(progress), unit="step",
+               dynamic_ncols=True)
+    try:
+        while step < last_step and (time_limit is None or time.perf_counter() - start < time_limit):
+            rng_before_step = rng_states(data_generator, device)
+            src, tgt = task.sample(config.batch_size, data_generator)
+            src, tgt = src.to(device), tgt.to(device)
+            loss = model.loss(src, tgt, label_smoothing=config.label_smoothing)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
+            with _interrupts_held_back():
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                rng_before_step = None
+            result.losses.append(loss.item())
+            result.tokens += int((tgt[:, 1:] != PAD).sum())
+            bar.set_postfix_str(f"loss {result.losses[-1]:.3f} lr {scheduler.get_last_lr()[0]:.2e}", refresh=False)
+            bar.update()
+            if save_every is not None and step % save_every == 0:
+                save()
+            if on_step is not None:
+                on_step(step, result.losses[-1])
+    except KeyboardInterrupt:
+        bar.close()
+        if checkpoint_path is None:
+            raise
+        save(rng_before_step)
+        raise Interrupted(f"step {step} of {config.steps} is saved in the checkpoint {checkpoint_path}") from None
     bar.close()
     result.step, result.seconds = step, time.perf_counter() - start
-    if checkpoint_path is not None:
-        save_checkpoint(checkpoint_path, model, optimizer, scheduler, step, data_generator)
+    if checkpoint_path is not None and saved_step != step:
+        save()
     return result
+
+
+def _is_terminal(stream: Optional[TextIO]) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+@contextlib.contextmanager
+def _interrupts_held_back() -> Iterator[None]:
+    """Hold back SIGINT (Ctrl-C) until the block has run, so that parameters, optimizer, schedule and step
+    change together; it is then delivered to the handler that was in place. Only the main thread receives
+    signals, and a handler not installed from Python cannot be put back: both run the block as it is."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    received = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            signal.raise_signal(signal.SIGINT)
 
 
 def exact_match_accuracy(
@@ -230,45 +310,3 @@ def exact_match_accuracy(
         predicted = torch.nn.functional.pad(predicted, (0, expected.shape[1] - predicted.shape[1]), value=model.pad_idx)
         correct += int((predicted == expected).all(dim=1).sum())
     return correct / src.shape[0]
-
-
-# ------------------------------------------------------------------------------------------ checkpoints
-
-
-def save_checkpoint(
-    path: str, model: Seq2SeqTransformer, optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler, step: int, data_generator: torch.Generator,
-) -> None:
-    """Write everything ``train`` needs to resume, and the model's constructor arguments."""
-    torch.save({
-        "model": model.state_dict(), "model_config": dict(model.config), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "step": step, "data_rng": data_generator.get_state(),
-        "torch_rng": torch.get_rng_state(),
-    }, path)
-
-
-def load_checkpoint(
-    path: str, model: Seq2SeqTransformer, optimizer: Optional[torch.optim.Optimizer] = None,
-    scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None,
-    data_generator: Optional[torch.Generator] = None,
-) -> int:
-    """Load a checkpoint into ``model`` (fused or torch.nn build, strictly) and whichever of the training
-    states are given; returns the step it was saved at."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict(state["model"], strict=True)
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if data_generator is not None:
-        data_generator.set_state(state["data_rng"])
-        torch.set_rng_state(state["torch_rng"])
-    return int(state["step"])
-
-
-def model_from_checkpoint(path: str, fused: bool = True) -> Seq2SeqTransformer:
-    """Rebuild the model saved in ``path``: on the fused modules, or with ``fused=False`` on torch.nn."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    model = Seq2SeqTransformer(**state["model_config"], fused=fused)
-    model.load_state_dict(state["model"], strict=True)
-    return model
