@@ -1,10 +1,11 @@
 // Flash attention on the CPU: online softmax over key blocks, nothing of [Lq, Lk] kept beyond one block per thread.
 //
 // Forward, per (batch, head, block of query rows), over the key blocks that block can see:
-//   S = Q K^T * scale + bias, -inf above the causal diagonal and at padded keys (keys after a sequence's last
+//   S = Q K^T * scale + bias, -inf where a bool mask is false, above the causal diagonal and at padded keys (keys after a sequence's last
 //   real key are never read)
 //   m' = max(m, rowmax S),  P = exp(S - m'),  l = l exp(m - m') + rowsum P,  acc = acc exp(m - m') + dropout(P) V
-//   out = acc / l,  lse = m + log l   (a row with no visible key: out = 0, lse = -inf)
+//   out = acc / l,  lse = m + log l   (a row with no visible key: out = 0, lse = -inf; a row with a NaN score:
+//   out and lse NaN, as torch's softmax gives)
 // Dropout scales probabilities by keep / (1 - p) after the softmax, so l sums the undropped P.
 //
 // Backward, with P = exp(S - lse) recomputed per block, Pd = dropout(P) and delta_i = rowsum(dO * O)_i:
@@ -42,6 +43,8 @@ struct AttentionProblem {
   int64_t batch, heads, kv_heads, q_len, k_len, head_dim;
   const scalar_t* bias = nullptr;  // [B, H, Lq, Lk] through bias_stride (0 for broadcast dims), last stride 1
   int64_t bias_stride[3] = {0, 0, 0};
+  const bool* keep = nullptr;  // a bool mask instead of bias, true = may attend; strides as bias's
+  int64_t keep_stride[3] = {0, 0, 0};
   const bool* key_padding = nullptr;  // [B, Lk], true = padding
   const int64_t* key_ends = nullptr;  // [B]: 1 + the last key that is not padding (0 if none)
   const bool* padding_has_holes = nullptr;  // [B]: some key before key_ends[b] is padding
@@ -63,23 +66,36 @@ struct AttentionProblem {
 // ----------------------------------------------------------------------------------------- row helpers
 // float versions are multiversioned (see common.h); double versions serve the float64 tests.
 
+// The largest of x[0..n), or NaN if one is NaN (comparisons alone would skip it).
 FT_MULTIVERSION float row_max(const float* x, int64_t n) {
   const float minus_inf = -std::numeric_limits<float>::infinity();
   Float8 lanes = broadcast(minus_inf);
+  Int8 nan_lanes = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const Float8 v = load8(x + i);
     lanes = select(v > lanes, v, lanes);
+    nan_lanes |= v != v;
   }
   float result = minus_inf;
-  for (; i < n; ++i) result = std::max(result, x[i]);
-  for (int l = 0; l < 8; ++l) result = std::max(result, lanes[l]);
-  return result;
+  bool any_nan = false;
+  for (; i < n; ++i) {
+    result = std::max(result, x[i]);
+    any_nan |= std::isnan(x[i]);
+  }
+  for (int l = 0; l < 8; ++l) {
+    result = std::max(result, lanes[l]);
+    any_nan |= nan_lanes[l] != 0;
+  }
+  return any_nan ? std::numeric_limits<float>::quiet_NaN() : result;
 }
 
 double row_max(const double* x, int64_t n) {
   double result = -std::numeric_limits<double>::infinity();
-  for (int64_t i = 0; i < n; ++i) result = std::max(result, x[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) return x[i];
+    result = std::max(result, x[i]);
+  }
   return result;
 }
 
@@ -233,14 +249,20 @@ void compute_scores(const AttentionProblem<scalar_t>& p, const HeadRows<const sc
   gemm_row_major<scalar_t>(false, true, rows, cols, p.head_dim, p.scale, q.at(b, h, i0), q.row_stride,
                            k.at(b, h / p.group(), j0), k.row_stride, 0, scores, kKeyBlock);
   const bool* padding = p.key_padding && p.padding_has_holes[b] ? p.key_padding + b * p.k_len + j0 : nullptr;
-  if (p.bias == nullptr && !p.causal && padding == nullptr) return;
+  if (p.bias == nullptr && p.keep == nullptr && !p.causal && padding == nullptr) return;
   const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     scalar_t* row = scores + r * kKeyBlock;
     const int64_t i = i0 + r;
     if (p.bias != nullptr) {
+      // Added as torch adds it: a NaN score at a -inf key stays NaN (the Triton kernel does the same).
       const scalar_t* bias_row = p.bias + b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2] + j0;
       for (int64_t c = 0; c < cols; ++c) row[c] += bias_row[c];
+    }
+    if (p.keep != nullptr) {  // hides the key whatever its score, as padding and the causal mask do
+      const bool* keep_row = p.keep + b * p.keep_stride[0] + h * p.keep_stride[1] + i * p.keep_stride[2] + j0;
+      for (int64_t c = 0; c < cols; ++c)
+        if (!keep_row[c]) row[c] = minus_inf;
     }
     if (padding != nullptr)
       for (int64_t c = 0; c < cols; ++c)
@@ -293,7 +315,13 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRow
         compute_scores(p, q, k, b, h, i0, rows, j0, cols, scores.data());
         for (int64_t r = 0; r < rows; ++r) {
           scalar_t* row = scores.data() + r * kKeyBlock;
-          const scalar_t new_max = std::max(row_max_[r], row_max(row, cols));
+          const scalar_t block_max = row_max(row, cols);
+          if (std::isnan(block_max) || std::isnan(row_max_[r])) {  // a NaN score: the row's out and lse are NaN
+            row_max_[r] = row_sum[r] = std::numeric_limits<scalar_t>::quiet_NaN();
+            std::fill(row, row + cols, scalar_t(0));
+            continue;
+          }
+          const scalar_t new_max = std::max(row_max_[r], block_max);
           if (new_max == minus_inf) {  // nothing visible to this row yet
             std::fill(row, row + cols, scalar_t(0));
             continue;
@@ -315,7 +343,7 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRow
 
       for (int64_t r = 0; r < rows; ++r) {
         scalar_t* out_row = out.at(b, h, i0 + r);
-        const bool has_key = row_sum[r] > 0;
+        const bool has_key = row_sum[r] != 0;  // true for NaN, which then fills the row
         const scalar_t inverse = has_key ? scalar_t(1) / row_sum[r] : scalar_t(0);
         for (int64_t c = 0; c < d; ++c) out_row[c] = acc[r * d + c] * inverse;
         lse[bh * q_len + i0 + r] = has_key ? row_max_[r] + std::log(row_sum[r]) : minus_inf;
@@ -361,6 +389,8 @@ void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRo
               const scalar_t row_lse = lse[bh * q_len + i0 + r];
               if (row_lse == minus_inf)
                 std::fill(row, row + cols, scalar_t(0));
+              else if (std::isnan(row_lse))  // the forward's NaN row: NaN probabilities, as torch's softmax
+                std::fill(row, row + cols, row_lse);
               else
                 exp_shifted_sum(row, cols, row_lse);
             }
@@ -407,11 +437,24 @@ at::Tensor new_head_rows(const at::Tensor& like, bool zeroed) {
   return (zeroed ? at::zeros(sizes, like.options()) : at::empty(sizes, like.options())).transpose(1, 2);
 }
 
-// Shapes, the bias in the accumulate dtype broadcast to [B, H, Lq, Lk], and the key padding with where each
-// sequence's keys end and whether padding interrupts them, checked once.
+// Shapes, the mask (a float bias in the accumulate dtype, or a bool keep-mask) broadcast to [B, H, Lq, Lk], and
+// the key padding with where each sequence's keys end and whether padding interrupts them, checked once.
 struct AttentionInputs {
-  at::Tensor q, k, v, bias, key_padding, key_ends, padding_has_holes;
+  at::Tensor q, k, v, bias, keep, key_padding, key_ends, padding_has_holes;
 };
+
+// mask broadcast to [batch, heads, q_len, k_len]; the kernel reads mask rows with unit stride, so the key dim
+// is materialised if it is broadcast or strided.
+at::Tensor broadcast_mask(at::Tensor mask, int64_t batch, int64_t heads, int64_t q_len, int64_t k_len) {
+  TORCH_CHECK_VALUE(mask.dim() <= 4, "attention: the mask must broadcast to [B, H, Lq, Lk], got ", mask.sizes());
+  if (mask.dim() == 0) mask = mask.reshape({1});
+  if (mask.size(-1) != k_len || mask.stride(-1) != 1) {
+    std::vector<int64_t> sizes(mask.sizes().begin(), mask.sizes().end());
+    sizes.back() = k_len;
+    mask = mask.expand(sizes).contiguous();
+  }
+  return mask.expand({batch, heads, q_len, k_len});
+}
 
 AttentionInputs prepare_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& key_padding) {
@@ -431,16 +474,10 @@ AttentionInputs prepare_inputs(const at::Tensor& q, const at::Tensor& k, const a
   const int64_t batch = q.size(0), heads = q.size(1), q_len = q.size(2), k_len = k.size(2);
   if (bias.has_value()) {
     check_cpu(*bias, "bias");
-    TORCH_CHECK_VALUE(bias->dim() <= 4, "attention: bias must broadcast to [B, H, Lq, Lk], got ", bias->sizes());
-    at::Tensor b = bias->to(inputs.q.scalar_type());
-    if (b.dim() == 0) b = b.reshape({1});
-    // The kernel reads bias rows with unit stride: materialise the key dim if it is broadcast or strided.
-    if (b.size(-1) != k_len || b.stride(-1) != 1) {
-      std::vector<int64_t> sizes(b.sizes().begin(), b.sizes().end());
-      sizes.back() = k_len;
-      b = b.expand(sizes).contiguous();
-    }
-    inputs.bias = b.expand({batch, heads, q_len, k_len});
+    if (bias->scalar_type() == at::kBool)
+      inputs.keep = broadcast_mask(*bias, batch, heads, q_len, k_len);
+    else
+      inputs.bias = broadcast_mask(bias->to(inputs.q.scalar_type()), batch, heads, q_len, k_len);
   }
   if (key_padding.has_value()) {
     check_cpu(*key_padding, "key_padding");
@@ -478,6 +515,10 @@ AttentionProblem<scalar_t> make_problem(const AttentionInputs& inputs, bool is_c
   if (inputs.bias.defined()) {
     p.bias = inputs.bias.data_ptr<scalar_t>();
     for (int dim = 0; dim < 3; ++dim) p.bias_stride[dim] = inputs.bias.stride(dim);
+  }
+  if (inputs.keep.defined()) {
+    p.keep = inputs.keep.data_ptr<bool>();
+    for (int dim = 0; dim < 3; ++dim) p.keep_stride[dim] = inputs.keep.stride(dim);
   }
   if (inputs.key_padding.defined()) {
     p.key_padding = inputs.key_padding.data_ptr<bool>();

@@ -2,7 +2,7 @@
 //   forward:  out = dropout(act(h + bias))            h = x @ w1^T, [rows, F]
 //   backward: dpre = dout * dropout_factor * act'(h + bias)
 // Nothing but h is kept for the backward: h + bias is recomputed, the dropout mask regenerated from the seed.
-//   relu' = [pre > 0];  gelu' = Phi(pre) + pre * phi(pre);
+//   relu' = [not pre <= 0] (1 at NaN, as torch's threshold_backward);  gelu' = Phi(pre) + pre * phi(pre);
 //   gelu_tanh: u = sqrt(2/pi) (pre + 0.044715 pre^3), act = pre (1 + tanh u) / 2,
 //              act' = (1 + tanh u) / 2 + pre (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 pre^2) / 2
 #include <ATen/OpMathType.h>
@@ -39,14 +39,16 @@ FT_INLINE Float8 exp_of(Float8 x) { return fast_exp(x); }
 FT_INLINE double exp_of(double x) { return std::exp(x); }
 FT_INLINE Float8 tanh_of(Float8 x) { return fast_tanh(x); }
 FT_INLINE double tanh_of(double x) { return std::tanh(x); }
-FT_INLINE Float8 where_positive(Float8 x, Float8 value) { return select(x > 0.0f, value, broadcast(0.0f)); }
-FT_INLINE double where_positive(double x, double value) { return x > 0.0 ? value : 0.0; }
+// value unless x <= 0: relu (value = x) and its gradient (value = grad) as torch computes them, so a NaN x passes
+// NaN forward and the gradient backward (max(x, 0) or x > 0 would turn NaN into 0).
+FT_INLINE Float8 zero_where_nonpositive(Float8 x, Float8 value) { return select(x <= 0.0f, broadcast(0.0f), value); }
+FT_INLINE double zero_where_nonpositive(double x, double value) { return x <= 0.0 ? 0.0 : value; }
 
 // act(x) (forward) or grad * act'(x) (backward), with V = Float8 or double and T its element type.
 template <bool kBackward, Activation kActivation, typename V, typename T>
 FT_INLINE V activation_value(V x, V grad) {
   if constexpr (kActivation == Activation::kRelu) {
-    return where_positive(x, kBackward ? grad : x);
+    return zero_where_nonpositive(x, kBackward ? grad : x);
   } else if constexpr (kActivation == Activation::kGelu) {
     const V cdf = T(0.5) * (T(1) + erf_of(x * T(kSqrtHalf)));
     if (kBackward) return grad * (cdf + x * T(kInvSqrt2Pi) * exp_of(T(-0.5) * x * x));

@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import math
 import os
 import warnings
 from typing import Iterator, Optional
@@ -67,6 +68,12 @@ def draw_dropout_seed() -> int:
     """A dropout (Philox) seed drawn from torch's default CPU generator, so ``torch.manual_seed`` reproduces
     dropout on every backend."""
     return int(torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64).item())
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., N]`` as ``[rows, N]`` for the row-wise kernels (a view when the strides allow); unlike
+    ``reshape(-1, N)``, also when N = 0."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 @functools.lru_cache(maxsize=None)

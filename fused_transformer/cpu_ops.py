@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from . import _C  # noqa: F401  (registers torch.ops.fused_transformer_cpu)
 from . import reference
-from .backend import draw_dropout_seed
+from .backend import as_rows, draw_dropout_seed
 
 Tensor = torch.Tensor
 _ops = torch.ops.fused_transformer_cpu
@@ -66,12 +66,10 @@ def _apply(function: Type[torch.autograd.Function], *args: object) -> object:
 
 
 def _attention_bias(attn_mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    """The contract's ``attn_mask`` -> the kernel's additive bias (``-inf`` = masked) in ``dtype``. The key
-    padding mask goes to the kernel as it is."""
-    if attn_mask is None:
-        return None
-    if attn_mask.dtype == torch.bool:
-        return torch.zeros(attn_mask.shape, dtype=dtype).masked_fill_(~attn_mask, float("-inf"))
+    """The contract's ``attn_mask`` as the kernel takes it: a bool one as it is (True = may attend), a float
+    one as an additive bias in ``dtype``. The key padding mask goes to the kernel as it is."""
+    if attn_mask is None or attn_mask.dtype == torch.bool:
+        return attn_mask
     return attn_mask.to(dtype)
 
 
@@ -116,7 +114,7 @@ def attention(
         raise ValueError("the cpu backend does not compute gradients for attn_mask; use backend 'reference'")
     q_len, k_len = q.shape[-2], k.shape[-2]
     bias = _attention_bias(attn_mask, _stats_dtype(q.dtype))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = reference.softmax_scale(q.shape[-1], scale)
     causal_offset = 0 if causal_alignment == "top_left" else k_len - q_len
     seed = draw_dropout_seed() if dropout_p > 0.0 else 0
     out, lse = _apply(
@@ -188,9 +186,9 @@ def layer_norm(
     """``fused_transformer.functional.layer_norm`` on the C++ kernel: ``y = LayerNorm(dropout(x) + residual)``
     over the last dim, and ``z = dropout(x) + residual`` with ``prenorm``; statistics in float32."""
     _check_cpu(x=x, weight=weight, bias=bias, residual=residual)
-    shape, n = x.shape, x.shape[-1]
-    rows = x.reshape(-1, n)
-    residual_rows = residual.reshape(-1, n) if residual is not None else None
+    shape = x.shape
+    rows = as_rows(x)
+    residual_rows = as_rows(residual) if residual is not None else None
     seed = draw_dropout_seed() if dropout_p > 0.0 else 0
     out = _apply(
         LayerNormFunction, rows, weight, bias, residual_rows, float(eps), float(dropout_p), seed, bool(prenorm)
@@ -209,7 +207,7 @@ class BiasActivationFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, bias, activation, dropout_p, seed):
-        rows = h.reshape(-1, h.shape[-1])
+        rows = as_rows(h)
         out = _ops.bias_activation_fwd(rows, bias, activation, dropout_p, seed)
         ctx.save_for_backward(rows, bias)
         ctx.activation, ctx.dropout_p, ctx.seed = activation, dropout_p, seed

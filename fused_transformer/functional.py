@@ -151,13 +151,21 @@ def attention(
                   1 1 0 0                  1 1 1 1
 
         dropout_p: probability of dropping an attention probability (always applied when > 0).
-        scale: multiplies the scores; default ``1 / sqrt(D)``.
+        scale: multiplies the scores; default ``1 / sqrt(D)`` (1 for ``D = 0``, whose scores are all 0).
         return_lse: also return the log-sum-exp ``[B, H, Lq]`` (float32, float64 for float64 inputs) of the
             scaled, masked scores.
 
     Returns:
-        ``[B, H, Lq, D]`` in q's dtype, and the LSE if asked. A query row with no key left to attend gives
-        zeros (LSE ``-inf``) and zero gradients, never NaN.
+        ``[B, H, Lq, D]`` in q's dtype, and the LSE if asked. Edges as ``scaled_dot_product_attention`` (math
+        backend) has them: a query row with no key left to attend (every key masked by ``is_causal``, a bool
+        or ``-inf`` float ``attn_mask`` or ``key_padding_mask``, or ``Lk = 0``) gives zeros (LSE ``-inf``) and
+        zero gradients; a NaN score (from q, k or a float ``attn_mask``) makes that row of the output and of
+        the LSE NaN, and the NaN flows back into the gradients as in torch; ``Lq = 0`` and ``D = 0`` give empty
+        outputs (with ``D = 0`` every score is 0, and the LSE and ``attention_weights`` follow the masks
+        alone). A float ``attn_mask`` is added as SDPA adds it, so a NaN score at a ``-inf`` key still makes
+        the row NaN. One difference, on purpose: a key that a bool mask, padding or the causal mask hides is
+        out of the softmax whatever its score (the kernels skip such key blocks), so a NaN there does not
+        reach the row, where SDPA, which adds those masks as ``-inf``, gives NaN.
     """
     _check_attention_args(q, k, v, attn_mask, key_padding_mask, is_causal, causal_alignment, scale)
     dropout_p = _check_dropout(dropout_p)
@@ -210,7 +218,9 @@ def layer_norm(
         prenorm: also return ``z = dropout(x) + residual``, the residual stream of a pre-LN block.
 
     Returns:
-        ``y`` (x's dtype), or ``(y, z)`` with ``prenorm``. Mean and variance are computed in float32.
+        ``y`` (x's dtype), or ``(y, z)`` with ``prenorm``. Mean and variance are computed in float32. As with
+        ``torch.nn.functional.layer_norm``, ``N = 0`` or no rows give empty results (the weight and bias
+        gradients then empty or zeros).
     """
     _check_tensor("x", x)
     if x.dim() == 0:
@@ -251,7 +261,8 @@ def feed_forward(
         x: ``[..., d_model]``.
         w1: ``[d_ff, d_model]`` and b1 ``[d_ff]`` or None (``nn.Linear`` layout).
         w2: ``[d_out, d_ff]`` and b2 ``[d_out]`` or None.
-        activation: ``"relu"``, ``"gelu"`` (exact, erf) or ``"gelu_tanh"``.
+        activation: ``"relu"``, ``"gelu"`` (exact, erf) or ``"gelu_tanh"``; NaN passes through each, as in
+            torch (``relu``'s gradient at NaN is the incoming one, as ``torch.relu``'s).
         dropout_p: dropout on the activation (always applied when > 0).
 
     Returns:

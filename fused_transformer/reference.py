@@ -7,7 +7,8 @@ Dropout takes an explicit ``keep_mask`` (bool, True = keep) so a kernel's own ra
 here exactly; without one, a mask is drawn from torch's generator.
 
 Precision: float64 inputs are computed in float64. Lower precisions do their matrix products in the input
-dtype (as PyTorch would) and their softmax / normalisation statistics in float32.
+dtype (as PyTorch would), except attention's scores ``q @ k^T``, which are computed, like its softmax and the
+normalisation statistics, in float32 (as PyTorch's fused attention does; float16 scores overflow past 65504).
 """
 from __future__ import annotations
 
@@ -40,6 +41,14 @@ def dropout(x: Tensor, p: float, keep_mask: Optional[Tensor] = None) -> Tensor:
     return x * keep_mask.to(x.dtype) * (1.0 / (1.0 - p))
 
 
+def softmax_scale(head_dim: int, scale: Optional[float] = None) -> float:
+    """The factor attention scores are multiplied by: ``scale``, by default ``1 / sqrt(head_dim)``; 1 for
+    ``head_dim = 0``, whose scores are all 0 (any finite factor keeps them 0, ``1 / sqrt(0)`` makes them NaN)."""
+    if scale is not None:
+        return float(scale)
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
 def causal_keep(lq: int, lk: int, alignment: str, device: torch.device) -> Tensor:
     """Bool ``[lq, lk]``, True where query i may see key j.
 
@@ -62,14 +71,14 @@ def attention_scores(
     scale: Optional[float] = None,
 ) -> Tensor:
     """Scaled, masked scores ``[B, H, Lq, Lk]`` in the statistics dtype; -inf where a key is masked."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    dtype = stats_dtype(q.dtype)
     k = _repeat_kv_heads(k, q.shape[1])
-    scores = torch.matmul(q, k.transpose(-1, -2)).to(stats_dtype(q.dtype)) * scale
+    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * softmax_scale(q.shape[-1], scale)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
-            scores = scores + attn_mask.to(scores.dtype)
+            scores = scores + attn_mask.to(scores.dtype)  # as torch adds it: NaN + -inf stays NaN
     if key_padding_mask is not None:
         scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
     if is_causal:
@@ -85,13 +94,17 @@ def _repeat_kv_heads(x: Tensor, q_heads: int) -> Tensor:
 
 
 def _softmax_and_lse(scores: Tensor) -> Tuple[Tensor, Tensor]:
-    """Softmax over the last dim that gives 0 (and zero gradients) for rows with no finite score."""
-    row_max = scores.amax(dim=-1, keepdim=True)
+    """Softmax over the last dim that gives 0 (and zero gradients) for rows with no finite score (every key
+    masked, or no key at all), and NaN for rows with a NaN score, as torch's softmax does."""
+    if scores.shape[-1] == 0:  # amax has nothing to reduce; the sum below is 0, as for fully masked rows
+        row_max = scores.new_full((*scores.shape[:-1], 1), float("-inf"))
+    else:
+        row_max = scores.amax(dim=-1, keepdim=True)
     # Shifting by any constant leaves the softmax unchanged; detaching it keeps -inf rows out of autograd.
     shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
     exp = torch.exp(scores - shift)
     total = exp.sum(dim=-1, keepdim=True)
-    has_key = total > 0
+    has_key = total != 0  # NaN counts as a key: the row stays NaN
     probs = exp / torch.where(has_key, total, torch.ones_like(total))
     lse = torch.where(has_key, shift + torch.log(torch.where(has_key, total, torch.ones_like(total))), float("-inf"))
     return probs, lse.squeeze(-1)
@@ -115,7 +128,7 @@ def attention(
 
     ``keep_mask``: bool, broadcastable to ``[B, H, Lq, Lk]``, True where a probability survives dropout.
     Returns the output ``[B, H, Lq, D]`` and, with ``return_lse``, the log-sum-exp ``[B, H, Lq]`` of the
-    scaled, masked scores (before dropout), -inf for rows with no key.
+    scaled, masked scores (before dropout), -inf for rows with no key, NaN for rows with a NaN score.
     """
     scores = attention_scores(
         q, k, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
@@ -144,7 +157,8 @@ def attention_weights(
         causal_alignment=causal_alignment, scale=scale,
     )
     lse = lse.to(scores.dtype)[..., None]
-    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+    # Rows with no key (lse -inf) give 0; a NaN lse (a NaN score) gives a NaN row, as torch's softmax does.
+    probs = torch.exp(scores - torch.where(lse.isneginf(), torch.zeros_like(lse), lse))
     return probs.to(q.dtype)
 
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import draw_dropout_seed  # noqa: F401 (re-exported for the kernel modules)
+from ..backend import as_rows, draw_dropout_seed  # noqa: F401 (re-exported for the kernel modules)
 from ..backend import triton_interpreting as interpreting  # noqa: F401 (the kernels' name for it)
 
 
@@ -79,6 +79,8 @@ def sum_rows(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     returned in ``out_dtype``."""
     n_rows, n_cols = x.shape
     out = torch.empty((n_cols,), dtype=out_dtype, device=x.device)
+    if n_cols == 0:  # no column block to launch (a grid of 0 programs is an error on a GPU)
+        return out
     if n_rows > _SUM_ROWS_CHUNK:
         chunks = triton.cdiv(n_rows, _SUM_ROWS_CHUNK)
         partial = torch.empty((chunks, n_cols), dtype=torch.float32, device=x.device)

@@ -3,7 +3,7 @@
 Forward, per tile of BLOCK_M query rows of one (batch, head), over tiles of BLOCK_N keys:
     s = q k^T * scale (+ float mask), masked to -inf        (kept in log2 units: exp2 is the fast exponential)
     online softmax: m = running row max, l = running sum of exp(s - m), acc = sum exp(s - m) * dropout v
-    o = acc / l,   lse = m + log(l)                          (a row with no key: o = 0, lse = -inf)
+    o = acc / l,   lse = m + log(l)          (a row with no key: o = 0, lse = -inf; with a NaN score: NaN, as torch)
 Only q, k, v, o and lse (float32, [B, H, Lq]) are saved; the [Lq, Lk] matrices are never stored.
 
 Backward recomputes p = exp(s - lse) tile by tile (Z = dropout keep / (1 - p), delta = rowsum(do * o) - dlse):
@@ -25,19 +25,19 @@ p)``; ``attention_keep_mask`` replays the mask for the reference.
 """
 import dataclasses
 import functools
-import math
 from typing import List, Optional, Tuple, Union
 
 import torch
 import triton
 import triton.language as tl
 
+from ..reference import softmax_scale
 from ._common import contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, interpreting
 
 Tensor = torch.Tensor
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
+MIN_HEAD_DIM, MAX_HEAD_DIM = 0, 256
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -82,6 +82,7 @@ def _mask_scores(
         if MASK_KIND == 1:
             keep = keep & (tl.load(mask_ptrs, mask=keep, other=0) != 0)
         else:
+            # Added as torch adds it: a NaN score at a -inf key stays NaN. Excluding -inf keys here spills.
             s += tl.load(mask_ptrs, mask=keep, other=0.0).to(tl.float32) * 1.4426950408889634
     return tl.where(keep, s, float("-inf"))
 
@@ -160,7 +161,8 @@ def _attention_fwd_kernel(
         acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, UPCAST, DOT_PRECISION)
         row_max = new_max
 
-    has_key = row_sum > 0.0
+    # A NaN score made row_sum NaN (however tl.max treats NaN): != 0 lets it through to out and lse, as in torch.
+    has_key = row_sum != 0.0
     out = acc / tl.where(has_key, row_sum, 1.0)[:, None]
     lse = tl.where(has_key, (row_max + tl.math.log2(tl.where(has_key, row_sum, 1.0))) * 0.6931471805599453,
                    float("-inf"))
@@ -509,8 +511,9 @@ def attention_fwd(
     kv_heads, lk = k.shape[1], k.shape[2]
     o = torch.empty((batch, heads, lq, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, lq), dtype=torch.float32, device=q.device)
-    if o.numel() == 0:
-        return o, lse.fill_(float("-inf"))
+    if lse.numel() == 0:  # no query row: a grid of 0 programs is an error on a GPU
+        return o, lse
+    # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
     masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment)
     cfg = config_for("fwd", q.dtype, head_dim)
     grid = (triton.cdiv(lq, cfg.block_m), batch * heads)
@@ -659,7 +662,7 @@ def attention(
     them) plus two kernel-level options.
 
     Args:
-        q: ``[B, H, Lq, D]``; k, v: ``[B, Hkv, Lk, D]``, float16 / bfloat16 / float32, ``D`` in 1..256, any
+        q: ``[B, H, Lq, D]``; k, v: ``[B, Hkv, Lk, D]``, float16 / bfloat16 / float32, ``D`` in 0..256, any
             strides with the last dim contiguous (copied otherwise).
         query_lengths: ``[B]`` integers; rows ``i >= query_lengths[b]`` give zeros (LSE ``-inf``).
         allow_tf32: float32 products on tensor cores in TF32 (default: full float32 precision).
@@ -673,7 +676,7 @@ def attention(
                          "pass attn_mask.detach(), or use the reference backend to differentiate the mask")
     if query_lengths is not None and tuple(query_lengths.shape) != (q.shape[0],):
         raise ValueError(f"query_lengths must be [batch={q.shape[0]}], got shape {tuple(query_lengths.shape)}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q.shape[-1], scale)
     o, lse = AttentionFunction.apply(
         q, k, v, attn_mask, key_padding_mask, query_lengths, bool(is_causal), causal_alignment,
         float(dropout_p), scale, bool(allow_tf32),
@@ -697,7 +700,7 @@ def attention_weights(
     masks, recomputed from its LSE by a separate kernel; only modules asked for ``need_weights`` run it.
     Not differentiable (``torch.nn`` returns these weights for inspection)."""
     q, k = contiguous_last_dim(q), contiguous_last_dim(k)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q.shape[-1], scale)
     return torch.ops.fused_transformer.attention_weights(
         q, k, lse.float(), attn_mask, key_padding_mask, query_lengths, bool(is_causal), causal_alignment, scale
     )

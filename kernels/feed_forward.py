@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import contiguous_last_dim, draw_dropout_seed, dropout_keep, interpreting, sum_rows
+from ._common import as_rows, contiguous_last_dim, draw_dropout_seed, dropout_keep, interpreting, sum_rows
 
 Tensor = torch.Tensor
 
@@ -44,7 +44,8 @@ def _tanh(x):
 @triton.jit
 def _activation(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == "relu":
-        return tl.maximum(x, 0.0)
+        # Not tl.maximum(x, 0.0), which may return 0 for NaN: torch.relu keeps NaN.
+        return tl.where(x <= 0.0, 0.0, x)
     elif ACTIVATION == "gelu":
         return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
     elif ACTIVATION == "gelu_tanh":
@@ -57,7 +58,7 @@ def _activation(x, ACTIVATION: tl.constexpr):
 def _activation_grad(x, ACTIVATION: tl.constexpr):
     """d act / dx at x (float32)."""
     if ACTIVATION == "relu":
-        return tl.where(x > 0.0, 1.0, 0.0)
+        return tl.where(x <= 0.0, 0.0, 1.0)  # 1 at NaN, as torch's threshold_backward
     elif ACTIVATION == "gelu":
         cdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
         return cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
@@ -340,7 +341,7 @@ def feed_forward(
     """
     _check_dtypes(x=x)
     lead = x.shape[:-1]
-    x_rows = contiguous_last_dim(x).reshape(-1, x.shape[-1])
+    x_rows = as_rows(contiguous_last_dim(x))
     y = FeedForwardFunction.apply(
         x_rows, w1, b1, w2, b2, activation, float(dropout_p), bool(recompute), bool(allow_tf32)
     )

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, contiguous_last_dim, draw_dropout_seed,
+    SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, as_rows, contiguous_last_dim, draw_dropout_seed,
     dropout_keep, interpreting, sum_rows,
 )
 
@@ -245,8 +245,8 @@ def layer_norm_fwd(
     z = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if store_z else _empty(x)
     mean = torch.empty((0 if rms_norm else n_rows,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
-    if n_rows == 0:
-        return y, z, mean, rstd
+    if y.numel() == 0:  # nothing to normalise; the statistics of an empty row are NaN (0 / 0)
+        return y, z, mean.fill_(float("nan")), rstd.fill_(float("nan"))
     block_n = _block_n(n_cols)
     _layer_norm_fwd_kernel[(n_rows,)](
         x, residual, weight, bias, y, z if store_z else None, mean if not rms_norm else None, rstd,
@@ -280,6 +280,8 @@ def layer_norm_bwd(
     n_rows, n_cols = z.shape
     dx = torch.empty((n_rows, n_cols), dtype=z.dtype, device=z.device)
     dresidual = torch.empty_like(dx) if has_residual else _empty(dx)
+    if n_cols == 0:  # every result is empty: no column block to launch
+        return dx, dresidual, *(torch.empty_like(p) if p is not None else _empty(dx) for p in (weight, bias))
     programs = max(min(_backward_programs(z.device), n_rows), 1)
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if weight is not None else None
     db_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if bias is not None else None
@@ -374,9 +376,8 @@ def layer_norm(
     """
     _check_dtype("x", x)
     shape = x.shape
-    n_cols = shape[-1]
-    x_rows = contiguous_last_dim(x).reshape(-1, n_cols)
-    residual_rows = contiguous_last_dim(residual).reshape(-1, n_cols) if residual is not None else None
+    x_rows = as_rows(contiguous_last_dim(x))
+    residual_rows = as_rows(contiguous_last_dim(residual)) if residual is not None else None
     out = LayerNormFunction.apply(
         x_rows, weight, bias, residual_rows, float(eps), float(dropout_p), bool(prenorm), bool(rms_norm)
     )
