@@ -111,7 +111,9 @@ class MultiheadAttention(_FusedTwin, nn.MultiheadAttention):
         if _any_nested(query, key, value) or _mixed_dtypes(self):
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
-        batched = self._check_shapes(query, key, value, key_padding_mask, attn_mask)
+        # As torch.nn: with is_causal and nothing else to merge into it, attn_mask is dropped unread.
+        mask_read = not (is_causal and key_padding_mask is None and not need_weights)
+        batched = self._check_shapes(query, key, value, key_padding_mask, attn_mask if mask_read else None)
         if is_causal and attn_mask is None:
             raise RuntimeError(
                 "Need attn_mask if specifying the is_causal hint (as torch.nn.MultiheadAttention); "
