@@ -8,22 +8,24 @@ Backends:
   ``"auto"``       the default: CUDA tensors -> triton, CPU tensors -> cpu if built, else reference.
 
 The choice comes, from strongest to weakest, from ``use_backend(name)`` (a context manager),
-``set_backend(name)``, and the environment variable ``FUSED_TRANSFORMER_BACKEND`` read at import.
+``set_backend(name)``, and the environment variable ``FUSED_TRANSFORMER_BACKEND`` read at import. Like
+``torch.backends`` flags and ``sdpa_kernel``, the choice is process-wide (not per thread): plain module
+globals, which ``torch.compile`` reads at trace time and guards on, so changing it recompiles.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import importlib
 import math
 import os
 import warnings
-from typing import Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional, TypeVar
 
 import torch
 
 BACKENDS = ("auto", "triton", "cpu", "reference")
+T = TypeVar("T")
 ENV_VAR = "FUSED_TRANSFORMER_BACKEND"
 
 
@@ -34,7 +36,7 @@ def _check_name(name: object, source: str) -> str:
 
 
 _global_choice = _check_name(os.environ.get(ENV_VAR, "auto"), ENV_VAR)
-_scoped_choice: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("fused_transformer_backend", default=None)
+_scoped_choice: Optional[str] = None
 
 
 def set_backend(name: str) -> None:
@@ -45,20 +47,40 @@ def set_backend(name: str) -> None:
 
 def get_backend() -> str:
     """The backend name as chosen (possibly ``"auto"``), before resolution for a device."""
-    scoped = _scoped_choice.get()
-    return scoped if scoped is not None else _global_choice
+    return _scoped_choice if _scoped_choice is not None else _global_choice
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Run the ops inside the ``with`` block on backend ``name``."""
-    token = _scoped_choice.set(_check_name(name, "backend"))
+    global _scoped_choice
+    previous, _scoped_choice = _scoped_choice, _check_name(name, "backend")
     try:
         yield
     finally:
-        _scoped_choice.reset(token)
+        _scoped_choice = previous
 
 
+# What cannot change while a process runs (an import that worked, the interpreter switch read before triton is
+# imported) is a constant to torch.compile: it calls these at trace time instead of tracing into them.
+
+
+def _computed_once(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn()`` computed at the first call only (``cache_clear()`` forgets it), and a constant to torch.compile.
+    Not ``functools.lru_cache``: torch.compile traces through that wrapper into ``fn``."""
+    results: Dict[str, T] = {}
+
+    @functools.wraps(fn)
+    def once() -> T:
+        if "value" not in results:
+            results["value"] = fn()
+        return results["value"]
+
+    once.cache_clear = results.clear  # type: ignore[attr-defined]
+    return torch.compiler.assume_constant_result(once)
+
+
+@torch.compiler.assume_constant_result
 def triton_interpreting() -> bool:
     """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -76,7 +98,7 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
-@functools.lru_cache(maxsize=None)
+@_computed_once
 def triton_unavailable_reason() -> Optional[str]:
     """None when the Triton kernels can be imported, else why not."""
     try:
@@ -86,7 +108,7 @@ def triton_unavailable_reason() -> Optional[str]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@_computed_once
 def cpu_unavailable_reason() -> Optional[str]:
     """None when the C++ CPU kernels are built and load, else why not."""
     try:
@@ -96,9 +118,14 @@ def cpu_unavailable_reason() -> Optional[str]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_cpu_unavailable_once() -> None:
-    warnings.warn(f"fused_transformer: CPU tensors run on the reference ops: {cpu_unavailable_reason()}", stacklevel=3)
+@_computed_once
+def _auto_cpu_backend() -> str:
+    """``"cpu"`` when the C++ kernels load, else ``"reference"`` with a warning (once)."""
+    reason = cpu_unavailable_reason()
+    if reason is None:
+        return "cpu"
+    warnings.warn(f"fused_transformer: CPU tensors run on the reference ops: {reason}", stacklevel=4)
+    return "reference"
 
 
 def current(device: "torch.device | str | None" = None, dtype: Optional[torch.dtype] = None) -> str:
@@ -116,10 +143,7 @@ def current(device: "torch.device | str | None" = None, dtype: Optional[torch.dt
             return "triton" if triton_unavailable_reason() is None else "reference"
         if device.type != "cpu":
             return "reference"
-        if cpu_unavailable_reason() is not None:
-            _warn_cpu_unavailable_once()
-            return "reference"
-        return "cpu"
+        return _auto_cpu_backend()
     if name == "triton":
         reason = triton_unavailable_reason()
         if reason is not None:

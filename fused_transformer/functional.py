@@ -2,14 +2,21 @@
 
 Every backend implements the same contract, so the checks here are the only ones a user meets for
 shapes, dtypes and devices; the kernels' launchers add only the limits of their own hardware path.
+
+Under ``torch.autocast`` the ops follow autocast's own policy for what they replace: ``attention``,
+``attention_weights`` and ``feed_forward`` (matrix products) run in the autocast dtype, ``layer_norm`` in
+float32; float16 / bfloat16 / float32 tensor arguments are cast (masks and float64 are left alone) and the
+op runs with autocast off inside, so each backend sees one dtype.
 """
 from __future__ import annotations
 
 import importlib
 import numbers
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
+
+import fused_transformer as _package
 
 from . import backend, reference
 
@@ -19,28 +26,71 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 ACTIVATIONS = tuple(reference.ACTIVATIONS)
 
-# op name -> module that implements it, per backend (the module exports a function of the op's name).
-_IMPLEMENTATIONS = {
+# op name -> module (below this package) that implements it, per backend; the module exports a function of
+# the op's name.
+_IMPLEMENTATIONS: Dict[str, Dict[str, str]] = {
     "triton": {
-        "attention": "fused_transformer.kernels.attention",
-        "attention_weights": "fused_transformer.kernels.attention",
-        "layer_norm": "fused_transformer.kernels.layer_norm",
-        "feed_forward": "fused_transformer.kernels.feed_forward",
+        "attention": "kernels.attention",
+        "attention_weights": "kernels.attention",
+        "layer_norm": "kernels.layer_norm",
+        "feed_forward": "kernels.feed_forward",
     },
     "cpu": {
-        "attention": "fused_transformer.cpu_ops",
-        "attention_weights": "fused_transformer.cpu_ops",
-        "layer_norm": "fused_transformer.cpu_ops",
-        "feed_forward": "fused_transformer.cpu_ops",
+        "attention": "cpu_ops",
+        "attention_weights": "cpu_ops",
+        "layer_norm": "cpu_ops",
+        "feed_forward": "cpu_ops",
     },
 }
+
+
+@torch.compiler.assume_constant_result
+def _import_backend(name: str) -> bool:
+    """Import the modules of backend ``name`` (a no-op after the first call). torch.compile cannot trace an
+    import, so it calls this at trace time and then reaches the modules as attributes of the package."""
+    for module in set(_IMPLEMENTATIONS[name].values()):
+        importlib.import_module(f"{_package.__name__}.{module}")
+    return True
 
 
 def _implementation(op: str, x: Tensor) -> Callable:
     name = backend.current(x.device, x.dtype)
     if name == "reference":
         return getattr(reference, op)
-    return getattr(importlib.import_module(_IMPLEMENTATIONS[name][op]), op)
+    _import_backend(name)
+    module = _package
+    for part in _IMPLEMENTATIONS[name][op].split("."):
+        module = getattr(module, part)
+    return getattr(module, op)
+
+
+# --------------------------------------------------------------------------------------------- autocast
+
+_AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _autocast_dtype(anchor: object, matmul: bool) -> Optional[torch.dtype]:
+    """The dtype ``torch.autocast`` runs the op in on ``anchor``'s device, None when autocast is off there:
+    the autocast dtype for matrix products, float32 for normalisation."""
+    if not isinstance(anchor, Tensor) or not torch.is_autocast_enabled(anchor.device.type):
+        return None
+    return torch.get_autocast_dtype(anchor.device.type) if matmul else torch.float32
+
+
+def _autocast(dtype: Optional[torch.dtype], t: object) -> object:
+    if dtype is None or not isinstance(t, Tensor) or t.dtype not in _AUTOCAST_ELIGIBLE:
+        return t
+    return t.to(dtype)
+
+
+def _run(op: str, anchor: Tensor, autocast_dtype: Optional[torch.dtype], *args: object, **kwargs: object) -> object:
+    """``op`` on the backend for ``anchor``; with autocast switched off inside when it was on (the arguments
+    are already in the dtype it chose)."""
+    implementation = _implementation(op, anchor)
+    if autocast_dtype is None:
+        return implementation(*args, **kwargs)
+    with torch.autocast(anchor.device.type, enabled=False):
+        return implementation(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -167,10 +217,12 @@ def attention(
         out of the softmax whatever its score (the kernels skip such key blocks), so a NaN there does not
         reach the row, where SDPA, which adds those masks as ``-inf``, gives NaN.
     """
+    cast = _autocast_dtype(q, matmul=True)
+    q, k, v = (_autocast(cast, t) for t in (q, k, v))
     _check_attention_args(q, k, v, attn_mask, key_padding_mask, is_causal, causal_alignment, scale)
     dropout_p = _check_dropout(dropout_p)
-    return _implementation("attention", q)(
-        q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+    return _run(
+        "attention", q, cast, q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
         causal_alignment=causal_alignment, dropout_p=dropout_p, scale=scale, return_lse=bool(return_lse),
     )
 
@@ -189,12 +241,14 @@ def attention_weights(
     """The attention probabilities ``[B, H, Lq, Lk]`` (before dropout) that ``attention`` used, recomputed
     from its ``lse`` (``return_lse=True``); same masks and scale as that call. For ``need_weights=True``.
     """
+    cast = _autocast_dtype(q, matmul=True)
+    q, k = _autocast(cast, q), _autocast(cast, k)
     _check_attention_args(q, k, k, attn_mask, key_padding_mask, is_causal, causal_alignment, scale)
     if not isinstance(lse, Tensor) or tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"lse must be a tensor of shape [B, H, Lq] = {list(q.shape[:3])}")
-    return _implementation("attention_weights", q)(
-        q, k, lse, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-        causal_alignment=causal_alignment, scale=scale,
+    return _run(
+        "attention_weights", q, cast, q, k, lse, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+        is_causal=is_causal, causal_alignment=causal_alignment, scale=scale,
     )
 
 
@@ -222,6 +276,8 @@ def layer_norm(
         ``torch.nn.functional.layer_norm``, ``N = 0`` or no rows give empty results (the weight and bias
         gradients then empty or zeros).
     """
+    cast = _autocast_dtype(x, matmul=False)
+    x, weight, bias, residual = (_autocast(cast, t) for t in (x, weight, bias, residual))
     _check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dim (the normalised one), got a scalar")
@@ -240,9 +296,8 @@ def layer_norm(
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
         raise ValueError(f"eps={eps!r} must be a non-negative number")
     dropout_p = _check_dropout(dropout_p)
-    return _implementation("layer_norm", x)(
-        x, weight, bias, float(eps), residual=residual, dropout_p=dropout_p, prenorm=bool(prenorm)
-    )
+    return _run("layer_norm", x, cast, x, weight, bias, float(eps), residual=residual, dropout_p=dropout_p,
+                prenorm=bool(prenorm))
 
 
 def feed_forward(
@@ -268,6 +323,8 @@ def feed_forward(
     Returns:
         ``[..., d_out]`` in x's dtype.
     """
+    cast = _autocast_dtype(x, matmul=True)
+    x, w1, b1, w2, b2 = (_autocast(cast, t) for t in (x, w1, b1, w2, b2))
     _check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dim (the features), got a scalar")
@@ -289,4 +346,4 @@ def feed_forward(
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
     dropout_p = _check_dropout(dropout_p)
-    return _implementation("feed_forward", x)(x, w1, b1, w2, b2, activation=activation, dropout_p=dropout_p)
+    return _run("feed_forward", x, cast, x, w1, b1, w2, b2, activation=activation, dropout_p=dropout_p)

@@ -7,6 +7,12 @@ torch's own. Only ``forward`` changes: it composes ``fused_transformer.functiona
 One intended difference: a query that may attend to no key at all (every key masked) gives an output
 row of zeros where torch.nn gives NaN. Weights returned with ``need_weights=True`` are the attention
 probabilities before dropout (torch.nn returns them after dropout in training mode).
+
+What the fused path does not handle runs torch.nn's own ``forward`` instead, with torch.nn's results and
+errors: NestedTensor inputs, parameters of mixed dtypes, dropout modules replaced by other modules, and
+``torch.jit.script`` (which scripts the torch.nn module sharing these parameters). Under ``torch.compile`` a
+mask is not compared with the causal mask (that branches on data): it is applied as given, with the same
+result; pass ``is_causal=True`` to get the causal kernel there.
 """
 from __future__ import annotations
 
@@ -21,13 +27,38 @@ from torch import Tensor, nn
 from . import functional as ops
 
 __all__ = [
-    "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
+    "InputShapeError", "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
     "TransformerDecoder", "Transformer", "LayerNorm", "fuse",
 ]
 
 
+class InputShapeError(ValueError, AssertionError):
+    """Input shapes a module cannot take: a ``ValueError``, and an ``AssertionError`` as torch.nn raises there."""
+
+
 def _active_p(dropout: nn.Dropout) -> float:
     return dropout.p if dropout.training else 0.0
+
+
+def _mixed_dtypes(module: nn.Module) -> bool:
+    """Whether the floating parameters of ``module`` (its own, not its children's) differ in dtype."""
+    return len({p.dtype for p in module.parameters(recurse=False) if p.is_floating_point()}) > 1
+
+
+def _any_nested(*tensors: Optional[Tensor]) -> bool:
+    return any(isinstance(t, Tensor) and t.is_nested for t in tensors)
+
+
+class _FusedTwin:
+    """What every fused module shares: ``torch.jit.script`` gets the torch.nn module holding the same
+    parameters (the fused ``forward`` is plain Python, not TorchScript)."""
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        torch_class = next(c for c in type(self).__mro__ if c.__module__.startswith("torch.nn"))
+        twin = torch_class.__new__(torch_class)
+        # Fresh containers (scripting swaps the children of the twin, not of this module), same tensors.
+        twin.__dict__.update({k: copy.copy(v) if isinstance(v, dict) else v for k, v in self.__dict__.items()})
+        return twin
 
 
 def _fused_activation(fn: Callable) -> Optional[str]:
@@ -44,7 +75,7 @@ def _fused_activation(fn: Callable) -> Optional[str]:
 def _is_causal_mask(mask: Optional[Tensor], is_causal: Optional[bool], size: int) -> bool:
     """``is_causal`` if given, else whether ``mask`` is exactly the square causal mask of ``size``
     (bool True = masked above the diagonal, or float -inf above and 0 elsewhere), as torch.nn detects it."""
-    if is_causal is not None or mask is None:
+    if is_causal is not None or mask is None or torch.compiler.is_compiling():
         return bool(is_causal)
     if tuple(mask.shape) != (size, size):
         return False
@@ -57,7 +88,7 @@ def _is_causal_mask(mask: Optional[Tensor], is_causal: Optional[bool], size: int
 # ---------------------------------------------------------------------------------------- attention
 
 
-class MultiheadAttention(nn.MultiheadAttention):
+class MultiheadAttention(_FusedTwin, nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` computed by the fused ``attention`` op.
 
     Masks follow torch.nn: ``attn_mask`` ``[L, S]`` or ``[B * num_heads, L, S]``, bool True = may NOT attend
@@ -77,7 +108,12 @@ class MultiheadAttention(nn.MultiheadAttention):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> Tuple[Tensor, Optional[Tensor]]:
-        batched = self._check_shapes(query, key, value, key_padding_mask, attn_mask)
+        if _any_nested(query, key, value) or _mixed_dtypes(self):
+            return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                   average_attn_weights, is_causal)
+        # As torch.nn: with is_causal and nothing else to merge into it, attn_mask is dropped unread.
+        mask_read = not (is_causal and key_padding_mask is None and not need_weights)
+        batched = self._check_shapes(query, key, value, key_padding_mask, attn_mask if mask_read else None)
         if is_causal and attn_mask is None:
             raise RuntimeError(
                 "Need attn_mask if specifying the is_causal hint (as torch.nn.MultiheadAttention); "
@@ -126,41 +162,41 @@ class MultiheadAttention(nn.MultiheadAttention):
         self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor],
         attn_mask: Optional[Tensor],
     ) -> bool:
-        """Whether the input is batched; raises on shapes torch.nn.MultiheadAttention would reject."""
+        """Whether the input is batched; raises ``InputShapeError`` on shapes torch.nn.MultiheadAttention rejects."""
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
-            raise ValueError(
+            raise InputShapeError(
                 "query, key and value must all be 3-D (batched) or all 2-D (unbatched), got shapes "
                 f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
             )
         batched = query.dim() == 3
         if query.shape[-1] != self.embed_dim:
-            raise ValueError(f"query's last dim must be embed_dim={self.embed_dim}, got shape {tuple(query.shape)}")
+            raise InputShapeError(f"query's last dim must be embed_dim={self.embed_dim}, got shape {tuple(query.shape)}")
         if key.shape[-1] != self.kdim or value.shape[-1] != self.vdim:
-            raise ValueError(
+            raise InputShapeError(
                 f"key and value must end in kdim={self.kdim} and vdim={self.vdim}, "
                 f"got shapes {tuple(key.shape)} and {tuple(value.shape)}"
             )
         if key.shape[:-1] != value.shape[:-1]:
-            raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must agree in all but the last dim")
+            raise InputShapeError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must agree in all but the last dim")
         seq_dim = 1 if batched and self.batch_first else 0
         batch_dim = 1 - seq_dim
         if batched and key.shape[batch_dim] != query.shape[batch_dim]:
-            raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} have different batch sizes")
+            raise InputShapeError(f"query {tuple(query.shape)} and key {tuple(key.shape)} have different batch sizes")
         batch = query.shape[batch_dim] if batched else 1
         tgt_len, src_len = query.shape[seq_dim], key.shape[seq_dim]
         if key_padding_mask is not None:
             expected = (batch, src_len) if batched else (src_len,)
             if tuple(key_padding_mask.shape) != expected:
-                raise ValueError(f"key_padding_mask must be {list(expected)}, got {tuple(key_padding_mask.shape)}")
+                raise InputShapeError(f"key_padding_mask must be {list(expected)}, got {tuple(key_padding_mask.shape)}")
             if key_padding_mask.dtype != torch.bool and not key_padding_mask.is_floating_point():
                 raise TypeError(f"key_padding_mask must be bool or float, got {key_padding_mask.dtype}")
         if attn_mask is not None:
             allowed = [(tgt_len, src_len), (batch * self.num_heads, tgt_len, src_len)]
             if tuple(attn_mask.shape) not in allowed:
-                raise ValueError(f"attn_mask must be one of {[list(s) for s in allowed]}, got {tuple(attn_mask.shape)}")
+                raise InputShapeError(f"attn_mask must be one of {[list(s) for s in allowed]}, got {tuple(attn_mask.shape)}")
             if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
                 raise TypeError(f"attn_mask must be bool or float, got {attn_mask.dtype}")
         return batched
@@ -212,13 +248,15 @@ def _to_additive(mask: Tensor, dtype: torch.dtype, padding: bool = False) -> Ten
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(blocked, float("-inf"))
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(_FusedTwin, nn.LayerNorm):
     """``torch.nn.LayerNorm`` computed by the fused ``layer_norm`` op (statistics in float32)."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if input.is_nested or _mixed_dtypes(self):
+            return super().forward(input)
         dims = len(self.normalized_shape)
         if tuple(input.shape[input.dim() - dims:]) != tuple(self.normalized_shape):
-            raise ValueError(
+            raise InputShapeError(
                 f"input of shape {tuple(input.shape)} does not end in normalized_shape {list(self.normalized_shape)}"
             )
         flat = input.flatten(input.dim() - dims) if dims > 1 else input
@@ -243,8 +281,14 @@ def _add_and_norm(
     return (norm(total), total) if prenorm else norm(total)
 
 
-class _FusedLayerMixin:
+class _FusedLayerMixin(_FusedTwin):
     """The residual wiring shared by the encoder and decoder layers, post-LN and pre-LN."""
+
+    def _fuses(self, *inputs: Optional[Tensor]) -> bool:
+        """Whether the fused path takes these inputs and this layer's modules; else torch.nn's forward runs."""
+        dropouts = [m for name, m in self.named_children() if name.startswith("dropout")]
+        return (not _any_nested(*inputs) and all(type(m) is nn.Dropout for m in dropouts)
+                and not any(_mixed_dtypes(m) for m in self.modules()))
 
     def _feed_forward(self, x: Tensor) -> Tensor:
         activation = _fused_activation(self.activation)
@@ -281,8 +325,8 @@ def _with_fused_children(torch_init: Callable) -> Callable:
     @functools.wraps(torch_init)
     def __init__(self, *args, **kwargs) -> None:
         torch_init(self, *args, **kwargs)
-        for name, child in self.named_children():
-            setattr(self, name, fuse(child))
+        for child in self.children():
+            fuse(child)
 
     return __init__
 
@@ -296,6 +340,9 @@ class TransformerEncoderLayer(_FusedLayerMixin, nn.TransformerEncoderLayer):
         self, src: Tensor, src_mask: Optional[Tensor] = None, src_key_padding_mask: Optional[Tensor] = None,
         is_causal: bool = False,
     ) -> Tensor:
+        if not self._fuses(src, src_mask, src_key_padding_mask):
+            return super().forward(src, src_mask, src_key_padding_mask, is_causal)
+
         def self_attention(x: Tensor) -> Tensor:
             return self.self_attn(
                 x, x, x, attn_mask=src_mask, key_padding_mask=src_key_padding_mask, need_weights=False,
@@ -317,6 +364,10 @@ class TransformerDecoderLayer(_FusedLayerMixin, nn.TransformerDecoderLayer):
         tgt_key_padding_mask: Optional[Tensor] = None, memory_key_padding_mask: Optional[Tensor] = None,
         tgt_is_causal: bool = False, memory_is_causal: bool = False,
     ) -> Tensor:
+        if not self._fuses(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask):
+            return super().forward(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
+                                   tgt_is_causal, memory_is_causal)
+
         def self_attention(x: Tensor) -> Tensor:
             return self.self_attn(
                 x, x, x, attn_mask=tgt_mask, key_padding_mask=tgt_key_padding_mask, need_weights=False,
@@ -338,7 +389,7 @@ class TransformerDecoderLayer(_FusedLayerMixin, nn.TransformerDecoderLayer):
 # ------------------------------------------------------------------------------------------- stacks
 
 
-class TransformerEncoder(nn.TransformerEncoder):
+class TransformerEncoder(_FusedTwin, nn.TransformerEncoder):
     """``torch.nn.TransformerEncoder`` over fused layers.
 
     Padding is handled inside the attention kernel, so the nested-tensor conversion torch.nn makes in
@@ -353,22 +404,42 @@ class TransformerEncoder(nn.TransformerEncoder):
         self, src: Tensor, mask: Optional[Tensor] = None, src_key_padding_mask: Optional[Tensor] = None,
         is_causal: Optional[bool] = None,
     ) -> Tensor:
-        batch_first = getattr(getattr(self.layers[0], "self_attn", None), "batch_first", False)
-        seq_len = src.shape[1 if batch_first and src.dim() == 3 else 0]
-        is_causal = _is_causal_mask(mask, is_causal, seq_len)
+        if _any_nested(src, mask, src_key_padding_mask):
+            return super().forward(src, mask, src_key_padding_mask, is_causal)
+        is_causal = _is_causal_mask(mask, is_causal, _seq_len(self.layers[0], src))
         output = src
         for layer in self.layers:
             output = layer(output, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
         return output if self.norm is None else self.norm(output)
 
 
-class TransformerDecoder(nn.TransformerDecoder):
-    """``torch.nn.TransformerDecoder`` over fused layers (torch's own ``forward`` drives them)."""
+class TransformerDecoder(_FusedTwin, nn.TransformerDecoder):
+    """``torch.nn.TransformerDecoder`` over fused layers."""
 
     __init__ = _with_fused_children(nn.TransformerDecoder.__init__)
 
+    def forward(
+        self, tgt: Tensor, memory: Tensor, tgt_mask: Optional[Tensor] = None, memory_mask: Optional[Tensor] = None,
+        tgt_key_padding_mask: Optional[Tensor] = None, memory_key_padding_mask: Optional[Tensor] = None,
+        tgt_is_causal: Optional[bool] = None, memory_is_causal: bool = False,
+    ) -> Tensor:
+        tgt_is_causal = _is_causal_mask(tgt_mask, tgt_is_causal, _seq_len(self.layers[0], tgt))
+        output = tgt
+        for layer in self.layers:
+            output = layer(output, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
+                           tgt_key_padding_mask=tgt_key_padding_mask,
+                           memory_key_padding_mask=memory_key_padding_mask, tgt_is_causal=tgt_is_causal,
+                           memory_is_causal=memory_is_causal)
+        return output if self.norm is None else self.norm(output)
 
-class Transformer(nn.Transformer):
+
+def _seq_len(layer: nn.Module, x: Tensor) -> int:
+    """The sequence length of a stack's input, laid out as its first layer's attention expects."""
+    batch_first = getattr(getattr(layer, "self_attn", None), "batch_first", False)
+    return x.shape[1 if batch_first and x.dim() == 3 else 0]
+
+
+class Transformer(_FusedTwin, nn.Transformer):
     """``torch.nn.Transformer`` whose encoder and decoder are built from the fused modules."""
 
     __init__ = _with_fused_children(nn.Transformer.__init__)
@@ -388,18 +459,14 @@ _FUSED_TWINS = {
 
 
 def fuse(model: nn.Module) -> nn.Module:
-    """Swap every ``torch.nn`` Transformer module in ``model`` (itself included) for its fused twin.
+    """Make every ``torch.nn`` Transformer module in ``model`` (itself included) its fused twin, in place.
 
-    A twin shares the original's parameters, buffers and hooks (no copy, so optimizers keep working).
-    Only exact ``torch.nn`` types are swapped: user subclasses keep their own ``forward``. Children are
-    replaced in place; the return value is ``model``, or its twin when ``model`` itself is swapped.
+    The fused classes add no state, so each module keeps its identity: only its class changes. Parameters,
+    buffers, hooks, optimizers and every reference the caller holds stay valid. Only exact ``torch.nn`` types
+    change: user subclasses keep their own ``forward``. Returns ``model``.
     """
-    twin_class = _FUSED_TWINS.get(type(model))
-    if twin_class is not None:
-        twin = twin_class.__new__(twin_class)
-        # Fresh containers (so the twin's children can be swapped) holding the same parameter objects.
-        twin.__dict__.update({k: copy.copy(v) if isinstance(v, dict) else v for k, v in model.__dict__.items()})
-        model = twin
-    for name, child in model.named_children():
-        setattr(model, name, fuse(child))
+    for module in model.modules():
+        twin_class = _FUSED_TWINS.get(type(module))
+        if twin_class is not None:
+            module.__class__ = twin_class
     return model

@@ -88,10 +88,10 @@ def test_reference_backend_runs_every_op_on_cpu():
 
 def test_auto_falls_back_to_the_reference_and_says_why_once(monkeypatch):
     monkeypatch.setattr(backend, "cpu_unavailable_reason", lambda: "the extension did not build (test)")
-    backend._warn_cpu_unavailable_once.cache_clear()
+    backend._auto_cpu_backend.cache_clear()
     with pytest.warns(UserWarning, match="did not build"):
         assert backend.current("cpu", torch.float32) == "reference"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert backend.current("cpu", torch.float32) == "reference"
-    backend._warn_cpu_unavailable_once.cache_clear()
+    backend._auto_cpu_backend.cache_clear()
