@@ -537,12 +537,14 @@ AttentionProblem<scalar_t> make_problem(const AttentionInputs& inputs, bool is_c
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const std::optional<at::Tensor>& bias,
                                                  const std::optional<at::Tensor>& key_padding, bool is_causal,
-                                                 int64_t causal_offset, double scale, double dropout_p, int64_t seed) {
+                                                 int64_t causal_offset, double scale, double dropout_p,
+                                                 const std::optional<at::Tensor>& seed) {
   const AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_padding);
   at::Tensor out = new_head_rows(inputs.q, /*zeroed=*/false);
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, inputs.q.options());
   AT_DISPATCH_FLOATING_TYPES(inputs.q.scalar_type(), "attention_fwd", [&] {
-    const auto problem = make_problem<scalar_t>(inputs, is_causal, causal_offset, scale, dropout_p, seed);
+    const auto problem =
+        make_problem<scalar_t>(inputs, is_causal, causal_offset, scale, dropout_p, seed_value(seed));
     attention_forward_kernel(problem, head_rows<const scalar_t>(inputs.q), head_rows<const scalar_t>(inputs.k),
                              head_rows<const scalar_t>(inputs.v), head_rows<scalar_t>(out), lse.data_ptr<scalar_t>());
   });
@@ -552,7 +554,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& key_padding,
-    bool is_causal, int64_t causal_offset, double scale, double dropout_p, int64_t seed) {
+    bool is_causal, int64_t causal_offset, double scale, double dropout_p,
+                                                 const std::optional<at::Tensor>& seed) {
   const AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_padding);
   TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "attention_bwd: dout ", dout.sizes(),
                     " and out ", out.sizes(), " must have q's shape ", q.sizes());
@@ -562,7 +565,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   const at::Tensor lse_acc = lse.to(dtype).contiguous();
   at::Tensor dq = new_head_rows(inputs.q, true), dk = new_head_rows(inputs.k, true), dv = new_head_rows(inputs.v, true);
   AT_DISPATCH_FLOATING_TYPES(dtype, "attention_bwd", [&] {
-    const auto problem = make_problem<scalar_t>(inputs, is_causal, causal_offset, scale, dropout_p, seed);
+    const auto problem =
+        make_problem<scalar_t>(inputs, is_causal, causal_offset, scale, dropout_p, seed_value(seed));
     attention_backward_kernel(problem, head_rows<const scalar_t>(inputs.q), head_rows<const scalar_t>(inputs.k),
                               head_rows<const scalar_t>(inputs.v), head_rows<const scalar_t>(out_acc),
                               head_rows<const scalar_t>(dout_acc), lse_acc.data_ptr<scalar_t>(),

@@ -171,9 +171,10 @@ BiasActivationInputs prepare_inputs(const at::Tensor& h, const std::optional<at:
 
 // h: [rows, F] (x @ w1^T, no bias). Returns dropout(act(h + bias)) in h's dtype.
 at::Tensor bias_activation_fwd(const at::Tensor& h_in, const std::optional<at::Tensor>& bias,
-                               c10::string_view activation, double dropout_p, int64_t seed) {
+                               c10::string_view activation, double dropout_p,
+                               const std::optional<at::Tensor>& seed) {
   const auto inputs = prepare_inputs(h_in, bias, std::string_view(activation.data(), activation.size()));
-  const DropoutMask dropout(seed, dropout_p);
+  const DropoutMask dropout(seed_value(seed), dropout_p);
   at::Tensor out = at::empty_like(inputs.h);
   const int64_t n = inputs.h.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, inputs.h.scalar_type(), "bias_activation_fwd", [&] {
@@ -192,13 +193,14 @@ at::Tensor bias_activation_fwd(const at::Tensor& h_in, const std::optional<at::T
 
 // Returns the gradient of the pre-activation h + bias, [rows, F] in h's dtype (also h's gradient).
 at::Tensor bias_activation_bwd(const at::Tensor& grad_in, const at::Tensor& h_in, const std::optional<at::Tensor>& bias,
-                               c10::string_view activation, double dropout_p, int64_t seed) {
+                               c10::string_view activation, double dropout_p,
+                               const std::optional<at::Tensor>& seed) {
   const auto inputs = prepare_inputs(h_in, bias, std::string_view(activation.data(), activation.size()));
   check_cpu(grad_in, "grad");
   TORCH_CHECK_VALUE(grad_in.sizes() == h_in.sizes(), "bias_activation_bwd: grad must have h's shape ", h_in.sizes(),
                     ", got ", grad_in.sizes());
   const at::Tensor grad = grad_in.to(inputs.h.scalar_type()).contiguous();
-  const DropoutMask dropout(seed, dropout_p);
+  const DropoutMask dropout(seed_value(seed), dropout_p);
   at::Tensor grad_pre = at::empty_like(inputs.h);
   const int64_t n = inputs.h.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, inputs.h.scalar_type(), "bias_activation_bwd", [&] {

@@ -68,6 +68,15 @@ class DropoutMask {
   bool enabled_;
 };
 
+// The value of an op's seed tensor (one int64 drawn from torch's generator, see backend.draw_dropout_seed), or 0
+// when it has none (no dropout). Read here, by the kernel, so the caller never syncs on it.
+inline int64_t seed_value(const std::optional<at::Tensor>& seed) {
+  if (!seed.has_value()) return 0;
+  TORCH_CHECK_VALUE(seed->numel() == 1 && seed->scalar_type() == at::kLong && seed->device().is_cpu(),
+                    "the dropout seed must be one int64 on the CPU, got ", seed->scalar_type(), " ", seed->sizes());
+  return seed->item<int64_t>();
+}
+
 // ------------------------------------------------------------------------------------------ float math
 // at::vec's portable (DEFAULT) build computes exp and erf with scalar std:: calls, and building its AVX2
 // variant needs per-file ISA flags. Instead the hot loops run on 8-float GCC/Clang vector types (one AVX2

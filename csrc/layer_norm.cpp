@@ -151,7 +151,8 @@ T* pointer_or_null(const at::Tensor& t) {
 // x, residual: [rows, N]. Returns y, z (empty unless store_z), mean and rstd [rows] in the accumulate dtype.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
     const at::Tensor& x_in, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& residual, double eps, double dropout_p, int64_t seed, bool store_z) {
+    const std::optional<at::Tensor>& residual, double eps, double dropout_p, const std::optional<at::Tensor>& seed,
+    bool store_z) {
   check_cpu(x_in, "x");
   TORCH_CHECK_VALUE(x_in.dim() == 2, "layer_norm: x must be [rows, N], got ", x_in.sizes());
   const at::Tensor x = x_in.contiguous();
@@ -165,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
   const auto stats_options = x.options().dtype(accumulate_dtype(x.scalar_type()));
   at::Tensor y = at::empty_like(x), z = store_z ? at::empty_like(x) : at::empty({0}, x.options());
   at::Tensor mean = at::empty({rows}, stats_options), rstd = at::empty({rows}, stats_options);
-  const DropoutMask dropout(seed, dropout_p);
+  const DropoutMask dropout(seed_value(seed), dropout_p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm_fwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     layer_norm_forward_kernel<scalar_t>(x.data_ptr<scalar_t>(), pointer_or_null<scalar_t>(residual_rows),
@@ -181,7 +182,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     const at::Tensor& dy_in, const std::optional<at::Tensor>& dz_in, const at::Tensor& z_in,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& mean,
-    const at::Tensor& rstd, double dropout_p, int64_t seed, bool has_residual) {
+    const at::Tensor& rstd, double dropout_p, const std::optional<at::Tensor>& seed, bool has_residual) {
   check_cpu(z_in, "z");
   TORCH_CHECK_VALUE(z_in.dim() == 2, "layer_norm_bwd: z must be [rows, N], got ", z_in.sizes());
   const at::Tensor z = z_in.contiguous();
@@ -200,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
   at::Tensor dx = at::empty_like(z), dresidual = has_residual ? at::empty_like(z) : at::empty({0}, z.options());
   at::Tensor dweight_partial = weight.has_value() ? at::zeros({std::max<int64_t>(chunks, 1), n}, acc_options) : at::Tensor();
   at::Tensor dbias_partial = bias.has_value() ? at::zeros({std::max<int64_t>(chunks, 1), n}, acc_options) : at::Tensor();
-  const DropoutMask dropout(seed, dropout_p);
+  const DropoutMask dropout(seed_value(seed), dropout_p);
   const at::Tensor mean_acc = mean.to(acc_options.dtype()).contiguous(), rstd_acc = rstd.to(acc_options.dtype()).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "layer_norm_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;

@@ -29,21 +29,21 @@ TORCH_LIBRARY(fused_transformer_cpu, m) {
   // after a sequence's last real key are not even read). Query i sees key j <= i + causal_offset when
   // is_causal. Returns out (q's dtype, laid out in memory as [B, Lq, H, D]) and lse [B, H, Lq].
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? key_padding, bool is_causal, "
-        "int causal_offset, float scale, float dropout_p, int seed) -> (Tensor, Tensor)");
+        "int causal_offset, float scale, float dropout_p, Tensor? seed) -> (Tensor, Tensor)");
   // Returns dq, dk, dv in the dtypes of q, k, v, laid out like out.
   m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? bias, "
-        "Tensor? key_padding, bool is_causal, int causal_offset, float scale, float dropout_p, int seed) "
+        "Tensor? key_padding, bool is_causal, int causal_offset, float scale, float dropout_p, Tensor? seed) "
         "-> (Tensor, Tensor, Tensor)");
   // x, residual [rows, N]. Returns y, z (empty unless store_z), mean, rstd [rows].
   m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, float dropout_p, "
-        "int seed, bool store_z) -> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? seed, bool store_z) -> (Tensor, Tensor, Tensor, Tensor)");
   // Returns dx, dresidual (empty unless has_residual), dweight, dbias (empty when absent).
   m.def("layer_norm_bwd(Tensor dy, Tensor? dz, Tensor z, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
-        "float dropout_p, int seed, bool has_residual) -> (Tensor, Tensor, Tensor, Tensor)");
+        "float dropout_p, Tensor? seed, bool has_residual) -> (Tensor, Tensor, Tensor, Tensor)");
   // h [rows, F] = x @ w1^T. Returns dropout(act(h + bias)).
-  m.def("bias_activation_fwd(Tensor h, Tensor? bias, str activation, float dropout_p, int seed) -> Tensor");
+  m.def("bias_activation_fwd(Tensor h, Tensor? bias, str activation, float dropout_p, Tensor? seed) -> Tensor");
   // Returns the gradient of h + bias.
-  m.def("bias_activation_bwd(Tensor grad, Tensor h, Tensor? bias, str activation, float dropout_p, int seed) "
+  m.def("bias_activation_bwd(Tensor grad, Tensor h, Tensor? bias, str activation, float dropout_p, Tensor? seed) "
         "-> Tensor");
   m.def("dropout_keep_mask(int seed, int numel, float dropout_p) -> Tensor", &dropout_keep_mask);
 }

@@ -65,6 +65,14 @@ def use_backend(name: str) -> Iterator[None]:
 # imported) is a constant to torch.compile: it calls these at trace time instead of tracing into them.
 
 
+def constant_for_compile(fn: Callable[..., T]) -> Callable[..., T]:
+    """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does, without its import of ``torch._dynamo``
+    (0.8 s, which would double the import time of this package and import triton before ``python -m
+    fused_transformer`` can switch the interpreter on). tests/test_drop_in.py fails if torch stops honouring it."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
 def _computed_once(fn: Callable[[], T]) -> Callable[[], T]:
     """``fn()`` computed at the first call only (``cache_clear()`` forgets it), and a constant to torch.compile.
     Not ``functools.lru_cache``: torch.compile traces through that wrapper into ``fn``."""
@@ -77,19 +85,23 @@ def _computed_once(fn: Callable[[], T]) -> Callable[[], T]:
         return results["value"]
 
     once.cache_clear = results.clear  # type: ignore[attr-defined]
-    return torch.compiler.assume_constant_result(once)
+    return constant_for_compile(once)
 
 
-@torch.compiler.assume_constant_result
+@constant_for_compile
 def triton_interpreting() -> bool:
     """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def draw_dropout_seed() -> int:
-    """A dropout (Philox) seed drawn from torch's default CPU generator, so ``torch.manual_seed`` reproduces
-    dropout on every backend."""
-    return int(torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64).item())
+def draw_dropout_seed(device: torch.device) -> torch.Tensor:
+    """A dropout (Philox) seed: one int64 element on ``device``, drawn from torch's generator for that device.
+
+    ``torch.manual_seed`` reproduces dropout on every backend. The draw is an ordinary tensor op, as in torch's
+    own fused dropout: it stays inside a ``torch.compile`` graph (no host value to specialise on, so no
+    recompile per step) and inside a CUDA graph, whose every replay draws a new seed. The kernels read it
+    themselves."""
+    return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,11 @@ forward, and its ``torch.autograd.Function`` calls the C++ backward. Importing t
 Kernels compute in float32 (float64 for float64 inputs); bfloat16 / float16 inputs are converted at the op
 boundary and results returned in the input dtype. Matrix products outside attention stay with ATen.
 
-Dropout: every op that drops draws one seed with ``draw_dropout_seed()`` from torch's default generator (so
-``torch.manual_seed`` reproduces it), and element ``i`` of the dropped tensor in row-major order (attention:
-the probabilities ``[B, H, Lq, Lk]``; layer_norm: ``x``; feed_forward: the hidden activation ``[..., d_ff]``)
-is kept as ``dropout_keep_mask(seed, shape, p)`` says, for replaying the mask in the reference.
+Dropout: every op that drops draws one seed tensor with ``draw_dropout_seed`` from torch's generator (so
+``torch.manual_seed`` reproduces it; the kernel reads it, so the draw stays inside a compiled graph), and
+element ``i`` of the dropped tensor in row-major order (attention: the probabilities ``[B, H, Lq, Lk]``;
+layer_norm: ``x``; feed_forward: the hidden activation ``[..., d_ff]``) is kept as
+``dropout_keep_mask(seed, shape, p)`` says, for replaying the mask in the reference.
 """
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ Tensor = torch.Tensor
 _ops = torch.ops.fused_transformer_cpu
 
 
-def dropout_keep_mask(seed: int, shape: Sequence[int], dropout_p: float) -> Tensor:
-    """The bool keep-mask (True = kept) of ``shape`` that an op drew with ``seed``, for ``reference.*(keep_mask=)``."""
+def dropout_keep_mask(seed: Union[int, Tensor], shape: Sequence[int], dropout_p: float) -> Tensor:
+    """The bool keep-mask (True = kept) of ``shape`` that an op drew with ``seed`` (its seed tensor, or that
+    tensor's value), for ``reference.*(keep_mask=)``."""
     numel = math.prod(shape)
     return _ops.dropout_keep_mask(int(seed), numel, float(dropout_p)).view(tuple(shape))
 
@@ -79,15 +81,15 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, key_padding, is_causal, causal_offset, scale, dropout_p, seed):
         out, lse = _ops.attention_fwd(q, k, v, bias, key_padding, is_causal, causal_offset, scale, dropout_p, seed)
-        ctx.save_for_backward(q, k, v, out, lse, bias, key_padding)
-        ctx.options = (is_causal, causal_offset, scale, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, out, lse, bias, key_padding, seed)
+        ctx.options = (is_causal, causal_offset, scale, dropout_p)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, bias, key_padding = ctx.saved_tensors
-        dq, dk, dv = _ops.attention_bwd(dout, q, k, v, out, lse, bias, key_padding, *ctx.options)
+        q, k, v, out, lse, bias, key_padding, seed = ctx.saved_tensors
+        dq, dk, dv = _ops.attention_bwd(dout, q, k, v, out, lse, bias, key_padding, *ctx.options, seed)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -116,7 +118,7 @@ def attention(
     bias = _attention_bias(attn_mask, _stats_dtype(q.dtype))
     scale = reference.softmax_scale(q.shape[-1], scale)
     causal_offset = 0 if causal_alignment == "top_left" else k_len - q_len
-    seed = draw_dropout_seed() if dropout_p > 0.0 else 0
+    seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
     out, lse = _apply(
         AttentionFunction, q, k, v, bias, key_padding_mask, bool(is_causal), causal_offset, scale, float(dropout_p),
         seed,
@@ -154,15 +156,15 @@ class LayerNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, residual, eps, dropout_p, seed, prenorm):
         store_z = prenorm or residual is not None or dropout_p > 0.0
         y, z, mean, rstd = _ops.layer_norm_fwd(x, weight, bias, residual, eps, dropout_p, seed, store_z)
-        ctx.save_for_backward(z if store_z else x, weight, bias, mean, rstd)
-        ctx.dropout_p, ctx.seed, ctx.has_residual = dropout_p, seed, residual is not None
+        ctx.save_for_backward(z if store_z else x, weight, bias, mean, rstd, seed)
+        ctx.dropout_p, ctx.has_residual = dropout_p, residual is not None
         return (y, z) if prenorm else y
 
     @staticmethod
     def backward(ctx, dy, dz=None):
-        z, weight, bias, mean, rstd = ctx.saved_tensors
+        z, weight, bias, mean, rstd, seed = ctx.saved_tensors
         dx, dresidual, dweight, dbias = _ops.layer_norm_bwd(
-            dy, dz, z, weight, bias, mean, rstd, ctx.dropout_p, ctx.seed, ctx.has_residual
+            dy, dz, z, weight, bias, mean, rstd, ctx.dropout_p, seed, ctx.has_residual
         )
         return (
             dx,
@@ -189,7 +191,7 @@ def layer_norm(
     shape = x.shape
     rows = as_rows(x)
     residual_rows = as_rows(residual) if residual is not None else None
-    seed = draw_dropout_seed() if dropout_p > 0.0 else 0
+    seed = draw_dropout_seed(x.device) if dropout_p > 0.0 else None
     out = _apply(
         LayerNormFunction, rows, weight, bias, residual_rows, float(eps), float(dropout_p), seed, bool(prenorm)
     )
@@ -209,16 +211,14 @@ class BiasActivationFunction(torch.autograd.Function):
     def forward(ctx, h, bias, activation, dropout_p, seed):
         rows = as_rows(h)
         out = _ops.bias_activation_fwd(rows, bias, activation, dropout_p, seed)
-        ctx.save_for_backward(rows, bias)
-        ctx.activation, ctx.dropout_p, ctx.seed = activation, dropout_p, seed
+        ctx.save_for_backward(rows, bias, seed)
+        ctx.activation, ctx.dropout_p = activation, dropout_p
         return out.view(h.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        rows, bias = ctx.saved_tensors
-        grad_pre = _ops.bias_activation_bwd(
-            grad.reshape(rows.shape), rows, bias, ctx.activation, ctx.dropout_p, ctx.seed
-        )
+        rows, bias, seed = ctx.saved_tensors
+        grad_pre = _ops.bias_activation_bwd(grad.reshape(rows.shape), rows, bias, ctx.activation, ctx.dropout_p, seed)
         grad_bias = None
         if bias is not None and ctx.needs_input_grad[1]:
             grad_bias = grad_pre.sum(dim=0, dtype=_stats_dtype(grad_pre.dtype)).to(bias.dtype)
@@ -238,7 +238,7 @@ def feed_forward(
     """``fused_transformer.functional.feed_forward``: ``linear(dropout(act(linear(x, w1, b1))), w2, b2)`` with the
     matmuls on ATen and the bias, activation and dropout in one C++ pass in between (and one in backward)."""
     _check_cpu(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
-    seed = draw_dropout_seed() if dropout_p > 0.0 else 0
+    seed = draw_dropout_seed(x.device) if dropout_p > 0.0 else None
     if x.dtype in (torch.float16, torch.bfloat16):
         # The bias must be added before the pre-activation is rounded to 16 bits, as ATen's addmm does: rounding
         # first moves values near 0 across ReLU's kink, whose gradient then flips between 0 and 1.

@@ -44,7 +44,7 @@ _IMPLEMENTATIONS: Dict[str, Dict[str, str]] = {
 }
 
 
-@torch.compiler.assume_constant_result
+@backend.constant_for_compile
 def _import_backend(name: str) -> bool:
     """Import the modules of backend ``name`` (a no-op after the first call). torch.compile cannot trace an
     import, so it calls this at trace time and then reaches the modules as attributes of the package."""

@@ -17,31 +17,52 @@ def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------- dropout keep-mask
 # Convention: element (row, col) of a [rows, cols] tensor is kept when tl.rand(seed, row * cols + col) >= p.
-# Kernels regenerate the mask from the seed in backward instead of storing it.
+# Kernels regenerate the mask from the seed in backward instead of storing it. The seed is a one-element int64
+# tensor (backend.draw_dropout_seed) that the kernels read themselves (SEED is None without dropout): the host
+# never syncs on it, and a CUDA graph replay or a compiled graph draws a new one each time.
+
+
+# A fixed Philox key: the seed goes into a counter word instead. With a run-time key (the seed loaded from
+# memory), the key schedule of every round took registers, and tight configs spilled.
+PHILOX_KEY = tl.constexpr(0x2545F4914F6CDD1D)
 
 
 @triton.jit
-def dropout_keep(seed, offsets, dropout_p):
-    """True where the element at ``offsets`` (int64 block) survives dropout of probability ``dropout_p``."""
-    return tl.rand(seed, offsets) >= dropout_p
+def dropout_keep(SEED, offsets, dropout_p):
+    """True where the element at ``offsets`` (int64 block) survives dropout of probability ``dropout_p``.
+
+    ``SEED`` is the op's seed tensor (one int64, drawn below 2**31). Philox is a bijection of its 128-bit counter
+    (offset low, offset high, seed, 0) under the fixed key, so every (seed, offset) pair draws its own number.
+    """
+    seed = tl.load(SEED).to(tl.uint32)
+    offset_lo = offsets.to(tl.uint32)
+    zero = offset_lo * 0
+    bits, _, _, _ = tl.philox(PHILOX_KEY, offset_lo, (offsets >> 32).to(tl.uint32), zero + seed, zero)
+    return tl.uint_to_uniform_float(bits) >= dropout_p
 
 
 @triton.jit
 def _dropout_keep_mask_kernel(
     KEEP,  # [rows, cols] bool, contiguous
-    n_elements, seed, dropout_p,
+    SEED,  # [1] int64
+    n_elements, dropout_p,
     BLOCK: tl.constexpr,
 ):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(KEEP + offsets, dropout_keep(seed, offsets, dropout_p), mask=offsets < n_elements)
+    keep = dropout_keep(SEED, offsets, dropout_p)
+    tl.store(KEEP + offsets, keep, mask=offsets < n_elements)
 
 
-def dropout_keep_mask(seed: int, n_rows: int, n_cols: int, dropout_p: float, device: torch.device) -> torch.Tensor:
-    """The bool ``[n_rows, n_cols]`` keep-mask (True = kept) that a kernel drew with ``seed``, for replaying
-    its dropout in ``fused_transformer.reference`` (``keep_mask=``)."""
+def dropout_keep_mask(seed: torch.Tensor, n_rows: int, n_cols: int, dropout_p: float,
+                      device: torch.device) -> torch.Tensor:
+    """The bool ``[n_rows, n_cols]`` keep-mask (True = kept) that a kernel drew with the seed tensor ``seed``,
+    for replaying its dropout in ``fused_transformer.reference`` (``keep_mask=``)."""
     keep = torch.empty((n_rows, n_cols), dtype=torch.bool, device=device)
+    if keep.numel() == 0:
+        return keep
     block = 1024
-    _dropout_keep_mask_kernel[(triton.cdiv(keep.numel(), block),)](keep, keep.numel(), seed, dropout_p, BLOCK=block)
+    _dropout_keep_mask_kernel[(triton.cdiv(keep.numel(), block),)](keep, seed.to(device), keep.numel(), dropout_p,
+                                                                   BLOCK=block)
     return keep
 
 

@@ -20,7 +20,7 @@ Masks, composable, all inside the kernels:
   attn_mask       bool (True = may attend) or float (added), read tile by tile through strides; a mask that
                   broadcasts over batch, heads or rows has stride 0 there and is never expanded in memory.
   query lengths   rows past a sequence's query length write zeros (kernel-level option).
-Dropout on the probabilities: element (b, h, i, j) is kept when ``dropout_keep(seed, ((b H + h) Lq + i) Lk + j,
+Dropout on the probabilities: element (b, h, i, j) is kept when ``dropout_keep(SEED, ((b H + h) Lq + i) Lk + j,
 p)``; ``attention_keep_mask`` replays the mask for the reference.
 """
 import dataclasses
@@ -32,7 +32,9 @@ import triton
 import triton.language as tl
 
 from ..reference import softmax_scale
-from ._common import contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, interpreting
+from ._common import (
+    contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, interpreting,
+)
 
 Tensor = torch.Tensor
 
@@ -112,7 +114,7 @@ def _attention_fwd_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb,
-    n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, seed,
+    n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -155,7 +157,7 @@ def _attention_fwd_kernel(
         rescale = tl.math.exp2(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(p, axis=1)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, dropout_row[:, None] + cols[None, :], dropout_p)
+            keep = dropout_keep(SEED, dropout_row[:, None] + cols[None, :], dropout_p)
             p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
         v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
         acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, UPCAST, DOT_PRECISION)
@@ -189,7 +191,7 @@ def _attention_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb,
-    n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, seed,
+    n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -240,7 +242,7 @@ def _attention_bwd_dq_kernel(
         p = tl.math.exp2(s - lse[:, None])
         dp = _dot(do, tl.trans(v), UPCAST, DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, dropout_row[:, None] + cols[None, :], dropout_p)
+            keep = dropout_keep(SEED, dropout_row[:, None] + cols[None, :], dropout_p)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST, DOT_PRECISION)
@@ -260,7 +262,7 @@ def _attention_bwd_dkdv_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb,
-    n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, seed,
+    n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -312,7 +314,7 @@ def _attention_bwd_dkdv_kernel(
             p_t = tl.math.exp2(s_t - lse[None, :])
             dp_t = _dot(v, tl.trans(do), UPCAST, DOT_PRECISION)
             if HAS_DROPOUT:
-                keep = dropout_keep(seed, row_offsets[None, :] * n_keys + cols[:, None], dropout_p)
+                keep = dropout_keep(SEED, row_offsets[None, :] * n_keys + cols[:, None], dropout_p)
                 keep_scale = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
                 dv += _dot((p_t * keep_scale).to(do.dtype), do, UPCAST, DOT_PRECISION)
                 dp_t *= keep_scale
@@ -394,7 +396,7 @@ class AttentionConfig:
 _TILES = {
     ("fwd", 16): {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 64, 8, 3), 128: (128, 32, 8, 2),
                   256: (32, 32, 8, 1)},
-    ("fwd", 32): {16: (64, 64, 8, 2), 32: (64, 32, 8, 2), 64: (64, 32, 8, 1), 128: (32, 32, 8, 1)},
+    ("fwd", 32): {16: (64, 64, 8, 2), 32: (64, 32, 8, 2), 64: (32, 32, 8, 1), 128: (32, 32, 8, 1)},
     ("bwd_dq", 16): {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 32, 8, 1), 128: (64, 32, 8, 2),
                      256: (32, 32, 8, 1)},
     ("bwd_dq", 32): {16: (32, 32, 4, 1), 32: (64, 32, 8, 2), 64: (64, 32, 8, 2), 128: (16, 16, 8, 1)},
@@ -499,8 +501,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
 @torch.library.custom_op("fused_transformer::attention_fwd", mutates_args=())
 def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
-    query_lengths: Optional[Tensor], is_causal: bool, causal_alignment: str, dropout_p: float, seed: int,
-    scale: float, allow_tf32: bool,
+    query_lengths: Optional[Tensor], is_causal: bool, causal_alignment: str, dropout_p: float,
+    seed: Optional[Tensor], scale: float, allow_tf32: bool,
 ) -> Tuple[Tensor, Tensor]:
     """Launch the forward; q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` with contiguous last dims.
 
@@ -539,7 +541,8 @@ def _(q, k, v, attn_mask, key_padding_mask, query_lengths, is_causal, causal_ali
 def attention_bwd(
     do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], query_lengths: Optional[Tensor],
-    is_causal: bool, causal_alignment: str, dropout_p: float, seed: int, scale: float, allow_tf32: bool,
+    is_causal: bool, causal_alignment: str, dropout_p: float, seed: Optional[Tensor], scale: float,
+    allow_tf32: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Launch the backward (dq kernel, then dk/dv kernel); returns ``dq, dk, dv`` in the inputs' shapes."""
     batch, heads, lq, head_dim = q.shape
@@ -625,20 +628,22 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment,
                 dropout_p, scale, allow_tf32):
-        seed = draw_dropout_seed() if dropout_p > 0.0 else 0
+        seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
         o, lse = torch.ops.fused_transformer.attention_fwd(
             q, k, v, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment, dropout_p, seed,
             scale, allow_tf32,
         )
-        ctx.save_for_backward(q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths)
-        ctx.options = (is_causal, causal_alignment, dropout_p, seed, scale, allow_tf32)
+        ctx.save_for_backward(q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, seed)
+        ctx.options = (is_causal, causal_alignment, dropout_p)
+        ctx.scale, ctx.allow_tf32 = scale, allow_tf32
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths = ctx.saved_tensors
+        q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, seed = ctx.saved_tensors
         dq, dk, dv = torch.ops.fused_transformer.attention_bwd(
-            do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, *ctx.options
+            do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, *ctx.options, seed, ctx.scale,
+            ctx.allow_tf32,
         )
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
@@ -706,9 +711,10 @@ def attention_weights(
     )
 
 
-def attention_keep_mask(seed: int, batch: int, heads: int, n_queries: int, n_keys: int, dropout_p: float,
+def attention_keep_mask(seed: Tensor, batch: int, heads: int, n_queries: int, n_keys: int, dropout_p: float,
                         device: torch.device) -> Tensor:
-    """The bool ``[B, H, Lq, Lk]`` dropout keep-mask the kernels drew with ``seed`` (for the reference)."""
+    """The bool ``[B, H, Lq, Lk]`` dropout keep-mask the kernels drew with the seed tensor ``seed`` (for the
+    reference)."""
     return dropout_keep_mask(seed, batch * heads * n_queries, n_keys, dropout_p, device).view(
         batch, heads, n_queries, n_keys)
 
@@ -718,7 +724,7 @@ def attention_keep_mask(seed: int, batch: int, heads: int, n_queries: int, n_key
 
 # Pointers whose type does not follow the inputs' dtype (the float mask as a float32 additive bias).
 _AOT_POINTER_TYPES = {"LSE": "*fp32", "DLSE": "*fp32", "DELTA": "*fp32", "MASK": "*fp32", "PAD": "*u8",
-                      "KEY_LENS": "*i32", "QUERY_LENS": "*i32"}
+                      "KEY_LENS": "*i32", "QUERY_LENS": "*i32", "SEED": "*i64"}
 
 
 def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.report imports this module lazily)

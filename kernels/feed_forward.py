@@ -15,7 +15,7 @@ Between forward and backward only the pre-activation ``x @ w1^T + b1`` is kept (
 ``recompute=True`` not even that: the backward recomputes it with one more matmul. The pre-activation is
 rounded to x's dtype before the activation, as ``F.linear`` would, so forward and backward agree exactly.
 
-Dropout keep-mask: element (token, unit) of the hidden ``[M, d_ff]`` is kept when ``dropout_keep(seed,
+Dropout keep-mask: element (token, unit) of the hidden ``[M, d_ff]`` is kept when ``dropout_keep(SEED,
 token * d_ff + unit, p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, M, d_ff, p, device)``
 replays it.
 """
@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, contiguous_last_dim, draw_dropout_seed, dropout_keep, interpreting, sum_rows
+from ._common import (
+    as_rows, contiguous_last_dim, draw_dropout_seed, dropout_keep, interpreting, sum_rows,
+)
 
 Tensor = torch.Tensor
 
@@ -78,7 +80,7 @@ def _matmul_kernel(
     HIDDEN,  # [M, N] like C: dropout(act(PRE)), written with ACTIVATION_GRAD
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    dropout_p, seed,
+    dropout_p, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACTIVATION_GRAD: tl.constexpr, STORE_PRE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr,
@@ -120,7 +122,7 @@ def _matmul_kernel(
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, offs_m[:, None].to(tl.int64) * N + offs_n[None, :], dropout_p)
+        keep = dropout_keep(SEED, offs_m[:, None].to(tl.int64) * N + offs_n[None, :], dropout_p)
         keep_scale = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
     if ACTIVATION_GRAD:
         pre = tl.load(PRE + c_offsets, mask=mask, other=0.0).to(tl.float32)
@@ -193,7 +195,7 @@ def _config(device: torch.device, dtype: torch.dtype, fused_epilogue: bool) -> M
 def _matmul(
     a: Tensor, b: Tensor, out_dtype: torch.dtype, *, bias: Optional[Tensor] = None, activation: str = "none",
     activation_grad: bool = False, pre: Optional[Tensor] = None, hidden: Optional[Tensor] = None,
-    dropout_p: float = 0.0, seed: int = 0, allow_tf32: bool = False,
+    dropout_p: float = 0.0, seed: Optional[Tensor] = None, allow_tf32: bool = False,
 ) -> Tensor:
     """``epilogue(a @ b)`` for ``a [M, K]``, ``b [K, N]`` of any strides; returns a new ``[M, N]``.
 
@@ -233,7 +235,7 @@ def _empty(like: Tensor) -> Tensor:
 @torch.library.custom_op("fused_transformer::feed_forward_fwd", mutates_args=())
 def feed_forward_fwd(
     x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
-    dropout_p: float, seed: int, store_pre: bool, allow_tf32: bool,
+    dropout_p: float, seed: Optional[Tensor], store_pre: bool, allow_tf32: bool,
 ) -> Tuple[Tensor, Tensor]:
     """Forward on ``x [M, d_model]`` (last dim contiguous); returns ``y [M, d_out]`` and the pre-activation
     ``[M, d_ff]`` (empty unless ``store_pre``)."""
@@ -256,7 +258,7 @@ def _(x, w1, b1, w2, b2, activation, dropout_p, seed, store_pre, allow_tf32):
 @torch.library.custom_op("fused_transformer::feed_forward_bwd", mutates_args=())
 def feed_forward_bwd(
     dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, pre: Optional[Tensor], has_b2: bool,
-    activation: str, dropout_p: float, seed: int, allow_tf32: bool,
+    activation: str, dropout_p: float, seed: Optional[Tensor], allow_tf32: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward from ``dy [M, d_out]``; ``pre`` is the forward's pre-activation, or None to recompute it.
 
@@ -290,20 +292,20 @@ class FeedForwardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, activation, dropout_p, recompute, allow_tf32):
-        seed = draw_dropout_seed() if dropout_p > 0.0 else 0
+        seed = draw_dropout_seed(x.device) if dropout_p > 0.0 else None
         y, pre = torch.ops.fused_transformer.feed_forward_fwd(
             x, w1, b1, w2, b2, activation, dropout_p, seed, not recompute, allow_tf32
         )
-        ctx.save_for_backward(x, w1, b1, w2, None if recompute else pre)
+        ctx.save_for_backward(x, w1, b1, w2, None if recompute else pre, seed)
         ctx.has_b2 = b2 is not None
-        ctx.activation, ctx.dropout_p, ctx.seed, ctx.allow_tf32 = activation, dropout_p, seed, allow_tf32
+        ctx.activation, ctx.dropout_p, ctx.allow_tf32 = activation, dropout_p, allow_tf32
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w1, b1, w2, pre = ctx.saved_tensors
+        x, w1, b1, w2, pre, seed = ctx.saved_tensors
         dx, dw1, db1, dw2, db2 = torch.ops.fused_transformer.feed_forward_bwd(
-            contiguous_last_dim(dy), x, w1, b1, w2, pre, ctx.has_b2, ctx.activation, ctx.dropout_p, ctx.seed,
+            contiguous_last_dim(dy), x, w1, b1, w2, pre, ctx.has_b2, ctx.activation, ctx.dropout_p, seed,
             ctx.allow_tf32,
         )
         return (
@@ -331,7 +333,7 @@ def feed_forward(
         w1: ``[d_ff, d_model]``, b1 ``[d_ff]`` or None; w2: ``[d_out, d_ff]``, b2 ``[d_out]`` or None.
         activation: ``"relu"``, ``"gelu"`` (exact, erf) or ``"gelu_tanh"``.
         dropout_p: dropout on the activation (always applied when > 0); the mask comes from a Philox seed
-            drawn with ``draw_dropout_seed()``, so ``torch.manual_seed`` reproduces it.
+            drawn with ``draw_dropout_seed``, so ``torch.manual_seed`` reproduces it.
         recompute: keep nothing but the inputs for the backward, which recomputes the pre-activation
             ``[tokens, d_ff]`` with one more matmul (saves that much memory between forward and backward).
         allow_tf32: float32 products on tensor cores in TF32 (default: exact float32).
@@ -382,7 +384,7 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
             signature = {
                 "A": ptr, "B": ptr, "C": ptr, "BIAS": ptr, "PRE": ptr, "HIDDEN": ptr, "M": "i32", "N": "i32",
                 "K": "i32", "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32",
-                "stride_cm": "i32", "stride_cn": "constexpr", "dropout_p": "fp32", "seed": "i32",
+                "stride_cm": "i32", "stride_cn": "constexpr", "dropout_p": "fp32", "SEED": "*i64",
             }
             signature[unit_a] = signature[unit_b] = "constexpr"
             configs.append(AotKernel(

@@ -16,7 +16,7 @@ a second small kernel (``sum_rows``) adds the partials in a fixed order: determi
 wider than 8192 are split over programs of 4096 columns that first sum the whole row (SPLIT_COLS): a whole
 16384-wide row and its partial sums do not fit in registers (``python -m fused_transformer report``).
 
-Dropout keep-mask: element (row, col) of x viewed as [rows, N] is kept when ``dropout_keep(seed, row * N +
+Dropout keep-mask: element (row, col) of x viewed as [rows, N] is kept when ``dropout_keep(SEED, row * N +
 col, p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, rows, N, p, device)`` replays it.
 """
 import functools
@@ -48,7 +48,7 @@ def _layer_norm_fwd_kernel(
     MEAN,  # [rows] float32 (not written for RMSNorm)
     RSTD,  # [rows] float32
     stride_x_row, stride_res_row, stride_y_row, stride_z_row,
-    n_cols, eps, dropout_p, seed,
+    n_cols, eps, dropout_p, SEED,
     BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_Z: tl.constexpr, IS_RMS_NORM: tl.constexpr,
@@ -58,7 +58,7 @@ def _layer_norm_fwd_kernel(
     mask = cols < n_cols
     z = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, row * n_cols + cols, dropout_p)
+        keep = dropout_keep(SEED, row * n_cols + cols, dropout_p)
         z = tl.where(keep, z * (1.0 / (1.0 - dropout_p)), 0.0)
     if HAS_RESIDUAL:
         z += tl.load(RESIDUAL + row * stride_res_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -117,7 +117,7 @@ def _layer_norm_bwd_kernel(
     DW_PARTIAL,  # [programs, N] float32, this program's sum of dy * xhat (HAS_WEIGHT)
     DB_PARTIAL,  # [programs, N] float32, this program's sum of dy (HAS_BIAS)
     stride_z_row, stride_dy_row, stride_dz_row, stride_dx_row, stride_dres_row,
-    n_rows, n_cols, rows_per_program, dropout_p, seed,
+    n_rows, n_cols, rows_per_program, dropout_p, SEED,
     BLOCK_N: tl.constexpr,
     HAS_DZ: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_RMS_NORM: tl.constexpr, SPLIT_COLS: tl.constexpr,
@@ -161,7 +161,7 @@ def _layer_norm_bwd_kernel(
         if HAS_RESIDUAL:
             tl.store(DRESIDUAL + row * stride_dres_row + cols, dz.to(DRESIDUAL.dtype.element_ty), mask=mask)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, row * n_cols + cols, dropout_p)
+            keep = dropout_keep(SEED, row * n_cols + cols, dropout_p)
             dz = tl.where(keep, dz * (1.0 / (1.0 - dropout_p)), 0.0)
         tl.store(DX + row * stride_dx_row + cols, dz.to(DX.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
@@ -229,7 +229,7 @@ def _empty(like: Tensor) -> Tensor:
 @torch.library.custom_op("fused_transformer::layer_norm_fwd", mutates_args=())
 def layer_norm_fwd(
     x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
-    dropout_p: float, seed: int, rms_norm: bool, store_z: bool,
+    dropout_p: float, seed: Optional[Tensor], rms_norm: bool, store_z: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Launch the forward on ``x`` / ``residual`` ``[rows, N]`` (last dim contiguous, any row stride).
 
@@ -270,7 +270,7 @@ def _(x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z):
 @torch.library.custom_op("fused_transformer::layer_norm_bwd", mutates_args=())
 def layer_norm_bwd(
     dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-    mean: Tensor, rstd: Tensor, dropout_p: float, seed: int, rms_norm: bool, has_residual: bool,
+    mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor], rms_norm: bool, has_residual: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Launch the backward; ``dy``, ``dz``, ``z`` are ``[rows, N]`` (last dim contiguous).
 
@@ -320,22 +320,22 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, eps, dropout_p, prenorm, rms_norm):
-        seed = draw_dropout_seed() if dropout_p > 0.0 else 0
+        seed = draw_dropout_seed(x.device) if dropout_p > 0.0 else None
         store_z = prenorm or residual is not None or dropout_p > 0.0
         y, z, mean, rstd = torch.ops.fused_transformer.layer_norm_fwd(
             x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z
         )
-        ctx.save_for_backward(z if store_z else x, weight, bias, mean, rstd)
-        ctx.dropout_p, ctx.seed, ctx.rms_norm = dropout_p, seed, rms_norm
+        ctx.save_for_backward(z if store_z else x, weight, bias, mean, rstd, seed)
+        ctx.dropout_p, ctx.rms_norm = dropout_p, rms_norm
         ctx.has_residual = residual is not None
         return (y, z) if prenorm else y
 
     @staticmethod
     def backward(ctx, dy, dz=None):
-        z, weight, bias, mean, rstd = ctx.saved_tensors
+        z, weight, bias, mean, rstd, seed = ctx.saved_tensors
         dz = contiguous_last_dim(dz) if dz is not None else None
         dx, dresidual, dweight, dbias = torch.ops.fused_transformer.layer_norm_bwd(
-            contiguous_last_dim(dy), dz, z, weight, bias, mean, rstd, ctx.dropout_p, ctx.seed, ctx.rms_norm,
+            contiguous_last_dim(dy), dz, z, weight, bias, mean, rstd, ctx.dropout_p, seed, ctx.rms_norm,
             ctx.has_residual,
         )
         return (
@@ -367,7 +367,7 @@ def layer_norm(
         eps: added to the variance.
         residual: x's shape and dtype, or None.
         dropout_p: dropout on x before the residual add (always applied when > 0); the mask comes from a
-            Philox seed drawn with ``draw_dropout_seed()``, so ``torch.manual_seed`` reproduces it.
+            Philox seed drawn with ``draw_dropout_seed``, so ``torch.manual_seed`` reproduces it.
         prenorm: also return ``z = dropout(x) + residual`` (x's dtype).
         rms_norm: RMSNorm (no mean subtraction) instead of LayerNorm.
 
@@ -400,14 +400,14 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     fwd_signature = {
         "X": "*bf16", "RESIDUAL": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "Z": "*bf16",
         "MEAN": "*fp32", "RSTD": "*fp32", "stride_x_row": "i32", "stride_res_row": "i32", "stride_y_row": "i32",
-        "stride_z_row": "i32", "n_cols": "i32", "eps": "fp32", "dropout_p": "fp32", "seed": "i32",
+        "stride_z_row": "i32", "n_cols": "i32", "eps": "fp32", "dropout_p": "fp32", "SEED": "*i64",
     }
     bwd_signature = {
         "Z": "*bf16", "DY": "*bf16", "DZ": "*bf16", "W": "*bf16", "MEAN": "*fp32", "RSTD": "*fp32",
         "DX": "*bf16", "DRESIDUAL": "*bf16", "DW_PARTIAL": "*fp32", "DB_PARTIAL": "*fp32",
         "stride_z_row": "i32", "stride_dy_row": "i32", "stride_dz_row": "i32", "stride_dx_row": "i32",
         "stride_dres_row": "i32", "n_rows": "i32", "n_cols": "i32", "rows_per_program": "i32",
-        "dropout_p": "fp32", "seed": "i32",
+        "dropout_p": "fp32", "SEED": "*i64",
     }
     features = {"HAS_RESIDUAL": True, "HAS_WEIGHT": True, "HAS_BIAS": True, "HAS_DROPOUT": True, "IS_RMS_NORM": False}
     configs = []

@@ -38,9 +38,10 @@ def full_parameters(model: nn.Module) -> dict:
     return out
 
 
-def worker(rank: int, world: int, port: int, strategy: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def worker(rank: int, world: int, strategy: str, out_dir: str) -> None:
+    # A file rendezvous: no port to race for with other tests.
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
+                            world_size=world)
     try:
         torch.set_num_threads(1)
         results = {}

@@ -163,7 +163,7 @@ def test_dropout_replays_exactly_in_the_reference(dtype, mask_kind):
     (q, k, v, do, _), g = _random_inputs(batch, heads, heads, lq, lk, dim, seed=5)
     masks = _masks(mask_kind, batch, heads, lq, lk, g)
     torch.manual_seed(11)
-    seed = draw_dropout_seed()
+    seed = draw_dropout_seed(q.device)
     torch.manual_seed(11)  # the kernel draws the same seed
     got = _run(triton_attention.attention, q, k, v, do, None, dtype, masks, dropout_p=p)
     keep = triton_attention.attention_keep_mask(seed, batch, heads, lq, lk, p, q.device)

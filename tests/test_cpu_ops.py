@@ -151,7 +151,7 @@ def attention_dropout_case(dtype, dropout_p=0.3):
 def seeded_call(fn, manual_seed=1234):
     """Run ``fn`` after torch.manual_seed; return its result and the dropout seed the op drew."""
     torch.manual_seed(manual_seed)
-    seed = cpu_ops().draw_dropout_seed()
+    seed = cpu_ops().draw_dropout_seed(torch.device("cpu"))
     torch.manual_seed(manual_seed)
     return fn(), seed
 
@@ -249,7 +249,7 @@ def test_attention_gradcheck_float64():
     padding = torch.tensor([[False, True, False, False, False, True]])  # a hole and a padded tail
     for causal, offset, dropout_p in ((False, 0, 0.0), (True, 1, 0.0), (True, 0, 0.4)):
         def fn(q, k, v):
-            return ops.AttentionFunction.apply(q, k, v, bias, padding, causal, offset, 0.3, dropout_p, 11)[0]
+            return ops.AttentionFunction.apply(q, k, v, bias, padding, causal, offset, 0.3, dropout_p, torch.tensor([11]))[0]
 
         assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in (q, k, v)])
 
@@ -310,7 +310,7 @@ def test_layer_norm_gradcheck_float64_with_prenorm_output_used():
     leaves = [randn(4, 6, generator=g), randn(6, generator=g), randn(6, generator=g), randn(4, 6, generator=g)]
 
     def fn(x, weight, bias, residual):
-        y, z = ops.LayerNormFunction.apply(x, weight, bias, residual, 1e-5, 0.3, 17, True)
+        y, z = ops.LayerNormFunction.apply(x, weight, bias, residual, 1e-5, 0.3, torch.tensor([17]), True)
         return y, z * 0.5
 
     assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in leaves])
@@ -367,7 +367,7 @@ def test_bias_activation_gradcheck_float64(activation):
     h, bias = randn(5, 7, generator=g), randn(7, generator=g)
 
     def fn(h, bias):
-        return ops.BiasActivationFunction.apply(h, bias, activation, 0.3, 23)
+        return ops.BiasActivationFunction.apply(h, bias, activation, 0.3, torch.tensor([23]))
 
     assert torch.autograd.gradcheck(fn, [h.requires_grad_(), bias.requires_grad_()])
 

@@ -150,9 +150,10 @@ def test_custom_ops_pass_opcheck():
     torch.manual_seed(0)
     inputs = _random_inputs((5,), 8, 24, 8, torch.float32)
     x, w1, b1, w2, b2 = inputs.values()
-    args = (x, w1, b1, w2, b2, "gelu", 0.1, 123, True, False)
+    seed = torch.tensor([123], device=x.device)
+    args = (x, w1, b1, w2, b2, "gelu", 0.1, seed, True, False)
     torch.library.opcheck(torch.ops.fused_transformer.feed_forward_fwd, args)
     y, pre = torch.ops.fused_transformer.feed_forward_fwd(*args)
     bwd = torch.ops.fused_transformer.feed_forward_bwd
-    torch.library.opcheck(bwd, (torch.randn_like(y), x, w1, b1, w2, pre, True, "gelu", 0.1, 123, False))
-    torch.library.opcheck(bwd, (torch.randn_like(y), x, w1, None, w2, None, False, "relu", 0.0, 0, False))
+    torch.library.opcheck(bwd, (torch.randn_like(y), x, w1, b1, w2, pre, True, "gelu", 0.1, seed, False))
+    torch.library.opcheck(bwd, (torch.randn_like(y), x, w1, None, w2, None, False, "relu", 0.0, None, False))

@@ -175,9 +175,10 @@ def test_custom_ops_pass_opcheck():
     torch.manual_seed(0)
     x, residual = torch.randn(5, 24, device=DEVICE), torch.randn(5, 24, device=DEVICE)
     weight, bias = torch.randn(24, device=DEVICE), torch.randn(24, device=DEVICE)
-    args = (x, weight, bias, residual, EPS, 0.1, 123, False, True)
+    seed = torch.tensor([123], device=DEVICE)
+    args = (x, weight, bias, residual, EPS, 0.1, seed, False, True)
     torch.library.opcheck(torch.ops.fused_transformer.layer_norm_fwd, args)
     y, z, mean, rstd = torch.ops.fused_transformer.layer_norm_fwd(*args)
     torch.library.opcheck(
-        torch.ops.fused_transformer.layer_norm_bwd, (torch.randn_like(y), None, z, weight, bias, mean, rstd, 0.1, 123, False, True)
+        torch.ops.fused_transformer.layer_norm_bwd, (torch.randn_like(y), None, z, weight, bias, mean, rstd, 0.1, seed, False, True)
     )
