@@ -147,6 +147,33 @@ def test_compiled_training_matches_eager_and_never_recompiles(name):
     assert float(step(fused)) == first  # torch.manual_seed reproduces compiled dropout too
 
 
+@pytest.mark.skipif(ft.backend.triton_unavailable_reason() is not None, reason="triton is not installed")
+@pytest.mark.parametrize("name", ["TransformerEncoderLayer", "TransformerDecoderLayer"])
+def test_compile_on_the_triton_backend_traces_its_custom_ops(name):
+    """The Triton ops are custom ops with fake kernels: on a GPU, or here under the interpreter, a compiled
+    training step has no graph break and matches eager."""
+    _, fused = twins(name, dropout=0.1)
+    fused.train()
+    args = inputs()
+    with ft.use_backend("triton"):
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(lambda: call(name, fused, *args))()
+        assert explanation.graph_break_count == 0, [str(b.reason)[:300] for b in explanation.break_reasons]
+        for module in fused.modules():  # exact comparison: no dropout
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+            if isinstance(module, nn.MultiheadAttention):
+                module.dropout = 0.0
+        eager = copy.deepcopy(fused)
+        step = torch.compile(lambda m: call(name, m, *args).sin().mean(), backend="aot_eager", fullgraph=True)
+        loss, eager_loss = step(fused), call(name, eager, *args).sin().mean()
+        loss.backward()
+        eager_loss.backward()
+    torch.testing.assert_close(loss, eager_loss)
+    for (pname, p), (_, q) in zip(fused.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{pname}: {m}")
+
+
 def test_inductor_compiled_transformer_training_step_matches_eager():
     _, fused = twins("Transformer")
     eager = copy.deepcopy(fused)
