@@ -116,3 +116,15 @@ def test_ctrl_c_in_report_stops_the_compiler_workers():
     status, out, err = interrupt(["report", "--jobs", "2"], ready=lambda pid: len(children(pid)) >= 2)
     assert status == INTERRUPTED, out + err
     assert "compilations finished; report writes nothing" in assert_one_line(err)
+
+
+def test_ctrl_c_in_the_demo_keeps_a_checkpoint_and_exits_130(tmp_path):
+    from fused_transformer.models import read_checkpoint
+
+    path = str(tmp_path / "ckpt.pt")
+    status, _, err = interrupt(["demo", "--quick", "--steps", "100000", "--batch-size", "8", "--checkpoint", path,
+                                "--save-every", "5"], ready=lambda pid: os.path.exists(path), timeout=120)
+    assert status == INTERRUPTED, err
+    step = read_checkpoint(path)["step"]
+    assert assert_one_line(err) == (f"interrupted: step {step} of 100000 is saved in the checkpoint {path}; "
+                                    "the same command with --resume continues it")
