@@ -25,8 +25,8 @@ at::Tensor dropout_keep_mask(int64_t seed, int64_t numel, double dropout_p) {
 
 TORCH_LIBRARY(fused_transformer_cpu, m) {
   // q [B, H, Lq, D], k, v [B, Hkv, Lk, D] in any float dtype and any strides; bias broadcastable to
-  // [B, H, Lq, Lk]: float, added to the scaled scores (-inf = masked), or bool, true = may attend; key_padding bool [B, Lk], true = padding (keys
-  // after a sequence's last real key are not even read). Query i sees key j <= i + causal_offset when
+  // [B, H, Lq, Lk]: float, added to the scaled scores (-inf = masked), or bool, true = may attend;
+  // key_padding bool [B, Lk], true = padding (keys after a sequence's last real key are not even read). Query i sees key j <= i + causal_offset when
   // is_causal. Returns out (q's dtype, laid out in memory as [B, Lq, H, D]) and lse [B, H, Lq].
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? key_padding, bool is_causal, "
         "int causal_offset, float scale, float dropout_p, Tensor? seed) -> (Tensor, Tensor)");

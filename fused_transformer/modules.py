@@ -40,9 +40,10 @@ def _active_p(dropout: nn.Dropout) -> float:
     return dropout.p if dropout.training else 0.0
 
 
-def _mixed_dtypes(module: nn.Module) -> bool:
-    """Whether the floating parameters of ``module`` (its own, not its children's) differ in dtype."""
-    return len({p.dtype for p in module.parameters(recurse=False) if p.is_floating_point()}) > 1
+def _mixed_dtypes(*tensors: Optional[Tensor]) -> bool:
+    """Whether the given parameters (None: absent) differ in dtype. Named one by one: walking a module's
+    parameters costs tens of microseconds per call, as much as a decoding step's kernels."""
+    return len({t.dtype for t in tensors if t is not None}) > 1
 
 
 def _any_nested(*tensors: Optional[Tensor]) -> bool:
@@ -108,7 +109,10 @@ class MultiheadAttention(_FusedTwin, nn.MultiheadAttention):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> Tuple[Tensor, Optional[Tensor]]:
-        if _any_nested(query, key, value) or _mixed_dtypes(self):
+        if _any_nested(query, key, value) or _mixed_dtypes(
+            self.in_proj_weight, self.in_proj_bias, self.q_proj_weight, self.k_proj_weight, self.v_proj_weight,
+            self.bias_k, self.bias_v, self.out_proj.weight, self.out_proj.bias,
+        ):
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
         # As torch.nn: with is_causal and nothing else to merge into it, attn_mask is dropped unread.
@@ -173,14 +177,16 @@ class MultiheadAttention(_FusedTwin, nn.MultiheadAttention):
             )
         batched = query.dim() == 3
         if query.shape[-1] != self.embed_dim:
-            raise InputShapeError(f"query's last dim must be embed_dim={self.embed_dim}, got shape {tuple(query.shape)}")
+            raise InputShapeError(
+                f"query's last dim must be embed_dim={self.embed_dim}, got shape {tuple(query.shape)}")
         if key.shape[-1] != self.kdim or value.shape[-1] != self.vdim:
             raise InputShapeError(
                 f"key and value must end in kdim={self.kdim} and vdim={self.vdim}, "
                 f"got shapes {tuple(key.shape)} and {tuple(value.shape)}"
             )
         if key.shape[:-1] != value.shape[:-1]:
-            raise InputShapeError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must agree in all but the last dim")
+            raise InputShapeError(
+                f"key {tuple(key.shape)} and value {tuple(value.shape)} must agree in all but the last dim")
         seq_dim = 1 if batched and self.batch_first else 0
         batch_dim = 1 - seq_dim
         if batched and key.shape[batch_dim] != query.shape[batch_dim]:
@@ -196,7 +202,8 @@ class MultiheadAttention(_FusedTwin, nn.MultiheadAttention):
         if attn_mask is not None:
             allowed = [(tgt_len, src_len), (batch * self.num_heads, tgt_len, src_len)]
             if tuple(attn_mask.shape) not in allowed:
-                raise InputShapeError(f"attn_mask must be one of {[list(s) for s in allowed]}, got {tuple(attn_mask.shape)}")
+                raise InputShapeError(
+                    f"attn_mask must be one of {[list(s) for s in allowed]}, got {tuple(attn_mask.shape)}")
             if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
                 raise TypeError(f"attn_mask must be bool or float, got {attn_mask.dtype}")
         return batched
@@ -252,7 +259,7 @@ class LayerNorm(_FusedTwin, nn.LayerNorm):
     """``torch.nn.LayerNorm`` computed by the fused ``layer_norm`` op (statistics in float32)."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if input.is_nested or _mixed_dtypes(self):
+        if input.is_nested or _mixed_dtypes(self.weight, self.bias):
             return super().forward(input)
         dims = len(self.normalized_shape)
         if tuple(input.shape[input.dim() - dims:]) != tuple(self.normalized_shape):
@@ -284,11 +291,20 @@ def _add_and_norm(
 class _FusedLayerMixin(_FusedTwin):
     """The residual wiring shared by the encoder and decoder layers, post-LN and pre-LN."""
 
+    _DROPOUTS: Tuple[str, ...]  # the layer's dropout modules, by attribute name
+    _NORMS: Tuple[str, ...]
+
     def _fuses(self, *inputs: Optional[Tensor]) -> bool:
-        """Whether the fused path takes these inputs and this layer's modules; else torch.nn's forward runs."""
-        dropouts = [m for name, m in self.named_children() if name.startswith("dropout")]
-        return (not _any_nested(*inputs) and all(type(m) is nn.Dropout for m in dropouts)
-                and not any(_mixed_dtypes(m) for m in self.modules()))
+        """Whether the fused path takes these inputs and this layer's modules; else torch.nn's forward runs.
+        (The attention modules check their own parameters.)"""
+        if _any_nested(*inputs) or any(type(getattr(self, name)) is not nn.Dropout for name in self._DROPOUTS):
+            return False
+        linear1, linear2 = self.linear1, self.linear2
+        if type(linear1) is not nn.Linear or type(linear2) is not nn.Linear:
+            return False
+        norms = [getattr(self, name) for name in self._NORMS]
+        return not _mixed_dtypes(linear1.weight, linear1.bias, linear2.weight, linear2.bias,
+                                 *(getattr(norm, p, None) for norm in norms for p in ("weight", "bias")))
 
     def _feed_forward(self, x: Tensor) -> Tensor:
         activation = _fused_activation(self.activation)
@@ -335,6 +351,7 @@ class TransformerEncoderLayer(_FusedLayerMixin, nn.TransformerEncoderLayer):
     """``torch.nn.TransformerEncoderLayer`` on fused attention, feed-forward and add & LayerNorm."""
 
     __init__ = _with_fused_children(nn.TransformerEncoderLayer.__init__)
+    _DROPOUTS, _NORMS = ("dropout", "dropout1", "dropout2"), ("norm1", "norm2")
 
     def forward(
         self, src: Tensor, src_mask: Optional[Tensor] = None, src_key_padding_mask: Optional[Tensor] = None,
@@ -358,6 +375,7 @@ class TransformerDecoderLayer(_FusedLayerMixin, nn.TransformerDecoderLayer):
     """``torch.nn.TransformerDecoderLayer`` on fused attention, feed-forward and add & LayerNorm."""
 
     __init__ = _with_fused_children(nn.TransformerDecoderLayer.__init__)
+    _DROPOUTS, _NORMS = ("dropout", "dropout1", "dropout2", "dropout3"), ("norm1", "norm2", "norm3")
 
     def forward(
         self, tgt: Tensor, memory: Tensor, tgt_mask: Optional[Tensor] = None, memory_mask: Optional[Tensor] = None,

@@ -83,8 +83,9 @@ def test_ctrl_c_in_check_prints_the_summary_of_the_rows_done(tmp_path):
     log = tmp_path / "out.txt"  # stdout goes to a file, read while the check runs
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "fused_transformer", "check", "--quick", "--backend", "reference"],
-                                stdout=out, stderr=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fused_transformer", "check", "--quick", "--backend", "reference"],
+            stdout=out, stderr=subprocess.PIPE, text=True, env=env)
         deadline = time.monotonic() + 240
         while " pass " not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -277,7 +277,8 @@ def test_mixed_parameter_dtypes_behave_as_torch_nn():
 def test_bad_mha_shapes_raise_both_assertion_and_value_errors():
     fused = ft.MultiheadAttention(D, HEADS)
     with pytest.raises(AssertionError, match="key_padding_mask"):
-        fused(torch.randn(5, 2, D), torch.randn(5, 2, D), torch.randn(5, 2, D), key_padding_mask=torch.zeros(3, 5).bool())
+        fused(torch.randn(5, 2, D), torch.randn(5, 2, D), torch.randn(5, 2, D),
+              key_padding_mask=torch.zeros(3, 5).bool())
     with pytest.raises(ValueError, match="embed_dim=32"):
         fused(torch.randn(5, 2, D + 1), torch.randn(5, 2, D), torch.randn(5, 2, D))
 

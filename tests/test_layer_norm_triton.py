@@ -180,5 +180,6 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.fused_transformer.layer_norm_fwd, args)
     y, z, mean, rstd = torch.ops.fused_transformer.layer_norm_fwd(*args)
     torch.library.opcheck(
-        torch.ops.fused_transformer.layer_norm_bwd, (torch.randn_like(y), None, z, weight, bias, mean, rstd, 0.1, seed, False, True)
+        torch.ops.fused_transformer.layer_norm_bwd,
+        (torch.randn_like(y), None, z, weight, bias, mean, rstd, 0.1, seed, False, True),
     )

@@ -29,8 +29,8 @@ forward (the backward does five matmuls to the forward's two). The feed-forward 
 ``4 * tokens * d_model * d_ff`` forward, 3x that forward+backward. LayerNorm counts the bytes it must move (see
 ``layer_norm_bytes``). Every implementation of a case divides the same count by its own time.
 
-Time (``bench_timing.time_ms``): on CUDA the median of ``triton.testing.do_bench`` (gradients reset to None outside the timed
-region); on CPU ``torch.utils.benchmark.Timer`` over ``reset gradients; call``, the implementations of a case
+Time (``bench_timing.time_ms``): on CUDA the median of ``triton.testing.do_bench`` (gradients reset to None
+outside the timed region); on CPU ``torch.utils.benchmark.Timer`` over ``reset gradients; call``, the implementations of a case
 taking turns in blocks so that a noisy machine slows them alike, and the median over the blocks. Peak memory:
 on CUDA ``torch.cuda.max_memory_allocated`` over one call, above what was allocated before it; on CPU torch has
 no allocator statistics, so it is the peak of the bytes allocated through torch's CPU allocator during one call
