@@ -1,8 +1,8 @@
 // Flash attention on the CPU: online softmax over key blocks, nothing of [Lq, Lk] kept beyond one block per thread.
 //
 // Forward, per (batch, head, block of query rows), over the key blocks that block can see:
-//   S = Q K^T * scale + bias, -inf where a bool mask is false, above the causal diagonal and at padded keys (keys after a sequence's last
-//   real key are never read)
+//   S = Q K^T * scale + bias, -inf where a bool mask is false, above the causal diagonal and at padded
+//   keys (keys after a sequence's last real key are never read)
 //   m' = max(m, rowmax S),  P = exp(S - m'),  l = l exp(m - m') + rowsum P,  acc = acc exp(m - m') + dropout(P) V
 //   out = acc / l,  lse = m + log l   (a row with no visible key: out = 0, lse = -inf; a row with a NaN score:
 //   out and lse NaN, as torch's softmax gives)
@@ -237,7 +237,11 @@ struct HeadRows {
 
 template <typename T>
 HeadRows<T> head_rows(const at::Tensor& t) {
-  return {t.data_ptr<std::remove_const_t<T>>(), t.stride(0), t.stride(1), t.stride(2)};
+  // A single row (L = 1) may come with any stride, 1 or 0 included (torch calls such a tensor contiguous, so
+  // .contiguous() keeps it): only row 0 is read, so any stride works, and D (at least 1) is a leading dimension
+  // BLAS accepts.
+  const int64_t row_stride = t.size(2) == 1 ? std::max<int64_t>(t.size(3), 1) : t.stride(2);
+  return {t.data_ptr<std::remove_const_t<T>>(), t.stride(0), t.stride(1), row_stride};
 }
 
 // scores[rows, cols] (row stride kKeyBlock) for query rows i0.. of head h of batch b against keys j0.. of
@@ -353,6 +357,23 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRow
 }
 
 // dq, dk, dv must be zero on entry.
+// A backward task is one (batch, kv head) and a chunk of its key blocks: it alone writes dk / dv of those keys.
+// With fewer heads than threads twice over, the keys are split into chunks so that every thread has work (a single
+// task would also run outside any parallel region, where BLAS threads each small block product); each chunk then
+// adds its dq into a partial of its own, summed in chunk order afterwards (deterministic for a thread count).
+struct BackwardPlan {
+  int64_t blocks_per_chunk, chunks;
+};
+
+BackwardPlan plan_backward(int64_t batch, int64_t kv_heads, int64_t k_len, int64_t threads) {
+  const int64_t key_blocks = (k_len + kKeyBlock - 1) / kKeyBlock, head_tasks = batch * kv_heads;
+  const int64_t wanted = 2 * std::max<int64_t>(threads, 1);
+  const int64_t blocks_per_chunk = head_tasks >= wanted || key_blocks <= 1
+                                       ? std::max<int64_t>(key_blocks, 1)
+                                       : std::max<int64_t>(key_blocks * head_tasks / wanted, 1);
+  return {blocks_per_chunk, std::max<int64_t>((key_blocks + blocks_per_chunk - 1) / blocks_per_chunk, 1)};
+}
+
 template <typename scalar_t>
 void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRows<const scalar_t>& q,
                                const HeadRows<const scalar_t>& k, const HeadRows<const scalar_t>& v,
@@ -361,18 +382,28 @@ void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRo
                                const HeadRows<scalar_t>& dv) {
   const int64_t d = p.head_dim, q_len = p.q_len, group = p.group();
   const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
-  at::parallel_for(0, p.batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // delta_i = rowsum(dO * O)_i, once per query row.
+  std::vector<scalar_t> delta(p.batch * p.heads * q_len);
+  at::parallel_for(0, p.batch * p.heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh)
+      for (int64_t i = 0; i < q_len; ++i)
+        delta[bh * q_len + i] = dot(dout.at(bh / p.heads, bh % p.heads, i), out.at(bh / p.heads, bh % p.heads, i), d);
+  });
+  const int64_t head_tasks = p.batch * p.kv_heads;
+  const BackwardPlan plan = plan_backward(p.batch, p.kv_heads, p.k_len, at::get_num_threads());
+  const int64_t blocks_per_chunk = plan.blocks_per_chunk, chunks = plan.chunks;
+  std::vector<scalar_t> dq_partial(chunks > 1 ? head_tasks * chunks * group * q_len * d : 0, scalar_t(0));
+  at::parallel_for(0, head_tasks * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> probs(kQueryBlock * kKeyBlock, 0), dprobs(kQueryBlock * kKeyBlock, 0), dropped;
-    std::vector<scalar_t> delta(group * q_len);
     if (p.dropout.enabled()) dropped.assign(kQueryBlock * kKeyBlock, 0);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / p.kv_heads, kv_head = task % p.kv_heads, first_h = kv_head * group;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < q_len; ++i)
-          delta[g * q_len + i] = dot(dout.at(b, first_h + g, i), out.at(b, first_h + g, i), d);
+      const int64_t head_task = task / chunks, chunk = task % chunks;
+      const int64_t b = head_task / p.kv_heads, kv_head = head_task % p.kv_heads, first_h = kv_head * group;
       const int64_t key_len = p.key_length(b);
-      for (int64_t j0 = 0; j0 < key_len; j0 += kKeyBlock) {
-        const int64_t cols = std::min(kKeyBlock, key_len - j0);
+      const int64_t chunk_end = std::min(key_len, (chunk + 1) * blocks_per_chunk * kKeyBlock);
+      scalar_t* partial = chunks > 1 ? dq_partial.data() + task * group * q_len * d : nullptr;
+      for (int64_t j0 = chunk * blocks_per_chunk * kKeyBlock; j0 < chunk_end; j0 += kKeyBlock) {
+        const int64_t cols = std::min(kKeyBlock, chunk_end - j0);
         const scalar_t* k_block = k.at(b, kv_head, j0);
         const scalar_t* v_block = v.at(b, kv_head, j0);
         scalar_t* dk_block = dk.at(b, kv_head, j0);
@@ -407,14 +438,27 @@ void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRo
                                      v.row_stride, 0, dprobs.data(), kKeyBlock);
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t at = r * kKeyBlock;
-              softmax_grad_row(weights + at, probs.data() + at, dprobs.data() + at, cols, delta[g * q_len + i0 + r]);
+              softmax_grad_row(weights + at, probs.data() + at, dprobs.data() + at, cols, delta[bh * q_len + i0 + r]);
             }
+            scalar_t* dq_rows = partial ? partial + (g * q_len + i0) * d : dq.at(b, h, i0);
             gemm_row_major<scalar_t>(false, false, rows, d, cols, p.scale, dprobs.data(), kKeyBlock, k_block,
-                                     k.row_stride, 1, dq.at(b, h, i0), dq.row_stride);
+                                     k.row_stride, 1, dq_rows, partial ? std::max<int64_t>(d, 1) : dq.row_stride);
             gemm_row_major<scalar_t>(true, false, cols, d, rows, p.scale, dprobs.data(), kKeyBlock, q_block,
                                      q.row_stride, 1, dk_block, dk.row_stride);
           }
         }
+      }
+    }
+  });
+  if (chunks == 1) return;
+  at::parallel_for(0, p.batch * p.heads * q_len, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t bh = row / q_len, i = row % q_len, b = bh / p.heads, h = bh % p.heads;
+      const int64_t head_task = b * p.kv_heads + h / group, g = h % group;
+      scalar_t* dq_row = dq.at(b, h, i);
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+        const scalar_t* part = dq_partial.data() + ((head_task * chunks + chunk) * group + g) * q_len * d + i * d;
+        for (int64_t c = 0; c < d; ++c) dq_row[c] += part[c];
       }
     }
   });
@@ -427,8 +471,13 @@ void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRo
 // their strides.
 at::Tensor with_contiguous_rows(const at::Tensor& t, at::ScalarType dtype) {
   at::Tensor converted = t.to(dtype);
-  const bool rows_apart = converted.stride(3) == 1 && converted.stride(2) >= converted.size(3);
-  return rows_apart ? converted : converted.contiguous();
+  // Rows BLAS can read in place: D contiguous values each (any stride when D = 1), rows apart (overlapping or
+  // broadcast rows are copied; a single row is fine, see head_rows) and a row stride that fits BLAS's int.
+  const bool unit_elements = converted.stride(3) == 1 || converted.size(3) <= 1;
+  const bool rows_apart = converted.size(2) <= 1 || (converted.stride(2) >= converted.size(3) &&
+                                                     converted.stride(2) <= std::numeric_limits<int>::max());
+  if (unit_elements && rows_apart) return converted;
+  return converted.clone(at::MemoryFormat::Contiguous);  // .contiguous() keeps tensors torch calls contiguous
 }
 
 // A zeroed or uninitialised [B, heads, L, D] tensor laid out as [B, L, heads, D] (see HeadRows).
@@ -573,6 +622,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
                               head_rows<scalar_t>(dq), head_rows<scalar_t>(dk), head_rows<scalar_t>(dv));
   });
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+}
+
+// The number of tasks the backward runs in parallel for these sizes (tests check that few heads still split).
+int64_t attention_bwd_tasks(int64_t batch, int64_t kv_heads, int64_t k_len, int64_t threads) {
+  return batch * kv_heads * plan_backward(batch, kv_heads, k_len, threads).chunks;
+}
+
+TORCH_LIBRARY_FRAGMENT(fused_transformer_cpu, m) {
+  m.def("attention_bwd_tasks(int batch, int kv_heads, int k_len, int threads) -> int", &attention_bwd_tasks);
 }
 
 TORCH_LIBRARY_IMPL(fused_transformer_cpu, CPU, m) {

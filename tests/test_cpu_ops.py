@@ -249,7 +249,8 @@ def test_attention_gradcheck_float64():
     padding = torch.tensor([[False, True, False, False, False, True]])  # a hole and a padded tail
     for causal, offset, dropout_p in ((False, 0, 0.0), (True, 1, 0.0), (True, 0, 0.4)):
         def fn(q, k, v):
-            return ops.AttentionFunction.apply(q, k, v, bias, padding, causal, offset, 0.3, dropout_p, torch.tensor([11]))[0]
+            seed = torch.tensor([11])
+            return ops.AttentionFunction.apply(q, k, v, bias, padding, causal, offset, 0.3, dropout_p, seed)[0]
 
         assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in (q, k, v)])
 
@@ -402,3 +403,43 @@ def test_non_cpu_tensors_are_rejected_clearly():
 def test_auto_backend_uses_the_cpu_kernels_for_float32_and_the_reference_for_float64():
     assert backend.current("cpu", torch.float32) == "cpu"
     assert backend.current("cpu", torch.float64) == "reference"
+
+
+@pytest.mark.parametrize("heads, kv_heads, masks", [
+    (1, 1, dict(is_causal=True)),
+    (4, 1, dict(key_padding_mask=torch.arange(300)[None, :] >= 170)),
+])
+def test_backward_with_fewer_heads_than_threads_splits_the_keys(heads, kv_heads, masks):
+    """One (batch, kv head) is split into chunks of key blocks (one task would leave a thread idle and let BLAS
+    thread every small block product): dq, summed over the chunks, dk and dv still match float64, bitwise
+    repeatably."""
+    g = torch.Generator().manual_seed(21)
+    q, k, v = randn(1, heads, 200, 32, generator=g), randn(1, kv_heads, 300, 32, generator=g), randn(
+        1, kv_heads, 300, 32, generator=g)
+    grad_out = randn(1, heads, 200, 32, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with ft.use_backend("cpu"):
+            got = run_with_grads(ft.attention, [q, k, v], torch.float64, grad_out, **masks)
+            again = run_with_grads(ft.attention, [q, k, v], torch.float64, grad_out, **masks)
+    finally:
+        torch.set_num_threads(threads)
+    with ft.use_backend("reference"):
+        expected = run_with_grads(ft.attention, [q, k, v], torch.float64, grad_out, **masks)
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, again, expected):
+        assert torch.equal(a, b), name
+        torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("batch, kv_heads, k_len, threads, at_least", [
+    (1, 1, 4096, 2, 4), (1, 1, 32768, 2, 4), (1, 1, 4096, 16, 32), (2, 1, 1000, 2, 4), (1, 1, 100, 2, 1),
+    (8, 8, 4096, 2, 64),
+])
+def test_backward_plans_a_task_per_thread_at_least(batch, kv_heads, k_len, threads, at_least):
+    """B1 H1 used to be one task: now the keys are split so that each thread gets two tasks where there are
+    key blocks enough (128 keys a block), and heads alone serve when they suffice."""
+    tasks = torch.ops.fused_transformer_cpu.attention_bwd_tasks(batch, kv_heads, k_len, threads)
+    assert at_least <= tasks <= max(at_least, batch * kv_heads * -(-k_len // 128))
+    if batch * kv_heads >= 2 * threads:
+        assert tasks == batch * kv_heads
