@@ -45,9 +45,15 @@ def test_csv_has_ours_and_every_baseline(bench_run):
              for suite in bench_cases.SUITES}
     assert {"ours", "sdpa", "sdpa:math", "sdpa:flash_attention"} <= impls["attention"]
     assert impls["layer_norm"] == impls["feed_forward"] == {"ours", "torch"}
-    assert impls["encoder_layer"] == impls["decoder_layer"] == {"ours", "torch.nn"}
+    assert impls["encoder_layer"] == impls["decoder_layer"] == impls["decode_step"] == {"ours", "torch.nn"}
     masks = {(row["case"], row["mode"]) for row in rows if row["suite"] == "attention"}
-    assert masks == {(m, p) for m in ("none", "causal", "pad50%") for p in ("fwd", "fwd+bwd")}
+    assert masks == {(m, p) for m in ("none", "causal", "pad50%", "B1H1 causal") for p in ("fwd", "fwd+bwd")}
+    assert {row["batch"] for row in rows if row["case"] == "B1H1 causal"} == {"1"}
+    encoder = {(row["case"], row["mode"]) for row in rows if row["suite"] == "encoder_layer"}
+    assert encoder == {(c, m) for c in ("no padding", "pad50%", "seq-first") for m in ("train", "eval")}
+    steps = [row for row in rows if row["suite"] == "decode_step" and row["ms"]]
+    assert steps and all(math.isclose(float(r["tokens_per_s"]), 32 / float(r["ms"]) * 1e3, rel_tol=1e-3)
+                         for r in steps)  # one token per sequence a step
     expected = "backend cpu" if backend.cpu_unavailable_reason() is None else "backend reference"
     assert all(row["note"] == expected for row in rows if row["impl"] == "ours")
 

@@ -379,12 +379,14 @@ def test_bias_activation_gradcheck_float64(activation):
 def test_ops_trace_under_torch_compile_and_show_in_the_profiler():
     q, k, v = (torch.randn(1, 2, 9, 16) for _ in range(3))
 
-    def block(q, k, v):
+    def block(q, k, v):  # with dropout: without it, layer_norm runs on ATen's kernel
         out = ft.attention(q, k, v, is_causal=True)
-        return ft.layer_norm(out, None, None, residual=q)
+        return ft.layer_norm(out, None, None, residual=q, dropout_p=0.1)
 
     with ft.use_backend("cpu"):
+        torch.manual_seed(0)
         eager = block(q, k, v)
+        torch.manual_seed(0)
         compiled = torch.compile(block, backend="aot_eager", fullgraph=False)(q, k, v)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             block(q, k, v)

@@ -15,7 +15,16 @@ Suites (``SUITES``), each over sequence lengths:
 - ``encoder_layer`` / ``decoder_layer``: ``ft.TransformerEncoderLayer`` / ``TransformerDecoderLayer`` against the
   ``torch.nn`` layer holding the same weights (dropout 0.1, batch_first, post-norm); a training step (forward +
   backward) and an eval forward under ``no_grad`` (torch.nn then takes its fast path), without padding and
-  with 50% key padding; the decoder self-attention is causal and its memory has the target's length.
+  with 50% key padding; the decoder self-attention is causal and its memory has the target's length. The
+  encoder also runs seq-first (``batch_first=False``, torch.nn's default) with a causal float mask, as the
+  PyTorch examples' word-language model does.
+- ``decode_step``: one cached greedy-decoding step (a token per sequence) of the study notes' Seq2Seq model
+  (``fused_transformer.models``, d 256, 3 + 3 layers, 8 heads, ff 512) against its torch.nn twin on the same
+  weights, after a prefix of L - 1 target tokens over a source of L tokens; tokens/s counts one token per
+  sequence.
+
+The attention suite also runs batch 1, 1 head (``B1H1 causal``): one (batch, head) pair, whose backward must
+still use every thread.
 
 "ours" runs on the ``auto`` backend: the C++ kernels for CPU tensors, Triton for CUDA tensors.
 
@@ -52,7 +61,7 @@ from torch import Tensor, nn
 
 import fused_transformer as ft
 
-SUITES = ("attention", "layer_norm", "feed_forward", "encoder_layer", "decoder_layer")
+SUITES = ("attention", "layer_norm", "feed_forward", "encoder_layer", "decoder_layer", "decode_step")
 DROPOUT = 0.1
 GPU_ATTENTION_TOKENS = 16384  # tokens per batch on CUDA: batch = 16384 // L (at least 2)
 
@@ -63,11 +72,13 @@ LENGTHS = {
     ("cpu", "feed_forward"): ((128, 512, 2048), (128, 512)),
     ("cpu", "encoder_layer"): ((128, 256, 512), (128,)),
     ("cpu", "decoder_layer"): ((128, 256, 512), (128,)),
+    ("cpu", "decode_step"): ((16, 64, 128), (16,)),
     ("cuda", "attention"): ((512, 1024, 2048, 4096, 8192, 16384), (1024, 4096)),
     ("cuda", "layer_norm"): ((512, 1024, 2048, 4096, 8192), (1024, 4096)),
     ("cuda", "feed_forward"): ((512, 1024, 2048, 4096), (1024, 4096)),
     ("cuda", "encoder_layer"): ((512, 1024, 2048, 4096), (1024, 4096)),
     ("cuda", "decoder_layer"): ((512, 1024, 2048, 4096), (1024, 4096)),
+    ("cuda", "decode_step"): ((64, 256, 1024), (256,)),
 }
 
 # Peak DRAM bandwidth in GB/s, by a substring of torch.cuda.get_device_name() (first match wins).
@@ -115,6 +126,7 @@ class Case:
     padding: float = 0.0  # fraction of the keys that are padding
     flops: Optional[float] = None  # work counted, for TFLOP/s
     nbytes: Optional[float] = None  # bytes counted, for GB/s
+    new_tokens: Optional[int] = None  # tokens a call produces, when not batch * seq_len (a decoding step)
 
     @property
     def baseline(self) -> str:
@@ -122,7 +134,7 @@ class Case:
 
     @property
     def tokens(self) -> int:
-        return self.batch * self.seq_len
+        return self.new_tokens if self.new_tokens is not None else self.batch * self.seq_len
 
     @property
     def id(self) -> str:
@@ -323,13 +335,15 @@ def attention_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
     if gpu:
         masks.append(("causal+pad50%", True, 0.5))
     for head_dim in (64, 128) if gpu else (64,):
-        for mask, causal, padding in masks:
+        for mask, causal, padding in masks + [("B1H1 causal", True, 0.0)]:
             impls = ("sdpa", "ours", *sdpa_backends(setup.device))
             if gpu and padding == 0.0:
                 impls += tuple(name for name in ("flash_attn", "xformers") if third_party(name) is not None)
             for mode in ("fwd", "fwd+bwd"):
                 for length in lengths:
                     batch, heads = (max(GPU_ATTENTION_TOKENS // length, 2), 2048 // head_dim) if gpu else (8, 8)
+                    if mask.startswith("B1H1"):
+                        batch, heads = 1, 1
                     kept = kept_lengths(batch, length, padding)
                     backward = mode == "fwd+bwd"
                     yield Case(
@@ -403,18 +417,17 @@ def feed_forward_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
 
 
 def _build_layer(setup: Setup, decoder: bool, batch: int, length: int, d_model: int, heads: int, d_ff: int,
-                 kept: Optional[List[int]], train: bool) -> Built:
+                 kept: Optional[List[int]], train: bool, seq_first: bool = False) -> Built:
     torch.manual_seed(0)
     torch_class = nn.TransformerDecoderLayer if decoder else nn.TransformerEncoderLayer
     ours_class = ft.TransformerDecoderLayer if decoder else ft.TransformerEncoderLayer
-    theirs = torch_class(d_model, heads, d_ff, dropout=DROPOUT, batch_first=True, device=setup.device,
+    theirs = torch_class(d_model, heads, d_ff, dropout=DROPOUT, batch_first=not seq_first, device=setup.device,
                          dtype=setup.dtype)
-    ours = ours_class(d_model, heads, d_ff, dropout=DROPOUT, batch_first=True, device=setup.device,
+    ours = ours_class(d_model, heads, d_ff, dropout=DROPOUT, batch_first=not seq_first, device=setup.device,
                       dtype=setup.dtype)
     ours.load_state_dict(theirs.state_dict())
-    x = _randn(setup, batch, length, d_model)
-    memory = _randn(setup, batch, length, d_model)
-    grad = _randn(setup, batch, length, d_model)
+    shape = (length, batch, d_model) if seq_first else (batch, length, d_model)
+    x, memory, grad = (_randn(setup, *shape) for _ in range(3))
     padding = _padding_mask(kept, length, setup.device) if kept is not None else None
     causal = torch.ones(length, length, dtype=torch.bool, device=setup.device).triu(1)  # True = masked
 
@@ -422,6 +435,9 @@ def _build_layer(setup: Setup, decoder: bool, batch: int, length: int, d_model: 
         if decoder:
             return lambda: layer(x, memory, tgt_mask=causal, tgt_key_padding_mask=padding,
                                  memory_key_padding_mask=padding, tgt_is_causal=True)
+        if seq_first:  # the word-language model's call: a float causal mask, flagged causal
+            float_causal = nn.Transformer.generate_square_subsequent_mask(length, setup.device, setup.dtype)
+            return lambda: layer(x, src_mask=float_causal, is_causal=True)
         return lambda: layer(x, src_key_padding_mask=padding)
 
     fns = {}
@@ -435,17 +451,60 @@ def _layer_cases(setup: Setup, lengths: Sequence[int], decoder: bool) -> Iterato
     gpu = setup.device.type == "cuda"
     batch, d_model, heads, d_ff = (8, 1024, 16, 4096) if gpu else (16, 256, 8, 512)
     suite = "decoder_layer" if decoder else "encoder_layer"
-    for case, padding in (("no padding", 0.0), ("pad50%", 0.5)):
+    variants = [("no padding", 0.0, False), ("pad50%", 0.5, False)]
+    if not decoder:
+        variants.append(("seq-first", 0.0, True))
+    for case, padding, seq_first in variants:
         for mode in ("train", "eval"):
             for length in lengths:
                 kept = kept_lengths(batch, length, padding)
                 yield Case(
                     suite, case, mode, length, batch, ("torch.nn", "ours"), heads=heads,
-                    head_dim=d_model // heads, d_model=d_model, d_ff=d_ff, causal=decoder,
+                    head_dim=d_model // heads, d_model=d_model, d_ff=d_ff, causal=decoder or seq_first,
                     padding=padding_ratio(kept, length),
                     build=functools.partial(_build_layer, setup, decoder, batch, length, d_model, heads, d_ff,
-                                            kept if padding else None, mode == "train"),
+                                            kept if padding else None, mode == "train", seq_first),
                 )
+
+
+DECODE_MODEL = dict(hid_dim=256, n_layers=3, n_heads=8, ff_dim=512, dropout=0.1)  # the study notes' size
+DECODE_VOCAB = 1000
+
+
+def _build_decode_step(setup: Setup, batch: int, length: int) -> Built:
+    """One cached decoding step after a prefix of ``length - 1`` target tokens; each timed call rewinds the
+    cache to that prefix, so every call does the same work."""
+    from fused_transformer.models import Seq2SeqTransformer
+
+    torch.manual_seed(0)
+    ours = Seq2SeqTransformer(DECODE_VOCAB, DECODE_VOCAB, max_len=length + 1, **DECODE_MODEL)
+    models = {"torch.nn": Seq2SeqTransformer.torch_nn_twin(ours), "ours": ours}
+    src = torch.randint(3, DECODE_VOCAB, (batch, length), device=setup.device)
+    prefix = torch.randint(3, DECODE_VOCAB, (batch, length - 1), device=setup.device)
+    token = torch.randint(3, DECODE_VOCAB, (batch, 1), device=setup.device)
+    fns = {}
+    for name, model in models.items():
+        model.to(device=setup.device, dtype=setup.dtype).eval()
+        with torch.no_grad(), ft.use_backend(setup.backend):
+            memory, src_padding = model.encode(src)
+            cache = model.start_cache(memory, src_padding, capacity=length)
+            model.decode_step(prefix, cache)
+
+        def step(model=model, cache=cache) -> Tensor:
+            cache.length = length - 1
+            return model.decode_step(token, cache)
+
+        fns[name] = _forward(_on_backend(setup.backend, step) if name == "ours" else step)
+    return Built(fns)
+
+
+def decode_step_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
+    batch = 32
+    for length in lengths:
+        yield Case("decode_step", "greedy step", "eval", length, batch, ("torch.nn", "ours"),
+                   heads=DECODE_MODEL["n_heads"], head_dim=DECODE_MODEL["hid_dim"] // DECODE_MODEL["n_heads"],
+                   d_model=DECODE_MODEL["hid_dim"], d_ff=DECODE_MODEL["ff_dim"], causal=True, new_tokens=batch,
+                   build=functools.partial(_build_decode_step, setup, batch, length))
 
 
 CASES: Dict[str, Callable[[Setup, Sequence[int]], Iterator[Case]]] = {
@@ -454,6 +513,7 @@ CASES: Dict[str, Callable[[Setup, Sequence[int]], Iterator[Case]]] = {
     "feed_forward": feed_forward_cases,
     "encoder_layer": functools.partial(_layer_cases, decoder=False),
     "decoder_layer": functools.partial(_layer_cases, decoder=True),
+    "decode_step": decode_step_cases,
 }
 
 
@@ -470,6 +530,9 @@ def describe(suite: str, setup: Setup) -> str:
     if suite == "feed_forward":
         shapes = "1024/4096, 4096/16384" if gpu else "256/1024, 512/2048"
         return f"batch 8, d_model/d_ff {shapes}, GELU, dropout {DROPOUT}"
+    if suite == "decode_step":
+        return ("batch 32, Seq2Seq d 256, 3 + 3 layers, 8 heads, ff 512, one cached token per sequence after L - 1, "
+                "source L")
     dims = "batch 8, d_model 1024, 16 heads, d_ff 4096" if gpu else "batch 16, d_model 256, 8 heads, d_ff 512"
     causal = ", causal self-attention, memory as long as the target" if suite == "decoder_layer" else ""
     return f"{dims}, dropout {DROPOUT}{causal}"

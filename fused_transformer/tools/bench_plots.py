@@ -15,6 +15,7 @@ THROUGHPUT = {  # suite -> (CSV column, axis label)
     "layer_norm": ("tokens_per_s", "tokens/s"),
     "encoder_layer": ("tokens_per_s", "tokens/s"),
     "decoder_layer": ("tokens_per_s", "tokens/s"),
+    "decode_step": ("tokens_per_s", "tokens/s"),
 }
 MEMORY_AXIS = {
     "cuda": "peak MiB allocated over one call\n(cuda max_memory_allocated)",
