@@ -153,9 +153,8 @@ def test_cuda_without_a_gpu_is_an_argparse_error(capsys):
     assert exc.value.code == 2 and "no CUDA device" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("under, message", [("", "exists and is not a folder"),
-                                            ("inner", "is a file, so the folder cannot be made")])
-def test_out_at_or_under_a_regular_file_is_an_argparse_error(tmp_path, capsys, under, message):
+@pytest.mark.parametrize("under", ["", "inner"])
+def test_out_at_or_under_a_regular_file_is_an_argparse_error(tmp_path, capsys, under):
     blocking = tmp_path / "results"
     blocking.write_text("not a folder")
     out = str(blocking / under) if under else str(blocking)
@@ -163,5 +162,5 @@ def test_out_at_or_under_a_regular_file_is_an_argparse_error(tmp_path, capsys, u
         bench.main(["--out", out, "--suite", "layer_norm"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert f"--out {out!r}" in err and message in err
+    assert f"--out {out!r}: {blocking} is a file, not a folder" in err
     assert blocking.read_text() == "not a folder"

@@ -24,7 +24,7 @@ import torch
 
 import fused_transformer as ft
 
-from ..tools import Interrupted
+from ..tools import Interrupted, make_folder
 from .checkpoint import CheckpointMismatch, check_same_run, read_checkpoint
 from .seq2seq import Seq2SeqTransformer
 from .synthetic import SequenceTask, TrainConfig, exact_match_accuracy, run_config, train
@@ -90,24 +90,6 @@ def _positive(convert: Callable[[str], float], what: str) -> Callable[[str], flo
     return parse
 
 
-def _check_output_file(parser: argparse.ArgumentParser, option: str, path: str) -> None:
-    """``parser.error`` unless ``path`` can be written as a file; makes its missing folders."""
-    if os.path.isdir(path):
-        parser.error(f"{option} {path}: is a folder; give the path of a file")
-    folder = os.path.dirname(os.path.abspath(path))
-    existing = folder
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        parser.error(f"{option} {path}: {existing} is a file, not a folder")
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:
-        parser.error(f"{option} {path}: cannot make its folder {folder} ({exc.strerror})")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        parser.error(f"{option} {path}: cannot write in the folder {folder}")
-
-
 def _saved_run(parser: argparse.ArgumentParser, path: str) -> dict:
     """The checkpoint to resume from, or ``parser.error`` naming ``path``."""
     if not os.path.isfile(path):
@@ -159,7 +141,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--device {args.device}: no CUDA GPU is available here")
     saved = _saved_run(parser, args.checkpoint) if args.resume else None
     if args.checkpoint is not None:
-        _check_output_file(parser, "--checkpoint", args.checkpoint)
+        if os.path.isdir(args.checkpoint):
+            parser.error(f"--checkpoint {args.checkpoint}: is a folder; give the path of a file")
+        make_folder(parser, f"--checkpoint {args.checkpoint}", os.path.dirname(os.path.abspath(args.checkpoint)))
     if args.threads is not None or args.quick:
         # A model this small runs faster on one thread than on several (less OpenMP synchronisation).
         torch.set_num_threads(args.threads or 1)

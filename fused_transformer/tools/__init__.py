@@ -5,8 +5,27 @@
 - ``bench`` (with ``bench_cases``, ``bench_timing``, ``bench_plots``): throughput and memory against torch.
 - ``report``: the ahead-of-time resource report of every shipped Triton kernel config.
 """
+import argparse
+import os
 
 
 class Interrupted(KeyboardInterrupt):
     """A command stopped by Ctrl-C after keeping what it had finished; ``str()`` says what was kept and where.
     ``python -m fused_transformer`` prints it on one line and exits with status 130."""
+
+
+def make_folder(parser: argparse.ArgumentParser, option: str, folder: str) -> None:
+    """Make ``folder`` and its missing parents for a command-line ``option`` (its name and value, as the user
+    gave them), or ``parser.error`` saying why not: a regular file in the way, or a folder that cannot be made
+    or written in."""
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        parser.error(f"{option}: {existing} is a file, not a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"{option}: cannot make its folder {folder} ({exc.strerror})")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        parser.error(f"{option}: cannot write in the folder {folder}")

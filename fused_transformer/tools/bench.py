@@ -43,7 +43,7 @@ import torch
 from tqdm import tqdm
 
 import fused_transformer as ft
-from fused_transformer.tools import Interrupted
+from fused_transformer.tools import Interrupted, make_folder
 from fused_transformer.tools import bench_cases as suites
 from fused_transformer.tools.bench_cases import Case, Setup
 from fused_transformer.tools.bench_plots import plot_suite
@@ -267,25 +267,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         parser.error(f"--threads {args.threads}: must be at least 1")
     if args.min_time is None:
         args.min_time = 0.2 if args.quick else 0.5
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        parser.error(f"--out {args.out!r} exists and is not a folder")
-    blocking = next((p for p in _parents(args.out) if os.path.exists(p) and not os.path.isdir(p)), None)
-    if blocking is not None:
-        parser.error(f"--out {args.out!r}: {blocking!r} is a file, so the folder cannot be made")
     with ft.use_backend(args.backend):
         try:
             ft.current(args.device, args.dtype)
         except RuntimeError as exc:
             parser.error(f"--backend {args.backend}: {exc}")
+    make_folder(parser, f"--out {args.out!r}", args.out)
     return args
-
-
-def _parents(path: str) -> List[str]:
-    parents, path = [], os.path.dirname(os.path.abspath(path))
-    while path != os.path.dirname(path):
-        parents.append(path)
-        path = os.path.dirname(path)
-    return parents
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -301,7 +289,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 def run(args: argparse.Namespace) -> int:
     setup = Setup(args.device, args.dtype, args.backend)
     names = list(dict.fromkeys(args.suite or suites.SUITES))
-    os.makedirs(args.out, exist_ok=True)
     if setup.device.type == "cuda":
         torch.cuda.set_device(setup.device)  # do_bench and the memory statistics use the current device
     device_name = torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else "CPU"
