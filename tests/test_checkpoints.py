@@ -1,5 +1,6 @@
 """Checkpoints: written atomically (a SIGKILL mid-write leaves the previous one loadable), saved every N steps
 and on Ctrl-C, and resumed bitwise; the demo's --checkpoint / --save-every / --resume end to end."""
+import contextlib
 import os
 import random
 import re
@@ -86,17 +87,34 @@ WRITER = textwrap.dedent("""
 """)
 
 
+def _wait_for_a_write_in_flight(folder, pid, timeout=30.0):
+    """Return once process ``pid`` has started filling a temporary checkpoint file in ``folder``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name in temp_files(folder):
+            if f".{pid}." in name:
+                with contextlib.suppress(FileNotFoundError):  # renamed meanwhile: wait for the next one
+                    if os.path.getsize(os.path.join(folder, name)) > 0:
+                        return
+        time.sleep(0.001)
+    pytest.fail(f"process {pid} never started a checkpoint write in {timeout} s")
+
+
 def test_a_checkpoint_killed_mid_write_leaves_the_previous_one(tmp_path):
-    """SIGKILL a process saving checkpoints onto one path, at random moments: the path must always hold one
-    complete checkpoint, and only the killed process's hidden temporary file may be left next to it."""
+    """SIGKILL a process saving checkpoints onto one path, alternately at a random moment and while a write is
+    in flight: the path must always hold one complete checkpoint, and only the killed process's hidden
+    temporary file may be left next to it."""
     path = str(tmp_path / "ckpt.pt")
     rng = random.Random(0)
     first, kills_mid_write = 0, 0
-    for _ in range(5):
+    for attempt in range(6):
         writer = subprocess.Popen([sys.executable, "-c", WRITER, path, str(first)], stdout=subprocess.PIPE, text=True)
         try:
             reported = [int(writer.stdout.readline())]  # one complete save of this process
-            time.sleep(rng.uniform(0.0, 0.5))
+            if attempt % 2:
+                _wait_for_a_write_in_flight(str(tmp_path), writer.pid)
+            else:
+                time.sleep(rng.uniform(0.0, 0.5))
         finally:
             writer.send_signal(signal.SIGKILL)
             reported += [int(line) for line in writer.communicate()[0].split()]

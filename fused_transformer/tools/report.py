@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -29,7 +30,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from fused_transformer.tools import Interrupted
 
@@ -196,6 +198,25 @@ def _init_worker() -> None:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Defer Ctrl-C while the pool spawns its workers (the first ``submit`` calls): a KeyboardInterrupt raised
+    while the parent is still writing a worker's start-up data into its pipe leaves that worker to die with an
+    EOFError traceback. A SIGINT that arrives meanwhile is raised as soon as the spawning is done. (Blocking the
+    signal would not do: torch's threads do not block it and take it instead.)"""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets SIGINT
+        yield
+        return
+    arrived: List[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if arrived:
+        raise KeyboardInterrupt
+
+
 def jobs_for(modules: Sequence[str]) -> List[Tuple[str, int, int]]:
     """``(module, config index, target)`` for every config of every module and each of its targets."""
     jobs = []
@@ -215,7 +236,8 @@ def compile_all(jobs: int = 2, modules: Sequence[str] = KERNEL_MODULES) -> List[
     ) as pool:
         futures: List[concurrent.futures.Future] = []
         try:
-            futures.extend(pool.submit(_compile_job, *job) for job in work)
+            with _sigint_deferred():
+                futures.extend(pool.submit(_compile_job, *job) for job in work)
             return [f.result() for f in futures]
         except KeyboardInterrupt:
             pool.shutdown(wait=False, cancel_futures=True)
