@@ -64,10 +64,10 @@ struct AttentionProblem {
 };
 
 // ----------------------------------------------------------------------------------------- row helpers
-// float versions are multiversioned (see common.h); double versions serve the float64 tests.
+// float versions are multiversioned (FT_MULTIVERSIONED, common.h); double versions serve the float64 tests.
 
 // The largest of x[0..n), or NaN if one is NaN (comparisons alone would skip it).
-FT_MULTIVERSION float row_max(const float* x, int64_t n) {
+FT_INLINE float row_max_body(const float* x, int64_t n) {
   const float minus_inf = -std::numeric_limits<float>::infinity();
   Float8 lanes = broadcast(minus_inf);
   Int8 nan_lanes = {};
@@ -89,6 +89,7 @@ FT_MULTIVERSION float row_max(const float* x, int64_t n) {
   }
   return any_nan ? std::numeric_limits<float>::quiet_NaN() : result;
 }
+FT_MULTIVERSIONED(float, row_max, (const float* x, int64_t n), (x, n))
 
 double row_max(const double* x, int64_t n) {
   double result = -std::numeric_limits<double>::infinity();
@@ -100,7 +101,7 @@ double row_max(const double* x, int64_t n) {
 }
 
 // x = exp(x - shift) in place; returns the sum. shift is finite; -inf entries become 0.
-FT_MULTIVERSION float exp_shifted_sum(float* x, int64_t n, float shift) {
+FT_INLINE float exp_shifted_sum_body(float* x, int64_t n, float shift) {
   Float8 total = broadcast(0.0f);
   map8(x, n, -std::numeric_limits<float>::infinity(), [&](Float8 v, int64_t) {
     const Float8 e = fast_exp(v - shift);
@@ -109,6 +110,7 @@ FT_MULTIVERSION float exp_shifted_sum(float* x, int64_t n, float shift) {
   });
   return sum8(total);
 }
+FT_MULTIVERSIONED(float, exp_shifted_sum, (float* x, int64_t n, float shift), (x, n, shift))
 
 double exp_shifted_sum(double* x, int64_t n, double shift) {
   double total = 0;
@@ -120,9 +122,11 @@ double exp_shifted_sum(double* x, int64_t n, double shift) {
 }
 
 // dS = Pd * dPd - P * delta (in place over dpd).
-FT_MULTIVERSION void softmax_grad_row(const float* dropped, const float* probs, float* dpd, int64_t n, float delta) {
+FT_INLINE void softmax_grad_row_body(const float* dropped, const float* probs, float* dpd, int64_t n, float delta) {
   for (int64_t i = 0; i < n; ++i) dpd[i] = dropped[i] * dpd[i] - probs[i] * delta;
 }
+FT_MULTIVERSIONED(void, softmax_grad_row, (const float* dropped, const float* probs, float* dpd, int64_t n, float delta),
+                  (dropped, probs, dpd, n, delta))
 
 void softmax_grad_row(const double* dropped, const double* probs, double* dpd, int64_t n, double delta) {
   for (int64_t i = 0; i < n; ++i) dpd[i] = dropped[i] * dpd[i] - probs[i] * delta;
@@ -188,12 +192,20 @@ FT_INLINE void gemm_loops_body(bool transpose_a, bool transpose_b, int64_t m, in
     }
 }
 
-// float is compiled for AVX2 as well (see FT_MULTIVERSION): these loops are the whole of a decoding step's
-// attention arithmetic.
-FT_MULTIVERSION void gemm_loops(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
-                                const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-                                int64_t ldc) {
+// float is compiled for AVX2 + FMA as well (see FT_MULTIVERSIONED): these loops are the whole of a decoding
+// step's attention arithmetic.
+FT_INLINE void gemm_loops_float_body(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
+                                     const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                                     int64_t ldc) {
   gemm_loops_body(transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+FT_MULTIVERSIONED(void, gemm_loops_float,
+                  (bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                   int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc),
+                  (transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
+void gemm_loops(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  gemm_loops_float(transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 void gemm_loops(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,

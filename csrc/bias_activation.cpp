@@ -111,12 +111,15 @@ void activation_row_double(Activation activation, double* pre, double* grad, int
   }
 }
 
-FT_MULTIVERSION void activation_forward_row(Activation activation, float* x, int64_t n) {
+FT_INLINE void activation_forward_row_body(Activation activation, float* x, int64_t n) {
   activation_row_float<false>(activation, x, nullptr, n);
 }
-FT_MULTIVERSION void activation_backward_row(Activation activation, float* pre, float* grad, int64_t n) {
+FT_INLINE void activation_backward_row_body(Activation activation, float* pre, float* grad, int64_t n) {
   activation_row_float<true>(activation, pre, grad, n);
 }
+FT_MULTIVERSIONED(void, activation_forward_row, (Activation activation, float* x, int64_t n), (activation, x, n))
+FT_MULTIVERSIONED(void, activation_backward_row, (Activation activation, float* pre, float* grad, int64_t n),
+                  (activation, pre, grad, n))
 void activation_forward_row(Activation activation, double* x, int64_t n) {
   activation_row_double<false>(activation, x, nullptr, n);
 }

@@ -80,12 +80,17 @@ inline int64_t seed_value(const std::optional<at::Tensor>& seed) {
 // ------------------------------------------------------------------------------------------ float math
 // at::vec's portable (DEFAULT) build computes exp and erf with scalar std:: calls, and building its AVX2
 // variant needs per-file ISA flags. Instead the hot loops run on 8-float GCC/Clang vector types (one AVX2
-// register, two SSE2 ones) with branch-free polynomials; FT_MULTIVERSION compiles such a loop for AVX2 and for
-// the baseline ISA and picks one at load time (function multiversioning), so the wheel stays portable.
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
-#define FT_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+// register, two SSE2 ones) with branch-free polynomials. FT_MULTIVERSIONED defines a float loop twice, for AVX2
+// with FMA and for the baseline ISA, and the loader picks one (C++ function multiversioning), so the wheel stays
+// portable. Not target_clones("avx2"): that clone has no FMA (each polynomial step is a multiply and an add),
+// and "arch=x86-64-v3" also asks for BMI/LZCNT, which some hypervisors hide from AVX2 + FMA guests.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define FT_MULTIVERSIONED(ret, name, params, args)                                          \
+  __attribute__((target("avx2,fma"))) ret name params { return name##_body args; }       \
+  __attribute__((target("default"))) ret name params { return name##_body args; }
 #else
-#define FT_MULTIVERSION
+#define FT_MULTIVERSIONED(ret, name, params, args) \
+  ret name params { return name##_body args; }
 #endif
 
 #define FT_INLINE inline __attribute__((always_inline))
