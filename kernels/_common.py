@@ -2,12 +2,31 @@
 replay, and a deterministic row reduction."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ..backend import as_rows, draw_dropout_seed  # noqa: F401 (re-exported for the kernel modules)
 from ..backend import triton_interpreting as interpreting  # noqa: F401 (the kernels' name for it)
+
+
+# Dynamic shared memory one block may use: A100 / H100 class parts have at least this much; the sm_86 / sm_89 parts
+# (A10, A40, L4, L40S, RTX 30 / 40) have 99 KB and get the smaller tile configs of the kernels that need them.
+LARGE_SHARED_MEMORY = 166912
+SMALL_SHARED_MEMORY = 101376
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_per_block(device: torch.device) -> int:
+    """The most dynamic shared memory (bytes) a block may use on CUDA ``device`` (queried once per device)."""
+    props = torch.cuda.get_device_properties(device)
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    if optin:
+        return int(optin)
+    return SMALL_SHARED_MEMORY if (props.major, props.minor) in ((8, 6), (8, 9)) or props.major >= 12 else (
+        LARGE_SHARED_MEMORY)
 
 
 def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ import triton.language as tl
 
 from ..reference import softmax_scale
 from ._common import (
-    contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, interpreting,
+    LARGE_SHARED_MEMORY, contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, interpreting,
+    shared_memory_per_block,
 )
 
 Tensor = torch.Tensor
@@ -69,7 +70,7 @@ def _mask_scores(
     batch, head, q_len, k_len, n_keys, causal_offset,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn,
     PAD, stride_pb,
-    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
 ):
     """``s`` with every masked (row, col) set to -inf and the float mask added (in log2 units)."""
     keep = (rows < q_len) & (cols < k_len)
@@ -79,7 +80,10 @@ def _mask_scores(
         is_pad = tl.load(PAD + batch * stride_pb + cols, mask=cols < n_keys, other=1)
         keep = keep & (is_pad == 0)
     if MASK_KIND != 0:
-        # int32 offsets inside one (batch, head) slice (Lq * Lk < 2**31): half the registers of int64 pointers.
+        # int32 offsets inside one (batch, head) slice, half the registers of int64 ones, unless the slice spans
+        # 2**31 elements or more (the launcher's MASK_OFFSETS_64).
+        if MASK_OFFSETS_64:
+            rows, cols = rows.to(tl.int64), cols.to(tl.int64)
         mask_ptrs = (MASK + batch * stride_mb + head * stride_mh) + (rows * stride_mm + cols * stride_mn)
         if MASK_KIND == 1:
             keep = keep & (tl.load(mask_ptrs, mask=keep, other=0) != 0)
@@ -87,6 +91,14 @@ def _mask_scores(
             # Added as torch adds it: a NaN score at a -inf key stays NaN. Excluding -inf keys here spills.
             s += tl.load(mask_ptrs, mask=keep, other=0.0).to(tl.float32) * 1.4426950408889634
     return tl.where(keep, s, float("-inf"))
+
+
+@triton.jit
+def _batch_head(n_heads):
+    """The index ``batch * n_heads + head`` of this program's (batch, head) pair. Grids are (tiles, heads, batch):
+    tiles on axis 0 (consecutive programs share a head's keys in L2), heads and batch on axes 1 and 2, which CUDA
+    caps at 65535 each (a batch x heads product on one of them would stop at 65535 pairs)."""
+    return tl.program_id(2) * n_heads + tl.program_id(1)
 
 
 @triton.jit
@@ -117,10 +129,10 @@ def _attention_fwd_kernel(
     n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_OFFSETS_64: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
+    batch_head = _batch_head(n_heads)
     batch = (batch_head // n_heads).to(tl.int64)
     head = (batch_head % n_heads).to(tl.int64)
     kv_head = head // kv_group
@@ -149,6 +161,7 @@ def _attention_fwd_kernel(
         s = _mask_scores(
             s, rows[:, None], cols[None, :], batch, head, q_len, k_len, n_keys, causal_offset,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING, IS_CAUSAL,
+            MASK_OFFSETS_64,
         )
         new_max = tl.maximum(row_max, tl.max(s, axis=1))
         # A row with every key so far masked has max -inf; shifting it by 0 instead keeps exp2 free of NaN.
@@ -194,10 +207,11 @@ def _attention_bwd_dq_kernel(
     n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_OFFSETS_64: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
+    batch_head = _batch_head(n_heads)
     batch = (batch_head // n_heads).to(tl.int64)
     head = (batch_head % n_heads).to(tl.int64)
     kv_head = head // kv_group
@@ -238,6 +252,7 @@ def _attention_bwd_dq_kernel(
         s = _mask_scores(
             s, rows[:, None], cols[None, :], batch, head, q_len, k_len, n_keys, causal_offset,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING, IS_CAUSAL,
+            MASK_OFFSETS_64,
         )
         p = tl.math.exp2(s - lse[:, None])
         dp = _dot(do, tl.trans(v), UPCAST, DOT_PRECISION)
@@ -265,12 +280,12 @@ def _attention_bwd_dkdv_kernel(
     n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_OFFSETS_64: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Works in the transposed orientation (keys along dim 0) so no tile needs a transpose but q's and do's.
     first_col = tl.program_id(0) * BLOCK_N
-    batch_kv_head = tl.program_id(1)
     n_kv_heads = n_heads // kv_group
+    batch_kv_head = _batch_head(n_kv_heads)
     batch = (batch_kv_head // n_kv_heads).to(tl.int64)
     kv_head = (batch_kv_head % n_kv_heads).to(tl.int64)
     k_len = tl.load(KEY_LENS + batch) if HAS_PADDING else n_keys
@@ -310,6 +325,7 @@ def _attention_bwd_dkdv_kernel(
             s_t = _mask_scores(
                 s_t, rows[None, :], cols[:, None], batch, head, q_len, k_len, n_keys, causal_offset,
                 MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING, IS_CAUSAL,
+                MASK_OFFSETS_64,
             )
             p_t = tl.math.exp2(s_t - lse[None, :])
             dp_t = _dot(v, tl.trans(do), UPCAST, DOT_PRECISION)
@@ -341,11 +357,12 @@ def _attention_weights_kernel(
     n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_OFFSETS_64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    first_row = tl.program_id(0) * BLOCK_M
-    first_col = tl.program_id(1) * BLOCK_N
-    batch_head = tl.program_id(2)
+    col_tiles = tl.cdiv(n_keys, BLOCK_N)
+    first_row = tl.program_id(0) // col_tiles * BLOCK_M
+    first_col = tl.program_id(0) % col_tiles * BLOCK_N
+    batch_head = _batch_head(n_heads)
     batch = (batch_head // n_heads).to(tl.int64)
     head = (batch_head % n_heads).to(tl.int64)
     kv_head = head // kv_group
@@ -370,6 +387,7 @@ def _attention_weights_kernel(
     s = _mask_scores(
         s, rows[:, None], cols[None, :], batch, head, q_len, k_len, n_keys, causal_offset,
         MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING, IS_CAUSAL,
+        MASK_OFFSETS_64,
     )
     p = tl.math.exp2(s - lse[:, None])
     tl.store(W + row_offsets[:, None] * n_keys + cols[None, :], p.to(W.dtype.element_ty),
@@ -407,6 +425,13 @@ _TILES = {
                       256: (32, 32, 4, 1)},
     ("weights", 32): {16: (64, 64, 4, 1), 32: (64, 64, 4, 1), 64: (64, 64, 8, 1), 128: (32, 32, 8, 1)},
 }
+# What parts with 99 KB of shared memory per block (sm_86, sm_89) run instead, where a tile above does not fit
+# there (shared memory) or spills (registers).
+_TILES_SMALL_SHARED_MEMORY = {
+    ("fwd", 16): {64: (128, 64, 8, 2)},
+    ("bwd_dkdv", 32): {16: (32, 32, 8, 2)},
+}
+_LARGE_SHARED_MEMORY_TARGETS, _SMALL_SHARED_MEMORY_TARGETS = (80, 90), (86, 89)
 # float32 stops at head_dim 128: its dq kernel spills at every tile size tried for 256 (see the AOT report).
 MAX_HEAD_DIM_FLOAT32 = 128
 # Small tiles under the interpreter, so short test sequences still cross several tiles.
@@ -417,12 +442,14 @@ def _head_dim_bucket(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def config_for(kernel: str, dtype: torch.dtype, head_dim: int) -> AttentionConfig:
-    """The tiles ``kernel`` runs with for inputs of ``dtype`` and ``head_dim`` on a GPU (or the interpreter)."""
+def config_for(kernel: str, dtype: torch.dtype, head_dim: int, device: torch.device) -> AttentionConfig:
+    """The tiles ``kernel`` runs with for inputs of ``dtype`` and ``head_dim`` on ``device`` (or the interpreter)."""
     if interpreting():
         return INTERPRETER_CONFIG
-    bits = 32 if dtype == torch.float32 else 16
-    return AttentionConfig(*_TILES[(kernel, bits)][_head_dim_bucket(head_dim)])
+    key, bucket = (kernel, 32 if dtype == torch.float32 else 16), _head_dim_bucket(head_dim)
+    if shared_memory_per_block(device) < LARGE_SHARED_MEMORY and bucket in _TILES_SMALL_SHARED_MEMORY.get(key, {}):
+        return AttentionConfig(*_TILES_SMALL_SHARED_MEMORY[key][bucket])
+    return AttentionConfig(*_TILES[key][bucket])
 
 
 # ------------------------------------------------------------------------------------------- launchers
@@ -450,7 +477,30 @@ class _MaskArgs:
         return dict(
             MASK_KIND=self.mask_kind, HAS_PADDING=self.padding is not None,
             HAS_QUERY_LENS=self.query_lens is not None, IS_CAUSAL=is_causal,
+            MASK_OFFSETS_64=self.mask is not None and mask_offsets_need_int64(self.mask),
         )
+
+
+# Offsets at or past this need int64 arithmetic in the kernels.
+INT32_OFFSET_LIMIT = 2**31
+# CUDA's limits on grid axis 0 and on axes 1 and 2.
+MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535
+
+
+def mask_offsets_need_int64(mask: Tensor) -> bool:
+    """Whether an element of one (batch, head) slice of ``mask`` ``[B, H, Lq, Lk]`` lies 2**31 elements or more
+    from the slice's first: its row and column offsets must then be computed in int64."""
+    rows, cols = mask.shape[2:]
+    return max(rows - 1, 0) * abs(mask.stride(2)) + max(cols - 1, 0) * abs(mask.stride(3)) >= INT32_OFFSET_LIMIT
+
+
+def _grid(tiles: int, batch: int, heads: int) -> Tuple[int, int, int]:
+    """(tiles, heads, batch), the order ``_batch_head`` reads, within CUDA's limits or a clear error."""
+    for name, size, limit in (("tiles", tiles, MAX_GRID_X), ("heads", heads, MAX_GRID_YZ), ("batch", batch, MAX_GRID_YZ)):
+        if size > limit:
+            raise ValueError(f"triton attention: {name}={size} is more than a CUDA grid axis holds ({limit}); "
+                             "split the batch or the sequence")
+    return (tiles, heads, batch)
 
 
 def _mask_args(
@@ -517,9 +567,8 @@ def attention_fwd(
         return o, lse
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
     masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment)
-    cfg = config_for("fwd", q.dtype, head_dim)
-    grid = (triton.cdiv(lq, cfg.block_m), batch * heads)
-    _attention_fwd_kernel[grid](
+    cfg = config_for("fwd", q.dtype, head_dim, q.device)
+    _attention_fwd_kernel[_grid(triton.cdiv(lq, cfg.block_m), batch, heads)](
         q, k, v, o, lse, *masks.pointer_args(),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *masks.stride_args(),
@@ -564,14 +613,14 @@ def attention_bwd(
         BLOCK_D=_head_dim_bucket(head_dim), HEAD_DIM=head_dim, HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(is_causal),
         **_dot_args(q.dtype, allow_tf32),
     )
-    cfg = config_for("bwd_dq", q.dtype, head_dim)
-    _attention_bwd_dq_kernel[(triton.cdiv(lq, cfg.block_m), batch * heads)](
+    cfg = config_for("bwd_dq", q.dtype, head_dim, q.device)
+    _attention_bwd_dq_kernel[_grid(triton.cdiv(lq, cfg.block_m), batch, heads)](
         q, k, v, o, do, lse, dlse.contiguous() if dlse is not None else None, delta, dq, *masks.pointer_args(),
         *common_strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_DLSE=dlse is not None, **common_constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    cfg = config_for("bwd_dkdv", q.dtype, head_dim)
-    _attention_bwd_dkdv_kernel[(triton.cdiv(lk, cfg.block_n), batch * kv_heads)](
+    cfg = config_for("bwd_dkdv", q.dtype, head_dim, q.device)
+    _attention_bwd_dkdv_kernel[_grid(triton.cdiv(lk, cfg.block_n), batch, kv_heads)](
         q, k, v, do, lse, delta, dk, dv, *masks.pointer_args(),
         *common_strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common_constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -600,9 +649,8 @@ def attention_weights_fwd(
     if weights.numel() == 0:
         return weights
     masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment)
-    cfg = config_for("weights", q.dtype, head_dim)
-    grid = (triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n), batch * heads)
-    _attention_weights_kernel[grid](
+    cfg = config_for("weights", q.dtype, head_dim, q.device)
+    _attention_weights_kernel[_grid(triton.cdiv(lq, cfg.block_m) * triton.cdiv(lk, cfg.block_n), batch, heads)](
         q, k, lse.contiguous(), weights, *masks.pointer_args(),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *masks.stride_args(),
         heads, heads // kv_heads, lq, lk, masks.causal_offset, scale * LOG2E,
@@ -736,35 +784,42 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
         "fwd": _attention_fwd_kernel, "bwd_dq": _attention_bwd_dq_kernel, "bwd_dkdv": _attention_bwd_dkdv_kernel,
         "weights": _attention_weights_kernel,
     }
-    configs = []
+    shipped = []  # (kernel, bits, head_dim, tiles, targets)
     for (kernel, bits), by_head_dim in _TILES.items():
-        elem = "*bf16" if bits == 16 else "*fp32"
         for head_dim, tiles in by_head_dim.items():
-            cfg = AttentionConfig(*tiles)
-            fn = kernels[kernel]
-            signature = {}
-            for name in fn.arg_names:
-                if name in _AOT_POINTER_TYPES:
-                    signature[name] = _AOT_POINTER_TYPES[name]
-                elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "W"):
-                    signature[name] = elem
-                elif name in ("qk_scale", "dropout_p"):
-                    signature[name] = "fp32"
-                elif name.islower():
-                    signature[name] = "i32"
-            constexprs = dict(
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, HEAD_DIM=head_dim,
-                MASK_KIND=MASK_FLOAT, HAS_PADDING=True, HAS_QUERY_LENS=True, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_DLSE=True, UPCAST=False,
-                DOT_PRECISION="ieee",
-            )
-            constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
-            configs.append(AotKernel(
-                name=f"attention_{kernel}",
-                config=f"{'bf16' if bits == 16 else 'fp32'}/D{head_dim}/BM{cfg.block_m}_BN{cfg.block_n}"
-                       f"_w{cfg.num_warps}_s{cfg.num_stages}",
-                fn=fn, signature=signature, constexprs=constexprs, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, expect_tensor_cores=bits == 16,
-                # What the JIT specialises for inputs from torch: aligned pointers and strides, odd lengths.
-                divisible_by_16=tuple(n for n, t in signature.items() if t.startswith("*") or n.startswith("stride_")),
-            ))
+            small = _TILES_SMALL_SHARED_MEMORY.get((kernel, bits), {}).get(head_dim)
+            shipped.append((kernel, bits, head_dim, tiles, _LARGE_SHARED_MEMORY_TARGETS + (
+                () if small else _SMALL_SHARED_MEMORY_TARGETS)))
+            if small:
+                shipped.append((kernel, bits, head_dim, small, _SMALL_SHARED_MEMORY_TARGETS))
+    configs = []
+    for kernel, bits, head_dim, tiles, targets in shipped:
+        elem = "*bf16" if bits == 16 else "*fp32"
+        cfg = AttentionConfig(*tiles)
+        fn = kernels[kernel]
+        signature = {}
+        for name in fn.arg_names:
+            if name in _AOT_POINTER_TYPES:
+                signature[name] = _AOT_POINTER_TYPES[name]
+            elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "W"):
+                signature[name] = elem
+            elif name in ("qk_scale", "dropout_p"):
+                signature[name] = "fp32"
+            elif name.islower():
+                signature[name] = "i32"
+        constexprs = dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, HEAD_DIM=head_dim,
+            MASK_KIND=MASK_FLOAT, HAS_PADDING=True, HAS_QUERY_LENS=True, IS_CAUSAL=True, MASK_OFFSETS_64=False,
+            HAS_DROPOUT=True, HAS_DLSE=True, UPCAST=False, DOT_PRECISION="ieee",
+        )
+        constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
+        configs.append(AotKernel(
+            name=f"attention_{kernel}",
+            config=f"{'bf16' if bits == 16 else 'fp32'}/D{head_dim}/BM{cfg.block_m}_BN{cfg.block_n}"
+                   f"_w{cfg.num_warps}_s{cfg.num_stages}",
+            fn=fn, signature=signature, constexprs=constexprs, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, expect_tensor_cores=bits == 16, targets=targets,
+            # What the JIT specialises for inputs from torch: aligned pointers and strides, odd lengths.
+            divisible_by_16=tuple(n for n, t in signature.items() if t.startswith("*") or n.startswith("stride_")),
+        ))
     return configs

@@ -353,7 +353,7 @@ def feed_forward(
 # ------------------------------------------------------------------------------------------------------ AOT
 
 
-_TARGETS = {"sm_80": 80, "sm_90": 90}
+_TARGETS = {"sm_80": (80, 86, 89), "sm_90": (90,)}
 
 
 def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.report imports this module lazily)
@@ -395,7 +395,7 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
                     "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "DOT_PRECISION": "ieee",
                     "UPCAST_OPERANDS": False, **epilogue,
                 },
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, targets=(_TARGETS[generation],),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, targets=_TARGETS[generation],
                 expect_tensor_cores=dtype != torch.float32,
             ))
     return configs

@@ -274,3 +274,63 @@ def test_a_mask_that_requires_grad_is_refused_not_silently_ignored():
     with pytest.raises(ValueError, match="attn_mask requires grad"):
         triton_attention.attention(q, q, q, attn_mask=mask)
     triton_attention.attention(q, q, q, attn_mask=mask.detach())
+
+
+# ------------------------------------------------------------------------------- launch limits of a GPU
+
+
+class _GridRecorder:
+    """Stands in for a jit kernel: records the grid of each launch, then launches the real kernel."""
+
+    def __init__(self, kernel, grids):
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append((self.kernel.__name__, grid))
+        return self.kernel[grid]
+
+
+def test_grids_keep_batch_and_heads_on_separate_axes(monkeypatch):
+    """CUDA caps grid axes 1 and 2 at 65535: batch x heads on one of them (8192 x 8, say) would not launch. Each
+    kernel's grid is (tiles, heads, batch)."""
+    grids = []
+    for name in ("_attention_fwd_kernel", "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel",
+                 "_attention_weights_kernel"):
+        monkeypatch.setattr(triton_attention, name, _GridRecorder(getattr(triton_attention, name), grids))
+    ratios = _check(batch=3, heads=4, kv_heads=2, lq=37, lk=70, head_dim=16, mask_kind="padding_causal_float_mask")
+    (q, k, _, _, _), _ = _random_inputs(3, 4, 2, 37, 70, 16, seed=1)
+    _, lse = triton_attention.attention(q.float(), k.float(), k.float(), return_lse=True)
+    triton_attention.attention_weights(q.float(), k.float(), lse)
+    tile = triton_attention.INTERPRETER_CONFIG.block_m  # block_m == block_n under the interpreter
+    rows, cols = -(-37 // tile), -(-70 // tile)
+    assert grids == [
+        ("_attention_fwd_kernel", (rows, 4, 3)),
+        ("_attention_bwd_dq_kernel", (rows, 4, 3)),
+        ("_attention_bwd_dkdv_kernel", (cols, 2, 3)),
+        ("_attention_fwd_kernel", (rows, 4, 3)),
+        ("_attention_weights_kernel", (rows * cols, 4, 3)),
+    ], grids
+    assert set(ratios) == {"out", "lse", "dq", "dk", "dv"}
+    assert triton_attention._grid(4, 8192, 8) == (4, 8, 8192)  # the shape issue 17 found unlaunchable
+
+
+def test_a_grid_past_cuda_limits_is_refused_clearly():
+    with pytest.raises(ValueError, match="batch=65536 is more than a CUDA grid axis holds"):
+        triton_attention._grid(1, 65536, 1)
+
+
+def test_masks_spanning_2_31_elements_get_int64_offsets():
+    big = torch.empty((1, 1, 2**16 + 1, 2**15), device="meta")  # its last element is 2**31 + 2**15 - 1 away
+    assert triton_attention.mask_offsets_need_int64(big)
+    assert not triton_attention.mask_offsets_need_int64(big[:, :, : 2**16])  # 2**31 - 1 still fits in int32
+    # broadcast rows (stride 0) never step past one row
+    assert not triton_attention.mask_offsets_need_int64(torch.empty((1, 2**15), device="meta").expand(1, 1, 2**20, 2**15))
+    transposed = torch.empty((2**15, 2**16 + 1), device="meta").t()[None, None]  # column stride 2**16 + 1
+    assert triton_attention.mask_offsets_need_int64(transposed)
+
+
+@pytest.mark.parametrize("mask_kind", ["float_mask", "scattered_padding_bool_mask_causal"])
+def test_int64_mask_offsets_match_the_reference(monkeypatch, mask_kind):
+    """The int64 path a 2**31-element mask takes, run on small shapes by lowering the threshold."""
+    monkeypatch.setattr(triton_attention, "INT32_OFFSET_LIMIT", 1)
+    _check(mask_kind=mask_kind, dtype=torch.bfloat16)

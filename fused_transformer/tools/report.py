@@ -1,5 +1,5 @@
-"""Ahead-of-time check of every shipped kernel config: compile for sm_80 and sm_90 without a GPU and report
-registers, spills, shared memory and tensor-core use.
+"""Ahead-of-time check of every shipped kernel config: compile for sm_80, sm_86, sm_89 and sm_90 without a GPU
+and report registers, spills, shared memory and tensor-core use.
 
 Each kernel module listed in ``KERNEL_MODULES`` exposes ``aot_configs() -> List[AotKernel]``: one entry per
 kernel variant and tile config its launcher can pick on a GPU. ``compile_all`` compiles each entry for each of
@@ -42,9 +42,10 @@ KERNEL_MODULES = (
     "fused_transformer.kernels.feed_forward",
 )
 
-# Largest dynamic shared memory one block may use, in bytes, per compute capability.
-SHARED_MEMORY_LIMIT = {80: 166912, 90: 232448}
-TARGETS = (80, 90)
+# Largest dynamic shared memory one block may use, in bytes, per compute capability: A100 (sm_80); the A10, A40
+# and RTX 30 (sm_86) and L4, L40S and RTX 40 (sm_89) have 99 KB; H100 / H200 (sm_90).
+SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+TARGETS = (80, 86, 89, 90)
 WARP_SIZE = 32
 
 _RESOURCE_LINE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
@@ -271,7 +272,7 @@ def format_table(results: Sequence[AotResult]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fused_transformer report",
-        description="Compile every shipped kernel config for sm_80 / sm_90 (no GPU needed) and check "
+        description="Compile every shipped kernel config for sm_80 / sm_86 / sm_89 / sm_90 (no GPU needed) and check "
                     "spills, shared memory and tensor-core use.",
     )
     parser.add_argument("--jobs", type=int, default=2, help="compiler processes (default 2)")
@@ -282,7 +283,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_table(results))
     failed = [r for r in results if not r.ok]
     print(f"\n{len(results)} compilations, {len(failed)} failed "
-          f"(limits: no spills; shared <= {SHARED_MEMORY_LIMIT[80]} B on sm_80, {SHARED_MEMORY_LIMIT[90]} B on sm_90; "
+          f"(limits: no spills; shared memory per target: "
+          f"{', '.join(f'{limit} B on sm_{target}' for target, limit in SHARED_MEMORY_LIMIT.items())}; "
           f"mma/wgmma where expected)")
     return 1 if failed else 0
 
