@@ -140,11 +140,19 @@ def test_attention_long_sequences_cross_block_boundaries():
     check_attention(torch.float32, 1, 2, 1, 200, 300, 64, "causal_bottom_right+padding+float_mask")
 
 
-def attention_dropout_case(dtype, dropout_p=0.3):
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_attention_large_forward_tiles_match_reference(kind):
+    """Without a causal mask, 128 queries or more run the forward on 256 x 512 tiles: lengths that cross them."""
+    check_attention(torch.float32, 2, 4, 2, 300, 700, 32, kind)
+
+
+def attention_dropout_case(dtype, dropout_p=0.3, large_tiles=False):
+    """Causal with padding on small tiles, or (``large_tiles``) with padding alone on the large forward tiles."""
     g = torch.Generator().manual_seed(5)
-    q, k, v = randn(2, 4, 37, 16, generator=g), randn(2, 2, 50, 16, generator=g), randn(2, 2, 50, 16, generator=g)
-    kpm = torch.arange(50)[None, :] >= torch.tensor([50, 20])[:, None]
-    return [t.to(dtype) for t in (q, k, v)], dict(key_padding_mask=kpm, is_causal=True,
+    lq, lk = (300, 700) if large_tiles else (37, 50)
+    q, k, v = randn(2, 4, lq, 16, generator=g), randn(2, 2, lk, 16, generator=g), randn(2, 2, lk, 16, generator=g)
+    kpm = torch.arange(lk)[None, :] >= torch.tensor([lk, lk // 2 - 5])[:, None]
+    return [t.to(dtype) for t in (q, k, v)], dict(key_padding_mask=kpm, is_causal=not large_tiles,
                                                   causal_alignment="bottom_right", dropout_p=dropout_p)
 
 
@@ -156,12 +164,13 @@ def seeded_call(fn, manual_seed=1234):
     return fn(), seed
 
 
-def test_attention_dropout_matches_reference_fed_the_keep_mask():
-    (q, k, v), kwargs = attention_dropout_case(torch.float64)
+@pytest.mark.parametrize("large_tiles", [False, True])
+def test_attention_dropout_matches_reference_fed_the_keep_mask(large_tiles):
+    (q, k, v), kwargs = attention_dropout_case(torch.float64, large_tiles=large_tiles)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with ft.use_backend("cpu"):
         out, seed = seeded_call(lambda: ft.attention(*leaves, **kwargs))
-    keep = cpu_ops().dropout_keep_mask(seed, (2, 4, 37, 50), kwargs["dropout_p"])
+    keep = cpu_ops().dropout_keep_mask(seed, (*q.shape[:3], k.shape[2]), kwargs["dropout_p"])
     assert 0.6 < keep.float().mean() < 0.8
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = reference.attention(*ref_leaves, keep_mask=keep, **kwargs)
