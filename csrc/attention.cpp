@@ -308,20 +308,21 @@ void apply_dropout(const AttentionProblem<scalar_t>& p, int64_t bh, int64_t i0, 
 
 struct ForwardTiles {
   int64_t rows, cols;
+  int64_t diagonal_cols;  // under a causal mask: key tiles that reach past a tile's first row's last visible key
 };
 
-// Forward tiles. Under a causal mask 64 x 128: the masked part of a diagonal tile is computed for nothing, so the
-// smaller the better. Otherwise up to 256 x 512, which spreads BLAS's packing of each key and value block over
-// more query rows (5-7% faster at L 256-2048 than 64 x 128, measured against SDPA in one run), for sequences of
-// 128 queries or more (a decoding step's few rows would only zero-fill a larger buffer) while every thread still
-// gets four tiles or more.
+// Forward tiles: up to 256 query rows x 512 keys from 128 queries on, which spreads BLAS's packing of each key and
+// value block over more work (5-7% faster at L 256-2048 than 64 x 128, measured against SDPA in one run), while
+// every thread still gets four tiles; a decoding step's few rows keep small tiles (no larger buffer to zero-fill).
+// Under a causal mask the part of a tile above the diagonal is computed for nothing: 64 query rows, 512 keys
+// where every row of the tile sees them all, and 128-key tiles across the diagonal.
 template <typename scalar_t>
 ForwardTiles forward_tiles(const AttentionProblem<scalar_t>& p, int64_t threads) {
   constexpr int64_t kLargeRows = 256, kLargeCols = 512;
-  const int64_t large_tasks = p.batch * p.heads * ((p.q_len + kLargeRows - 1) / kLargeRows);
-  if (!p.causal && p.q_len >= 128 && large_tasks >= 4 * threads)
-    return {std::min(kLargeRows, p.q_len), std::min(kLargeCols, std::max<int64_t>(p.k_len, 1))};
-  return {kQueryBlock, kKeyBlock};
+  const int64_t rows = p.causal ? kQueryBlock : kLargeRows;
+  const int64_t tasks = p.batch * p.heads * ((p.q_len + rows - 1) / rows);
+  if (p.q_len < 128 || tasks < 4 * threads) return {kQueryBlock, kKeyBlock, kKeyBlock};
+  return {std::min(rows, p.q_len), std::min(kLargeCols, std::max<int64_t>(p.k_len, 1)), kKeyBlock};
 }
 
 template <typename scalar_t>
@@ -346,8 +347,10 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRow
 
       // The last row of the block sees the most keys; blocks wholly above the diagonal are never visited.
       const int64_t key_stop = p.key_end(b, i0 + rows - 1);
-      for (int64_t j0 = 0; j0 < key_stop; j0 += k_tile) {
-        const int64_t cols = std::min(k_tile, key_stop - j0);
+      // Keys below this are visible to every row of the tile (causal; the other masks still apply).
+      const int64_t seen_by_all = p.causal ? i0 + p.causal_offset + 1 : key_stop;
+      for (int64_t j0 = 0, cols = 0; j0 < key_stop; j0 += cols) {
+        cols = std::min(j0 + k_tile <= seen_by_all ? k_tile : tiles.diagonal_cols, key_stop - j0);
         compute_scores(p, q, k, b, h, i0, rows, j0, cols, scores.data(), k_tile);
         for (int64_t r = 0; r < rows; ++r) {
           scalar_t* row = scores.data() + r * k_tile;
