@@ -1,6 +1,7 @@
 """A process of the distributed tests in test_drop_in.py: trains a torch.nn Transformer encoder and its fused twin
 (same initial weights) for a few steps under DDP or FSDP2 on the gloo backend, each rank on its own data, and
 saves both models' final parameters. Its own module so that spawned processes can import it."""
+import gc
 import os
 
 import torch
@@ -57,6 +58,12 @@ def worker(rank: int, world: int, strategy: str, out_dir: str) -> None:
                 loss.backward()
                 optimizer.step()
             results["fused" if fused else "torch"] = full_parameters(model)
+            # DDP's reducer (and its threads) must go while the process group still exists: destroyed at exit,
+            # after the group, it aborted the process now and then ("terminate called without an active
+            # exception").
+            del model, optimizer
+            gc.collect()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # neither rank tears its sockets down while the other still talks
     finally:
         dist.destroy_process_group()
