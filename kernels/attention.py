@@ -432,6 +432,13 @@ _TILES_SMALL_SHARED_MEMORY = {
     ("bwd_dkdv", 32): {16: (32, 32, 8, 2)},
 }
 _LARGE_SHARED_MEMORY_TARGETS, _SMALL_SHARED_MEMORY_TARGETS = (80, 90), (86, 89)
+# float32 with allow_tf32=True, on every target: its tensor-core products hold their operands in more registers
+# than the ieee products of the float32 tiles, which spill there.
+_TILES_TF32 = {
+    "fwd": {16: (32, 32, 4, 1), 32: (32, 32, 4, 1)},
+    "bwd_dq": {64: (32, 32, 8, 1)},
+    "bwd_dkdv": {16: (16, 32, 4, 1), 32: (16, 32, 4, 1), 64: (16, 16, 4, 1), 128: (16, 32, 8, 1)},
+}
 # float32 stops at head_dim 128: its dq kernel spills at every tile size tried for 256 (see the AOT report).
 MAX_HEAD_DIM_FLOAT32 = 128
 # Small tiles under the interpreter, so short test sequences still cross several tiles.
@@ -442,11 +449,14 @@ def _head_dim_bucket(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def config_for(kernel: str, dtype: torch.dtype, head_dim: int, device: torch.device) -> AttentionConfig:
+def config_for(kernel: str, dtype: torch.dtype, head_dim: int, device: torch.device,
+               allow_tf32: bool = False) -> AttentionConfig:
     """The tiles ``kernel`` runs with for inputs of ``dtype`` and ``head_dim`` on ``device`` (or the interpreter)."""
     if interpreting():
         return INTERPRETER_CONFIG
     key, bucket = (kernel, 32 if dtype == torch.float32 else 16), _head_dim_bucket(head_dim)
+    if allow_tf32 and dtype == torch.float32 and bucket in _TILES_TF32.get(kernel, {}):
+        return AttentionConfig(*_TILES_TF32[kernel][bucket])
     if shared_memory_per_block(device) < LARGE_SHARED_MEMORY and bucket in _TILES_SMALL_SHARED_MEMORY.get(key, {}):
         return AttentionConfig(*_TILES_SMALL_SHARED_MEMORY[key][bucket])
     return AttentionConfig(*_TILES[key][bucket])
@@ -567,7 +577,7 @@ def attention_fwd(
         return o, lse
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
     masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment)
-    cfg = config_for("fwd", q.dtype, head_dim, q.device)
+    cfg = config_for("fwd", q.dtype, head_dim, q.device, allow_tf32)
     _attention_fwd_kernel[_grid(triton.cdiv(lq, cfg.block_m), batch, heads)](
         q, k, v, o, lse, *masks.pointer_args(),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -613,13 +623,13 @@ def attention_bwd(
         BLOCK_D=_head_dim_bucket(head_dim), HEAD_DIM=head_dim, HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(is_causal),
         **_dot_args(q.dtype, allow_tf32),
     )
-    cfg = config_for("bwd_dq", q.dtype, head_dim, q.device)
+    cfg = config_for("bwd_dq", q.dtype, head_dim, q.device, allow_tf32)
     _attention_bwd_dq_kernel[_grid(triton.cdiv(lq, cfg.block_m), batch, heads)](
         q, k, v, o, do, lse, dlse.contiguous() if dlse is not None else None, delta, dq, *masks.pointer_args(),
         *common_strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_DLSE=dlse is not None, **common_constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    cfg = config_for("bwd_dkdv", q.dtype, head_dim, q.device)
+    cfg = config_for("bwd_dkdv", q.dtype, head_dim, q.device, allow_tf32)
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(lk, cfg.block_n), batch, kv_heads)](
         q, k, v, do, lse, delta, dk, dv, *masks.pointer_args(),
         *common_strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common_constexprs,
@@ -778,7 +788,7 @@ _AOT_POINTER_TYPES = {"LSE": "*fp32", "DLSE": "*fp32", "DELTA": "*fp32", "MASK":
 def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.report imports this module lazily)
     """Every attention kernel × tile config the launchers pick on a GPU, in bfloat16 (16-bit tiles) and float32,
     with every feature on (float mask, padding, query lengths, causal, dropout): the largest register footprint."""
-    from fused_transformer.tools.report import AotKernel
+    from fused_transformer.tools.report import TARGETS, AotKernel
 
     kernels = {
         "fwd": _attention_fwd_kernel, "bwd_dq": _attention_bwd_dq_kernel, "bwd_dkdv": _attention_bwd_dkdv_kernel,
@@ -792,8 +802,13 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
                 () if small else _SMALL_SHARED_MEMORY_TARGETS)))
             if small:
                 shipped.append((kernel, bits, head_dim, small, _SMALL_SHARED_MEMORY_TARGETS))
+    # float32 with allow_tf32=True (not the weights kernel, which never takes it), on every target.
+    shipped += [(kernel, 32, head_dim, _TILES_TF32.get(kernel, {}).get(head_dim, tiles), TARGETS, "tf32")
+                for (kernel, bits), by_head_dim in _TILES.items() if bits == 32 and kernel != "weights"
+                for head_dim, tiles in by_head_dim.items()]
     configs = []
-    for kernel, bits, head_dim, tiles, targets in shipped:
+    for kernel, bits, head_dim, tiles, targets, *precision in shipped:
+        dot_precision = precision[0] if precision else "ieee"
         elem = "*bf16" if bits == 16 else "*fp32"
         cfg = AttentionConfig(*tiles)
         fn = kernels[kernel]
@@ -810,12 +825,12 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
         constexprs = dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, HEAD_DIM=head_dim,
             MASK_KIND=MASK_FLOAT, HAS_PADDING=True, HAS_QUERY_LENS=True, IS_CAUSAL=True, MASK_OFFSETS_64=False,
-            HAS_DROPOUT=True, HAS_DLSE=True, UPCAST=False, DOT_PRECISION="ieee",
+            HAS_DROPOUT=True, HAS_DLSE=True, UPCAST=False, DOT_PRECISION=dot_precision,
         )
         constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
         configs.append(AotKernel(
             name=f"attention_{kernel}",
-            config=f"{'bf16' if bits == 16 else 'fp32'}/D{head_dim}/BM{cfg.block_m}_BN{cfg.block_n}"
+            config=f"{'bf16' if bits == 16 else dot_precision.replace('ieee', 'fp32')}/D{head_dim}/BM{cfg.block_m}_BN{cfg.block_n}"
                    f"_w{cfg.num_warps}_s{cfg.num_stages}",
             fn=fn, signature=signature, constexprs=constexprs, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, expect_tensor_cores=bits == 16, targets=targets,

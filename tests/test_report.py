@@ -142,3 +142,30 @@ def test_report_command_exits_1_when_a_compilation_fails(results, monkeypatch, c
     monkeypatch.setattr(report, "compile_all", lambda jobs, modules: broken)
     assert main(["report"]) == 1
     assert "1 failed" in capsys.readouterr().out
+
+
+def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
+    """Whatever tiles config_for picks (dtype, head dim, 99 KB or larger shared memory, allow_tf32) is compiled by
+    the report for the targets that pick it."""
+    from fused_transformer.kernels import attention
+
+    monkeypatch.setattr(attention, "interpreting", lambda: False)
+    listed = {(k.name, k.config, target) for k in attention.aot_configs() for target in k.targets}
+    cuda = torch.device("cuda", 0)
+    checked = 0
+    for shared_memory, targets in ((166912, (80, 90)), (101376, (86, 89))):
+        monkeypatch.setattr(attention, "shared_memory_per_block", lambda device, size=shared_memory: size)
+        for kernel in ("fwd", "bwd_dq", "bwd_dkdv", "weights"):
+            for name, dtype, tf32 in (("bf16", torch.bfloat16, False), ("fp32", torch.float32, False),
+                                      ("tf32", torch.float32, True)):
+                if kernel == "weights" and tf32:  # the weights kernel never runs in tf32
+                    continue
+                for head_dim in (16, 32, 64, 128, 256):
+                    if dtype == torch.float32 and head_dim > attention.MAX_HEAD_DIM_FLOAT32:
+                        continue
+                    cfg = attention.config_for(kernel, dtype, head_dim, cuda, tf32)
+                    config = f"{name}/D{head_dim}/BM{cfg.block_m}_BN{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
+                    for target in targets:
+                        assert (f"attention_{kernel}", config, target) in listed
+                        checked += 1
+    assert checked == 2 * 2 * (5 + 4 * 2) * 3 + 2 * 2 * (5 + 4)
