@@ -112,14 +112,15 @@ def test_ctrl_c_in_check_prints_the_summary_of_the_rows_done(tmp_path):
             [sys.executable, "-m", "fused_transformer", "check", "--quick", "--backend", "triton"],
             stdout=out, stderr=subprocess.PIPE, text=True, env=env)
         deadline = time.monotonic() + 240
-        while " pass " not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        # a row's result column: the header's "rule: pass iff ..." comes before the rows' try block
+        while "  pass  " not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert proc.poll() is None, "check finished before it could be interrupted"
         _, err = interrupt_until_it_exits(proc)
     assert proc.returncode == INTERRUPTED, err
     assert "checks done: their rows and summary are above" in assert_one_line(err)
     text = log.read_text()
-    assert " pass " in text and text.splitlines()[-1].endswith("(interrupted)")
+    assert "  pass  " in text and text.splitlines()[-1].endswith("(interrupted)")
 
 
 def children(pid):
