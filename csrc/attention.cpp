@@ -125,7 +125,8 @@ double exp_shifted_sum(double* x, int64_t n, double shift) {
 FT_INLINE void softmax_grad_row_body(const float* dropped, const float* probs, float* dpd, int64_t n, float delta) {
   for (int64_t i = 0; i < n; ++i) dpd[i] = dropped[i] * dpd[i] - probs[i] * delta;
 }
-FT_MULTIVERSIONED(void, softmax_grad_row, (const float* dropped, const float* probs, float* dpd, int64_t n, float delta),
+FT_MULTIVERSIONED(void, softmax_grad_row,
+                  (const float* dropped, const float* probs, float* dpd, int64_t n, float delta),
                   (dropped, probs, dpd, n, delta))
 
 void softmax_grad_row(const double* dropped, const double* probs, double* dpd, int64_t n, double delta) {

@@ -506,7 +506,8 @@ def mask_offsets_need_int64(mask: Tensor) -> bool:
 
 def _grid(tiles: int, batch: int, heads: int) -> Tuple[int, int, int]:
     """(tiles, heads, batch), the order ``_batch_head`` reads, within CUDA's limits or a clear error."""
-    for name, size, limit in (("tiles", tiles, MAX_GRID_X), ("heads", heads, MAX_GRID_YZ), ("batch", batch, MAX_GRID_YZ)):
+    axes = (("tiles", tiles, MAX_GRID_X), ("heads", heads, MAX_GRID_YZ), ("batch", batch, MAX_GRID_YZ))
+    for name, size, limit in axes:
         if size > limit:
             raise ValueError(f"triton attention: {name}={size} is more than a CUDA grid axis holds ({limit}); "
                              "split the batch or the sequence")
@@ -786,29 +787,28 @@ _AOT_POINTER_TYPES = {"LSE": "*fp32", "DLSE": "*fp32", "DELTA": "*fp32", "MASK":
 
 
 def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.report imports this module lazily)
-    """Every attention kernel × tile config the launchers pick on a GPU, in bfloat16 (16-bit tiles) and float32,
-    with every feature on (float mask, padding, query lengths, causal, dropout): the largest register footprint."""
+    """Every attention kernel × tile config the launchers pick on a GPU, in bfloat16 (16-bit tiles), float32 and
+    float32 with tf32 products, for the targets that pick it, with every feature on (float mask, padding, query
+    lengths, causal, dropout): the largest register footprint."""
     from fused_transformer.tools.report import TARGETS, AotKernel
 
     kernels = {
         "fwd": _attention_fwd_kernel, "bwd_dq": _attention_bwd_dq_kernel, "bwd_dkdv": _attention_bwd_dkdv_kernel,
         "weights": _attention_weights_kernel,
     }
-    shipped = []  # (kernel, bits, head_dim, tiles, targets)
+    shipped = []  # (kernel, bits, head_dim, tiles, targets, dot precision)
     for (kernel, bits), by_head_dim in _TILES.items():
         for head_dim, tiles in by_head_dim.items():
             small = _TILES_SMALL_SHARED_MEMORY.get((kernel, bits), {}).get(head_dim)
             shipped.append((kernel, bits, head_dim, tiles, _LARGE_SHARED_MEMORY_TARGETS + (
-                () if small else _SMALL_SHARED_MEMORY_TARGETS)))
+                () if small else _SMALL_SHARED_MEMORY_TARGETS), "ieee"))
             if small:
-                shipped.append((kernel, bits, head_dim, small, _SMALL_SHARED_MEMORY_TARGETS))
-    # float32 with allow_tf32=True (not the weights kernel, which never takes it), on every target.
-    shipped += [(kernel, 32, head_dim, _TILES_TF32.get(kernel, {}).get(head_dim, tiles), TARGETS, "tf32")
-                for (kernel, bits), by_head_dim in _TILES.items() if bits == 32 and kernel != "weights"
-                for head_dim, tiles in by_head_dim.items()]
+                shipped.append((kernel, bits, head_dim, small, _SMALL_SHARED_MEMORY_TARGETS, "ieee"))
+            if bits == 32 and kernel != "weights":  # allow_tf32=True (never taken by the weights kernel)
+                shipped.append((kernel, bits, head_dim, _TILES_TF32.get(kernel, {}).get(head_dim, tiles), TARGETS,
+                                "tf32"))
     configs = []
-    for kernel, bits, head_dim, tiles, targets, *precision in shipped:
-        dot_precision = precision[0] if precision else "ieee"
+    for kernel, bits, head_dim, tiles, targets, dot_precision in shipped:
         elem = "*bf16" if bits == 16 else "*fp32"
         cfg = AttentionConfig(*tiles)
         fn = kernels[kernel]
@@ -830,7 +830,8 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
         constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
         configs.append(AotKernel(
             name=f"attention_{kernel}",
-            config=f"{'bf16' if bits == 16 else dot_precision.replace('ieee', 'fp32')}/D{head_dim}/BM{cfg.block_m}_BN{cfg.block_n}"
+            config=f"{'bf16' if bits == 16 else dot_precision.replace('ieee', 'fp32')}/D{head_dim}"
+                   f"/BM{cfg.block_m}_BN{cfg.block_n}"
                    f"_w{cfg.num_warps}_s{cfg.num_stages}",
             fn=fn, signature=signature, constexprs=constexprs, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, expect_tensor_cores=bits == 16, targets=targets,

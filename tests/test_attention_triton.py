@@ -324,7 +324,8 @@ def test_masks_spanning_2_31_elements_get_int64_offsets():
     assert triton_attention.mask_offsets_need_int64(big)
     assert not triton_attention.mask_offsets_need_int64(big[:, :, : 2**16])  # 2**31 - 1 still fits in int32
     # broadcast rows (stride 0) never step past one row
-    assert not triton_attention.mask_offsets_need_int64(torch.empty((1, 2**15), device="meta").expand(1, 1, 2**20, 2**15))
+    broadcast_rows = torch.empty((1, 2**15), device="meta").expand(1, 1, 2**20, 2**15)
+    assert not triton_attention.mask_offsets_need_int64(broadcast_rows)
     transposed = torch.empty((2**15, 2**16 + 1), device="meta").t()[None, None]  # column stride 2**16 + 1
     assert triton_attention.mask_offsets_need_int64(transposed)
 

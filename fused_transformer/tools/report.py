@@ -272,8 +272,8 @@ def format_table(results: Sequence[AotResult]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fused_transformer report",
-        description="Compile every shipped kernel config for sm_80 / sm_86 / sm_89 / sm_90 (no GPU needed) and check "
-                    "spills, shared memory and tensor-core use.",
+        description="Compile every shipped kernel config for sm_80 / sm_86 / sm_89 / sm_90 (no GPU needed) and "
+                    "check spills, shared memory and tensor-core use.",
     )
     parser.add_argument("--jobs", type=int, default=2, help="compiler processes (default 2)")
     parser.add_argument("--module", action="append", choices=KERNEL_MODULES,
