@@ -191,23 +191,68 @@ def interrupt_in_update(monkeypatch, k):
     monkeypatch.setattr(torch.optim.lr_scheduler.LambdaLR, "step", interrupted)
 
 
-@pytest.mark.parametrize("where", ["after_step", "mid_step", "in_update"])
-def test_ctrl_c_saves_the_last_completed_step_and_resuming_is_bitwise(tmp_path, monkeypatch, uninterrupted, where):
+class _SigintOnWrite:
+    """A binary file that receives a real SIGINT (Ctrl-C) on its third write if ``now()`` says so."""
+
+    def __init__(self, file, now):
+        self.file, self.now, self.writes = file, now, 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes == 3 and self.now():
+            signal.raise_signal(signal.SIGINT)
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.file.__exit__(*exc)
+
+
+def interrupt_in_save(monkeypatch, k):
+    """A real SIGINT in the middle of torch.save's write of the checkpoint of step ``k`` (torch's zip writer, cut
+    there, raised a RuntimeError from its cleanup instead): held back until the checkpoint is written."""
+    fdopen, save = os.fdopen, torch.save
+    saving, interrupted = [], []
+
+    def now():  # once: the save that the interrupt then triggers is written undisturbed
+        if saving[-1:] == [k] and not interrupted:
+            interrupted.append(k)
+            return True
+        return False
+
+    def save_noting_the_step(obj, f, *args, **kwargs):
+        saving.append(obj["step"])
+        return save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_noting_the_step)
+    monkeypatch.setattr(os, "fdopen", lambda *args, **kwargs: _SigintOnWrite(fdopen(*args, **kwargs), now))
+
+
+@pytest.mark.parametrize("where, stop", [("after_step", 3), ("mid_step", 3), ("in_update", 3), ("in_save", 4)])
+def test_ctrl_c_saves_the_last_completed_step_and_resuming_is_bitwise(tmp_path, monkeypatch, uninterrupted, where,
+                                                                       stop):
     path = str(tmp_path / "ckpt.pt")
     on_step = None
     with monkeypatch.context() as patch:
         if where == "after_step":
-            on_step = interrupt_after(3, path)
+            on_step = interrupt_after(stop, path)
         elif where == "mid_step":
-            interrupt_mid_step(patch, 3)
+            interrupt_mid_step(patch, stop)
+        elif where == "in_update":
+            interrupt_in_update(patch, stop)
         else:
-            interrupt_in_update(patch, 3)
-        with pytest.raises(Interrupted, match=f"step 3 of 8 is saved in the checkpoint {re.escape(path)}"):
+            interrupt_in_save(patch, stop)
+        with pytest.raises(Interrupted, match=f"step {stop} of 8 is saved in the checkpoint {re.escape(path)}"):
             tiny_run(path, save_every=2, on_step=on_step)
-    assert read_checkpoint(path)["step"] == 3
+    assert read_checkpoint(path)["step"] == stop
     model, result = tiny_run(path, resume=True)
     expected_model, expected = uninterrupted
-    assert result.step == 8 and result.losses == expected.losses[3:]
+    assert result.step == 8 and result.losses == expected.losses[stop:]
     for (name, a), b in zip(model.state_dict().items(), expected_model.state_dict().values()):
         assert torch.equal(a, b), name
 

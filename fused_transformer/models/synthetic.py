@@ -9,23 +9,20 @@ steps and on Ctrl-C, from which a run resumes bitwise where it stopped.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import numbers
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Set, TextIO, Tuple
+from typing import Callable, Dict, List, Optional, Set, TextIO, Tuple
 
 import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from ..tools import Interrupted
+from ..tools import Interrupted, interrupts_held_back
 from .checkpoint import load_checkpoint, model_from_checkpoint, rng_states, save_checkpoint
 from .seq2seq import Seq2SeqTransformer
 
@@ -225,8 +222,9 @@ def train(
 
     def save(rng: Optional[Dict[str, Tensor]] = None) -> None:
         nonlocal saved_step
-        save_checkpoint(checkpoint_path, model, optimizer, scheduler, step, data_generator, run, rng)
-        saved_step = step
+        with interrupts_held_back():  # a Ctrl-C waits for the write (interrupted, torch.save raises RuntimeError)
+            save_checkpoint(checkpoint_path, model, optimizer, scheduler, step, data_generator, run, rng)
+            saved_step = step
 
     result = TrainResult(step=step)
     model.train()
@@ -245,7 +243,7 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
-            with _interrupts_held_back():
+            with interrupts_held_back():
                 optimizer.step()
                 scheduler.step()
                 step += 1
@@ -276,25 +274,6 @@ def _is_terminal(stream: Optional[TextIO]) -> bool:
         return stream is not None and stream.isatty()
     except (AttributeError, ValueError):  # no isatty, or a closed stream
         return False
-
-
-@contextlib.contextmanager
-def _interrupts_held_back() -> Iterator[None]:
-    """Hold back SIGINT (Ctrl-C) until the block has run, so that parameters, optimizer, schedule and step
-    change together; it is then delivered to the handler that was in place. Only the main thread receives
-    signals, and a handler not installed from Python cannot be put back: both run the block as it is."""
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or previous is None:
-        yield
-        return
-    received = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            signal.raise_signal(signal.SIGINT)
 
 
 def exact_match_accuracy(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -30,10 +29,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from fused_transformer.tools import Interrupted
+from fused_transformer.tools import Interrupted, interrupts_held_back
 
 # Modules whose ``aot_configs()`` are compiled; a new kernel module adds its name here.
 KERNEL_MODULES = (
@@ -199,25 +197,6 @@ def _init_worker() -> None:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
-@contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """Defer Ctrl-C while the pool spawns its workers (the first ``submit`` calls): a KeyboardInterrupt raised
-    while the parent is still writing a worker's start-up data into its pipe leaves that worker to die with an
-    EOFError traceback. A SIGINT that arrives meanwhile is raised as soon as the spawning is done. (Blocking the
-    signal would not do: torch's threads do not block it and take it instead.)"""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread gets SIGINT
-        yield
-        return
-    arrived: List[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if arrived:
-        raise KeyboardInterrupt
-
-
 def jobs_for(modules: Sequence[str]) -> List[Tuple[str, int, int]]:
     """``(module, config index, target)`` for every config of every module and each of its targets."""
     jobs = []
@@ -237,7 +216,8 @@ def compile_all(jobs: int = 2, modules: Sequence[str] = KERNEL_MODULES) -> List[
     ) as pool:
         futures: List[concurrent.futures.Future] = []
         try:
-            with _sigint_deferred():
+            # A Ctrl-C while a worker is being spawned would leave it dying with an EOFError traceback.
+            with interrupts_held_back():
                 futures.extend(pool.submit(_compile_job, *job) for job in work)
             return [f.result() for f in futures]
         except KeyboardInterrupt:
