@@ -40,26 +40,48 @@ constexpr int64_t kKeyBlock = 128;
 
 template <typename scalar_t>
 struct AttentionProblem {
-  int64_t batch, heads, kv_heads, q_len, k_len, head_dim;
+  int64_t batch, heads, kv_heads, q_len, k_len, head_dim;  // q_len, k_len: the longest sequence's (varlen)
   const scalar_t* bias = nullptr;  // [B, H, Lq, Lk] through bias_stride (0 for broadcast dims), last stride 1
   int64_t bias_stride[3] = {0, 0, 0};
   const bool* keep = nullptr;  // a bool mask instead of bias, true = may attend; strides as bias's
   int64_t keep_stride[3] = {0, 0, 0};
   const bool* key_padding = nullptr;  // [B, Lk], true = padding
-  const int64_t* key_ends = nullptr;  // [B]: 1 + the last key that is not padding (0 if none)
+  const int64_t* key_ends = nullptr;  // [B]: 1 + the last key that is not padding (0 if none), or the length
   const bool* padding_has_holes = nullptr;  // [B]: some key before key_ends[b] is padding
+  const bool* query_padding = nullptr;  // [B, Lq], true = padding: the row's output is 0 and its lse -inf
+  const int64_t* query_ends = nullptr;  // [B]: rows from here on are not computed (padding, or past a sequence)
   bool causal = false;
-  int64_t causal_offset = 0;  // query i sees key j <= i + causal_offset
+  // Query i's diagonal key is i + offset: alignment_offsets[b] when given (per sequence), else alignment_offset.
+  int64_t alignment_offset = 0;
+  const int64_t* alignment_offsets = nullptr;
+  int64_t window_left = -1, window_right = -1;  // keys i + offset - left .. i + offset + right; -1 = no limit
   scalar_t scale = 1;
   DropoutMask dropout{0, 0.0};
+  bool packed = false;  // variable-length sequences packed as [T, heads, D]: no rows past query_length(b)
 
   int64_t group() const { return heads / kv_heads; }
   int64_t key_length(int64_t b) const { return key_ends ? key_ends[b] : k_len; }
-  // Keys [0, key_end) may be visible to query row i (the mask may still hide some).
+  int64_t query_length(int64_t b) const { return query_ends ? query_ends[b] : q_len; }
+  int64_t offset(int64_t b) const { return alignment_offsets ? alignment_offsets[b] : alignment_offset; }
+  bool limits_right() const { return causal || window_right >= 0; }
+  // The last visible key is i + offset + right_limit() (when limits_right()).
+  int64_t right_limit() const { return causal ? (window_right >= 0 ? std::min<int64_t>(window_right, 0) : 0) : window_right; }
+  // Keys [key_begin, key_end) may be visible to query row i (the masks may still hide some).
+  int64_t key_begin(int64_t b, int64_t i) const {
+    return window_left >= 0 ? std::clamp<int64_t>(i + offset(b) - window_left, 0, key_length(b)) : 0;
+  }
   int64_t key_end(int64_t b, int64_t i) const {
     int64_t end = key_length(b);
-    if (causal) end = std::min(end, i + causal_offset + 1);
+    if (limits_right()) end = std::min(end, i + offset(b) + right_limit() + 1);
     return std::max<int64_t>(end, 0);
+  }
+  // Query rows [query_begin, query_end) may see key j.
+  int64_t query_begin(int64_t b, int64_t j) const {
+    return limits_right() ? std::clamp<int64_t>(j - offset(b) - right_limit(), 0, query_length(b)) : 0;
+  }
+  int64_t query_stop(int64_t b, int64_t j) const {
+    const int64_t end = query_length(b);
+    return window_left >= 0 ? std::clamp<int64_t>(j - offset(b) + window_left + 1, 0, end) : end;
   }
 };
 
@@ -240,12 +262,16 @@ void gemm_row_major(bool transpose_a, bool transpose_b, int64_t m, int64_t n, in
 // A [B, heads, L, D] tensor read through its strides, each row of D values contiguous: q, k and v straight out
 // of a fused projection (views with gaps) need no copy, and out / dq / dk / dv are written as [B, L, heads, D]
 // so that merging the heads afterwards is a free view.
+// Packed variable-length sequences ([T, heads, D]) have no batch stride: sequence b starts at row starts[b].
 template <typename T>
 struct HeadRows {
   T* data;
   int64_t batch_stride, head_stride, row_stride;
+  const int64_t* starts = nullptr;
 
-  T* at(int64_t b, int64_t h, int64_t i) const { return data + b * batch_stride + h * head_stride + i * row_stride; }
+  T* at(int64_t b, int64_t h, int64_t i) const {
+    return data + (starts ? starts[b] * row_stride : b * batch_stride) + h * head_stride + i * row_stride;
+  }
 };
 
 template <typename T>
@@ -266,7 +292,8 @@ void compute_scores(const AttentionProblem<scalar_t>& p, const HeadRows<const sc
   gemm_row_major<scalar_t>(false, true, rows, cols, p.head_dim, p.scale, q.at(b, h, i0), q.row_stride,
                            k.at(b, h / p.group(), j0), k.row_stride, 0, scores, ld);
   const bool* padding = p.key_padding && p.padding_has_holes[b] ? p.key_padding + b * p.k_len + j0 : nullptr;
-  if (p.bias == nullptr && p.keep == nullptr && !p.causal && padding == nullptr) return;
+  const bool limited = p.limits_right() || p.window_left >= 0;
+  if (p.bias == nullptr && p.keep == nullptr && !limited && padding == nullptr) return;
   const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     scalar_t* row = scores + r * ld;
@@ -284,9 +311,11 @@ void compute_scores(const AttentionProblem<scalar_t>& p, const HeadRows<const sc
     if (padding != nullptr)
       for (int64_t c = 0; c < cols; ++c)
         if (padding[c]) row[c] = minus_inf;
-    if (p.causal) {
-      const int64_t visible = std::clamp<int64_t>(i + p.causal_offset + 1 - j0, 0, cols);
-      std::fill(row + visible, row + cols, minus_inf);
+    if (limited) {  // the causal mask and the window
+      const int64_t begin = std::clamp<int64_t>(p.key_begin(b, i) - j0, 0, cols);
+      const int64_t end = std::clamp<int64_t>(p.key_end(b, i) - j0, begin, cols);
+      std::fill(row, row + begin, minus_inf);
+      std::fill(row + end, row + cols, minus_inf);
     }
   }
 }
@@ -320,7 +349,7 @@ struct ForwardTiles {
 template <typename scalar_t>
 ForwardTiles forward_tiles(const AttentionProblem<scalar_t>& p, int64_t threads) {
   constexpr int64_t kLargeRows = 256, kLargeCols = 512;
-  const int64_t rows = p.causal ? kQueryBlock : kLargeRows;
+  const int64_t rows = p.limits_right() || p.window_left >= 0 ? kQueryBlock : kLargeRows;
   const int64_t tasks = p.batch * p.heads * ((p.q_len + rows - 1) / rows);
   if (p.q_len < 128 || tasks < 4 * threads) return {kQueryBlock, kKeyBlock, kKeyBlock};
   return {std::min(rows, p.q_len), std::min(kLargeCols, std::max<int64_t>(p.k_len, 1)), kKeyBlock};
@@ -329,7 +358,7 @@ ForwardTiles forward_tiles(const AttentionProblem<scalar_t>& p, int64_t threads)
 template <typename scalar_t>
 void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRows<const scalar_t>& q,
                               const HeadRows<const scalar_t>& k, const HeadRows<const scalar_t>& v,
-                              const HeadRows<scalar_t>& out, scalar_t* lse) {
+                              const HeadRows<scalar_t>& out, const HeadRows<scalar_t>& lse) {
   const int64_t d = p.head_dim, q_len = p.q_len;
   const ForwardTiles tiles = forward_tiles(p, at::get_num_threads());
   const int64_t q_tile = tiles.rows, k_tile = tiles.cols;
@@ -341,17 +370,23 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRow
     if (p.dropout.enabled()) dropped.assign(q_tile * k_tile, 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / q_blocks, b = bh / p.heads, h = bh % p.heads;
-      const int64_t i0 = (task % q_blocks) * q_tile, rows = std::min(q_tile, q_len - i0);
+      const int64_t i0 = (task % q_blocks) * q_tile;
+      // Rows past a packed sequence do not exist; past the last real query of a padded one they are zeros.
+      const int64_t tile_rows = std::clamp<int64_t>((p.packed ? p.query_length(b) : q_len) - i0, 0, q_tile);
+      const int64_t rows = std::clamp<int64_t>(p.query_length(b) - i0, 0, tile_rows);
       std::fill(row_max_.begin(), row_max_.begin() + rows, minus_inf);
       std::fill(row_sum.begin(), row_sum.begin() + rows, scalar_t(0));
       std::fill(acc.begin(), acc.begin() + rows * d, scalar_t(0));
 
-      // The last row of the block sees the most keys; blocks wholly above the diagonal are never visited.
-      const int64_t key_stop = p.key_end(b, i0 + rows - 1);
-      // Keys below this are visible to every row of the tile (causal; the other masks still apply).
-      const int64_t seen_by_all = p.causal ? i0 + p.causal_offset + 1 : key_stop;
-      for (int64_t j0 = 0, cols = 0; j0 < key_stop; j0 += cols) {
-        cols = std::min(j0 + k_tile <= seen_by_all ? k_tile : tiles.diagonal_cols, key_stop - j0);
+      // The tile's first row sees the earliest keys and its last row the latest: key blocks outside the causal
+      // mask and the window are never visited. Keys in [seen_by_all_begin, seen_by_all_end) are visible to every
+      // row of the tile as far as those two go.
+      const int64_t key_start = rows > 0 ? p.key_begin(b, i0) : 0, key_stop = rows > 0 ? p.key_end(b, i0 + rows - 1) : 0;
+      const int64_t seen_by_all_begin = rows > 0 ? p.key_begin(b, i0 + rows - 1) : 0;
+      const int64_t seen_by_all_end = p.limits_right() ? p.key_end(b, i0) : key_stop;
+      for (int64_t j0 = key_start, cols = 0; j0 < key_stop; j0 += cols) {
+        const bool seen_by_all = j0 >= seen_by_all_begin && j0 + k_tile <= seen_by_all_end;
+        cols = std::min(seen_by_all ? k_tile : tiles.diagonal_cols, key_stop - j0);
         compute_scores(p, q, k, b, h, i0, rows, j0, cols, scores.data(), k_tile);
         for (int64_t r = 0; r < rows; ++r) {
           scalar_t* row = scores.data() + r * k_tile;
@@ -381,12 +416,13 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRow
                                  v.row_stride, 1, acc.data(), d);
       }
 
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = 0; r < tile_rows; ++r) {
         scalar_t* out_row = out.at(b, h, i0 + r);
-        const bool has_key = row_sum[r] != 0;  // true for NaN, which then fills the row
+        const bool padding = r >= rows || (p.query_padding && p.query_padding[b * q_len + i0 + r]);
+        const bool has_key = !padding && row_sum[r] != 0;  // true for NaN, which then fills the row
         const scalar_t inverse = has_key ? scalar_t(1) / row_sum[r] : scalar_t(0);
-        for (int64_t c = 0; c < d; ++c) out_row[c] = acc[r * d + c] * inverse;
-        lse[bh * q_len + i0 + r] = has_key ? row_max_[r] + std::log(row_sum[r]) : minus_inf;
+        for (int64_t c = 0; c < d; ++c) out_row[c] = has_key ? acc[r * d + c] * inverse : scalar_t(0);
+        *lse.at(b, h, i0 + r) = has_key ? row_max_[r] + std::log(row_sum[r]) : minus_inf;
       }
     }
   });
@@ -414,16 +450,18 @@ template <typename scalar_t>
 void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRows<const scalar_t>& q,
                                const HeadRows<const scalar_t>& k, const HeadRows<const scalar_t>& v,
                                const HeadRows<const scalar_t>& out, const HeadRows<const scalar_t>& dout,
-                               const scalar_t* lse, const HeadRows<scalar_t>& dq, const HeadRows<scalar_t>& dk,
+                               const HeadRows<const scalar_t>& lse, const HeadRows<scalar_t>& dq,
+                               const HeadRows<scalar_t>& dk,
                                const HeadRows<scalar_t>& dv) {
   const int64_t d = p.head_dim, q_len = p.q_len, group = p.group();
   const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
   // delta_i = rowsum(dO * O)_i, once per query row.
   std::vector<scalar_t> delta(p.batch * p.heads * q_len);
   at::parallel_for(0, p.batch * p.heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh)
-      for (int64_t i = 0; i < q_len; ++i)
-        delta[bh * q_len + i] = dot(dout.at(bh / p.heads, bh % p.heads, i), out.at(bh / p.heads, bh % p.heads, i), d);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / p.heads, h = bh % p.heads;
+      for (int64_t i = 0; i < p.query_length(b); ++i) delta[bh * q_len + i] = dot(dout.at(b, h, i), out.at(b, h, i), d);
+    }
   });
   const int64_t head_tasks = p.batch * p.kv_heads;
   const BackwardPlan plan = plan_backward(p.batch, p.kv_heads, p.k_len, at::get_num_threads());
@@ -444,16 +482,16 @@ void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRo
         const scalar_t* v_block = v.at(b, kv_head, j0);
         scalar_t* dk_block = dk.at(b, kv_head, j0);
         scalar_t* dv_block = dv.at(b, kv_head, j0);
-        // Under the causal mask, queries before first_query see none of these keys.
-        const int64_t first_query = p.causal ? std::clamp<int64_t>(j0 - p.causal_offset, 0, q_len) : 0;
+        // Under the causal mask and the window, only queries [query_start, query_stop) see any of these keys.
+        const int64_t query_start = p.query_begin(b, j0), query_stop = p.query_stop(b, j0 + cols - 1);
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = first_h + g, bh = b * p.heads + h;
-          for (int64_t i0 = first_query; i0 < q_len; i0 += kQueryBlock) {
-            const int64_t rows = std::min(kQueryBlock, q_len - i0);
+          for (int64_t i0 = query_start; i0 < query_stop; i0 += kQueryBlock) {
+            const int64_t rows = std::min(kQueryBlock, query_stop - i0);
             compute_scores(p, q, k, b, h, i0, rows, j0, cols, probs.data(), kKeyBlock);
             for (int64_t r = 0; r < rows; ++r) {
               scalar_t* row = probs.data() + r * kKeyBlock;
-              const scalar_t row_lse = lse[bh * q_len + i0 + r];
+              const scalar_t row_lse = *lse.at(b, h, i0 + r);
               if (row_lse == minus_inf)
                 std::fill(row, row + cols, scalar_t(0));
               else if (std::isnan(row_lse))  // the forward's NaN row: NaN probabilities, as torch's softmax
@@ -490,6 +528,7 @@ void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRo
   at::parallel_for(0, p.batch * p.heads * q_len, 256, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t bh = row / q_len, i = row % q_len, b = bh / p.heads, h = bh % p.heads;
+      if (i >= p.query_length(b)) continue;
       const int64_t head_task = b * p.kv_heads + h / group, g = h % group;
       scalar_t* dq_row = dq.at(b, h, i);
       for (int64_t chunk = 0; chunk < chunks; ++chunk) {
@@ -522,10 +561,14 @@ at::Tensor new_head_rows(const at::Tensor& like, bool zeroed) {
   return (zeroed ? at::zeros(sizes, like.options()) : at::empty(sizes, like.options())).transpose(1, 2);
 }
 
-// Shapes, the mask (a float bias in the accumulate dtype, or a bool keep-mask) broadcast to [B, H, Lq, Lk], and
-// the key padding with where each sequence's keys end and whether padding interrupts them, checked once.
+// Shapes, the mask (a float bias in the accumulate dtype, or a bool keep-mask) broadcast to [B, H, Lq, Lk], the
+// key padding with where each sequence's keys end and whether padding interrupts them, the query padding with
+// where each sequence's queries end, and per-sequence alignment offsets, checked once. Packed (varlen) inputs
+// [T, heads, D] are held as [1, heads, T, D] views, with the sequences' starts and lengths.
 struct AttentionInputs {
-  at::Tensor q, k, v, bias, keep, key_padding, key_ends, padding_has_holes;
+  at::Tensor q, k, v, bias, keep, key_padding, key_ends, padding_has_holes, query_padding, query_ends;
+  at::Tensor alignment_offsets, q_starts, k_starts;
+  int64_t batch = 0, q_len = 0, k_len = 0;
 };
 
 // mask broadcast to [batch, heads, q_len, k_len]; the kernel reads mask rows with unit stride, so the key dim
@@ -541,8 +584,47 @@ at::Tensor broadcast_mask(at::Tensor mask, int64_t batch, int64_t heads, int64_t
   return mask.expand({batch, heads, q_len, k_len});
 }
 
+const at::TensorOptions kLongOptions = at::TensorOptions().dtype(at::kLong);
+
+// [B] int64: one past the last position of each row of padding [B, L] (true = padding) that is not padding;
+// with holes [B] set where padding comes before that end.
+at::Tensor padding_ends(const at::Tensor& padding, at::Tensor* holes) {
+  const int64_t batch = padding.size(0), length = padding.size(1);
+  at::Tensor ends = at::empty({batch}, kLongOptions);
+  if (holes) *holes = at::empty({batch}, at::TensorOptions().dtype(at::kBool));
+  const bool* data = padding.data_ptr<bool>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const bool* row = data + b * length;
+    int64_t end = length;
+    while (end > 0 && row[end - 1]) --end;
+    ends.data_ptr<int64_t>()[b] = end;
+    if (holes) holes->data_ptr<bool>()[b] = std::find(row, row + end, true) != row + end;
+  }
+  return ends;
+}
+
+// [B] int64: key_ends[b] (k_len when undefined) - query_ends[b], the per-sequence bottom-right alignment.
+at::Tensor key_end_minus_query_end(const at::Tensor& key_ends, const at::Tensor& query_ends, int64_t k_len) {
+  const int64_t batch = query_ends.size(0);
+  at::Tensor offsets = at::empty({batch}, kLongOptions);
+  for (int64_t b = 0; b < batch; ++b)
+    offsets.data_ptr<int64_t>()[b] =
+        (key_ends.defined() ? key_ends.data_ptr<int64_t>()[b] : k_len) - query_ends.data_ptr<int64_t>()[b];
+  return offsets;
+}
+
+at::Tensor check_padding(const at::Tensor& padding, const char* name, int64_t batch, int64_t length) {
+  check_cpu(padding, name);
+  TORCH_CHECK_VALUE(padding.scalar_type() == at::kBool && padding.dim() == 2 && padding.size(0) == batch &&
+                        padding.size(1) == length,
+                    "attention: ", name, " must be bool [", batch, ", ", length, "], got ", padding.scalar_type(), " ",
+                    padding.sizes());
+  return padding.contiguous();
+}
+
 AttentionInputs prepare_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& key_padding) {
+                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& key_padding,
+                               const std::optional<at::Tensor>& query_padding, bool per_sequence_alignment) {
   check_cpu(q, "q");
   check_cpu(k, "k");
   check_cpu(v, "v");
@@ -557,6 +639,9 @@ AttentionInputs prepare_inputs(const at::Tensor& q, const at::Tensor& k, const a
   inputs.k = with_contiguous_rows(k, dtype);
   inputs.v = with_contiguous_rows(v, dtype);
   const int64_t batch = q.size(0), heads = q.size(1), q_len = q.size(2), k_len = k.size(2);
+  inputs.batch = batch;
+  inputs.q_len = q_len;
+  inputs.k_len = k_len;
   if (bias.has_value()) {
     check_cpu(*bias, "bias");
     if (bias->scalar_type() == at::kBool)
@@ -565,38 +650,85 @@ AttentionInputs prepare_inputs(const at::Tensor& q, const at::Tensor& k, const a
       inputs.bias = broadcast_mask(bias->to(inputs.q.scalar_type()), batch, heads, q_len, k_len);
   }
   if (key_padding.has_value()) {
-    check_cpu(*key_padding, "key_padding");
-    TORCH_CHECK_VALUE(key_padding->scalar_type() == at::kBool && key_padding->dim() == 2 &&
-                          key_padding->size(0) == batch && key_padding->size(1) == k_len,
-                      "attention: key_padding must be bool [B, Lk] = [", batch, ", ", k_len, "], got ",
-                      key_padding->scalar_type(), " ", key_padding->sizes());
-    inputs.key_padding = key_padding->contiguous();
-    inputs.key_ends = at::empty({batch}, at::TensorOptions().dtype(at::kLong));
-    inputs.padding_has_holes = at::empty({batch}, at::TensorOptions().dtype(at::kBool));
-    const bool* padding = inputs.key_padding.data_ptr<bool>();
-    int64_t* ends = inputs.key_ends.data_ptr<int64_t>();
-    bool* holes = inputs.padding_has_holes.data_ptr<bool>();
-    for (int64_t b = 0; b < batch; ++b) {
-      const bool* row = padding + b * k_len;
-      int64_t end = k_len;
-      while (end > 0 && row[end - 1]) --end;
-      ends[b] = end;
-      holes[b] = std::find(row, row + end, true) != row + end;
-    }
+    inputs.key_padding = check_padding(*key_padding, "key_padding", batch, k_len);
+    inputs.key_ends = padding_ends(inputs.key_padding, &inputs.padding_has_holes);
+  }
+  if (query_padding.has_value()) {
+    inputs.query_padding = check_padding(*query_padding, "query_padding", batch, q_len);
+    inputs.query_ends = padding_ends(inputs.query_padding, nullptr);
+    if (per_sequence_alignment)  // the last real query sees the last real key
+      inputs.alignment_offsets = key_end_minus_query_end(inputs.key_ends, inputs.query_ends, k_len);
   }
   return inputs;
 }
 
+// [T, heads, D] -> [1, heads, T, D] in the accumulate dtype, rows as BLAS reads them.
+at::Tensor packed_head_rows(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  check_cpu(t, name);
+  TORCH_CHECK_VALUE(t.dim() == 3, "attention_varlen: ", name, " must be [T, heads, D], got ", t.sizes());
+  return with_contiguous_rows(t.permute({1, 0, 2}).unsqueeze(0), dtype);
+}
+
+AttentionInputs prepare_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_q,
+                                      int64_t max_k, bool bottom_right) {
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes() && q.dim() == 3 && k.dim() == 3 && k.size(2) == q.size(2) &&
+                        k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+                    "attention_varlen: q must be [Tq, H, D] and k, v [Tk, Hkv, D], got ", q.sizes(), ", ", k.sizes(),
+                    ", ", v.sizes());
+  AttentionInputs inputs;
+  const at::ScalarType dtype = accumulate_dtype(q.scalar_type());
+  inputs.q = packed_head_rows(q, "q", dtype);
+  inputs.k = packed_head_rows(k, "k", dtype);
+  inputs.v = packed_head_rows(v, "v", dtype);
+  check_cpu(cu_seqlens_q, "cu_seqlens_q");
+  check_cpu(cu_seqlens_k, "cu_seqlens_k");
+  TORCH_CHECK_VALUE(cu_seqlens_q.dim() == 1 && cu_seqlens_q.sizes() == cu_seqlens_k.sizes() && cu_seqlens_q.size(0) >= 1,
+                    "attention_varlen: cu_seqlens_q and cu_seqlens_k must be [B + 1], got ", cu_seqlens_q.sizes(),
+                    " and ", cu_seqlens_k.sizes());
+  const int64_t batch = cu_seqlens_q.size(0) - 1;
+  inputs.batch = batch;
+  inputs.q_len = max_q;
+  inputs.k_len = max_k;
+  inputs.q_starts = cu_seqlens_q.to(at::kLong).contiguous();
+  inputs.k_starts = cu_seqlens_k.to(at::kLong).contiguous();
+  const int64_t* q_starts = inputs.q_starts.data_ptr<int64_t>();
+  const int64_t* k_starts = inputs.k_starts.data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(q_starts[0] == 0 && q_starts[batch] == q.size(0) && k_starts[0] == 0 && k_starts[batch] == k.size(0),
+                    "attention_varlen: cu_seqlens must run from 0 to the packed lengths ", q.size(0), " and ",
+                    k.size(0));
+  inputs.query_ends = at::empty({batch}, kLongOptions);
+  inputs.key_ends = at::empty({batch}, kLongOptions);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q_length = q_starts[b + 1] - q_starts[b], k_length = k_starts[b + 1] - k_starts[b];
+    TORCH_CHECK_VALUE(0 <= q_length && q_length <= max_q && 0 <= k_length && k_length <= max_k,
+                      "attention_varlen: sequence ", b, " has ", q_length, " queries and ", k_length,
+                      " keys; cu_seqlens must not decrease and max_seqlen_q / max_seqlen_k (", max_q, ", ", max_k,
+                      ") bound every length");
+    inputs.query_ends.data_ptr<int64_t>()[b] = q_length;
+    inputs.key_ends.data_ptr<int64_t>()[b] = k_length;
+  }
+  if (bottom_right) inputs.alignment_offsets = key_end_minus_query_end(inputs.key_ends, inputs.query_ends, max_k);
+  return inputs;
+}
+
+// The options every attention op takes after its tensors.
+struct AttentionOptions {
+  bool is_causal;
+  int64_t alignment_offset, window_left, window_right;
+  double scale, dropout_p;
+  int64_t seed;
+};
+
 template <typename scalar_t>
-AttentionProblem<scalar_t> make_problem(const AttentionInputs& inputs, bool is_causal, int64_t causal_offset,
-                                        double scale, double dropout_p, int64_t seed) {
+AttentionProblem<scalar_t> make_problem(const AttentionInputs& inputs, const AttentionOptions& options) {
   AttentionProblem<scalar_t> p;
-  p.batch = inputs.q.size(0);
+  p.batch = inputs.batch;
   p.heads = inputs.q.size(1);
-  p.q_len = inputs.q.size(2);
+  p.q_len = inputs.q_len;
   p.head_dim = inputs.q.size(3);
   p.kv_heads = inputs.k.size(1);
-  p.k_len = inputs.k.size(2);
+  p.k_len = inputs.k_len;
   if (inputs.bias.defined()) {
     p.bias = inputs.bias.data_ptr<scalar_t>();
     for (int dim = 0; dim < 3; ++dim) p.bias_stride[dim] = inputs.bias.stride(dim);
@@ -607,57 +739,132 @@ AttentionProblem<scalar_t> make_problem(const AttentionInputs& inputs, bool is_c
   }
   if (inputs.key_padding.defined()) {
     p.key_padding = inputs.key_padding.data_ptr<bool>();
-    p.key_ends = inputs.key_ends.data_ptr<int64_t>();
     p.padding_has_holes = inputs.padding_has_holes.data_ptr<bool>();
   }
-  p.causal = is_causal;
-  p.causal_offset = causal_offset;
-  p.scale = static_cast<scalar_t>(scale);
-  p.dropout = DropoutMask(seed, dropout_p);
+  if (inputs.key_ends.defined()) p.key_ends = inputs.key_ends.data_ptr<int64_t>();
+  if (inputs.query_padding.defined()) p.query_padding = inputs.query_padding.data_ptr<bool>();
+  if (inputs.query_ends.defined()) p.query_ends = inputs.query_ends.data_ptr<int64_t>();
+  if (inputs.alignment_offsets.defined()) p.alignment_offsets = inputs.alignment_offsets.data_ptr<int64_t>();
+  p.packed = inputs.q_starts.defined();
+  p.causal = options.is_causal;
+  p.alignment_offset = options.alignment_offset;
+  p.window_left = options.window_left;
+  p.window_right = options.window_right;
+  p.scale = static_cast<scalar_t>(options.scale);
+  p.dropout = DropoutMask(options.seed, options.dropout_p);
   return p;
 }
+
+// t's rows, packed ones reached through the sequences' starts.
+template <typename T>
+HeadRows<T> rows_of(const at::Tensor& t, const at::Tensor& starts) {
+  HeadRows<T> rows = head_rows<T>(t);
+  if (starts.defined()) rows.starts = starts.data_ptr<int64_t>();
+  return rows;
+}
+
+// lse [B, H, Lq] (contiguous), or [H, T] for packed sequences, as rows of one element.
+template <typename T>
+HeadRows<T> lse_rows(const at::Tensor& lse, const at::Tensor& starts) {
+  if (starts.defined()) return {lse.data_ptr<std::remove_const_t<T>>(), 0, lse.stride(0), 1, starts.data_ptr<int64_t>()};
+  return {lse.data_ptr<std::remove_const_t<T>>(), lse.stride(0), lse.stride(1), 1};
+}
+
+// out [B, H, Lq, D] laid out as [B, Lq, H, D] (packed: [1, H, T, D] viewing [T, H, D]) and lse [B, H, Lq] (packed:
+// [H, T]).
+std::tuple<at::Tensor, at::Tensor> run_forward(const AttentionInputs& inputs, const AttentionOptions& options) {
+  at::Tensor out = new_head_rows(inputs.q, /*zeroed=*/false);
+  const auto& q = inputs.q;
+  at::Tensor lse = inputs.q_starts.defined() ? at::empty({q.size(1), q.size(2)}, q.options())
+                                             : at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_fwd", [&] {
+    const auto problem = make_problem<scalar_t>(inputs, options);
+    attention_forward_kernel(problem, rows_of<const scalar_t>(inputs.q, inputs.q_starts),
+                             rows_of<const scalar_t>(inputs.k, inputs.k_starts),
+                             rows_of<const scalar_t>(inputs.v, inputs.k_starts),
+                             rows_of<scalar_t>(out, inputs.q_starts), lse_rows<scalar_t>(lse, inputs.q_starts));
+  });
+  return {out, lse};
+}
+
+// dq, dk, dv laid out as out is.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(const AttentionInputs& inputs,
+                                                            const AttentionOptions& options, const at::Tensor& dout,
+                                                            const at::Tensor& out, const at::Tensor& lse) {
+  const auto dtype = inputs.q.scalar_type();
+  const at::Tensor dout_acc = with_contiguous_rows(dout, dtype), out_acc = with_contiguous_rows(out, dtype);
+  const at::Tensor lse_acc = lse.to(dtype).contiguous();
+  at::Tensor dq = new_head_rows(inputs.q, true), dk = new_head_rows(inputs.k, true), dv = new_head_rows(inputs.v, true);
+  AT_DISPATCH_FLOATING_TYPES(dtype, "attention_bwd", [&] {
+    const auto problem = make_problem<scalar_t>(inputs, options);
+    const at::Tensor& qs = inputs.q_starts;
+    const at::Tensor& ks = inputs.k_starts;
+    attention_backward_kernel(problem, rows_of<const scalar_t>(inputs.q, qs), rows_of<const scalar_t>(inputs.k, ks),
+                              rows_of<const scalar_t>(inputs.v, ks), rows_of<const scalar_t>(out_acc, qs),
+                              rows_of<const scalar_t>(dout_acc, qs), lse_rows<const scalar_t>(lse_acc, qs),
+                              rows_of<scalar_t>(dq, qs), rows_of<scalar_t>(dk, ks), rows_of<scalar_t>(dv, ks));
+  });
+  return {dq, dk, dv};
+}
+
+// [1, heads, T, D] (laid out [T, heads, D]) -> [T, heads, D].
+at::Tensor unpack(const at::Tensor& t, at::ScalarType dtype) { return t.squeeze(0).permute({1, 0, 2}).to(dtype); }
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const std::optional<at::Tensor>& bias,
-                                                 const std::optional<at::Tensor>& key_padding, bool is_causal,
-                                                 int64_t causal_offset, double scale, double dropout_p,
-                                                 const std::optional<at::Tensor>& seed) {
-  const AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_padding);
-  at::Tensor out = new_head_rows(inputs.q, /*zeroed=*/false);
-  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, inputs.q.options());
-  AT_DISPATCH_FLOATING_TYPES(inputs.q.scalar_type(), "attention_fwd", [&] {
-    const auto problem =
-        make_problem<scalar_t>(inputs, is_causal, causal_offset, scale, dropout_p, seed_value(seed));
-    attention_forward_kernel(problem, head_rows<const scalar_t>(inputs.q), head_rows<const scalar_t>(inputs.k),
-                             head_rows<const scalar_t>(inputs.v), head_rows<scalar_t>(out), lse.data_ptr<scalar_t>());
-  });
+                                                 const std::optional<at::Tensor>& key_padding,
+                                                 const std::optional<at::Tensor>& query_padding, bool is_causal,
+                                                 bool bottom_right, int64_t window_left, int64_t window_right,
+                                                 double scale, double dropout_p, const std::optional<at::Tensor>& seed) {
+  const AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_padding, query_padding, bottom_right);
+  const int64_t offset = bottom_right ? k.size(2) - q.size(2) : 0;
+  auto [out, lse] =
+      run_forward(inputs, {is_causal, offset, window_left, window_right, scale, dropout_p, seed_value(seed)});
   return {out.to(q.scalar_type()), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& key_padding,
-    bool is_causal, int64_t causal_offset, double scale, double dropout_p,
-                                                 const std::optional<at::Tensor>& seed) {
-  const AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_padding);
+    const std::optional<at::Tensor>& query_padding, bool is_causal, bool bottom_right, int64_t window_left,
+    int64_t window_right, double scale, double dropout_p, const std::optional<at::Tensor>& seed) {
+  const AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_padding, query_padding, bottom_right);
   TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "attention_bwd: dout ", dout.sizes(),
                     " and out ", out.sizes(), " must have q's shape ", q.sizes());
   TORCH_CHECK_VALUE(lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3), "attention_bwd: lse must be [B, H, Lq]");
-  const auto dtype = inputs.q.scalar_type();
-  const at::Tensor dout_acc = with_contiguous_rows(dout, dtype), out_acc = with_contiguous_rows(out, dtype);
-  const at::Tensor lse_acc = lse.to(dtype).contiguous();
-  at::Tensor dq = new_head_rows(inputs.q, true), dk = new_head_rows(inputs.k, true), dv = new_head_rows(inputs.v, true);
-  AT_DISPATCH_FLOATING_TYPES(dtype, "attention_bwd", [&] {
-    const auto problem =
-        make_problem<scalar_t>(inputs, is_causal, causal_offset, scale, dropout_p, seed_value(seed));
-    attention_backward_kernel(problem, head_rows<const scalar_t>(inputs.q), head_rows<const scalar_t>(inputs.k),
-                              head_rows<const scalar_t>(inputs.v), head_rows<const scalar_t>(out_acc),
-                              head_rows<const scalar_t>(dout_acc), lse_acc.data_ptr<scalar_t>(),
-                              head_rows<scalar_t>(dq), head_rows<scalar_t>(dk), head_rows<scalar_t>(dv));
-  });
+  const int64_t offset = bottom_right ? k.size(2) - q.size(2) : 0;
+  auto [dq, dk, dv] = run_backward(inputs, {is_causal, offset, window_left, window_right, scale, dropout_p,
+                                            seed_value(seed)}, dout, out, lse);
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, bool bottom_right,
+    int64_t window_left, int64_t window_right, double scale, double dropout_p, const std::optional<at::Tensor>& seed) {
+  const AttentionInputs inputs =
+      prepare_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bottom_right);
+  auto [out, lse] = run_forward(inputs, {is_causal, 0, window_left, window_right, scale, dropout_p, seed_value(seed)});
+  return {unpack(out, q.scalar_type()), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, bool is_causal, bool bottom_right, int64_t window_left, int64_t window_right, double scale,
+    double dropout_p, const std::optional<at::Tensor>& seed) {
+  const AttentionInputs inputs =
+      prepare_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bottom_right);
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "attention_varlen_bwd: dout ",
+                    dout.sizes(), " and out ", out.sizes(), " must have q's shape ", q.sizes());
+  TORCH_CHECK_VALUE(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
+                    "attention_varlen_bwd: lse must be [H, Tq]");
+  const auto as_head_rows = [](const at::Tensor& t) { return t.permute({1, 0, 2}).unsqueeze(0); };
+  auto [dq, dk, dv] = run_backward(inputs, {is_causal, 0, window_left, window_right, scale, dropout_p,
+                                            seed_value(seed)}, as_head_rows(dout), as_head_rows(out), lse);
+  return {unpack(dq, q.scalar_type()), unpack(dk, k.scalar_type()), unpack(dv, v.scalar_type())};
 }
 
 // The number of tasks the backward runs in parallel for these sizes (tests check that few heads still split).
@@ -672,6 +879,8 @@ TORCH_LIBRARY_FRAGMENT(fused_transformer_cpu, m) {
 TORCH_LIBRARY_IMPL(fused_transformer_cpu, CPU, m) {
   m.impl("attention_fwd", &attention_fwd);
   m.impl("attention_bwd", &attention_bwd);
+  m.impl("attention_varlen_fwd", &attention_varlen_fwd);
+  m.impl("attention_varlen_bwd", &attention_varlen_bwd);
 }
 
 }  // namespace fused_transformer_cpu

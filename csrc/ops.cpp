@@ -26,13 +26,30 @@ at::Tensor dropout_keep_mask(int64_t seed, int64_t numel, double dropout_p) {
 TORCH_LIBRARY(fused_transformer_cpu, m) {
   // q [B, H, Lq, D], k, v [B, Hkv, Lk, D] in any float dtype and any strides; bias broadcastable to
   // [B, H, Lq, Lk]: float, added to the scaled scores (-inf = masked), or bool, true = may attend;
-  // key_padding bool [B, Lk], true = padding (keys after a sequence's last real key are not even read). Query i sees key j <= i + causal_offset when
-  // is_causal. Returns out (q's dtype, laid out in memory as [B, Lq, H, D]) and lse [B, H, Lq].
-  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? key_padding, bool is_causal, "
-        "int causal_offset, float scale, float dropout_p, Tensor? seed) -> (Tensor, Tensor)");
+  // key_padding bool [B, Lk], true = padding (keys after a sequence's last real key are not even read);
+  // query_padding bool [B, Lq], true = padding (a zero row, lse -inf; rows after the last real query are not
+  // computed). Query i's diagonal key is i + o: o = 0, or with bottom_right Lk - Lq, or per sequence (key end -
+  // query end) when query_padding is given. Query i sees keys i + o - window_left .. i + o + window_right (-1: no
+  // limit on that side; is_causal: at most i + o). Returns out (q's dtype, laid out in memory as [B, Lq, H, D])
+  // and lse [B, H, Lq].
+  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? key_padding, Tensor? query_padding, "
+        "bool is_causal, bool bottom_right, int window_left, int window_right, float scale, float dropout_p, "
+        "Tensor? seed) -> (Tensor, Tensor)");
   // Returns dq, dk, dv in the dtypes of q, k, v, laid out like out.
   m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? bias, "
-        "Tensor? key_padding, bool is_causal, int causal_offset, float scale, float dropout_p, Tensor? seed) "
+        "Tensor? key_padding, Tensor? query_padding, bool is_causal, bool bottom_right, int window_left, "
+        "int window_right, float scale, float dropout_p, Tensor? seed) -> (Tensor, Tensor, Tensor)");
+  // Packed sequences: q [Tq, H, D], k, v [Tk, Hkv, D], sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1]
+  // (integer [B + 1]), no longer than max_seqlen; the options as above, per sequence. Dropout element
+  // (b, h, i, j) is element ((b * H + h) * max_seqlen_q + i) * max_seqlen_k + j of the keep-mask stream.
+  // Returns out [Tq, H, D] (q's dtype) and lse [H, Tq].
+  m.def("attention_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "int max_seqlen_q, int max_seqlen_k, bool is_causal, bool bottom_right, int window_left, int window_right, "
+        "float scale, float dropout_p, Tensor? seed) -> (Tensor, Tensor)");
+  // Returns dq, dk, dv [T, heads, D] in the dtypes of q, k, v.
+  m.def("attention_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool is_causal, "
+        "bool bottom_right, int window_left, int window_right, float scale, float dropout_p, Tensor? seed) "
         "-> (Tensor, Tensor, Tensor)");
   // x, residual [rows, N]. Returns y, z (empty unless store_z), mean, rstd [rows].
   m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, float dropout_p, "

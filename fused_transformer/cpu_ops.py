@@ -82,22 +82,29 @@ def _attention_bias(attn_mask: Optional[Tensor], dtype: torch.dtype) -> Optional
     return attn_mask.to(dtype)
 
 
+def _window_bounds(window: Optional[Tuple[Optional[int], Optional[int]]]) -> Tuple[int, int]:
+    """``(left, right)`` as the kernels take them: -1 for no limit."""
+    left, right = window if window is not None else (None, None)
+    return (-1 if left is None else left, -1 if right is None else right)
+
+
 class AttentionFunction(torch.autograd.Function):
-    """Autograd over ``attention_fwd`` / ``attention_bwd``; ``attn_mask`` already converted by ``_attention_bias``."""
+    """Autograd over ``attention_fwd`` / ``attention_bwd``; ``attn_mask`` already converted by ``_attention_bias``.
+    ``options``: is_causal, bottom_right, window_left, window_right, scale, dropout_p."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, key_padding, is_causal, causal_offset, scale, dropout_p, seed):
-        out, lse = _ops.attention_fwd(q, k, v, bias, key_padding, is_causal, causal_offset, scale, dropout_p, seed)
-        ctx.save_for_backward(q, k, v, out, lse, bias, key_padding, seed)
-        ctx.options = (is_causal, causal_offset, scale, dropout_p)
+    def forward(ctx, q, k, v, bias, key_padding, query_padding, options, seed):
+        out, lse = _ops.attention_fwd(q, k, v, bias, key_padding, query_padding, *options, seed)
+        ctx.save_for_backward(q, k, v, out, lse, bias, key_padding, query_padding, seed)
+        ctx.options = options
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, bias, key_padding, seed = ctx.saved_tensors
-        dq, dk, dv = _ops.attention_bwd(dout, q, k, v, out, lse, bias, key_padding, *ctx.options, seed)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        q, k, v, out, lse, bias, key_padding, query_padding, seed = ctx.saved_tensors
+        dq, dk, dv = _ops.attention_bwd(dout, q, k, v, out, lse, bias, key_padding, query_padding, *ctx.options, seed)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def attention(
@@ -112,24 +119,68 @@ def attention(
     dropout_p: float,
     scale: Optional[float],
     return_lse: bool,
+    query_padding_mask: Optional[Tensor] = None,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``fused_transformer.functional.attention`` on the C++ flash-attention kernel (arguments checked there).
 
     q ``[B, H, Lq, D]``, k / v ``[B, Hkv, Lk, D]``. Returns the output in q's dtype and, with ``return_lse``,
     the LSE ``[B, H, Lq]`` (float32; float64 for float64). A float ``attn_mask`` is not differentiated.
     """
-    _check_cpu(q=q, k=k, v=v, attn_mask=attn_mask, key_padding_mask=key_padding_mask)
+    _check_cpu(q=q, k=k, v=v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+               query_padding_mask=query_padding_mask)
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         raise ValueError("the cpu backend does not compute gradients for attn_mask; use backend 'reference'")
-    q_len, k_len = q.shape[-2], k.shape[-2]
     bias = _attention_bias(attn_mask, _stats_dtype(q.dtype))
-    scale = reference.softmax_scale(q.shape[-1], scale)
-    causal_offset = 0 if causal_alignment == "top_left" else k_len - q_len
+    options = (bool(is_causal), causal_alignment == "bottom_right", *_window_bounds(window),
+               reference.softmax_scale(q.shape[-1], scale), float(dropout_p))
     seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
-    out, lse = _apply(
-        AttentionFunction, q, k, v, bias, key_padding_mask, bool(is_causal), causal_offset, scale, float(dropout_p),
-        seed,
-    )
+    out, lse = _apply(AttentionFunction, q, k, v, bias, key_padding_mask, query_padding_mask, options, seed)
+    return (out, lse) if return_lse else out
+
+
+class AttentionVarlenFunction(torch.autograd.Function):
+    """Autograd over ``attention_varlen_fwd`` / ``attention_varlen_bwd``. ``options``: max_seqlen_q, max_seqlen_k,
+    is_causal, bottom_right, window_left, window_right, scale, dropout_p."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, options, seed):
+        out, lse = _ops.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *options, seed)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed = ctx.saved_tensors
+        dq, dk, dv = _ops.attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, seed)
+        return dq, dk, dv, None, None, None, None
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    is_causal: bool,
+    causal_alignment: str,
+    window: Optional[Tuple[Optional[int], Optional[int]]],
+    dropout_p: float,
+    scale: Optional[float],
+    return_lse: bool,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``fused_transformer.functional.attention_varlen`` on the C++ kernels (arguments checked there): packed
+    q ``[Tq, H, D]``, k / v ``[Tk, Hkv, D]``; returns ``[Tq, H, D]`` and, with ``return_lse``, ``[H, Tq]``."""
+    _check_cpu(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    options = (int(max_seqlen_q), int(max_seqlen_k), bool(is_causal), causal_alignment == "bottom_right",
+               *_window_bounds(window), reference.softmax_scale(q.shape[-1], scale), float(dropout_p))
+    seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
+    out, lse = _apply(AttentionVarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k, options, seed)
     return (out, lse) if return_lse else out
 
 
@@ -143,13 +194,15 @@ def attention_weights(
     is_causal: bool,
     causal_alignment: str,
     scale: Optional[float],
+    query_padding_mask: Optional[Tensor] = None,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
 ) -> Tensor:
     """``fused_transformer.functional.attention_weights``: the result is the full ``[B, H, Lq, Lk]`` matrix, so
     there is nothing to fuse and the reference computes it."""
     _check_cpu(q=q, k=k, lse=lse)
     return reference.attention_weights(
-        q, k, lse, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-        causal_alignment=causal_alignment, scale=scale,
+        q, k, lse, attn_mask=attn_mask, key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
+        is_causal=is_causal, causal_alignment=causal_alignment, window=window, scale=scale,
     )
 
 
@@ -274,12 +327,20 @@ def _register_fakes() -> None:
         return t.new_empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])).transpose(1, 2)
 
     @torch.library.register_fake("fused_transformer_cpu::attention_fwd")
-    def _(q, k, v, bias, key_padding, is_causal, causal_offset, scale, dropout_p, seed):
+    def _(q, k, v, bias, key_padding, query_padding, *options_and_seed):
         return head_rows(q), stats(q, q.shape[:3])
 
     @torch.library.register_fake("fused_transformer_cpu::attention_bwd")
-    def _(dout, q, k, v, out, lse, bias, key_padding, is_causal, causal_offset, scale, dropout_p, seed):
+    def _(dout, q, k, v, out, lse, bias, key_padding, query_padding, *options_and_seed):
         return head_rows(q), head_rows(k), head_rows(v)
+
+    @torch.library.register_fake("fused_transformer_cpu::attention_varlen_fwd")
+    def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *options_and_seed):
+        return torch.empty_like(q, memory_format=torch.contiguous_format), stats(q, (q.shape[1], q.shape[0]))
+
+    @torch.library.register_fake("fused_transformer_cpu::attention_varlen_bwd")
+    def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *options_and_seed):
+        return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
     @torch.library.register_fake("fused_transformer_cpu::layer_norm_fwd")
     def _(x, weight, bias, residual, eps, dropout_p, seed, store_z):

@@ -32,12 +32,14 @@ _IMPLEMENTATIONS: Dict[str, Dict[str, str]] = {
     "triton": {
         "attention": "kernels.attention",
         "attention_weights": "kernels.attention",
+        "attention_varlen": "kernels.attention",
         "layer_norm": "kernels.layer_norm",
         "feed_forward": "kernels.feed_forward",
     },
     "cpu": {
         "attention": "cpu_ops",
         "attention_weights": "cpu_ops",
+        "attention_varlen": "cpu_ops",
         "layer_norm": "cpu_ops",
         "feed_forward": "cpu_ops",
     },
@@ -123,9 +125,42 @@ def _check_dropout(p: object) -> float:
     return float(p)
 
 
+def _check_padding_mask(name: str, mask: object, batch: int, length: int, anchor: Tensor) -> None:
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be bool (True = padding), got {mask.dtype}")
+    _check_same(name, mask, "q", anchor, dtype=False)
+    if tuple(mask.shape) != (batch, length):
+        raise ValueError(f"{name} must be [batch, seq_{name[0]}] = {[batch, length]}, got {tuple(mask.shape)}")
+
+
+def _check_window(window: object) -> Optional[Tuple[Optional[int], Optional[int]]]:
+    """``window`` as a ``(left, right)`` tuple of non-negative ints or None, or None for no window."""
+    if window is None:
+        return None
+    def bound(x: object) -> bool:
+        return x is None or (isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0)
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(bound(x) for x in window):
+        raise ValueError(f"window={window!r} must be None or (left, right), each a non-negative int or None")
+    left, right = window
+    return (None if left is None else int(left), None if right is None else int(right))
+
+
+def _check_common_flags(is_causal: object, causal_alignment: object, scale: object) -> None:
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment={causal_alignment!r} must be one of {CAUSAL_ALIGNMENTS}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+
+
 def _check_attention_args(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
-    is_causal: bool, causal_alignment: str, scale: Optional[float],
+    is_causal: bool, causal_alignment: str, scale: Optional[float], query_padding_mask: Optional[Tensor] = None,
 ) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, rank=4)
@@ -151,20 +186,37 @@ def _check_attention_args(
         shape = tuple(attn_mask.shape)
         if len(shape) > 4 or any(s not in (1, t) for s, t in zip(shape[::-1], target[::-1])):
             raise ValueError(f"attn_mask of shape {shape} does not broadcast to [B, H, Lq, Lk] = {list(target)}")
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, Tensor):
-            raise TypeError(f"key_padding_mask must be a torch.Tensor or None, got {type(key_padding_mask).__name__}")
-        if key_padding_mask.dtype != torch.bool:
-            raise TypeError(f"key_padding_mask must be bool (True = padding), got {key_padding_mask.dtype}")
-        _check_same("key_padding_mask", key_padding_mask, "q", q, dtype=False)
-        if tuple(key_padding_mask.shape) != (batch, lk):
-            raise ValueError(f"key_padding_mask must be [batch, seq_k] = {[batch, lk]}, got {tuple(key_padding_mask.shape)}")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if causal_alignment not in CAUSAL_ALIGNMENTS:
-        raise ValueError(f"causal_alignment={causal_alignment!r} must be one of {CAUSAL_ALIGNMENTS}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    _check_padding_mask("key_padding_mask", key_padding_mask, batch, lk, q)
+    _check_padding_mask("query_padding_mask", query_padding_mask, batch, lq, q)
+    _check_common_flags(is_causal, causal_alignment, scale)
+
+
+def _check_cu_seqlens(name: str, cu: object, max_seqlen: object, anchor: Tensor) -> None:
+    """Type, rank and device of ``cu`` and the type of its max_seqlen; ``_check_cu_seqlens_values`` reads it."""
+    max_name = "max_seqlen_" + name[-1]
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
+        raise TypeError(f"{name} must be int32 [batch + 1] (sequence start offsets, then the total), got "
+                        f"{_describe(cu)}")
+    _check_same(name, cu, "q", anchor, dtype=False)
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 0:
+        raise TypeError(f"{max_name}={max_seqlen!r} must be a non-negative int")
+
+
+def _check_cu_seqlens_values(name: str, cu: Tensor, total: int, max_seqlen: int) -> None:
+    max_name = "max_seqlen_" + name[-1]
+    if torch.compiler.is_compiling():  # the values are data; reading them would break the graph
+        return
+    values = cu.tolist()
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if values[0] != 0 or values[-1] != total:
+        raise ValueError(f"{name} must start at 0 and end at the packed length {total}, got {values[0]} .. "
+                         f"{values[-1]}")
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"{name} holds a sequence of {max(lengths)} tokens, more than {max_name}={max_seqlen}")
 
 
 # -------------------------------------------------------------------------------------------------- ops
@@ -177,8 +229,10 @@ def attention(
     *,
     attn_mask: Optional[Tensor] = None,
     key_padding_mask: Optional[Tensor] = None,
+    query_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     return_lse: bool = False,
@@ -192,6 +246,8 @@ def attention(
         attn_mask: broadcastable to ``[B, H, Lq, Lk]``, as in ``scaled_dot_product_attention``: bool with
             True = may attend, or floating and added to the scores.
         key_padding_mask: ``[B, Lk]`` bool, True = padding (the ``nn.MultiheadAttention`` convention).
+        query_padding_mask: ``[B, Lq]`` bool, True = padding: those query rows give zeros (LSE ``-inf``) and
+            pass no gradient.
         is_causal: mask keys after the query. With ``causal_alignment="top_left"`` query ``i`` sees keys
             ``j <= i``; with ``"bottom_right"`` it sees ``j <= i + Lk - Lq`` (the last query sees every key,
             as in incremental decoding)::
@@ -199,6 +255,14 @@ def attention(
                 top_left, Lq=2, Lk=4     bottom_right, Lq=2, Lk=4
                   1 0 0 0                  1 1 1 0
                   1 1 0 0                  1 1 1 1
+
+            With ``query_padding_mask`` given, ``bottom_right`` aligns each sequence on its own: its last real
+            query with its last real key (``Lk - Lq`` becomes ``key_end - query_end``, one past the last
+            position that is not padding, ``key_end = Lk`` without ``key_padding_mask``).
+        window: ``(left, right)``, local attention: query ``i`` sees only keys ``i + o - left <= j <= i + o +
+            right``, ``o`` the offset of the causal alignment above (0 for ``top_left``) whether or not
+            ``is_causal``; None on a side (or ``window=None``) means no limit there. Key tiles wholly outside
+            the window are skipped.
 
         dropout_p: probability of dropping an attention probability (always applied when > 0).
         scale: multiplies the scores; default ``1 / sqrt(D)`` (1 for ``D = 0``, whose scores are all 0).
@@ -219,11 +283,91 @@ def attention(
     """
     cast = _autocast_dtype(q, matmul=True)
     q, k, v = (_autocast(cast, t) for t in (q, k, v))
-    _check_attention_args(q, k, v, attn_mask, key_padding_mask, is_causal, causal_alignment, scale)
+    _check_attention_args(q, k, v, attn_mask, key_padding_mask, is_causal, causal_alignment, scale, query_padding_mask)
+    window = _check_window(window)
     dropout_p = _check_dropout(dropout_p)
+    masks = _optional_masks(query_padding_mask, window)
     return _run(
         "attention", q, cast, q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-        causal_alignment=causal_alignment, dropout_p=dropout_p, scale=scale, return_lse=bool(return_lse),
+        causal_alignment=causal_alignment, dropout_p=dropout_p, scale=scale, return_lse=bool(return_lse), **masks,
+    )
+
+
+def _optional_masks(query_padding_mask: Optional[Tensor], window: Optional[tuple]) -> Dict[str, object]:
+    """The masks newer than the backends' first contract, passed only when given."""
+    masks: Dict[str, object] = {}
+    if query_padding_mask is not None:
+        masks["query_padding_mask"] = query_padding_mask
+    if window is not None and window != (None, None):
+        masks["window"] = window
+    return masks
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Attention over a batch of sequences of different lengths, packed without padding.
+
+    Sequence ``b`` holds queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` and keys / values
+    ``k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]`` and attends only within itself, exactly as ``attention``
+    would on that sequence alone; no work is done for padding.
+
+    Args:
+        q: ``[Tq, H, D]``; k, v: ``[Tk, Hkv, D]``, ``H`` a multiple of ``Hkv`` (grouped-query attention).
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` on q's device: 0, the running sums of the lengths, and
+            ``Tq`` / ``Tk`` (``torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))``).
+        max_seqlen_q, max_seqlen_k: at least every sequence's length (they size the kernels' grids).
+        is_causal, causal_alignment, window, scale: as in ``attention``, per sequence: with ``bottom_right``
+            each sequence's last query is aligned with its last key.
+        dropout_p: as in ``attention``.
+        return_lse: also return the LSE ``[H, Tq]`` (float32, float64 for float64 inputs).
+
+    Returns:
+        ``[Tq, H, D]`` in q's dtype, and the LSE if asked. Edges as in ``attention``: a query with no visible
+        key gives zeros. The values of ``cu_seqlens_*`` are checked (one read of them) except under
+        ``torch.compile``.
+    """
+    cast = _autocast_dtype(q, matmul=True)
+    q, k, v = (_autocast(cast, t) for t in (q, k, v))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, rank=3)
+    _check_same("k", k, "q", q)
+    _check_same("v", v, "q", q)
+    (_, heads, dim), (_, kv_heads, kd) = q.shape, k.shape
+    if kd != dim:
+        raise ValueError(f"k must be [total_k, kv_heads, head_dim={dim}] to match q {tuple(q.shape)}, "
+                         f"got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"q's heads ({heads}) must be a multiple of k/v's heads ({kv_heads})")
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, q)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
+                         "must hold the same number of sequences")
+    _check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+    _check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    _check_common_flags(is_causal, causal_alignment, scale)
+    window = _check_window(window)
+    dropout_p = _check_dropout(dropout_p)
+    return _run(
+        "attention_varlen", q, cast, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+        is_causal=is_causal, causal_alignment=causal_alignment, window=window if window != (None, None) else None,
+        dropout_p=dropout_p, scale=scale, return_lse=bool(return_lse),
     )
 
 
@@ -234,8 +378,10 @@ def attention_weights(
     *,
     attn_mask: Optional[Tensor] = None,
     key_padding_mask: Optional[Tensor] = None,
+    query_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     scale: Optional[float] = None,
 ) -> Tensor:
     """The attention probabilities ``[B, H, Lq, Lk]`` (before dropout) that ``attention`` used, recomputed
@@ -243,12 +389,13 @@ def attention_weights(
     """
     cast = _autocast_dtype(q, matmul=True)
     q, k = _autocast(cast, q), _autocast(cast, k)
-    _check_attention_args(q, k, k, attn_mask, key_padding_mask, is_causal, causal_alignment, scale)
+    _check_attention_args(q, k, k, attn_mask, key_padding_mask, is_causal, causal_alignment, scale, query_padding_mask)
     if not isinstance(lse, Tensor) or tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"lse must be a tensor of shape [B, H, Lq] = {list(q.shape[:3])}")
+    masks = _optional_masks(query_padding_mask, _check_window(window))
     return _run(
         "attention_weights", q, cast, q, k, lse, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-        is_causal=is_causal, causal_alignment=causal_alignment, scale=scale,
+        is_causal=is_causal, causal_alignment=causal_alignment, scale=scale, **masks,
     )
 
 

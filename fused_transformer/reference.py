@@ -60,17 +60,66 @@ def causal_keep(lq: int, lk: int, alignment: str, device: torch.device) -> Tenso
     return cols <= rows + offset
 
 
+def last_real_position(padding_mask: Tensor) -> Tensor:
+    """``[B]`` int64: one past the last position of each row of ``padding_mask`` ``[B, L]`` (True = padding)
+    that is not padding; 0 for a row of padding only."""
+    positions = torch.arange(1, padding_mask.shape[1] + 1, device=padding_mask.device)
+    return torch.where(padding_mask, 0, positions).amax(dim=1) if padding_mask.shape[1] else positions.new_zeros(
+        padding_mask.shape[0])
+
+
+def alignment_offset(
+    lq: int, lk: int, alignment: str, query_padding_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+) -> Union[int, Tensor]:
+    """The offset ``o`` of the causal alignment (query i's diagonal key is ``i + o``): 0 for ``top_left``;
+    ``lk - lq`` for ``bottom_right``, or, when ``query_padding_mask`` is given, ``[B]`` per sequence: one past
+    its last real key (``lk`` without ``key_padding_mask``) minus one past its last real query, so that each
+    sequence's last real query is aligned with its last real key."""
+    if alignment == "top_left":
+        return 0
+    if query_padding_mask is None:
+        return lk - lq
+    key_end = last_real_position(key_padding_mask) if key_padding_mask is not None else lk
+    return key_end - last_real_position(query_padding_mask)
+
+
+def window_keep(lq: int, lk: int, offset: Union[int, Tensor], window: Optional[Tuple[Optional[int], Optional[int]]],
+                is_causal: bool, device: torch.device) -> Optional[Tensor]:
+    """Bool, broadcastable to ``[B, 1, lq, lk]``: True where query i may see key j under the causal mask and the
+    window, ``i + o - left <= j <= i + o + right`` (``o`` from ``alignment_offset``, ``right`` 0 when causal;
+    None = no limit on that side). None when neither limits anything."""
+    left, right = window if window is not None else (None, None)
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    if left is None and right is None:
+        return None
+    offset = torch.as_tensor(offset, device=device).reshape(-1, 1, 1, 1)
+    rows = torch.arange(lq, device=device)[:, None]
+    cols = torch.arange(lk, device=device)[None, :]
+    relative = cols - rows - offset  # j - (i + o)
+    keep = torch.ones_like(relative, dtype=torch.bool)
+    if left is not None:
+        keep &= relative >= -left
+    if right is not None:
+        keep &= relative <= right
+    return keep
+
+
 def attention_scores(
     q: Tensor,
     k: Tensor,
     *,
     attn_mask: Optional[Tensor] = None,
     key_padding_mask: Optional[Tensor] = None,
+    query_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     scale: Optional[float] = None,
 ) -> Tensor:
-    """Scaled, masked scores ``[B, H, Lq, Lk]`` in the statistics dtype; -inf where a key is masked."""
+    """Scaled, masked scores ``[B, H, Lq, Lk]`` in the statistics dtype; -inf where a key is masked (every key of
+    a padding query)."""
     dtype = stats_dtype(q.dtype)
     k = _repeat_kv_heads(k, q.shape[1])
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * softmax_scale(q.shape[-1], scale)
@@ -81,8 +130,12 @@ def attention_scores(
             scores = scores + attn_mask.to(scores.dtype)  # as torch adds it: NaN + -inf stays NaN
     if key_padding_mask is not None:
         scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
-    if is_causal:
-        keep = causal_keep(q.shape[-2], k.shape[-2], causal_alignment, q.device)
+    if query_padding_mask is not None:
+        scores = scores.masked_fill(query_padding_mask[:, None, :, None], float("-inf"))
+    lq, lk = q.shape[-2], k.shape[-2]
+    offset = alignment_offset(lq, lk, causal_alignment, query_padding_mask, key_padding_mask)
+    keep = window_keep(lq, lk, offset, window, is_causal, q.device)
+    if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     return scores
 
@@ -117,8 +170,10 @@ def attention(
     *,
     attn_mask: Optional[Tensor] = None,
     key_padding_mask: Optional[Tensor] = None,
+    query_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     return_lse: bool = False,
@@ -131,13 +186,55 @@ def attention(
     scaled, masked scores (before dropout), -inf for rows with no key, NaN for rows with a NaN score.
     """
     scores = attention_scores(
-        q, k, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-        causal_alignment=causal_alignment, scale=scale,
+        q, k, attn_mask=attn_mask, key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
+        is_causal=is_causal, causal_alignment=causal_alignment, window=window, scale=scale,
     )
     probs, lse = _softmax_and_lse(scores)
     probs = dropout(probs, dropout_p, keep_mask)
     out = torch.matmul(probs.to(v.dtype), _repeat_kv_heads(v, q.shape[1]))
     return (out, lse) if return_lse else out
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    keep_mask: Optional[Tensor] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Reference for ``fused_transformer.functional.attention_varlen``: ``attention`` on each sequence's slice
+    of the packed ``q [Tq, H, D]``, ``k / v [Tk, Hkv, D]``, one sequence at a time.
+
+    ``keep_mask``: bool ``[B, H, max_seqlen_q, max_seqlen_k]``; sequence b uses its top-left
+    ``[H, len_q, len_k]`` corner. Returns ``[Tq, H, D]`` and, with ``return_lse``, the LSE ``[H, Tq]``.
+    """
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(starts_q) - 1):
+        q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
+        keep = keep_mask[b : b + 1, :, : q1 - q0, : k1 - k0] if keep_mask is not None else None
+        out, lse = attention(
+            q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None], v[k0:k1].transpose(0, 1)[None],
+            is_causal=is_causal, causal_alignment=causal_alignment, window=window, dropout_p=dropout_p, scale=scale,
+            return_lse=True, keep_mask=keep,
+        )
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    out = torch.cat(outs) if outs else q.new_empty((0, *q.shape[1:]))
+    if not return_lse:
+        return out
+    lse = torch.cat(lses, dim=1) if lses else q.new_empty((q.shape[1], 0), dtype=stats_dtype(q.dtype))
+    return out, lse
 
 
 def attention_weights(
@@ -147,14 +244,16 @@ def attention_weights(
     *,
     attn_mask: Optional[Tensor] = None,
     key_padding_mask: Optional[Tensor] = None,
+    query_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     scale: Optional[float] = None,
 ) -> Tensor:
     """The normalised attention probabilities ``[B, H, Lq, Lk]`` (before dropout), from the forward's LSE."""
     scores = attention_scores(
-        q, k, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-        causal_alignment=causal_alignment, scale=scale,
+        q, k, attn_mask=attn_mask, key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
+        is_causal=is_causal, causal_alignment=causal_alignment, window=window, scale=scale,
     )
     lse = lse.to(scores.dtype)[..., None]
     # Rows with no key (lse -inf) give 0; a NaN lse (a NaN score) gives a NaN row, as torch's softmax does.

@@ -256,10 +256,29 @@ def test_attention_gradcheck_float64():
     q, k, v = randn(1, 2, 5, 8, generator=g), randn(1, 1, 6, 8, generator=g), randn(1, 1, 6, 8, generator=g)
     bias = ops._attention_bias(torch.randn(5, 6, dtype=torch.float64), torch.float64)
     padding = torch.tensor([[False, True, False, False, False, True]])  # a hole and a padded tail
-    for causal, offset, dropout_p in ((False, 0, 0.0), (True, 1, 0.0), (True, 0, 0.4)):
+    query_padding = torch.tensor([[False, False, True, False, True]])
+    # is_causal, bottom_right (offset Lk - Lq = 1), window, query padding, dropout
+    cases = ((False, False, (-1, -1), None, 0.0), (True, True, (-1, -1), None, 0.0), (True, False, (-1, -1), None, 0.4),
+             (False, True, (1, 2), query_padding, 0.0), (True, True, (2, -1), query_padding, 0.3))
+    for causal, bottom_right, window, q_padding, dropout_p in cases:
         def fn(q, k, v):
             seed = torch.tensor([11])
-            return ops.AttentionFunction.apply(q, k, v, bias, padding, causal, offset, 0.3, dropout_p, seed)[0]
+            options = (causal, bottom_right, *window, 0.3, dropout_p)
+            return ops.AttentionFunction.apply(q, k, v, bias, padding, q_padding, options, seed)[0]
+
+        assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in (q, k, v)])
+
+
+def test_attention_varlen_gradcheck_float64():
+    ops = cpu_ops()
+    g = torch.Generator().manual_seed(4)
+    q, k, v = randn(9, 2, 8, generator=g), randn(11, 1, 8, generator=g), randn(11, 1, 8, generator=g)
+    cu_q, cu_k = torch.tensor([0, 4, 4, 9], dtype=torch.int32), torch.tensor([0, 3, 5, 11], dtype=torch.int32)
+    for causal, bottom_right, window, dropout_p in ((False, False, (-1, -1), 0.0), (True, True, (1, -1), 0.0),
+                                                     (True, False, (-1, -1), 0.3), (False, True, (2, 1), 0.0)):
+        def fn(q, k, v):
+            options = (5, 6, causal, bottom_right, *window, 0.3, dropout_p)
+            return ops.AttentionVarlenFunction.apply(q, k, v, cu_q, cu_k, options, torch.tensor([5]))[0]
 
         assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in (q, k, v)])
 
