@@ -286,21 +286,15 @@ def attention(
     _check_attention_args(q, k, v, attn_mask, key_padding_mask, is_causal, causal_alignment, scale, query_padding_mask)
     window = _check_window(window)
     dropout_p = _check_dropout(dropout_p)
-    masks = _optional_masks(query_padding_mask, window)
     return _run(
-        "attention", q, cast, q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-        causal_alignment=causal_alignment, dropout_p=dropout_p, scale=scale, return_lse=bool(return_lse), **masks,
+        "attention", q, cast, q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask, is_causal=is_causal, causal_alignment=causal_alignment,
+        window=_no_limit_as_none(window), dropout_p=dropout_p, scale=scale, return_lse=bool(return_lse),
     )
 
 
-def _optional_masks(query_padding_mask: Optional[Tensor], window: Optional[tuple]) -> Dict[str, object]:
-    """The masks newer than the backends' first contract, passed only when given."""
-    masks: Dict[str, object] = {}
-    if query_padding_mask is not None:
-        masks["query_padding_mask"] = query_padding_mask
-    if window is not None and window != (None, None):
-        masks["window"] = window
-    return masks
+def _no_limit_as_none(window: Optional[Tuple[Optional[int], Optional[int]]]) -> Optional[tuple]:
+    return None if window == (None, None) else window
 
 
 def attention_varlen(
@@ -366,7 +360,7 @@ def attention_varlen(
     dropout_p = _check_dropout(dropout_p)
     return _run(
         "attention_varlen", q, cast, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-        is_causal=is_causal, causal_alignment=causal_alignment, window=window if window != (None, None) else None,
+        is_causal=is_causal, causal_alignment=causal_alignment, window=_no_limit_as_none(window),
         dropout_p=dropout_p, scale=scale, return_lse=bool(return_lse),
     )
 
@@ -392,10 +386,10 @@ def attention_weights(
     _check_attention_args(q, k, k, attn_mask, key_padding_mask, is_causal, causal_alignment, scale, query_padding_mask)
     if not isinstance(lse, Tensor) or tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"lse must be a tensor of shape [B, H, Lq] = {list(q.shape[:3])}")
-    masks = _optional_masks(query_padding_mask, _check_window(window))
     return _run(
         "attention_weights", q, cast, q, k, lse, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-        is_causal=is_causal, causal_alignment=causal_alignment, scale=scale, **masks,
+        query_padding_mask=query_padding_mask, is_causal=is_causal, causal_alignment=causal_alignment,
+        window=_no_limit_as_none(_check_window(window)), scale=scale,
     )
 
 

@@ -15,13 +15,24 @@ Masks, composable, all inside the kernels:
   key lengths     derived on the device from key_padding_mask (index of the last key that is not padding, + 1):
                   key tiles past a sequence's length are skipped, not visited; keys inside it are still
                   checked against the mask itself, so a mask that is not right-padded is exact too.
-  causal          key j visible from query i when j <= i + offset, offset = 0 (top_left) or Lk - Lq
-                  (bottom_right); tiles wholly above the diagonal are skipped.
+  query padding   the same for query rows (query_padding_mask): padding rows write zeros (LSE -inf) and pass
+                  no gradient; query tiles past the last real query are skipped in the dk/dv loop.
+  causal/window   key j visible from query i when i + o - left <= j <= i + o + right, o the alignment offset:
+                  0 (top_left) or Lk - Lq (bottom_right), per sequence key_end - query_end with query padding
+                  (each sequence's last real query sees its last real key); causal is right = 0, a window
+                  side that is None is as wide as the sequences. Key tiles outside every row's window are
+                  skipped, not visited: the key loops start at the first tile any row can see and stop after
+                  the last, the query loop of dk/dv runs over the rows that see its key tile.
   attn_mask       bool (True = may attend) or float (added), read tile by tile through strides; a mask that
                   broadcasts over batch, heads or rows has stride 0 there and is never expanded in memory.
   query lengths   rows past a sequence's query length write zeros (kernel-level option).
+Variable lengths (VARLEN): q [Tq, H, D], k/v [Tk, Hkv, D] hold B sequences packed end to end, cu_seqlens_q/k
+[B + 1] their offsets. The grid is sized by the longest sequence; each program reads its sequence's bounds from
+cu_seqlens (no host sync) and returns at once when its tile lies past the sequence's end. Outputs are packed
+([Tq, H, D], LSE [H, Tq]); dense outputs keep the contiguous [B, H, L, D] layout (a compile-time row stride).
 Dropout on the probabilities: element (b, h, i, j) is kept when ``dropout_keep(SEED, ((b H + h) Lq + i) Lk + j,
-p)``; ``attention_keep_mask`` replays the mask for the reference.
+p)`` (Lq, Lk: max_seqlen_q, max_seqlen_k with VARLEN, i and j counted within the sequence);
+``attention_keep_mask`` replays the mask for the reference.
 """
 import dataclasses
 import functools
@@ -67,17 +78,25 @@ def _tile_mask(row_ok, dims, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 @triton.jit
 def _mask_scores(
     s, rows, cols,  # s: float32 scores in log2 units; rows / cols: query / key indices broadcastable to s
-    batch, head, q_len, k_len, n_keys, causal_offset,
+    real_rows,  # rows' _real_rows, broadcastable to s
+    batch, head, k_len, seq_k, offset, window_left, window_right,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn,
     PAD, stride_pb,
-    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    MASK_OFFSETS_64: tl.constexpr,
 ):
     """``s`` with every masked (row, col) set to -inf and the float mask added (in log2 units)."""
-    keep = (rows < q_len) & (cols < k_len)
-    if IS_CAUSAL:
-        keep = keep & (cols <= rows + causal_offset)
+    in_bounds = real_rows & (cols < k_len)
+    keep = in_bounds
+    if HAS_WINDOW:  # the launcher folds causal into window_right (at most 0)
+        # -left <= j - (i + offset) <= right as one unsigned compare (a difference below -left wraps past
+        # left + right): two signed compares per score cost up to 70 registers at the largest tiles, and spilled.
+        width = (window_left + window_right).to(tl.uint32, bitcast=True)
+        keep = keep & ((cols - rows - (offset - window_left)).to(tl.uint32, bitcast=True) <= width)
+    elif IS_CAUSAL:
+        keep = keep & (cols <= rows + offset)
     if HAS_PADDING:
-        is_pad = tl.load(PAD + batch * stride_pb + cols, mask=cols < n_keys, other=1)
+        is_pad = tl.load(PAD + batch * stride_pb + cols, mask=cols < seq_k, other=1)
         keep = keep & (is_pad == 0)
     if MASK_KIND != 0:
         # int32 offsets inside one (batch, head) slice, half the registers of int64 ones, unless the slice spans
@@ -85,12 +104,24 @@ def _mask_scores(
         if MASK_OFFSETS_64:
             rows, cols = rows.to(tl.int64), cols.to(tl.int64)
         mask_ptrs = (MASK + batch * stride_mb + head * stride_mh) + (rows * stride_mm + cols * stride_mn)
+        # Read under the bounds alone, not the whole keep predicate: carrying the window / causal terms into the
+        # load's mask holds more registers (the largest tiles spilled); what else is masked is dropped below.
         if MASK_KIND == 1:
-            keep = keep & (tl.load(mask_ptrs, mask=keep, other=0) != 0)
+            keep = keep & (tl.load(mask_ptrs, mask=in_bounds, other=0) != 0)
         else:
             # Added as torch adds it: a NaN score at a -inf key stays NaN. Excluding -inf keys here spills.
-            s += tl.load(mask_ptrs, mask=keep, other=0.0).to(tl.float32) * 1.4426950408889634
+            s += tl.load(mask_ptrs, mask=in_bounds, other=0.0).to(tl.float32) * 1.4426950408889634
     return tl.where(keep, s, float("-inf"))
+
+
+@triton.jit
+def _real_rows(rows, q_len, seq_q, batch, QUERY_PAD, stride_qpb, HAS_QUERY_PADDING: tl.constexpr):
+    """Which of ``rows`` (a vector) are queries to compute: before q_len, and not padding. Loaded once per query
+    tile, outside the key loops: a load inside them costs registers in every iteration."""
+    real = rows < q_len
+    if HAS_QUERY_PADDING:
+        real = real & (tl.load(QUERY_PAD + batch * stride_qpb + rows, mask=rows < seq_q, other=1) == 0)
+    return real
 
 
 @triton.jit
@@ -102,66 +133,146 @@ def _batch_head(n_heads):
 
 
 @triton.jit
-def _visible_key_end(first_row, q_len, k_len, causal_offset, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """One past the last key any row of the query tile starting at ``first_row`` may see."""
+def _sequence(
+    batch, n_queries, n_keys, causal_offset, KEY_LENS, QUERY_LENS, CU_SEQLENS_Q, CU_SEQLENS_K,
+    HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, PER_SEQUENCE_OFFSET: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """Where sequence ``batch`` lies and what of it is real:
+    q_start, k_start: its first query / key row in q / k (int64; 0 unless VARLEN, whose rows are packed);
+    seq_q, seq_k: its query / key rows in memory (Lq / Lk; its own lengths with VARLEN);
+    q_len, k_len: one past its last query / key that is not padding (QUERY_LENS / KEY_LENS, else seq_q / seq_k);
+    offset: its alignment offset, query i's diagonal key being i + offset (k_len - q_len with PER_SEQUENCE_OFFSET,
+    bottom_right aligned per sequence; else the launcher's causal_offset)."""
+    if VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + batch)
+        seq_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + batch)
+        seq_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
+        q_start, k_start = q_start.to(tl.int64), k_start.to(tl.int64)
+    else:
+        q_start, k_start, seq_q, seq_k = 0, 0, n_queries, n_keys
+    k_len = tl.load(KEY_LENS + batch) if HAS_PADDING else seq_k
+    q_len = tl.load(QUERY_LENS + batch) if HAS_QUERY_LENS else seq_q
+    offset = k_len - q_len if PER_SEQUENCE_OFFSET else causal_offset
+    return q_start, k_start, seq_q, seq_k, q_len, k_len, offset
+
+
+@triton.jit
+def _row_index(batch_head, head, n_heads, rows, n_rows, start, VARLEN: tl.constexpr):
+    """Each row's index in an output seen as rows of HEAD_DIM elements: [B, H, L] (dense: the contiguous
+    [B, H, L, D] layout) or [T, H] (VARLEN: packed [T, H, D])."""
+    if VARLEN:
+        return (start + rows) * n_heads + head
+    return batch_head.to(tl.int64) * n_rows + rows
+
+
+@triton.jit
+def _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN: tl.constexpr):
+    """Index of query row 0 of this (batch, head) in the float32 row statistics (LSE, its gradient, delta):
+    [B, H, Lq], or [H, Tq] with VARLEN (Tq, the packed length, is cu_seqlens_q's last element)."""
+    if VARLEN:
+        return head * tl.load(CU_SEQLENS_Q + tl.num_programs(2)) + q_start
+    return batch_head.to(tl.int64) * n_queries
+
+
+@triton.jit
+def _visible_keys(first_row, q_len, k_len, offset, window_left, window_right, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """[start, end) of the keys any row of the query tile starting at ``first_row`` may see; start is a multiple
+    of BLOCK_N (the first key tile to visit)."""
+    start = 0
     end = k_len
-    if IS_CAUSAL:
-        end = tl.minimum(end, first_row + BLOCK_M + causal_offset)
+    if HAS_WINDOW:
+        start = tl.maximum(first_row + offset - window_left, 0) // BLOCK_N * BLOCK_N
+        end = tl.minimum(end, first_row + BLOCK_M + offset + window_right)
+    elif IS_CAUSAL:
+        end = tl.minimum(end, first_row + BLOCK_M + offset)
     end = tl.where(first_row < q_len, end, 0)
-    return tl.maximum(end, 0)
+    return start, tl.maximum(end, 0)
+
+
+@triton.jit
+def _visible_queries(first_col, q_len, k_len, offset, window_left, window_right, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """[start, end) of the query rows that may see a key of the tile starting at ``first_col``; start is a
+    multiple of BLOCK_M (the first query tile to visit)."""
+    start = 0
+    end = q_len
+    if HAS_WINDOW:
+        start = tl.maximum(first_col - offset - window_right, 0) // BLOCK_M * BLOCK_M
+        end = tl.minimum(end, first_col + BLOCK_N - offset + window_left)
+    elif IS_CAUSAL:
+        start = tl.maximum(first_col - offset, 0) // BLOCK_M * BLOCK_M
+    end = tl.where(first_col < k_len, end, 0)
+    return start, end
 
 
 @triton.jit
 def _attention_fwd_kernel(
-    Q,  # [B, H, Lq, D]
-    K, V,  # [B, Hkv, Lk, D]
-    O,  # [B, H, Lq, D] contiguous
-    LSE,  # [B, H, Lq] float32 contiguous, natural log
+    Q,  # [B, H, Lq, D]; VARLEN: [Tq, H, D]
+    K, V,  # [B, Hkv, Lk, D]; VARLEN: [Tk, Hkv, D]
+    O,  # [B, H, Lq, D] contiguous; VARLEN: [Tq, H, D] contiguous
+    LSE,  # [B, H, Lq] float32 contiguous, natural log; VARLEN: [H, Tq]
     MASK,  # attn_mask, read through strides (MASK_KIND != 0)
     PAD,  # [B, Lk] uint8, 1 = padding (HAS_PADDING)
     KEY_LENS,  # [B] int32: one past each sequence's last key that is not padding (HAS_PADDING)
-    QUERY_LENS,  # [B] int32 (HAS_QUERY_LENS)
-    stride_qb, stride_qh, stride_qm,
+    QUERY_LENS,  # [B] int32: one past each sequence's last query row to compute (HAS_QUERY_LENS)
+    QUERY_PAD,  # [B, Lq] uint8, 1 = padding (HAS_QUERY_PADDING)
+    CU_SEQLENS_Q, CU_SEQLENS_K,  # [B + 1] int32: each packed sequence's first row, then the total (VARLEN)
+    stride_qb, stride_qh, stride_qm,  # the batch strides are unused with VARLEN
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_pb,
-    n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, SEED,
+    stride_pb, stride_qpb,
+    n_heads, kv_group,
+    n_queries, n_keys,  # Lq, Lk; VARLEN: max_seqlen_q, max_seqlen_k
+    causal_offset, window_left, window_right, qk_scale, dropout_p, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    MASK_OFFSETS_64: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
+    HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
     batch_head = _batch_head(n_heads)
     batch = (batch_head // n_heads).to(tl.int64)
     head = (batch_head % n_heads).to(tl.int64)
     kv_head = head // kv_group
-    k_len = tl.load(KEY_LENS + batch) if HAS_PADDING else n_keys
-    q_len = tl.load(QUERY_LENS + batch) if HAS_QUERY_LENS else n_queries
+    q_start, k_start, seq_q, seq_k, q_len, k_len, offset = _sequence(
+        batch, n_queries, n_keys, causal_offset, KEY_LENS, QUERY_LENS, CU_SEQLENS_Q, CU_SEQLENS_K, HAS_PADDING,
+        HAS_QUERY_LENS, PER_SEQUENCE_OFFSET, VARLEN,
+    )
+    if VARLEN:
+        if first_row >= seq_q:  # the grid covers the longest sequence; this one is shorter
+            return
 
     rows = first_row + tl.arange(0, BLOCK_M)
+    real_rows = _real_rows(rows, q_len, seq_q, batch, QUERY_PAD, stride_qpb, HAS_QUERY_PADDING)
     dims = tl.arange(0, BLOCK_D)
     q = tl.load(
-        Q + batch * stride_qb + head * stride_qh + rows[:, None].to(tl.int64) * stride_qm + dims[None, :],
-        mask=_tile_mask(rows < n_queries, dims, HEAD_DIM, BLOCK_D), other=0.0,
+        Q + batch * stride_qb + head * stride_qh + q_start * stride_qm + rows[:, None].to(tl.int64) * stride_qm
+        + dims[None, :],
+        mask=_tile_mask(rows < seq_q, dims, HEAD_DIM, BLOCK_D), other=0.0,
     )
-    k_base = K + batch * stride_kb + kv_head * stride_kh
-    v_base = V + batch * stride_vb + kv_head * stride_vh
+    k_base = K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
+    v_base = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     dropout_row = (batch_head.to(tl.int64) * n_queries + rows) * n_keys
 
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    key_end = _visible_key_end(first_row, q_len, k_len, causal_offset, BLOCK_M, IS_CAUSAL)
-    for first_col in range(0, key_end, BLOCK_N):
+    key_start, key_end = _visible_keys(
+        first_row, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    for first_col in range(key_start, key_end, BLOCK_N):
         cols = first_col + tl.arange(0, BLOCK_N)
-        kv_mask = _tile_mask(cols < n_keys, dims, HEAD_DIM, BLOCK_D)
+        kv_mask = _tile_mask(cols < seq_k, dims, HEAD_DIM, BLOCK_D)
         k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
         s = _mask_scores(
-            s, rows[:, None], cols[None, :], batch, head, q_len, k_len, n_keys, causal_offset,
-            MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING, IS_CAUSAL,
-            MASK_OFFSETS_64,
+            s, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset, window_left,
+            window_right, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING,
+            IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
         )
         new_max = tl.maximum(row_max, tl.max(s, axis=1))
         # A row with every key so far masked has max -inf; shifting it by 0 instead keeps exp2 free of NaN.
@@ -181,78 +292,87 @@ def _attention_fwd_kernel(
     out = acc / tl.where(has_key, row_sum, 1.0)[:, None]
     lse = tl.where(has_key, (row_max + tl.math.log2(tl.where(has_key, row_sum, 1.0))) * 0.6931471805599453,
                    float("-inf"))
-    row_ok = rows < n_queries
-    tl.store(LSE + batch_head.to(tl.int64) * n_queries + rows, lse, mask=row_ok)
-    tl.store(
-        O + (batch_head.to(tl.int64) * n_queries + rows[:, None]) * HEAD_DIM + dims[None, :],
-        out.to(O.dtype.element_ty), mask=_tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D),
-    )
+    row_ok = rows < seq_q
+    tl.store(LSE + _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN) + rows, lse, mask=row_ok)
+    out_rows = _row_index(batch_head, head, n_heads, rows, n_queries, q_start, VARLEN)
+    tl.store(O + out_rows[:, None] * HEAD_DIM + dims[None, :], out.to(O.dtype.element_ty),
+             mask=_tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D))
 
 
 @triton.jit
 def _attention_bwd_dq_kernel(
     Q, K, V,  # as in the forward
-    O,  # [B, H, Lq, D] contiguous
-    DO,  # [B, H, Lq, D] contiguous
-    LSE,  # [B, H, Lq] float32
-    DLSE,  # [B, H, Lq] float32, gradient of the returned LSE (HAS_DLSE)
-    DELTA,  # [B, H, Lq] float32, written here: rowsum(do * o) - dlse, for the dk/dv kernel
-    DQ,  # [B, H, Lq, D] contiguous
-    MASK, PAD, KEY_LENS, QUERY_LENS,
+    O,  # as the forward wrote it
+    DO,  # O's shape and layout
+    LSE,  # as the forward wrote it
+    DLSE,  # LSE's shape and layout, float32: gradient of the returned LSE (HAS_DLSE)
+    DELTA,  # LSE's shape and layout, float32, written here: rowsum(do * o) - dlse, for the dk/dv kernel
+    DQ,  # O's shape and layout
+    MASK, PAD, KEY_LENS, QUERY_LENS, QUERY_PAD, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_pb,
-    n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, SEED,
+    stride_pb, stride_qpb,
+    n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale, dropout_p, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    MASK_OFFSETS_64: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
+    HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
     batch_head = _batch_head(n_heads)
     batch = (batch_head // n_heads).to(tl.int64)
     head = (batch_head % n_heads).to(tl.int64)
     kv_head = head // kv_group
-    k_len = tl.load(KEY_LENS + batch) if HAS_PADDING else n_keys
-    q_len = tl.load(QUERY_LENS + batch) if HAS_QUERY_LENS else n_queries
+    q_start, k_start, seq_q, seq_k, q_len, k_len, offset = _sequence(
+        batch, n_queries, n_keys, causal_offset, KEY_LENS, QUERY_LENS, CU_SEQLENS_Q, CU_SEQLENS_K, HAS_PADDING,
+        HAS_QUERY_LENS, PER_SEQUENCE_OFFSET, VARLEN,
+    )
+    if VARLEN:
+        if first_row >= seq_q:
+            return
 
     rows = first_row + tl.arange(0, BLOCK_M)
+    real_rows = _real_rows(rows, q_len, seq_q, batch, QUERY_PAD, stride_qpb, HAS_QUERY_PADDING)
     dims = tl.arange(0, BLOCK_D)
-    row_ok = rows < n_queries
+    row_ok = rows < seq_q
     tile_mask = _tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D)
     q = tl.load(
-        Q + batch * stride_qb + head * stride_qh + rows[:, None].to(tl.int64) * stride_qm + dims[None, :],
+        Q + batch * stride_qb + head * stride_qh + q_start * stride_qm + rows[:, None].to(tl.int64) * stride_qm
+        + dims[None, :],
         mask=tile_mask, other=0.0,
     )
-    row_offsets = batch_head.to(tl.int64) * n_queries + rows
-    tile_offsets = row_offsets[:, None] * HEAD_DIM + dims[None, :]
+    stat_offsets = _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN) + rows
+    tile_offsets = _row_index(batch_head, head, n_heads, rows, n_queries, q_start, VARLEN)[:, None] * HEAD_DIM + (
+        dims[None, :])
     do = tl.load(DO + tile_offsets, mask=tile_mask, other=0.0)
     o = tl.load(O + tile_offsets, mask=tile_mask, other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
     if HAS_DLSE:
-        delta -= tl.load(DLSE + row_offsets, mask=row_ok, other=0.0)
-    tl.store(DELTA + row_offsets, delta, mask=row_ok)
-    lse = tl.load(LSE + row_offsets, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+        delta -= tl.load(DLSE + stat_offsets, mask=row_ok, other=0.0)
+    tl.store(DELTA + stat_offsets, delta, mask=row_ok)
+    lse = tl.load(LSE + stat_offsets, mask=row_ok, other=float("-inf")) * 1.4426950408889634
     # Rows with no key have lse = -inf; +inf makes exp2(s - lse) = 0 there instead of NaN.
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
 
-    k_base = K + batch * stride_kb + kv_head * stride_kh
-    v_base = V + batch * stride_vb + kv_head * stride_vh
-    dropout_row = row_offsets * n_keys
+    k_base = K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
+    v_base = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
+    dropout_row = (batch_head.to(tl.int64) * n_queries + rows) * n_keys
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    key_end = _visible_key_end(first_row, q_len, k_len, causal_offset, BLOCK_M, IS_CAUSAL)
-    for first_col in range(0, key_end, BLOCK_N):
+    key_start, key_end = _visible_keys(
+        first_row, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    for first_col in range(key_start, key_end, BLOCK_N):
         cols = first_col + tl.arange(0, BLOCK_N)
-        kv_mask = _tile_mask(cols < n_keys, dims, HEAD_DIM, BLOCK_D)
+        kv_mask = _tile_mask(cols < seq_k, dims, HEAD_DIM, BLOCK_D)
         k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
         s = _mask_scores(
-            s, rows[:, None], cols[None, :], batch, head, q_len, k_len, n_keys, causal_offset,
-            MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING, IS_CAUSAL,
-            MASK_OFFSETS_64,
+            s, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset, window_left,
+            window_right, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING,
+            IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
         )
         p = tl.math.exp2(s - lse[:, None])
         dp = _dot(do, tl.trans(v), UPCAST, DOT_PRECISION)
@@ -269,18 +389,20 @@ def _attention_bwd_dq_kernel(
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE,  # as in the dq kernel
-    DELTA,  # [B, H, Lq] float32, from the dq kernel
-    DK, DV,  # [B, Hkv, Lk, D] contiguous
-    MASK, PAD, KEY_LENS, QUERY_LENS,
+    DELTA,  # LSE's shape and layout, float32, from the dq kernel
+    DK, DV,  # [B, Hkv, Lk, D] contiguous; VARLEN: [Tk, Hkv, D] contiguous
+    MASK, PAD, KEY_LENS, QUERY_LENS, QUERY_PAD, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_pb,
-    n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale, dropout_p, SEED,
+    stride_pb, stride_qpb,
+    n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale, dropout_p, SEED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    MASK_OFFSETS_64: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
+    HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Works in the transposed orientation (keys along dim 0) so no tile needs a transpose but q's and do's.
     first_col = tl.program_id(0) * BLOCK_N
@@ -288,49 +410,56 @@ def _attention_bwd_dkdv_kernel(
     batch_kv_head = _batch_head(n_kv_heads)
     batch = (batch_kv_head // n_kv_heads).to(tl.int64)
     kv_head = (batch_kv_head % n_kv_heads).to(tl.int64)
-    k_len = tl.load(KEY_LENS + batch) if HAS_PADDING else n_keys
-    q_len = tl.load(QUERY_LENS + batch) if HAS_QUERY_LENS else n_queries
+    q_start, k_start, seq_q, seq_k, q_len, k_len, offset = _sequence(
+        batch, n_queries, n_keys, causal_offset, KEY_LENS, QUERY_LENS, CU_SEQLENS_Q, CU_SEQLENS_K, HAS_PADDING,
+        HAS_QUERY_LENS, PER_SEQUENCE_OFFSET, VARLEN,
+    )
+    if VARLEN:
+        if first_col >= seq_k:
+            return
 
     cols = first_col + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    kv_mask = _tile_mask(cols < n_keys, dims, HEAD_DIM, BLOCK_D)
-    k = tl.load(K + batch * stride_kb + kv_head * stride_kh + cols[:, None].to(tl.int64) * stride_kn + dims[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + batch * stride_vb + kv_head * stride_vh + cols[:, None].to(tl.int64) * stride_vn + dims[None, :],
-                mask=kv_mask, other=0.0)
+    kv_mask = _tile_mask(cols < seq_k, dims, HEAD_DIM, BLOCK_D)
+    k = tl.load(K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
+                + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
+                + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
 
-    # The first query row that sees key first_col, rounded down to a tile; tiles above it see none of these keys.
-    first_visible_row = 0
-    if IS_CAUSAL:
-        first_visible_row = tl.maximum(first_col - causal_offset, 0) // BLOCK_M * BLOCK_M
-    row_end = tl.where(first_col < k_len, q_len, 0)
+    # Query tiles wholly above the causal diagonal or outside the window see none of these keys: not visited.
+    row_start, row_end = _visible_queries(
+        first_col, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
     for group_member in range(0, kv_group):
         head = kv_head * kv_group + group_member
         batch_head = batch * n_heads + head
-        q_base = Q + batch * stride_qb + head * stride_qh
-        for first_row in range(first_visible_row, row_end, BLOCK_M):
+        q_base = Q + batch * stride_qb + head * stride_qh + q_start * stride_qm
+        stat_base = _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN)
+        for first_row in range(row_start, row_end, BLOCK_M):
             rows = first_row + tl.arange(0, BLOCK_M)
-            row_ok = rows < n_queries
+            real_rows = _real_rows(rows, q_len, seq_q, batch, QUERY_PAD, stride_qpb, HAS_QUERY_PADDING)
+            row_ok = rows < seq_q
             tile_mask = _tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D)
-            row_offsets = batch_head * n_queries + rows
+            stat_offsets = stat_base + rows
             q = tl.load(q_base + rows[:, None].to(tl.int64) * stride_qm + dims[None, :], mask=tile_mask, other=0.0)
-            do = tl.load(DO + row_offsets[:, None] * HEAD_DIM + dims[None, :], mask=tile_mask, other=0.0)
-            lse = tl.load(LSE + row_offsets, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+            do_rows = _row_index(batch_head, head, n_heads, rows, n_queries, q_start, VARLEN)
+            do = tl.load(DO + do_rows[:, None] * HEAD_DIM + dims[None, :], mask=tile_mask, other=0.0)
+            lse = tl.load(LSE + stat_offsets, mask=row_ok, other=float("-inf")) * 1.4426950408889634
             lse = tl.where(lse == float("-inf"), float("inf"), lse)
-            delta = tl.load(DELTA + row_offsets, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + stat_offsets, mask=row_ok, other=0.0)
 
             s_t = _dot(k, tl.trans(q), UPCAST, DOT_PRECISION) * qk_scale
             s_t = _mask_scores(
-                s_t, rows[None, :], cols[:, None], batch, head, q_len, k_len, n_keys, causal_offset,
-                MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING, IS_CAUSAL,
-                MASK_OFFSETS_64,
+                s_t, rows[None, :], cols[:, None], real_rows[None, :], batch, head, k_len, seq_k, offset,
+                window_left, window_right, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb,
+                MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
             )
             p_t = tl.math.exp2(s_t - lse[None, :])
             dp_t = _dot(v, tl.trans(do), UPCAST, DOT_PRECISION)
             if HAS_DROPOUT:
-                keep = dropout_keep(SEED, row_offsets[None, :] * n_keys + cols[:, None], dropout_p)
+                dropout_row = (batch_head * n_queries + rows) * n_keys
+                keep = dropout_keep(SEED, dropout_row[None, :] + cols[:, None], dropout_p)
                 keep_scale = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
                 dv += _dot((p_t * keep_scale).to(do.dtype), do, UPCAST, DOT_PRECISION)
                 dp_t *= keep_scale
@@ -340,7 +469,8 @@ def _attention_bwd_dkdv_kernel(
             dk += _dot(ds_t.to(q.dtype), q, UPCAST, DOT_PRECISION)
     dk *= qk_scale * 0.6931471805599453
 
-    out_offsets = (batch_kv_head.to(tl.int64) * n_keys + cols[:, None]) * HEAD_DIM + dims[None, :]
+    out_rows = _row_index(batch_kv_head, kv_head, n_kv_heads, cols, n_keys, k_start, VARLEN)
+    out_offsets = out_rows[:, None] * HEAD_DIM + dims[None, :]
     tl.store(DK + out_offsets, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_offsets, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
@@ -349,16 +479,19 @@ def _attention_bwd_dkdv_kernel(
 def _attention_weights_kernel(
     Q, K, LSE,  # as in the forward
     W,  # [B, H, Lq, Lk] contiguous: the normalised probabilities
-    MASK, PAD, KEY_LENS, QUERY_LENS,
+    MASK, PAD, KEY_LENS, QUERY_LENS, QUERY_PAD, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_pb,
-    n_heads, kv_group, n_queries, n_keys, causal_offset, qk_scale,
+    stride_pb, stride_qpb,
+    n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    MASK_OFFSETS_64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
+    HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    tl.static_assert(not VARLEN, "the weights of packed sequences are not implemented")
     col_tiles = tl.cdiv(n_keys, BLOCK_N)
     first_row = tl.program_id(0) // col_tiles * BLOCK_M
     first_col = tl.program_id(0) % col_tiles * BLOCK_N
@@ -366,10 +499,13 @@ def _attention_weights_kernel(
     batch = (batch_head // n_heads).to(tl.int64)
     head = (batch_head % n_heads).to(tl.int64)
     kv_head = head // kv_group
-    k_len = tl.load(KEY_LENS + batch) if HAS_PADDING else n_keys
-    q_len = tl.load(QUERY_LENS + batch) if HAS_QUERY_LENS else n_queries
+    _, _, seq_q, seq_k, q_len, k_len, offset = _sequence(
+        batch, n_queries, n_keys, causal_offset, KEY_LENS, QUERY_LENS, CU_SEQLENS_Q, CU_SEQLENS_K, HAS_PADDING,
+        HAS_QUERY_LENS, PER_SEQUENCE_OFFSET, VARLEN,
+    )
 
     rows = first_row + tl.arange(0, BLOCK_M)
+    real_rows = _real_rows(rows, q_len, seq_q, batch, QUERY_PAD, stride_qpb, HAS_QUERY_PADDING)
     cols = first_col + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     q = tl.load(
@@ -385,9 +521,9 @@ def _attention_weights_kernel(
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
     s = _mask_scores(
-        s, rows[:, None], cols[None, :], batch, head, q_len, k_len, n_keys, causal_offset,
-        MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING, IS_CAUSAL,
-        MASK_OFFSETS_64,
+        s, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset, window_left,
+        window_right, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING,
+        IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
     )
     p = tl.math.exp2(s - lse[:, None])
     tl.store(W + row_offsets[:, None] * n_keys + cols[None, :], p.to(W.dtype.element_ty),
@@ -408,19 +544,21 @@ class AttentionConfig:
 
 # (kernel, 16-bit or float32 inputs, padded head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages), for sm_80
 # and sm_90 alike. Chosen as the largest tiles that compile without register spills for both targets with
-# every feature on (float mask, padding, causal, dropout); `python -m fused_transformer report` re-checks them.
+# every feature on (float mask, key and query padding, causal, window, dropout) and for packed sequences;
+# `python -m fused_transformer report` re-checks them. A few float32 entries got smaller (or 8 warps instead of 4)
+# when the window, query padding and packed variants came: the old tiles spilled 8-96 bytes in one of them.
 # Eight warps spread the [BLOCK_M, BLOCK_N] score tile and the float mask tile over more registers; float32
 # tiles are smaller (its ieee dot runs on the CUDA cores, whose operand layouts replicate data across threads).
 _TILES = {
     ("fwd", 16): {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 64, 8, 3), 128: (128, 32, 8, 2),
                   256: (32, 32, 8, 1)},
-    ("fwd", 32): {16: (64, 64, 8, 2), 32: (64, 32, 8, 2), 64: (32, 32, 8, 1), 128: (32, 32, 8, 1)},
+    ("fwd", 32): {16: (64, 64, 8, 2), 32: (64, 32, 8, 2), 64: (32, 32, 8, 1), 128: (32, 16, 8, 1)},
     ("bwd_dq", 16): {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 32, 8, 1), 128: (64, 32, 8, 2),
                      256: (32, 32, 8, 1)},
     ("bwd_dq", 32): {16: (32, 32, 4, 1), 32: (64, 32, 8, 2), 64: (64, 32, 8, 2), 128: (16, 16, 8, 1)},
     ("bwd_dkdv", 16): {16: (32, 128, 8, 1), 32: (32, 128, 8, 1), 64: (16, 64, 4, 1), 128: (16, 64, 8, 1),
                        256: (16, 16, 8, 1)},
-    ("bwd_dkdv", 32): {16: (32, 64, 8, 2), 32: (32, 64, 8, 2), 64: (16, 32, 4, 1), 128: (16, 64, 8, 1)},
+    ("bwd_dkdv", 32): {16: (32, 64, 8, 1), 32: (32, 64, 8, 2), 64: (16, 32, 8, 1), 128: (16, 64, 8, 1)},
     ("weights", 16): {16: (64, 64, 4, 1), 32: (64, 64, 4, 1), 64: (64, 64, 4, 1), 128: (64, 64, 4, 1),
                       256: (32, 32, 4, 1)},
     ("weights", 32): {16: (64, 64, 4, 1), 32: (64, 64, 4, 1), 64: (64, 64, 8, 1), 128: (32, 32, 8, 1)},
@@ -436,8 +574,8 @@ _LARGE_SHARED_MEMORY_TARGETS, _SMALL_SHARED_MEMORY_TARGETS = (80, 90), (86, 89)
 # than the ieee products of the float32 tiles, which spill there.
 _TILES_TF32 = {
     "fwd": {16: (32, 32, 4, 1), 32: (32, 32, 4, 1)},
-    "bwd_dq": {64: (32, 32, 8, 1)},
-    "bwd_dkdv": {16: (16, 32, 4, 1), 32: (16, 32, 4, 1), 64: (16, 16, 4, 1), 128: (16, 32, 8, 1)},
+    "bwd_dq": {64: (16, 32, 8, 1)},
+    "bwd_dkdv": {16: (16, 32, 4, 1), 32: (16, 32, 8, 1), 64: (16, 16, 8, 1), 128: (16, 16, 8, 1)},
 }
 # float32 stops at head_dim 128: its dq kernel spills at every tile size tried for 256 (see the AOT report).
 MAX_HEAD_DIM_FLOAT32 = 128
@@ -467,28 +605,72 @@ def config_for(kernel: str, dtype: torch.dtype, head_dim: int, device: torch.dev
 
 @dataclasses.dataclass
 class _MaskArgs:
-    """Everything the kernels need to know about the masks, in kernel form."""
+    """Everything the kernels need to know about the masks and where each sequence lies, in kernel form."""
 
     mask: Optional[Tensor]  # attn_mask viewed as [B, H, Lq, Lk] with stride 0 on broadcast dims
     mask_kind: int
     padding: Optional[Tensor]  # [B, Lk] uint8
     key_lens: Optional[Tensor]  # [B] int32
     query_lens: Optional[Tensor]  # [B] int32
-    causal_offset: int
+    query_padding: Optional[Tensor]  # [B, Lq] uint8
+    cu_seqlens_q: Optional[Tensor]  # [B + 1] int32, packed sequences only
+    cu_seqlens_k: Optional[Tensor]
+    is_causal: bool
+    causal_offset: int  # the alignment offset, when it is one for every sequence
+    per_sequence_offset: bool  # bottom_right aligned per sequence (computed in the kernel)
+    window: Optional[Tuple[int, int]]  # (left, right) as the kernels take it, see _kernel_window
 
     def pointer_args(self) -> tuple:
-        return (self.mask, self.padding, self.key_lens, self.query_lens)
+        return (self.mask, self.padding, self.key_lens, self.query_lens, self.query_padding, self.cu_seqlens_q,
+                self.cu_seqlens_k)
 
     def stride_args(self) -> tuple:
         mask_strides = self.mask.stride() if self.mask is not None else (0, 0, 0, 0)
-        return (*mask_strides, self.padding.stride(0) if self.padding is not None else 0)
+        return (*mask_strides, self.padding.stride(0) if self.padding is not None else 0,
+                self.query_padding.stride(0) if self.query_padding is not None else 0)
 
-    def constexprs(self, is_causal: bool) -> dict:
+    def offset_args(self) -> tuple:
+        return (self.causal_offset, *(self.window if self.window is not None else (0, 0)))
+
+    def constexprs(self) -> dict:
         return dict(
             MASK_KIND=self.mask_kind, HAS_PADDING=self.padding is not None,
-            HAS_QUERY_LENS=self.query_lens is not None, IS_CAUSAL=is_causal,
+            HAS_QUERY_LENS=self.query_lens is not None, HAS_QUERY_PADDING=self.query_padding is not None,
+            IS_CAUSAL=self.is_causal, HAS_WINDOW=self.window is not None,
+            PER_SEQUENCE_OFFSET=self.per_sequence_offset, VARLEN=self.cu_seqlens_q is not None,
             MASK_OFFSETS_64=self.mask is not None and mask_offsets_need_int64(self.mask),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Sizes and (batch, head, row) strides of q, k and v as the kernels take them: dense ``[B, H, L, D]``, or
+    packed ``[T, H, D]`` (batch stride 0: the kernels find each sequence's rows through cu_seqlens)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    n_queries: int  # Lq; packed: max_seqlen_q
+    n_keys: int  # Lk; packed: max_seqlen_k
+    head_dim: int
+    q_strides: Tuple[int, int, int]
+    k_strides: Tuple[int, int, int]
+    v_strides: Tuple[int, int, int]
+
+    @staticmethod
+    def dense(q: Tensor, k: Tensor, v: Tensor) -> "_Layout":
+        (batch, heads, lq, head_dim), (_, kv_heads, lk, _) = q.shape, k.shape
+        return _Layout(batch, heads, kv_heads, lq, lk, head_dim, *(tuple(t.stride()[:3]) for t in (q, k, v)))
+
+    @staticmethod
+    def packed(q: Tensor, k: Tensor, v: Tensor, batch: int, max_seqlen_q: int, max_seqlen_k: int) -> "_Layout":
+        (_, heads, head_dim), kv_heads = q.shape, k.shape[1]
+        return _Layout(batch, heads, kv_heads, max_seqlen_q, max_seqlen_k, head_dim,
+                       *((0, t.stride(1), t.stride(0)) for t in (q, k, v)))
+
+    @property
+    def kv_group(self) -> int:
+        return self.heads // self.kv_heads
 
 
 # Offsets at or past this need int64 arithmetic in the kernels.
@@ -514,9 +696,33 @@ def _grid(tiles: int, batch: int, heads: int) -> Tuple[int, int, int]:
     return (tiles, heads, batch)
 
 
+def _last_real_position(padding_mask: Tensor) -> Tensor:
+    """int32 ``[B]``: one past the last position of each row of ``padding_mask`` (True = padding) that is not
+    padding, computed on the device (no host sync)."""
+    length = padding_mask.shape[1]
+    if length == 0:
+        return torch.zeros(padding_mask.shape[0], dtype=torch.int32, device=padding_mask.device)
+    positions = torch.arange(1, length + 1, device=padding_mask.device, dtype=torch.int32)
+    return torch.where(padding_mask, 0, positions).amax(dim=1).to(torch.int32)
+
+
+def _kernel_window(window_left: Optional[int], window_right: Optional[int], is_causal: bool,
+                   unlimited: int) -> Optional[Tuple[int, int]]:
+    """``(left, right)`` as the kernels take it, None without a window. A side that is None, or wider than
+    ``unlimited`` (Lq + Lk, beyond which no alignment offset reaches a key), becomes ``unlimited``, so the
+    kernels' int32 sums stay in range; causal caps right at 0 (key j <= i + o)."""
+    if window_left is None and window_right is None:
+        return None
+    left = unlimited if window_left is None else min(int(window_left), unlimited)
+    right = unlimited if window_right is None else min(int(window_right), unlimited)
+    return (left, min(right, 0) if is_causal else right)
+
+
 def _mask_args(
     q: Tensor, k: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
     query_lengths: Optional[Tensor], is_causal: bool, causal_alignment: str,
+    query_padding_mask: Optional[Tensor] = None, window_left: Optional[int] = None,
+    window_right: Optional[int] = None,
 ) -> _MaskArgs:
     (batch, heads, lq, _), lk = q.shape, k.shape[2]
     mask, mask_kind = None, MASK_NONE
@@ -529,13 +735,35 @@ def _mask_args(
     padding = key_lens = None
     if key_padding_mask is not None:
         padding = key_padding_mask.contiguous().view(torch.uint8)
-        positions = torch.arange(1, lk + 1, device=q.device, dtype=torch.int32)
-        key_lens = torch.where(key_padding_mask, 0, positions).amax(dim=1).to(torch.int32)
-    query_lens = None
+        key_lens = _last_real_position(key_padding_mask)
+    query_lens = query_padding = None
     if query_lengths is not None:
         query_lens = query_lengths.to(device=q.device, dtype=torch.int32).clamp(0, lq).contiguous()
-    causal_offset = lk - lq if causal_alignment == "bottom_right" else 0
-    return _MaskArgs(mask, mask_kind, padding, key_lens, query_lens, causal_offset if is_causal else 0)
+    if query_padding_mask is not None:
+        if query_lens is not None:  # one query mask: rows past query_lengths are padding too
+            query_padding_mask = query_padding_mask | (
+                torch.arange(lq, device=q.device, dtype=torch.int32)[None, :] >= query_lens[:, None])
+        query_padding = query_padding_mask.contiguous().view(torch.uint8)
+        query_lens = _last_real_position(query_padding_mask)
+    window = _kernel_window(window_left, window_right, is_causal, lq + lk)
+    aligned = causal_alignment == "bottom_right" and (is_causal or window is not None)
+    return _MaskArgs(
+        mask, mask_kind, padding, key_lens, query_lens, query_padding, None, None, is_causal,
+        causal_offset=lk - lq if aligned else 0, per_sequence_offset=aligned and query_padding is not None,
+        window=window,
+    )
+
+
+def _varlen_mask_args(
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+    causal_alignment: str, window_left: Optional[int], window_right: Optional[int],
+) -> _MaskArgs:
+    window = _kernel_window(window_left, window_right, is_causal, max_seqlen_q + max_seqlen_k)
+    aligned = causal_alignment == "bottom_right" and (is_causal or window is not None)
+    return _MaskArgs(
+        None, MASK_NONE, None, None, None, None, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), is_causal,
+        causal_offset=0, per_sequence_offset=aligned, window=window,
+    )
 
 
 def _dot_args(dtype: torch.dtype, allow_tf32: bool) -> dict:
@@ -559,11 +787,55 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
 
 
+def _launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout: _Layout, masks: _MaskArgs,
+                dropout_p: float, seed: Optional[Tensor], scale: float, allow_tf32: bool) -> None:
+    """The forward kernel, dense or packed (``layout``), writing ``o`` and ``lse``."""
+    # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
+    cfg = config_for("fwd", q.dtype, layout.head_dim, q.device, allow_tf32)
+    _attention_fwd_kernel[_grid(triton.cdiv(layout.n_queries, cfg.block_m), layout.batch, layout.heads)](
+        q, k, v, o, lse, *masks.pointer_args(), *layout.q_strides, *layout.k_strides, *layout.v_strides,
+        *masks.stride_args(), layout.heads, layout.kv_group, layout.n_queries, layout.n_keys, *masks.offset_args(),
+        scale * LOG2E, dropout_p, seed,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_head_dim_bucket(layout.head_dim),
+        HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(),
+        **_dot_args(q.dtype, allow_tf32), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                dq: Tensor, dk: Tensor, dv: Tensor, layout: _Layout, masks: _MaskArgs, dropout_p: float,
+                seed: Optional[Tensor], scale: float, allow_tf32: bool) -> None:
+    """The dq kernel, then the dk/dv kernel, dense or packed (``layout``), writing ``dq``, ``dk`` and ``dv``."""
+    do = do.contiguous()
+    delta = torch.empty_like(lse)  # lse's shape and layout
+    common_args = (
+        *masks.pointer_args(), *layout.q_strides, *layout.k_strides, *layout.v_strides, *masks.stride_args(),
+        layout.heads, layout.kv_group, layout.n_queries, layout.n_keys, *masks.offset_args(), scale * LOG2E,
+        dropout_p, seed,
+    )
+    common_constexprs = dict(
+        BLOCK_D=_head_dim_bucket(layout.head_dim), HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0,
+        **masks.constexprs(), **_dot_args(q.dtype, allow_tf32),
+    )
+    cfg = config_for("bwd_dq", q.dtype, layout.head_dim, q.device, allow_tf32)
+    _attention_bwd_dq_kernel[_grid(triton.cdiv(layout.n_queries, cfg.block_m), layout.batch, layout.heads)](
+        q, k, v, o, do, lse, dlse.contiguous() if dlse is not None else None, delta, dq, *common_args,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_DLSE=dlse is not None, **common_constexprs,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    cfg = config_for("bwd_dkdv", q.dtype, layout.head_dim, q.device, allow_tf32)
+    _attention_bwd_dkdv_kernel[_grid(triton.cdiv(layout.n_keys, cfg.block_n), layout.batch, layout.kv_heads)](
+        q, k, v, do, lse, delta, dk, dv, *common_args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        **common_constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
 @torch.library.custom_op("fused_transformer::attention_fwd", mutates_args=())
 def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
-    query_lengths: Optional[Tensor], is_causal: bool, causal_alignment: str, dropout_p: float,
-    seed: Optional[Tensor], scale: float, allow_tf32: bool,
+    query_lengths: Optional[Tensor], query_padding_mask: Optional[Tensor], is_causal: bool, causal_alignment: str,
+    window_left: Optional[int], window_right: Optional[int], dropout_p: float, seed: Optional[Tensor],
+    scale: float, allow_tf32: bool,
 ) -> Tuple[Tensor, Tensor]:
     """Launch the forward; q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` with contiguous last dims.
 
@@ -571,29 +843,19 @@ def attention_fwd(
     """
     _check_inputs(q, k, v)
     batch, heads, lq, head_dim = q.shape
-    kv_heads, lk = k.shape[1], k.shape[2]
     o = torch.empty((batch, heads, lq, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, lq), dtype=torch.float32, device=q.device)
     if lse.numel() == 0:  # no query row: a grid of 0 programs is an error on a GPU
         return o, lse
-    # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
-    masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment)
-    cfg = config_for("fwd", q.dtype, head_dim, q.device, allow_tf32)
-    _attention_fwd_kernel[_grid(triton.cdiv(lq, cfg.block_m), batch, heads)](
-        q, k, v, o, lse, *masks.pointer_args(),
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), *masks.stride_args(),
-        heads, heads // kv_heads, lq, lk, masks.causal_offset, scale * LOG2E, dropout_p, seed,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_head_dim_bucket(head_dim), HEAD_DIM=head_dim,
-        HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(is_causal), **_dot_args(q.dtype, allow_tf32),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment,
+                       query_padding_mask, window_left, window_right)
+    _launch_fwd(q, k, v, o, lse, _Layout.dense(q, k, v), masks, dropout_p, seed, scale, allow_tf32)
     return o, lse
 
 
 @attention_fwd.register_fake
-def _(q, k, v, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment, dropout_p, seed, scale,
-      allow_tf32):
+def _(q, k, v, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal, causal_alignment,
+      window_left, window_right, dropout_p, seed, scale, allow_tf32):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -601,47 +863,83 @@ def _(q, k, v, attn_mask, key_padding_mask, query_lengths, is_causal, causal_ali
 def attention_bwd(
     do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], query_lengths: Optional[Tensor],
-    is_causal: bool, causal_alignment: str, dropout_p: float, seed: Optional[Tensor], scale: float,
-    allow_tf32: bool,
+    query_padding_mask: Optional[Tensor], is_causal: bool, causal_alignment: str, window_left: Optional[int],
+    window_right: Optional[int], dropout_p: float, seed: Optional[Tensor], scale: float, allow_tf32: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Launch the backward (dq kernel, then dk/dv kernel); returns ``dq, dk, dv`` in the inputs' shapes."""
-    batch, heads, lq, head_dim = q.shape
-    kv_heads, lk = k.shape[1], k.shape[2]
-    dq = torch.empty((batch, heads, lq, head_dim), dtype=q.dtype, device=q.device)
-    dk = torch.empty((batch, kv_heads, lk, head_dim), dtype=k.dtype, device=k.device)
-    dv = torch.empty((batch, kv_heads, lk, head_dim), dtype=v.dtype, device=v.device)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    do = do.contiguous()
-    delta = torch.empty((batch, heads, lq), dtype=torch.float32, device=q.device)
-    masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment)
-    common_strides = (
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), *masks.stride_args(),
-        heads, heads // kv_heads, lq, lk, masks.causal_offset, scale * LOG2E, dropout_p, seed,
-    )
-    common_constexprs = dict(
-        BLOCK_D=_head_dim_bucket(head_dim), HEAD_DIM=head_dim, HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(is_causal),
-        **_dot_args(q.dtype, allow_tf32),
-    )
-    cfg = config_for("bwd_dq", q.dtype, head_dim, q.device, allow_tf32)
-    _attention_bwd_dq_kernel[_grid(triton.cdiv(lq, cfg.block_m), batch, heads)](
-        q, k, v, o, do, lse, dlse.contiguous() if dlse is not None else None, delta, dq, *masks.pointer_args(),
-        *common_strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_DLSE=dlse is not None, **common_constexprs,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    cfg = config_for("bwd_dkdv", q.dtype, head_dim, q.device, allow_tf32)
-    _attention_bwd_dkdv_kernel[_grid(triton.cdiv(lk, cfg.block_n), batch, kv_heads)](
-        q, k, v, do, lse, delta, dk, dv, *masks.pointer_args(),
-        *common_strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common_constexprs,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment,
+                       query_padding_mask, window_left, window_right)
+    _launch_bwd(do, dlse, q, k, v, o, lse, dq, dk, dv, _Layout.dense(q, k, v), masks, dropout_p, seed, scale,
+                allow_tf32)
     return dq, dk, dv
 
 
 @attention_bwd.register_fake
-def _(do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment,
-      dropout_p, seed, scale, allow_tf32):
+def _(do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal,
+      causal_alignment, window_left, window_right, dropout_p, seed, scale, allow_tf32):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+@torch.library.custom_op("fused_transformer::attention_varlen_fwd", mutates_args=())
+def attention_varlen_fwd(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, is_causal: bool, causal_alignment: str, window_left: Optional[int],
+    window_right: Optional[int], dropout_p: float, seed: Optional[Tensor], scale: float, allow_tf32: bool,
+) -> Tuple[Tensor, Tensor]:
+    """Launch the forward on packed sequences; q ``[Tq, H, D]``, k/v ``[Tk, Hkv, D]`` with contiguous last dims.
+
+    Returns ``o [Tq, H, D]`` (q's dtype) and ``lse [H, Tq]`` (float32).
+    """
+    _check_inputs(q, k, v)
+    total_q, heads, head_dim = q.shape
+    o = torch.empty((total_q, heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+    if lse.numel() == 0:
+        return o, lse
+    layout = _Layout.packed(q, k, v, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k)
+    masks = _varlen_mask_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment,
+                              window_left, window_right)
+    _launch_fwd(q, k, v, o, lse, layout, masks, dropout_p, seed, scale, allow_tf32)
+    return o, lse
+
+
+@attention_varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment, window_left,
+      window_right, dropout_p, seed, scale, allow_tf32):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+@torch.library.custom_op("fused_transformer::attention_varlen_bwd", mutates_args=())
+def attention_varlen_bwd(
+    do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+    causal_alignment: str, window_left: Optional[int], window_right: Optional[int], dropout_p: float,
+    seed: Optional[Tensor], scale: float, allow_tf32: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Launch the backward on packed sequences; returns ``dq [Tq, H, D], dk, dv [Tk, Hkv, D]``."""
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    layout = _Layout.packed(q, k, v, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k)
+    masks = _varlen_mask_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment,
+                              window_left, window_right)
+    _launch_bwd(do, dlse, q, k, v, o, lse, dq, dk, dv, layout, masks, dropout_p, seed, scale, allow_tf32)
+    return dq, dk, dv
+
+
+@attention_varlen_bwd.register_fake
+def _(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+      causal_alignment, window_left, window_right, dropout_p, seed, scale, allow_tf32):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
@@ -650,30 +948,33 @@ def _(do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, is_
 @torch.library.custom_op("fused_transformer::attention_weights", mutates_args=())
 def attention_weights_fwd(
     q: Tensor, k: Tensor, lse: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
-    query_lengths: Optional[Tensor], is_causal: bool, causal_alignment: str, scale: float,
+    query_lengths: Optional[Tensor], query_padding_mask: Optional[Tensor], is_causal: bool, causal_alignment: str,
+    window_left: Optional[int], window_right: Optional[int], scale: float,
 ) -> Tensor:
     """Launch the probabilities kernel: ``[B, H, Lq, Lk]`` in q's dtype, zeros where masked."""
     _check_inputs(q, k, k)
     batch, heads, lq, head_dim = q.shape
-    kv_heads, lk = k.shape[1], k.shape[2]
-    weights = torch.empty((batch, heads, lq, lk), dtype=q.dtype, device=q.device)
+    layout = _Layout.dense(q, k, k)
+    weights = torch.empty((batch, heads, lq, layout.n_keys), dtype=q.dtype, device=q.device)
     if weights.numel() == 0:
         return weights
-    masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment)
+    masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment,
+                       query_padding_mask, window_left, window_right)
     cfg = config_for("weights", q.dtype, head_dim, q.device)
-    _attention_weights_kernel[_grid(triton.cdiv(lq, cfg.block_m) * triton.cdiv(lk, cfg.block_n), batch, heads)](
-        q, k, lse.contiguous(), weights, *masks.pointer_args(),
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *masks.stride_args(),
-        heads, heads // kv_heads, lq, lk, masks.causal_offset, scale * LOG2E,
+    tiles = triton.cdiv(lq, cfg.block_m) * triton.cdiv(layout.n_keys, cfg.block_n)
+    _attention_weights_kernel[_grid(tiles, batch, heads)](
+        q, k, lse.contiguous(), weights, *masks.pointer_args(), *layout.q_strides, *layout.k_strides,
+        *masks.stride_args(), heads, layout.kv_group, lq, layout.n_keys, *masks.offset_args(), scale * LOG2E,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_head_dim_bucket(head_dim), HEAD_DIM=head_dim,
-        **masks.constexprs(is_causal), **_dot_args(q.dtype, False),
+        **masks.constexprs(), **_dot_args(q.dtype, False),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return weights
 
 
 @attention_weights_fwd.register_fake
-def _(q, k, lse, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment, scale):
+def _(q, k, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal, causal_alignment,
+      window_left, window_right, scale):
     return q.new_empty((*q.shape[:3], k.shape[2]))
 
 
@@ -685,26 +986,56 @@ class AttentionFunction(torch.autograd.Function):
     differentiable (its gradient folds into the backward's row term)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment,
-                dropout_p, scale, allow_tf32):
+    def forward(ctx, q, k, v, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal,
+                causal_alignment, window_left, window_right, dropout_p, scale, allow_tf32):
         seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
         o, lse = torch.ops.fused_transformer.attention_fwd(
-            q, k, v, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment, dropout_p, seed,
-            scale, allow_tf32,
+            q, k, v, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal, causal_alignment,
+            window_left, window_right, dropout_p, seed, scale, allow_tf32,
         )
-        ctx.save_for_backward(q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, seed)
-        ctx.options = (is_causal, causal_alignment, dropout_p)
+        ctx.save_for_backward(q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask, seed)
+        ctx.options = (is_causal, causal_alignment, window_left, window_right, dropout_p)
         ctx.scale, ctx.allow_tf32 = scale, allow_tf32
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, seed = ctx.saved_tensors
+        q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask, seed = ctx.saved_tensors
         dq, dk, dv = torch.ops.fused_transformer.attention_bwd(
-            do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, *ctx.options, seed, ctx.scale,
-            ctx.allow_tf32,
+            do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask,
+            *ctx.options, seed, ctx.scale, ctx.allow_tf32,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, *(None,) * 11
+
+
+class AttentionVarlenFunction(torch.autograd.Function):
+    """Autograd over ``attention_varlen_fwd`` / ``attention_varlen_bwd`` (packed sequences), as
+    ``AttentionFunction``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment,
+                window_left, window_right, dropout_p, scale, allow_tf32):
+        seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
+        o, lse = torch.ops.fused_transformer.attention_varlen_fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment,
+            window_left, window_right, dropout_p, seed, scale, allow_tf32,
+        )
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, seed)
+        ctx.options = (max_seqlen_q, max_seqlen_k, is_causal, causal_alignment, window_left, window_right, dropout_p)
+        ctx.scale, ctx.allow_tf32 = scale, allow_tf32
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, seed = ctx.saved_tensors
+        dq, dk, dv = torch.ops.fused_transformer.attention_varlen_bwd(
+            do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, seed, ctx.scale, ctx.allow_tf32,
+        )
+        return dq, dk, dv, *(None,) * 11
+
+
+def _window_sides(window: Optional[Tuple[Optional[int], Optional[int]]]) -> Tuple[Optional[int], Optional[int]]:
+    return (None, None) if window is None else (window[0], window[1])
 
 
 def attention(
@@ -714,8 +1045,10 @@ def attention(
     *,
     attn_mask: Optional[Tensor] = None,
     key_padding_mask: Optional[Tensor] = None,
+    query_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     return_lse: bool = False,
@@ -728,7 +1061,8 @@ def attention(
     Args:
         q: ``[B, H, Lq, D]``; k, v: ``[B, Hkv, Lk, D]``, float16 / bfloat16 / float32, ``D`` in 0..256, any
             strides with the last dim contiguous (copied otherwise).
-        query_lengths: ``[B]`` integers; rows ``i >= query_lengths[b]`` give zeros (LSE ``-inf``).
+        query_lengths: ``[B]`` integers; rows ``i >= query_lengths[b]`` give zeros (LSE ``-inf``). With a
+            ``query_padding_mask`` too, those rows count as padding (also for ``bottom_right`` alignment).
         allow_tf32: float32 products on tensor cores in TF32 (default: full float32 precision).
 
     Returns:
@@ -742,8 +1076,46 @@ def attention(
         raise ValueError(f"query_lengths must be [batch={q.shape[0]}], got shape {tuple(query_lengths.shape)}")
     scale = softmax_scale(q.shape[-1], scale)
     o, lse = AttentionFunction.apply(
-        q, k, v, attn_mask, key_padding_mask, query_lengths, bool(is_causal), causal_alignment,
-        float(dropout_p), scale, bool(allow_tf32),
+        q, k, v, attn_mask, key_padding_mask, query_lengths, query_padding_mask, bool(is_causal), causal_alignment,
+        *_window_sides(window), float(dropout_p), scale, bool(allow_tf32),
+    )
+    return (o, lse) if return_lse else o
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    allow_tf32: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Fused attention on packed sequences on Triton; the arguments of
+    ``fused_transformer.functional.attention_varlen`` (which checks them, the values of cu_seqlens included)
+    plus ``allow_tf32`` as in ``attention``.
+
+    Args:
+        q: ``[Tq, H, D]``; k, v: ``[Tk, Hkv, D]``, any strides with the last dim contiguous (copied otherwise).
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]``, read by the kernels on the device (no host sync).
+        max_seqlen_q, max_seqlen_k: at least every sequence's length: the grids cover them.
+
+    Returns:
+        ``[Tq, H, D]`` in q's dtype, and the float32 LSE ``[H, Tq]`` with ``return_lse``.
+    """
+    q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
+    scale = softmax_scale(q.shape[-1], scale)
+    o, lse = AttentionVarlenFunction.apply(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(is_causal),
+        causal_alignment, *_window_sides(window), float(dropout_p), scale, bool(allow_tf32),
     )
     return (o, lse) if return_lse else o
 
@@ -755,8 +1127,10 @@ def attention_weights(
     *,
     attn_mask: Optional[Tensor] = None,
     key_padding_mask: Optional[Tensor] = None,
+    query_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     scale: Optional[float] = None,
     query_lengths: Optional[Tensor] = None,
 ) -> Tensor:
@@ -766,14 +1140,16 @@ def attention_weights(
     q, k = contiguous_last_dim(q), contiguous_last_dim(k)
     scale = softmax_scale(q.shape[-1], scale)
     return torch.ops.fused_transformer.attention_weights(
-        q, k, lse.float(), attn_mask, key_padding_mask, query_lengths, bool(is_causal), causal_alignment, scale
+        q, k, lse.float(), attn_mask, key_padding_mask, query_lengths, query_padding_mask, bool(is_causal),
+        causal_alignment, *_window_sides(window), scale,
     )
 
 
 def attention_keep_mask(seed: Tensor, batch: int, heads: int, n_queries: int, n_keys: int, dropout_p: float,
                         device: torch.device) -> Tensor:
     """The bool ``[B, H, Lq, Lk]`` dropout keep-mask the kernels drew with the seed tensor ``seed`` (for the
-    reference)."""
+    reference); for packed sequences ``[B, H, max_seqlen_q, max_seqlen_k]``, sequence b using its top-left
+    ``[H, len_q, len_k]`` corner."""
     return dropout_keep_mask(seed, batch * heads * n_queries, n_keys, dropout_p, device).view(
         batch, heads, n_queries, n_keys)
 
@@ -783,13 +1159,24 @@ def attention_keep_mask(seed: Tensor, batch: int, heads: int, n_queries: int, n_
 
 # Pointers whose type does not follow the inputs' dtype (the float mask as a float32 additive bias).
 _AOT_POINTER_TYPES = {"LSE": "*fp32", "DLSE": "*fp32", "DELTA": "*fp32", "MASK": "*fp32", "PAD": "*u8",
-                      "KEY_LENS": "*i32", "QUERY_LENS": "*i32", "SEED": "*i64"}
+                      "KEY_LENS": "*i32", "QUERY_LENS": "*i32", "QUERY_PAD": "*u8", "CU_SEQLENS_Q": "*i32",
+                      "CU_SEQLENS_K": "*i32", "SEED": "*i64"}
+# The feature sets compiled for each tile config (config-name suffix -> mask constexprs): dense with every mask
+# on, the largest register footprint; and packed sequences, which take no attn_mask or padding but compute their
+# bounds and alignment per sequence (not compiled for the weights kernel, which has no packed variant).
+_AOT_VARIANTS = {
+    "": dict(MASK_KIND=MASK_FLOAT, HAS_PADDING=True, HAS_QUERY_LENS=True, HAS_QUERY_PADDING=True, IS_CAUSAL=True,
+             HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=False),
+    "/varlen": dict(MASK_KIND=MASK_NONE, HAS_PADDING=False, HAS_QUERY_LENS=False, HAS_QUERY_PADDING=False,
+                    IS_CAUSAL=True, HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=True),
+}
 
 
 def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.report imports this module lazily)
     """Every attention kernel × tile config the launchers pick on a GPU, in bfloat16 (16-bit tiles), float32 and
-    float32 with tf32 products, for the targets that pick it, with every feature on (float mask, padding, query
-    lengths, causal, dropout): the largest register footprint."""
+    float32 with tf32 products, for the targets that pick it, in each feature set of ``_AOT_VARIANTS`` (dense
+    with every feature on: float mask, key and query padding, query lengths, causal, window, per-sequence
+    alignment, dropout; and packed sequences with causal, window and dropout)."""
     from fused_transformer.tools.report import TARGETS, AotKernel
 
     kernels = {
@@ -808,7 +1195,10 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
                 shipped.append((kernel, bits, head_dim, _TILES_TF32.get(kernel, {}).get(head_dim, tiles), TARGETS,
                                 "tf32"))
     configs = []
-    for kernel, bits, head_dim, tiles, targets, dot_precision in shipped:
+    for (kernel, bits, head_dim, tiles, targets, dot_precision), (variant, features) in (
+            (entry, variant) for entry in shipped for variant in _AOT_VARIANTS.items()):
+        if features["VARLEN"] and kernel == "weights":
+            continue
         elem = "*bf16" if bits == 16 else "*fp32"
         cfg = AttentionConfig(*tiles)
         fn = kernels[kernel]
@@ -823,16 +1213,15 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
             elif name.islower():
                 signature[name] = "i32"
         constexprs = dict(
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, HEAD_DIM=head_dim,
-            MASK_KIND=MASK_FLOAT, HAS_PADDING=True, HAS_QUERY_LENS=True, IS_CAUSAL=True, MASK_OFFSETS_64=False,
-            HAS_DROPOUT=True, HAS_DLSE=True, UPCAST=False, DOT_PRECISION=dot_precision,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, HEAD_DIM=head_dim, MASK_OFFSETS_64=False,
+            HAS_DROPOUT=True, HAS_DLSE=True, UPCAST=False, DOT_PRECISION=dot_precision, **features,
         )
         constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
         configs.append(AotKernel(
             name=f"attention_{kernel}",
             config=f"{'bf16' if bits == 16 else dot_precision.replace('ieee', 'fp32')}/D{head_dim}"
                    f"/BM{cfg.block_m}_BN{cfg.block_n}"
-                   f"_w{cfg.num_warps}_s{cfg.num_stages}",
+                   f"_w{cfg.num_warps}_s{cfg.num_stages}{variant}",
             fn=fn, signature=signature, constexprs=constexprs, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, expect_tensor_cores=bits == 16, targets=targets,
             # What the JIT specialises for inputs from torch: aligned pointers and strides, odd lengths.

@@ -50,7 +50,7 @@ def test_csv_has_ours_and_every_baseline(bench_run):
     assert masks == {(m, p) for m in ("none", "causal", "pad50%", "B1H1 causal") for p in ("fwd", "fwd+bwd")}
     assert {row["batch"] for row in rows if row["case"] == "B1H1 causal"} == {"1"}
     encoder = {(row["case"], row["mode"]) for row in rows if row["suite"] == "encoder_layer"}
-    assert encoder == {(c, m) for c in ("no padding", "pad50%", "seq-first") for m in ("train", "eval")}
+    assert encoder == {(c, m) for c in ("no padding", "pad25%", "pad50%", "pad75%", "seq-first") for m in ("train", "eval")}
     steps = [row for row in rows if row["suite"] == "decode_step" and row["ms"]]
     assert steps and all(math.isclose(float(r["tokens_per_s"]), 32 / float(r["ms"]) * 1e3, rel_tol=1e-3)
                          for r in steps)  # one token per sequence a step

@@ -146,10 +146,12 @@ class Case:
 
 
 def kept_lengths(batch: int, length: int, padding: float) -> List[int]:
-    """Keys kept per sequence for a padding ratio: alternately ``1 - 3p/2`` and ``1 - p/2`` of ``length``."""
-    if not 0.0 <= padding <= 2.0 / 3.0:
-        raise ValueError(f"padding={padding} must be in [0, 2/3]")
-    fractions = (1.0 - 1.5 * padding, 1.0 - 0.5 * padding)
+    """Keys kept per sequence for a padding ratio p: alternately ``1 - p - s`` and ``1 - p + s`` of ``length``,
+    ``s = min(p, 1 - p) / 2``."""
+    if not 0.0 <= padding < 1.0:
+        raise ValueError(f"padding={padding} must be in [0, 1)")
+    spread = min(padding, 1.0 - padding) / 2
+    fractions = (1.0 - padding - spread, 1.0 - padding + spread)
     return [max(1, round(length * fractions[b % 2])) for b in range(batch)]
 
 
@@ -452,8 +454,8 @@ def _layer_cases(setup: Setup, lengths: Sequence[int], decoder: bool) -> Iterato
     batch, d_model, heads, d_ff = (8, 1024, 16, 4096) if gpu else (16, 256, 8, 512)
     suite = "decoder_layer" if decoder else "encoder_layer"
     variants = [("no padding", 0.0, False), ("pad50%", 0.5, False)]
-    if not decoder:
-        variants.append(("seq-first", 0.0, True))
+    if not decoder:  # the encoder packs real tokens under a padding mask: what it pays grows with them
+        variants += [("pad25%", 0.25, False), ("pad75%", 0.75, False), ("seq-first", 0.0, True)]
     for case, padding, seq_first in variants:
         for mode in ("train", "eval"):
             for length in lengths:
