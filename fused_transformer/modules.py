@@ -13,12 +13,26 @@ errors: NestedTensor inputs, parameters of mixed dtypes, dropout modules replace
 ``torch.jit.script`` (which scripts the torch.nn module sharing these parameters). Under ``torch.compile`` a
 mask is not compared with the causal mask (that branches on data): it is applied as given, with the same
 result; pass ``is_causal=True`` to get the causal kernel there.
+
+Padding costs nothing. Given a bool key padding mask ``[B, S]`` (True = padding), the encoder and decoder
+layers and stacks (and so ``Transformer``) gather the real tokens once, packed sequence after sequence
+(right or left padding and holes alike), run projections, attention (``attention_varlen``), LayerNorm and
+feed-forward on those tokens only, and scatter the result back: **the output at padded positions is zero**
+(torch.nn's eval fast path writes zeros there too; its other paths leave values no later computation
+should read), and a sequence of padding only gives zeros. Real positions equal the padded computation to
+round-off, gradients included. The stacks pack once for all their layers, whose forward hooks then see the
+packed ``[tokens, d_model]`` tensors (as torch.nn's fast path shows its layers nested tensors). What cannot
+be packed runs padded and still writes zeros at padded positions: other attention masks than the causal
+one, a ``memory_mask``, a hooked ``MultiheadAttention``, ``add_bias_kv`` / ``add_zero_attn``, norms other
+than a LayerNorm over the last dim, a backend without ``attention_varlen``, and ``torch.compile`` /
+``torch.export`` (packing has data-dependent shapes).
 """
 from __future__ import annotations
 
 import copy
 import functools
-from typing import Callable, Optional, Sequence, Tuple
+import math
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -224,6 +238,27 @@ class MultiheadAttention(_FusedTwin, nn.MultiheadAttention):
             return (F.linear(query, w[:e], b_q), *F.linear(key, w[e:], kv_bias).split(e, dim=-1))
         return F.linear(query, w[:e], b_q), F.linear(key, w[e:2 * e], b_k), F.linear(value, w[2 * e:], b_v)
 
+    def _packs(self) -> bool:
+        """Whether ``_packed_forward`` computes what ``forward`` would: this class's forward, no extra keys, one
+        parameter dtype, and no hooks (they would expect to see ``forward`` called)."""
+        return (type(self).forward is MultiheadAttention.forward and self.bias_k is None and not self.add_zero_attn
+                and not _has_hooks(self) and not _mixed_dtypes(
+                    self.in_proj_weight, self.in_proj_bias, self.q_proj_weight, self.k_proj_weight,
+                    self.v_proj_weight, self.out_proj.weight, self.out_proj.bias))
+
+    def _packed_forward(
+        self, query: Tensor, key: Tensor, query_packing: "_Packing", key_packing: "_Packing", is_causal: bool,
+    ) -> Tensor:
+        """Attention of packed queries ``[Tq, E]`` to packed keys (= values) ``[Tk, kdim]``, sequence by sequence
+        (``attention_varlen``); ``query is key`` for self-attention. Returns ``[Tq, E]``."""
+        q, k, v = self._project_inputs(query, key, key)
+        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in (q, k, v))
+        out = ops.attention_varlen(
+            q, k, v, query_packing.cu_seqlens, key_packing.cu_seqlens, query_packing.max_seqlen,
+            key_packing.max_seqlen, is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0,
+        )
+        return F.linear(out.flatten(1), self.out_proj.weight, self.out_proj.bias)
+
     def _convert_masks(
         self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], batch: int, tgt_len: int,
         src_len: int, extra_keys: int, dtype: torch.dtype,
@@ -272,6 +307,123 @@ class LayerNorm(_FusedTwin, nn.LayerNorm):
         return ops.layer_norm(flat, weight, bias, self.eps).view(input.shape)
 
 
+# ------------------------------------------------------------------------------------------ packing
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run any hook (its own or a global one)."""
+    hooks = nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
+def _row_wise_norm(norm: Optional[nn.Module]) -> bool:
+    """Whether ``norm`` (None: absent) normalises each token on its own, so packed tokens get the same result."""
+    return norm is None or (isinstance(norm, (nn.LayerNorm, nn.RMSNorm)) and len(norm.normalized_shape) == 1)
+
+
+def _varlen_runs(x: Tensor) -> bool:
+    """Whether the backend for ``x`` implements ``attention_varlen`` (not every backend does yet)."""
+    try:
+        ops._implementation("attention_varlen", x)
+    except AttributeError:
+        return False
+    return True
+
+
+def _fits_padding(mask: Optional[Tensor], x: Tensor, batch_first: bool) -> bool:
+    """Whether ``mask`` is None or a bool key padding mask of ``x`` (``[B, L]`` for ``x`` ``[B, L, d]`` or
+    ``[L, B, d]``, ``[L]`` for unbatched ``x`` ``[L, d]``): one that packing can take."""
+    if mask is None:
+        return True
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or x.dim() not in (2, 3) or mask.is_nested:
+        return False
+    if x.dim() == 2:
+        return tuple(mask.shape) == (x.shape[0],)
+    return tuple(mask.shape) == ((x.shape[0], x.shape[1]) if batch_first else (x.shape[1], x.shape[0]))
+
+
+# False: never pack, run every module padded (with zeros at padding all the same). For tests and measurements.
+_PACK_PADDING = True
+
+
+def _packs_under(x: Tensor) -> bool:
+    """Whether inputs like ``x`` are packed at all: not while compiling (boolean indexing has data-dependent
+    shapes: a graph break, and an error under ``fullgraph`` and ``torch.export``), and only on backends with
+    ``attention_varlen``."""
+    return _PACK_PADDING and not torch.compiler.is_compiling() and _varlen_runs(x)
+
+
+def _causal_or_none(mask: Optional[Tensor], is_causal: bool, size: int) -> Optional[bool]:
+    """What the self-attention mask means for packing: False for no mask, True for the causal mask (by the
+    ``is_causal`` hint or by value), None for any other mask (not packed). With the hint but no mask, None:
+    the padded path raises torch.nn's error."""
+    if mask is None:
+        return None if is_causal else False
+    if tuple(mask.shape) != (size, size):
+        return None
+    return True if is_causal or _is_causal_mask(mask, None, size) else None
+
+
+class _Packing(NamedTuple):
+    """Where the real tokens of a padded batch sit. They are packed sequence after sequence, each in its
+    order, so that right padding, left padding and holes all work."""
+
+    # [T] int64: each real token's row in the input seen as [B * L, d] (or [L * B, d]) in its layout; None when
+    # the tokens are the input's own rows in order (batch-first with no padding: packing is a view).
+    index: Optional[Tensor]
+    cu_seqlens: Tensor  # [B + 1] int32: 0, then the running sums of the sequence lengths
+    max_seqlen: int
+    shape: Tuple[int, ...]  # the input's shape without its feature dim
+
+
+def _pack(x: Tensor, padding: Optional[Tensor], batch_first: bool) -> Tuple[Tensor, _Packing]:
+    """``x`` ``[B, L, d]``, ``[L, B, d]`` (``batch_first=False``) or ``[L, d]`` -> its real tokens ``[T, d]``
+    (``padding``: True = padding, as ``_fits_padding`` checked; None = every token) and where they were. Reads
+    the lengths on the host (one synchronisation)."""
+    shape = tuple(x.shape[:-1])
+    seq_first = x.dim() == 3 and not batch_first
+    batch, length = (shape[1], shape[0]) if seq_first else ((1, shape[0]) if x.dim() == 2 else shape)
+    ranks = None  # batch-major positions of the real tokens; None: all of them
+    if padding is None:
+        lengths = torch.full((batch,), length, dtype=torch.int32, device=x.device)
+        max_seqlen = length
+    else:
+        keep = ~padding.reshape(batch, length)
+        lengths = keep.sum(1, dtype=torch.int32)
+        ranks = keep.flatten().nonzero().squeeze(1)
+        max_seqlen = int(lengths.max()) if batch else 0
+        if ranks.shape[0] == batch * length:
+            ranks = None
+    if ranks is None and seq_first:
+        ranks = torch.arange(batch * length, device=x.device)
+    # Tokens go sequence after sequence; a seq-first input holds token l of sequence b at row l * B + b.
+    index = (ranks % length) * batch + ranks // length if seq_first and length else ranks
+    cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    rows = x.reshape(-1, x.shape[-1])
+    # Advanced indexing (and index_put in _unpack): their backward is deterministic on every device.
+    return rows if index is None else rows[index], _Packing(index, cu_seqlens, max_seqlen, shape)
+
+
+def _unpack(tokens: Tensor, packing: _Packing) -> Tensor:
+    """Packed tokens ``[T, d]`` back to the padded input's layout ``[*shape, d]``, zeros at padding."""
+    if packing.index is None:
+        return tokens.reshape(*packing.shape, tokens.shape[-1])
+    rows = tokens.new_zeros(math.prod(packing.shape), tokens.shape[-1]).index_put((packing.index,), tokens)
+    return rows.view(*packing.shape, tokens.shape[-1])
+
+
+def _zero_padding(x: Tensor, padding: Optional[Tensor], batch_first: bool) -> Tensor:
+    """The padded path's output with zeros at padding, as the packed path gives (``padding`` as
+    ``_fits_padding`` checked; None: nothing to zero)."""
+    if padding is None:
+        return x
+    if x.dim() == 3 and not batch_first:
+        padding = padding.t()
+    return x.masked_fill(padding[..., None], 0.0)
+
+
 # ------------------------------------------------------------------------------------------- layers
 
 
@@ -293,6 +445,7 @@ class _FusedLayerMixin(_FusedTwin):
 
     _DROPOUTS: Tuple[str, ...]  # the layer's dropout modules, by attribute name
     _NORMS: Tuple[str, ...]
+    _ATTENTIONS: Tuple[str, ...]
 
     def _fuses(self, *inputs: Optional[Tensor]) -> bool:
         """Whether the fused path takes these inputs and this layer's modules; else torch.nn's forward runs.
@@ -305,6 +458,18 @@ class _FusedLayerMixin(_FusedTwin):
         norms = [getattr(self, name) for name in self._NORMS]
         return not _mixed_dtypes(linear1.weight, linear1.bias, linear2.weight, linear2.bias,
                                  *(getattr(norm, p, None) for norm in norms for p in ("weight", "bias")))
+
+    def _packs_modules(self) -> bool:
+        """Whether, past ``_fuses``, this layer's modules give on packed tokens what they give padded: norms
+        over the last dim only, attention modules that pack (``MultiheadAttention._packs``)."""
+        return all(_row_wise_norm(getattr(self, name)) for name in self._NORMS) and all(
+            isinstance(attn, MultiheadAttention) and attn._packs()
+            for attn in (getattr(self, name) for name in self._ATTENTIONS))
+
+    def _packs_input(self, x: Tensor) -> bool:
+        """Whether ``x`` (a layer's or stack's input) can be packed for this layer."""
+        return (x.dim() in (2, 3) and x.shape[-1] == self.self_attn.embed_dim and _packs_under(x)
+                and self._packs_modules())
 
     def _feed_forward(self, x: Tensor) -> Tensor:
         activation = _fused_activation(self.activation)
@@ -348,17 +513,32 @@ def _with_fused_children(torch_init: Callable) -> Callable:
 
 
 class TransformerEncoderLayer(_FusedLayerMixin, nn.TransformerEncoderLayer):
-    """``torch.nn.TransformerEncoderLayer`` on fused attention, feed-forward and add & LayerNorm."""
+    """``torch.nn.TransformerEncoderLayer`` on fused attention, feed-forward and add & LayerNorm.
+
+    With a bool ``src_key_padding_mask`` it runs on the real tokens only and its output is zero at padded
+    positions (see the module's docstring); ``src_mask`` may then be None or the causal mask to be packed.
+    """
 
     __init__ = _with_fused_children(nn.TransformerEncoderLayer.__init__)
-    _DROPOUTS, _NORMS = ("dropout", "dropout1", "dropout2"), ("norm1", "norm2")
+    _DROPOUTS, _NORMS, _ATTENTIONS = ("dropout", "dropout1", "dropout2"), ("norm1", "norm2"), ("self_attn",)
 
     def forward(
         self, src: Tensor, src_mask: Optional[Tensor] = None, src_key_padding_mask: Optional[Tensor] = None,
-        is_causal: bool = False,
+        is_causal: bool = False, *, _packing: Optional[_Packing] = None, _in_padded_stack: bool = False,
     ) -> Tensor:
+        # Private arguments, from the stacks: _packing, packed tokens [T, d_model] in src and where they sit (the
+        # masks are in it); _in_padded_stack, from a stack running padded: run padded and write no zeros (the
+        # stack writes them once at its end), so that every layer computes what torch.nn's does everywhere.
+        if _packing is not None:
+            return self._packed_forward(src, _packing, is_causal)
         if not self._fuses(src, src_mask, src_key_padding_mask):
             return super().forward(src, src_mask, src_key_padding_mask, is_causal)
+        batch_first = self.self_attn.batch_first
+        padding = src_key_padding_mask if _fits_padding(src_key_padding_mask, src, batch_first) else None
+        causal = None if _in_padded_stack else self._packing_causal(src, src_mask, padding, is_causal)
+        if causal is not None:
+            tokens, packing = _pack(src, padding, batch_first)
+            return _unpack(self._packed_forward(tokens, packing, causal), packing)
 
         def self_attention(x: Tensor) -> Tensor:
             return self.self_attn(
@@ -366,25 +546,64 @@ class TransformerEncoderLayer(_FusedLayerMixin, nn.TransformerEncoderLayer):
                 is_causal=is_causal,
             )[0]
 
-        return self._residual_blocks(
+        out = self._residual_blocks(
             src, [self_attention, self._feed_forward], [self.norm1, self.norm2], [self.dropout1, self.dropout2]
+        )
+        return _zero_padding(out, None if _in_padded_stack else padding, batch_first)
+
+    def _packing_causal(
+        self, src: Tensor, src_mask: Optional[Tensor], padding: Optional[Tensor], is_causal: bool,
+    ) -> Optional[bool]:
+        """None when the padded path runs (no bool padding to pack away, or inputs packing cannot take), else
+        whether the packed self-attention is causal."""
+        if padding is None or not self._packs_input(src):
+            return None
+        return _causal_or_none(src_mask, is_causal, _seq_len(self, src))
+
+    def _packed_forward(self, x: Tensor, packing: _Packing, causal: bool) -> Tensor:
+        """The layer on packed tokens ``[T, d_model]``."""
+
+        def self_attention(x: Tensor) -> Tensor:
+            return self.self_attn._packed_forward(x, x, packing, packing, causal)
+
+        return self._residual_blocks(
+            x, [self_attention, self._feed_forward], [self.norm1, self.norm2], [self.dropout1, self.dropout2]
         )
 
 
 class TransformerDecoderLayer(_FusedLayerMixin, nn.TransformerDecoderLayer):
-    """``torch.nn.TransformerDecoderLayer`` on fused attention, feed-forward and add & LayerNorm."""
+    """``torch.nn.TransformerDecoderLayer`` on fused attention, feed-forward and add & LayerNorm.
+
+    With a bool ``tgt_key_padding_mask`` and/or ``memory_key_padding_mask`` it runs on the real target and
+    memory tokens only, when ``tgt_mask`` is None or the causal mask and ``memory_mask`` is None; the output is
+    zero at padded target positions (see the module's docstring).
+    """
 
     __init__ = _with_fused_children(nn.TransformerDecoderLayer.__init__)
     _DROPOUTS, _NORMS = ("dropout", "dropout1", "dropout2", "dropout3"), ("norm1", "norm2", "norm3")
+    _ATTENTIONS = ("self_attn", "multihead_attn")
 
     def forward(
         self, tgt: Tensor, memory: Tensor, tgt_mask: Optional[Tensor] = None, memory_mask: Optional[Tensor] = None,
         tgt_key_padding_mask: Optional[Tensor] = None, memory_key_padding_mask: Optional[Tensor] = None,
-        tgt_is_causal: bool = False, memory_is_causal: bool = False,
+        tgt_is_causal: bool = False, memory_is_causal: bool = False, *,
+        _packing: Optional[Tuple[_Packing, _Packing]] = None, _in_padded_stack: bool = False,
     ) -> Tensor:
+        # Private arguments as in TransformerEncoderLayer.forward: _packing holds the target's and the memory's.
+        if _packing is not None:
+            return self._packed_forward(tgt, memory, *_packing, tgt_is_causal)
         if not self._fuses(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask):
             return super().forward(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
                                    tgt_is_causal, memory_is_causal)
+        batch_first = self.self_attn.batch_first
+        causal = None if _in_padded_stack else self._packing_causal(
+            tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal,
+            memory_is_causal)
+        if causal is not None:
+            tokens, tgt_packing = _pack(tgt, tgt_key_padding_mask, batch_first)
+            memory_tokens, memory_packing = _pack(memory, memory_key_padding_mask, batch_first)
+            out = self._packed_forward(tokens, memory_tokens, tgt_packing, memory_packing, causal)
+            return _unpack(out, tgt_packing)
 
         def self_attention(x: Tensor) -> Tensor:
             return self.self_attn(
@@ -398,8 +617,48 @@ class TransformerDecoderLayer(_FusedLayerMixin, nn.TransformerDecoderLayer):
                 need_weights=False, is_causal=memory_is_causal,
             )[0]
 
-        return self._residual_blocks(
+        out = self._residual_blocks(
             tgt, [self_attention, cross_attention, self._feed_forward], [self.norm1, self.norm2, self.norm3],
+            [self.dropout1, self.dropout2, self.dropout3],
+        )
+        zeroed = not _in_padded_stack and _fits_padding(tgt_key_padding_mask, tgt, batch_first)
+        return _zero_padding(out, tgt_key_padding_mask if zeroed else None, batch_first)
+
+    def _packing_causal(
+        self, tgt: Tensor, memory: Tensor, tgt_mask: Optional[Tensor], memory_mask: Optional[Tensor],
+        tgt_key_padding_mask: Optional[Tensor], memory_key_padding_mask: Optional[Tensor], tgt_is_causal: bool,
+        memory_is_causal: bool,
+    ) -> Optional[bool]:
+        """None when the padded path runs (no bool padding to pack away, or inputs packing cannot take), else
+        whether the packed self-attention is causal."""
+        batch_first = self.self_attn.batch_first
+        if tgt_key_padding_mask is None and memory_key_padding_mask is None:
+            return None
+        if not (_fits_padding(tgt_key_padding_mask, tgt, batch_first)
+                and _fits_padding(memory_key_padding_mask, memory, batch_first)):
+            return None
+        if memory_mask is not None or memory_is_causal or memory.dim() != tgt.dim() or not self._packs_input(tgt):
+            return None
+        attn = self.multihead_attn
+        batch_dim = 0 if batch_first else 1
+        if memory.shape[-1] != attn.kdim or attn.kdim != attn.vdim or (
+                tgt.dim() == 3 and memory.shape[batch_dim] != tgt.shape[batch_dim]):
+            return None
+        return _causal_or_none(tgt_mask, tgt_is_causal, _seq_len(self, tgt))
+
+    def _packed_forward(
+        self, x: Tensor, memory: Tensor, tgt_packing: _Packing, memory_packing: _Packing, causal: bool,
+    ) -> Tensor:
+        """The layer on packed target tokens ``[Tt, d_model]`` and memory tokens ``[Tm, d_model]``."""
+
+        def self_attention(x: Tensor) -> Tensor:
+            return self.self_attn._packed_forward(x, x, tgt_packing, tgt_packing, causal)
+
+        def cross_attention(x: Tensor) -> Tensor:
+            return self.multihead_attn._packed_forward(x, memory, tgt_packing, memory_packing, False)
+
+        return self._residual_blocks(
+            x, [self_attention, cross_attention, self._feed_forward], [self.norm1, self.norm2, self.norm3],
             [self.dropout1, self.dropout2, self.dropout3],
         )
 
@@ -410,10 +669,11 @@ class TransformerDecoderLayer(_FusedLayerMixin, nn.TransformerDecoderLayer):
 class TransformerEncoder(_FusedTwin, nn.TransformerEncoder):
     """``torch.nn.TransformerEncoder`` over fused layers.
 
-    Padding is handled inside the attention kernel, so the nested-tensor conversion torch.nn makes in
-    eval mode is not needed (``enable_nested_tensor`` is kept as an attribute only). Where torch.nn
-    converts, it also writes zeros at padded query positions; here those positions hold the layers'
-    outputs, which no later computation reads through attention.
+    Padding is handled without the nested-tensor conversion torch.nn makes in eval mode
+    (``enable_nested_tensor`` is kept as an attribute only): with a bool ``src_key_padding_mask`` the real
+    tokens are packed once, every layer and the final norm run on them, and the output is zero at padded
+    positions, in training and eval (torch.nn writes zeros there only where it converts). See the module's
+    docstring for what runs padded instead.
     """
 
     __init__ = _with_fused_children(nn.TransformerEncoder.__init__)
@@ -424,15 +684,32 @@ class TransformerEncoder(_FusedTwin, nn.TransformerEncoder):
     ) -> Tensor:
         if _any_nested(src, mask, src_key_padding_mask):
             return super().forward(src, mask, src_key_padding_mask, is_causal)
-        is_causal = _is_causal_mask(mask, is_causal, _seq_len(self.layers[0], src))
+        first = self.layers[0]
+        is_causal = _is_causal_mask(mask, is_causal, _seq_len(first, src))
+        batch_first = _batch_first(first)
+        padding = src_key_padding_mask if _fits_padding(src_key_padding_mask, src, batch_first) else None
+        causal = None
+        if padding is not None and _stack_packs(self, TransformerEncoderLayer, src, batch_first):
+            causal = first._packing_causal(src, mask, padding, is_causal)
+        if causal is not None:
+            tokens, packing = _pack(src, padding, batch_first)
+            for layer in self.layers:
+                tokens = layer(tokens, is_causal=causal, _packing=packing)
+            return _unpack(tokens if self.norm is None else self.norm(tokens), packing)
         output = src
         for layer in self.layers:
-            output = layer(output, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
-        return output if self.norm is None else self.norm(output)
+            output = layer(output, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal,
+                           **_padded_layer_kwargs(layer))
+        return _zero_padding(output if self.norm is None else self.norm(output), padding, batch_first)
 
 
 class TransformerDecoder(_FusedTwin, nn.TransformerDecoder):
-    """``torch.nn.TransformerDecoder`` over fused layers."""
+    """``torch.nn.TransformerDecoder`` over fused layers.
+
+    With a bool ``tgt_key_padding_mask`` and/or ``memory_key_padding_mask`` (``tgt_mask`` None or causal,
+    ``memory_mask`` None) the target and memory tokens are packed once for every layer; the output is zero at
+    padded target positions.
+    """
 
     __init__ = _with_fused_children(nn.TransformerDecoder.__init__)
 
@@ -441,14 +718,49 @@ class TransformerDecoder(_FusedTwin, nn.TransformerDecoder):
         tgt_key_padding_mask: Optional[Tensor] = None, memory_key_padding_mask: Optional[Tensor] = None,
         tgt_is_causal: Optional[bool] = None, memory_is_causal: bool = False,
     ) -> Tensor:
-        tgt_is_causal = _is_causal_mask(tgt_mask, tgt_is_causal, _seq_len(self.layers[0], tgt))
+        first = self.layers[0]
+        tgt_is_causal = _is_causal_mask(tgt_mask, tgt_is_causal, _seq_len(first, tgt))
+        batch_first = _batch_first(first)
+        causal = None
+        if not _any_nested(tgt, memory) and _stack_packs(self, TransformerDecoderLayer, tgt, batch_first):
+            causal = first._packing_causal(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                                           memory_key_padding_mask, tgt_is_causal, memory_is_causal)
+        if causal is not None:
+            tokens, tgt_packing = _pack(tgt, tgt_key_padding_mask, batch_first)
+            memory_tokens, memory_packing = _pack(memory, memory_key_padding_mask, batch_first)
+            for layer in self.layers:
+                tokens = layer(tokens, memory_tokens, tgt_is_causal=causal, _packing=(tgt_packing, memory_packing))
+            return _unpack(tokens if self.norm is None else self.norm(tokens), tgt_packing)
         output = tgt
         for layer in self.layers:
             output = layer(output, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
                            tgt_key_padding_mask=tgt_key_padding_mask,
                            memory_key_padding_mask=memory_key_padding_mask, tgt_is_causal=tgt_is_causal,
-                           memory_is_causal=memory_is_causal)
-        return output if self.norm is None else self.norm(output)
+                           memory_is_causal=memory_is_causal, **_padded_layer_kwargs(layer))
+        output = output if self.norm is None else self.norm(output)
+        if _any_nested(output) or not _fits_padding(tgt_key_padding_mask, tgt, batch_first):
+            return output
+        return _zero_padding(output, tgt_key_padding_mask, batch_first)
+
+
+def _padded_layer_kwargs(layer: nn.Module) -> dict:
+    """What a stack running padded tells its layer, if it is ours: run padded, write no zeros (the stack does)."""
+    ours = type(layer).forward in (TransformerEncoderLayer.forward, TransformerDecoderLayer.forward)
+    return {"_in_padded_stack": True} if ours else {}
+
+
+def _batch_first(layer: nn.Module) -> bool:
+    return bool(getattr(getattr(layer, "self_attn", None), "batch_first", False))
+
+
+def _stack_packs(stack: nn.Module, layer_class: type, x: Tensor, batch_first: bool) -> bool:
+    """Whether every layer of ``stack`` is a fused ``layer_class`` running its own forward (hooks allowed: the
+    stack calls them on packed tokens), with one layout and modules that pack; and the final norm works on
+    tokens one by one. The first layer then decides on the inputs (``_packing_causal``)."""
+    return _row_wise_norm(stack.norm) and all(
+        isinstance(layer, layer_class) and type(layer).forward is layer_class.forward
+        and _batch_first(layer) == batch_first and layer._fuses(x) and layer._packs_modules()
+        for layer in stack.layers)
 
 
 def _seq_len(layer: nn.Module, x: Tensor) -> int:
@@ -458,7 +770,12 @@ def _seq_len(layer: nn.Module, x: Tensor) -> int:
 
 
 class Transformer(_FusedTwin, nn.Transformer):
-    """``torch.nn.Transformer`` whose encoder and decoder are built from the fused modules."""
+    """``torch.nn.Transformer`` whose encoder and decoder are built from the fused modules.
+
+    With bool padding masks each packs its tokens (``TransformerEncoder``, ``TransformerDecoder``). The decoder
+    reads the encoder's output as it comes, zero at padded source positions: pass ``memory_key_padding_mask``
+    (usually ``src_key_padding_mask``) so that it ignores them, as with torch.nn.
+    """
 
     __init__ = _with_fused_children(nn.Transformer.__init__)
 

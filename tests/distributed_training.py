@@ -53,7 +53,7 @@ def worker(rank: int, world: int, strategy: str, out_dir: str) -> None:
             for _ in range(STEPS):
                 x = torch.randn(2, 6, D_MODEL, generator=data)
                 padding = torch.arange(6)[None, :] >= torch.tensor([6, 4])[:, None]
-                loss = model(x, src_key_padding_mask=padding).square().mean()
+                loss = model(x, src_key_padding_mask=padding)[~padding].square().mean()  # real tokens only
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()

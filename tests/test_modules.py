@@ -26,19 +26,28 @@ def twins(torch_cls, fused_cls, *args, dtype=torch.float64, **kwargs):
     return ref, ours
 
 
-def assert_same_forward_backward(ref, ours, inputs, run, dtype=torch.float64, mask_rows=None):
-    """Run ``run(module, *inputs)`` on both, compare outputs, input gradients and parameter gradients."""
+def assert_same_forward_backward(ref, ours, inputs, run, dtype=torch.float64, padding=None):
+    """Run ``run(module, *inputs)`` on both, compare outputs, input gradients and parameter gradients.
+
+    ``padding``: bool, the first output's shape without its features, True at padded positions. Our layers run
+    real tokens only and write zeros there (checked); torch.nn's values there are not compared, and the loss
+    ignores them, as a training loss over padded batches does."""
     ref_inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
     our_inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
     ref_out, our_out = run(ref, *ref_inputs), run(ours, *our_inputs)
     ref_out = ref_out if isinstance(ref_out, tuple) else (ref_out,)
     our_out = our_out if isinstance(our_out, tuple) else (our_out,)
-    for a, b in zip(ref_out, our_out):
+    for i, (a, b) in enumerate(zip(ref_out, our_out)):
         if a is None:
             assert b is None
             continue
+        if i == 0 and padding is not None:
+            assert padding.any() and (b[padding] == 0).all()
+            a = a.masked_fill(padding[..., None], 0)
         torch.testing.assert_close(b, a, **TOL[dtype])
     grad = torch.randn_like(ref_out[0])
+    if padding is not None:
+        grad = grad.masked_fill(padding[..., None], 0)
     (ref_out[0] * grad).sum().backward()
     (our_out[0] * grad).sum().backward()
     for a, b in zip(ref_inputs, our_inputs):
@@ -180,14 +189,15 @@ def test_encoder_layer_matches_torch(mask_kind, activation, batch_first, norm_fi
                       activation=activation, batch_first=batch_first, norm_first=norm_first, dtype=dtype)
     ref.eval(), ours.eval()  # dropout off, grads still on (so torch.nn takes its plain path)
     x = torch.randn((batch, length, dim) if batch_first else (length, batch, dim), dtype=dtype)
-    kwargs = {}
+    kwargs, padding = {}, None
     if "kpm" in mask_kind:
         kwargs["src_key_padding_mask"] = padding_mask(batch, length)
+        padding = kwargs["src_key_padding_mask"] if batch_first else kwargs["src_key_padding_mask"].t()
     if "causal" in mask_kind:
         kwargs.update(src_mask=nn.Transformer.generate_square_subsequent_mask(length, dtype=dtype), is_causal=True)
     if "float_mask" in mask_kind:
         kwargs["src_mask"] = torch.randn(length, length, dtype=dtype)
-    assert_same_forward_backward(ref, ours, [x], lambda m, x: m(x, **kwargs), dtype)
+    assert_same_forward_backward(ref, ours, [x], lambda m, x: m(x, **kwargs), dtype, padding=padding)
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
@@ -206,7 +216,8 @@ def test_decoder_layer_matches_torch(mask_kind, norm_first):
         memory_mask = torch.rand(lt, ls) < 0.3
         memory_mask[:, 0] = False
         kwargs["memory_mask"] = memory_mask
-    assert_same_forward_backward(ref, ours, [tgt, memory], lambda m, t, s: m(t, s, **kwargs))
+    assert_same_forward_backward(ref, ours, [tgt, memory], lambda m, t, s: m(t, s, **kwargs),
+                                 padding=kwargs.get("tgt_key_padding_mask"))
 
 
 def test_layers_in_training_mode_apply_dropout_like_torch():
@@ -236,14 +247,16 @@ def test_transformer_matches_torch_and_state_dicts_cross_load(norm_first):
     masks = dict(tgt_mask=nn.Transformer.generate_square_subsequent_mask(lt, dtype=torch.float64),
                  src_key_padding_mask=padding_mask(batch, ls), memory_key_padding_mask=padding_mask(batch, ls),
                  tgt_key_padding_mask=padding_mask(batch, lt))
-    assert_same_forward_backward(ref, ours, [src, tgt], lambda m, s, t: m(s, t, **masks))
+    assert_same_forward_backward(ref, ours, [src, tgt], lambda m, s, t: m(s, t, **masks),
+                                 padding=masks["tgt_key_padding_mask"])
 
     # A state_dict saved from either loads strictly into the other.
     fresh_ours, fresh_ref = ft.Transformer(**kwargs).double(), nn.Transformer(**kwargs).double()
     fresh_ours.load_state_dict(ref.state_dict(), strict=True)
     fresh_ref.load_state_dict(ours.state_dict(), strict=True)
     ref.eval(), fresh_ours.eval()
-    torch.testing.assert_close(fresh_ours(src, tgt, **masks), ref(src, tgt, **masks), **TOL[torch.float64])
+    real = ~masks["tgt_key_padding_mask"]
+    torch.testing.assert_close(fresh_ours(src, tgt, **masks)[real], ref(src, tgt, **masks)[real], **TOL[torch.float64])
 
 
 def test_encoder_detects_a_causal_mask_like_torch():
@@ -360,7 +373,7 @@ def test_non_contiguous_inputs_match_torch():
     x = torch.randn(6, 3, 16, dtype=torch.float64).transpose(0, 1)  # batch_first view of a seq-first buffer
     assert not x.is_contiguous()
     kpm = padding_mask(6, 3).t()  # [3, 6], a transposed view too
-    assert_same_forward_backward(ref, ours, [x], lambda m, x: m(x, src_key_padding_mask=kpm))
+    assert_same_forward_backward(ref, ours, [x], lambda m, x: m(x, src_key_padding_mask=kpm), padding=kpm)
 
 
 # ------------------------------------------------------------------------------------ triton backend
@@ -381,7 +394,8 @@ def test_encoder_layer_on_the_triton_backend_matches_torch(mask_kind, norm_first
     if "float_mask" in mask_kind:
         kwargs["src_mask"] = torch.randn(length, length)
     with ft.use_backend("triton"):
-        assert_same_forward_backward(ref, ours, [x], lambda m, x: m(x, **kwargs), torch.float32)
+        assert_same_forward_backward(ref, ours, [x], lambda m, x: m(x, **kwargs), torch.float32,
+                                     padding=kwargs["src_key_padding_mask"])
 
 
 @pytest.mark.filterwarnings("ignore:Support for mismatched")
@@ -393,7 +407,8 @@ def test_decoder_layer_and_attention_weights_on_the_triton_backend_match_torch()
     kwargs = dict(tgt_mask=nn.Transformer.generate_square_subsequent_mask(lt), tgt_is_causal=True,
                   tgt_key_padding_mask=padding_mask(batch, lt), memory_key_padding_mask=padding_mask(batch, ls, [37, 20]))
     with ft.use_backend("triton"):
-        assert_same_forward_backward(ref, ours, [tgt, memory], lambda m, t, s: m(t, s, **kwargs), torch.float32)
+        assert_same_forward_backward(ref, ours, [tgt, memory], lambda m, t, s: m(t, s, **kwargs), torch.float32,
+                                     padding=kwargs["tgt_key_padding_mask"])
         q = torch.randn(batch, lt, dim)
         for average in (True, False):
             options = dict(key_padding_mask=kwargs["memory_key_padding_mask"], average_attn_weights=average)
