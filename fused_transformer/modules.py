@@ -24,8 +24,8 @@ round-off, gradients included. The stacks pack once for all their layers, whose 
 packed ``[tokens, d_model]`` tensors (as torch.nn's fast path shows its layers nested tensors). What cannot
 be packed runs padded and still writes zeros at padded positions: other attention masks than the causal
 one, a ``memory_mask``, a hooked ``MultiheadAttention``, ``add_bias_kv`` / ``add_zero_attn``, norms other
-than a LayerNorm over the last dim, a backend without ``attention_varlen``, and ``torch.compile`` /
-``torch.export`` (packing has data-dependent shapes).
+than a LayerNorm over the last dim, and ``torch.compile`` / ``torch.export`` (packing has data-dependent
+shapes).
 """
 from __future__ import annotations
 
@@ -323,15 +323,6 @@ def _row_wise_norm(norm: Optional[nn.Module]) -> bool:
     return norm is None or (isinstance(norm, (nn.LayerNorm, nn.RMSNorm)) and len(norm.normalized_shape) == 1)
 
 
-def _varlen_runs(x: Tensor) -> bool:
-    """Whether the backend for ``x`` implements ``attention_varlen`` (not every backend does yet)."""
-    try:
-        ops._implementation("attention_varlen", x)
-    except AttributeError:
-        return False
-    return True
-
-
 def _fits_padding(mask: Optional[Tensor], x: Tensor, batch_first: bool) -> bool:
     """Whether ``mask`` is None or a bool key padding mask of ``x`` (``[B, L]`` for ``x`` ``[B, L, d]`` or
     ``[L, B, d]``, ``[L]`` for unbatched ``x`` ``[L, d]``): one that packing can take."""
@@ -348,11 +339,10 @@ def _fits_padding(mask: Optional[Tensor], x: Tensor, batch_first: bool) -> bool:
 _PACK_PADDING = True
 
 
-def _packs_under(x: Tensor) -> bool:
-    """Whether inputs like ``x`` are packed at all: not while compiling (boolean indexing has data-dependent
-    shapes: a graph break, and an error under ``fullgraph`` and ``torch.export``), and only on backends with
-    ``attention_varlen``."""
-    return _PACK_PADDING and not torch.compiler.is_compiling() and _varlen_runs(x)
+def _packing_allowed() -> bool:
+    """Whether inputs are packed at all: not while compiling (boolean indexing has data-dependent
+    shapes: a graph break, and an error under ``fullgraph`` and ``torch.export``)."""
+    return _PACK_PADDING and not torch.compiler.is_compiling()
 
 
 def _causal_or_none(mask: Optional[Tensor], is_causal: bool, size: int) -> Optional[bool]:
@@ -468,7 +458,7 @@ class _FusedLayerMixin(_FusedTwin):
 
     def _packs_input(self, x: Tensor) -> bool:
         """Whether ``x`` (a layer's or stack's input) can be packed for this layer."""
-        return (x.dim() in (2, 3) and x.shape[-1] == self.self_attn.embed_dim and _packs_under(x)
+        return (x.dim() in (2, 3) and x.shape[-1] == self.self_attn.embed_dim and _packing_allowed()
                 and self._packs_modules())
 
     def _feed_forward(self, x: Tensor) -> Tensor:
