@@ -13,6 +13,9 @@ from typing import Callable, Dict, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from fused_transformer.tools import interrupts_held_back
+
+
 def reset_grads(tensors: Sequence[Tensor]) -> None:
     for t in tensors:
         t.grad = None
@@ -83,7 +86,10 @@ def _cpu_allocated_peak(fn: Callable[[], object]) -> int:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    # A Ctrl-C landing while the profiler starts or stops leaves it half on, and the process then crashes at exit
+    # (SIGSEGV or SIGABRT instead of the status 130 that ``python -m fused_transformer`` promises): it waits.
+    with interrupts_held_back(), _quiet_stderr(), profile(activities=[ProfilerActivity.CPU],
+                                                          profile_memory=True) as prof:
         fn()
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
