@@ -451,7 +451,7 @@ def _build_layer(setup: Setup, decoder: bool, batch: int, length: int, d_model: 
 
 def _layer_cases(setup: Setup, lengths: Sequence[int], decoder: bool) -> Iterator[Case]:
     gpu = setup.device.type == "cuda"
-    batch, d_model, heads, d_ff = (8, 1024, 16, 4096) if gpu else (16, 256, 8, 512)
+    batch, d_model, heads, d_ff = (8, 1024, 16, 4096) if gpu else (16, 256, 8, 1024)
     suite = "decoder_layer" if decoder else "encoder_layer"
     variants = [("no padding", 0.0, False), ("pad50%", 0.5, False)]
     if not decoder:  # the encoder packs real tokens under a padding mask: what it pays grows with them
@@ -535,7 +535,7 @@ def describe(suite: str, setup: Setup) -> str:
     if suite == "decode_step":
         return ("batch 32, Seq2Seq d 256, 3 + 3 layers, 8 heads, ff 512, one cached token per sequence after L - 1, "
                 "source L")
-    dims = "batch 8, d_model 1024, 16 heads, d_ff 4096" if gpu else "batch 16, d_model 256, 8 heads, d_ff 512"
+    dims = "batch 8, d_model 1024, 16 heads, d_ff 4096" if gpu else "batch 16, d_model 256, 8 heads, d_ff 1024"
     causal = ", causal self-attention, memory as long as the target" if suite == "decoder_layer" else ""
     return f"{dims}, dropout {DROPOUT}{causal}"
 
