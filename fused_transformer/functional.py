@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import numbers
+from types import ModuleType
 from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
@@ -55,15 +56,29 @@ def _import_backend(name: str) -> bool:
     return True
 
 
+# (backend, op) -> the module implementing it, once imported. The module, not its function, so that a function
+# replaced on the module (a test's spy, a user's patch) is the one called.
+_MODULES: Dict[Tuple[str, str], ModuleType] = {}
+
+
 def _implementation(op: str, x: Tensor) -> Callable:
     name = backend.current(x.device, x.dtype)
+    module = _MODULES.get((name, op))
+    if module is None:
+        module = _implementing_module(name, op)
+    return getattr(module, op)
+
+
+def _implementing_module(name: str, op: str) -> ModuleType:
     if name == "reference":
-        return getattr(reference, op)
+        return reference
     _import_backend(name)
     module = _package
     for part in _IMPLEMENTATIONS[name][op].split("."):
         module = getattr(module, part)
-    return getattr(module, op)
+    if not torch.compiler.is_compiling():
+        _MODULES[(name, op)] = module
+    return module
 
 
 # --------------------------------------------------------------------------------------------- autocast
@@ -79,10 +94,11 @@ def _autocast_dtype(anchor: object, matmul: bool) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(anchor.device.type) if matmul else torch.float32
 
 
-def _autocast(dtype: Optional[torch.dtype], t: object) -> object:
-    if dtype is None or not isinstance(t, Tensor) or t.dtype not in _AUTOCAST_ELIGIBLE:
-        return t
-    return t.to(dtype)
+def _autocast_all(dtype: Optional[torch.dtype], *args: object) -> Tuple[object, ...]:
+    """``args`` with their float16 / bfloat16 / float32 tensors cast to ``dtype`` (None: autocast is off)."""
+    if dtype is None:
+        return args
+    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.dtype in _AUTOCAST_ELIGIBLE else t for t in args)
 
 
 def _run(op: str, anchor: Tensor, autocast_dtype: Optional[torch.dtype], *args: object, **kwargs: object) -> object:
@@ -282,7 +298,7 @@ def attention(
         reach the row, where SDPA, which adds those masks as ``-inf``, gives NaN.
     """
     cast = _autocast_dtype(q, matmul=True)
-    q, k, v = (_autocast(cast, t) for t in (q, k, v))
+    q, k, v = _autocast_all(cast, q, k, v)
     _check_attention_args(q, k, v, attn_mask, key_padding_mask, is_causal, causal_alignment, scale, query_padding_mask)
     window = _check_window(window)
     dropout_p = _check_dropout(dropout_p)
@@ -335,7 +351,7 @@ def attention_varlen(
         ``torch.compile``.
     """
     cast = _autocast_dtype(q, matmul=True)
-    q, k, v = (_autocast(cast, t) for t in (q, k, v))
+    q, k, v = _autocast_all(cast, q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, rank=3)
     _check_same("k", k, "q", q)
@@ -382,7 +398,7 @@ def attention_weights(
     from its ``lse`` (``return_lse=True``); same masks and scale as that call. For ``need_weights=True``.
     """
     cast = _autocast_dtype(q, matmul=True)
-    q, k = _autocast(cast, q), _autocast(cast, k)
+    q, k = _autocast_all(cast, q, k)
     _check_attention_args(q, k, k, attn_mask, key_padding_mask, is_causal, causal_alignment, scale, query_padding_mask)
     if not isinstance(lse, Tensor) or tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"lse must be a tensor of shape [B, H, Lq] = {list(q.shape[:3])}")
@@ -418,7 +434,7 @@ def layer_norm(
         gradients then empty or zeros).
     """
     cast = _autocast_dtype(x, matmul=False)
-    x, weight, bias, residual = (_autocast(cast, t) for t in (x, weight, bias, residual))
+    x, weight, bias, residual = _autocast_all(cast, x, weight, bias, residual)
     _check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dim (the normalised one), got a scalar")
@@ -465,7 +481,7 @@ def feed_forward(
         ``[..., d_out]`` in x's dtype.
     """
     cast = _autocast_dtype(x, matmul=True)
-    x, w1, b1, w2, b2 = (_autocast(cast, t) for t in (x, w1, b1, w2, b2))
+    x, w1, b1, w2, b2 = _autocast_all(cast, x, w1, b1, w2, b2)
     _check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dim (the features), got a scalar")

@@ -301,10 +301,12 @@ class LayerNorm(_FusedTwin, nn.LayerNorm):
             raise InputShapeError(
                 f"input of shape {tuple(input.shape)} does not end in normalized_shape {list(self.normalized_shape)}"
             )
-        flat = input.flatten(input.dim() - dims) if dims > 1 else input
-        weight = None if self.weight is None else self.weight.flatten()
-        bias = None if self.bias is None else self.bias.flatten()
-        return ops.layer_norm(flat, weight, bias, self.eps).view(input.shape)
+        weight, bias = self.weight, self.bias
+        if dims == 1:
+            return ops.layer_norm(input, weight, bias, self.eps)
+        weight = None if weight is None else weight.flatten()
+        bias = None if bias is None else bias.flatten()
+        return ops.layer_norm(input.flatten(input.dim() - dims), weight, bias, self.eps).view(input.shape)
 
 
 # ------------------------------------------------------------------------------------------ packing
