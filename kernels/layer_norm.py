@@ -13,8 +13,15 @@ Backward, with xhat = (z - mean) * rstd (or z * rstd) and g = dy * weight:
     dweight = sum_rows(dy * xhat),   dbias = sum_rows(dy)
 Each backward program walks a contiguous block of rows and writes one float32 partial row of dweight/dbias;
 a second small kernel (``sum_rows``) adds the partials in a fixed order: deterministic, no atomics. Rows
-wider than 8192 are split over programs of 4096 columns that first sum the whole row (SPLIT_COLS): a whole
-16384-wide row and its partial sums do not fit in registers (``python -m fused_transformer report``).
+wider than 8192 are split over programs of 4096 columns (SPLIT_COLS), each of which also reads the row's other
+blocks to get the row sums: a whole 16384-wide row and its dweight / dbias sums need more than the 64 registers a
+thread of a 1024-thread program may have, and so do two 8192-column halves in some variants (stack frames of
+8..200 bytes; ``python -m fused_transformer report`` checks the shipped configs).
+
+Bytes moved per element of z (element size s: 2 for bf16, 4 for fp32): read dy and z, write dx (3s), plus dz (s)
+and dresidual (s) when present; with SPLIT_COLS over C column blocks dy and z are read C times (+2s(C - 1)).
+Each program writes 4 bytes per column per partial (dweight, dbias) and walks at least MIN_ROWS_PER_PROGRAM
+rows: at most 8 / 8 = 1 byte per element (``sum_rows`` reads them once more).
 
 Dropout keep-mask: element (row, col) of x viewed as [rows, N] is kept when ``dropout_keep(SEED, row * N +
 col, p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, rows, N, p, device)`` replays it.
@@ -124,7 +131,7 @@ def _layer_norm_bwd_kernel(
 ):
     # Program (i, j) walks rows [i * rows_per_program, ...) on columns [j * BLOCK_N, ...). Without SPLIT_COLS
     # one block holds the whole row (j = 0). With it (the widest rows, whose partial sums would not fit in
-    # registers next to the row) the row sums come from a first pass over all of the row's blocks.
+    # registers next to the row) the row sums also need the row's other column blocks.
     program = tl.program_id(0).to(tl.int64)
     col_start = tl.program_id(1) * BLOCK_N
     cols = col_start + tl.arange(0, BLOCK_N)
@@ -142,13 +149,19 @@ def _layer_norm_bwd_kernel(
         xhat, g, dy = _row_sums(Z, DY, W, row, stride_z_row, stride_dy_row, n_cols, mean, rstd, col_start,
                                 BLOCK_N, HAS_WEIGHT, IS_RMS_NORM)
         if SPLIT_COLS:
+            # Summed block by block in column order, the own block from registers: every program of the row gets
+            # bit-identical sums and reads each other block of the row once.
             sum_gx = 0.0
             sum_g = 0.0
-            for other_start in range(0, n_cols, BLOCK_N):
-                xhat_o, g_o, dy_o = _row_sums(Z, DY, W, row, stride_z_row, stride_dy_row, n_cols, mean, rstd,
-                                              other_start, BLOCK_N, HAS_WEIGHT, IS_RMS_NORM)
-                sum_gx += tl.sum(g_o * xhat_o, axis=0)
-                sum_g += tl.sum(g_o, axis=0)
+            for block_start in range(0, n_cols, BLOCK_N):
+                if block_start == col_start:
+                    sum_gx += tl.sum(g * xhat, axis=0)
+                    sum_g += tl.sum(g, axis=0)
+                else:
+                    xhat_o, g_o, _ = _row_sums(Z, DY, W, row, stride_z_row, stride_dy_row, n_cols, mean, rstd,
+                                               block_start, BLOCK_N, HAS_WEIGHT, IS_RMS_NORM)
+                    sum_gx += tl.sum(g_o * xhat_o, axis=0)
+                    sum_g += tl.sum(g_o, axis=0)
         else:
             sum_gx = tl.sum(g * xhat, axis=0)
             sum_g = tl.sum(g, axis=0)
@@ -197,6 +210,15 @@ def _backward_programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Every backward program writes a float32 partial row of dweight and one of dbias (8 bytes per column); spread
+# over at least this many rows they add at most 1 byte per element to the 6 of a bfloat16 backward.
+MIN_ROWS_PER_PROGRAM = 8
+
+
+def _backward_rows_per_program(n_rows: int, device: torch.device) -> int:
+    return max(triton.cdiv(n_rows, _backward_programs(device)), MIN_ROWS_PER_PROGRAM)
+
+
 def _check_dtype(name: str, t: Optional[Tensor]) -> None:
     if t is not None and t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"triton layer_norm: {name} must be float16, bfloat16 or float32, got {t.dtype}")
@@ -204,6 +226,7 @@ def _check_dtype(name: str, t: Optional[Tensor]) -> None:
 
 # Backward rows wider than MAX_BWD_BLOCK are split over programs of SPLIT_BLOCK columns (SPLIT_COLS): the
 # per-program dweight / dbias sums of a whole 16384-wide row do not fit in registers next to the row itself.
+# Each program reads every block of its rows (dy and z read C = cdiv(N, SPLIT_BLOCK) times).
 MAX_BWD_BLOCK = 8192
 SPLIT_BLOCK = 4096
 
@@ -282,7 +305,8 @@ def layer_norm_bwd(
     dresidual = torch.empty_like(dx) if has_residual else _empty(dx)
     if n_cols == 0:  # every result is empty: no column block to launch
         return dx, dresidual, *(torch.empty_like(p) if p is not None else _empty(dx) for p in (weight, bias))
-    programs = max(min(_backward_programs(z.device), n_rows), 1)
+    rows_per_program = _backward_rows_per_program(n_rows, z.device)
+    programs = max(triton.cdiv(n_rows, rows_per_program), 1)
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if weight is not None else None
     db_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if bias is not None else None
     # Launched even for zero rows: every program writes its (possibly zero) partial sums.
@@ -293,7 +317,7 @@ def layer_norm_bwd(
         dw_partial, db_partial,
         z.stride(0), dy.stride(0), dz.stride(0) if dz is not None else 0, dx.stride(0),
         dresidual.stride(0) if has_residual else 0,
-        n_rows, n_cols, triton.cdiv(n_rows, programs), dropout_p, seed,
+        n_rows, n_cols, rows_per_program, dropout_p, seed,
         BLOCK_N=block_n, HAS_DZ=dz is not None, HAS_RESIDUAL=has_residual, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, IS_RMS_NORM=rms_norm, SPLIT_COLS=col_blocks > 1,
         num_warps=1 if interpreting() else _bwd_num_warps(block_n, col_blocks > 1),

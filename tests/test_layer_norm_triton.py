@@ -183,3 +183,30 @@ def test_custom_ops_pass_opcheck():
         torch.ops.fused_transformer.layer_norm_bwd,
         (torch.randn_like(y), None, z, weight, bias, mean, rstd, 0.1, seed, False, True),
     )
+
+
+def _bwd_bytes_per_element(n_rows, n_cols, itemsize, *, has_dz=False, has_residual=False, parameters=2):
+    """Global bytes the backward kernel loads and stores per element of z on a GPU, from the launcher's picks:
+    dy and z once per column block of the row, dx (plus dz, dresidual), and the float32 partial rows of the
+    ``parameters`` (dweight, dbias) each program writes. Weight and bias reads (one [N] vector shared by every row)
+    and the per-row mean / rstd are left out."""
+    cuda = torch.device("cuda", 0)
+    reads = -(-n_cols // triton_layer_norm._bwd_block_n(n_cols))
+    programs = -(-n_rows // triton_layer_norm._backward_rows_per_program(n_rows, cuda))
+    row_bytes = itemsize * (2 * reads + 1 + has_dz + has_residual)
+    return row_bytes + 4 * parameters * programs / n_rows
+
+
+@pytest.mark.parametrize("sms", [1, 108, 132])
+def test_backward_bytes_per_element(monkeypatch, sms):
+    """Whole rows up to 8192 columns read dy and z once; the partial sums add at most 1 byte per element (plus
+    8 / rows for the last, partly filled program; fewer rows than MIN_ROWS_PER_PROGRAM share one program)."""
+    monkeypatch.setattr(triton_layer_norm, "_backward_programs", lambda device: 4 * sms)
+    for n_rows in (8, 100, 4096, 4097, 100_000):
+        last_program = 8 / n_rows
+        for n_cols in (1, 1000, 1024, 4096, 8191, 8192):
+            assert _bwd_bytes_per_element(n_rows, n_cols, 2) <= 7 + last_program, (n_rows, n_cols)
+            assert _bwd_bytes_per_element(n_rows, n_cols, 4) <= 13 + last_program, (n_rows, n_cols)
+        for n_cols in (8193, 12288, 16384):  # split rows: dy and z read once per 4096-column block
+            blocks = -(-n_cols // triton_layer_norm.SPLIT_BLOCK)
+            assert _bwd_bytes_per_element(n_rows, n_cols, 2) <= 2 * (2 * blocks + 1) + 1 + last_program
