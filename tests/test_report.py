@@ -1,9 +1,12 @@
 """AOT compile of every shipped kernel config for sm_80 / 86 / 89 / 90 (no GPU needed): no spills, shared memory within
-the limits, tensor cores where expected; and the AOT lists cover every config the launchers can pick.
+the limits, tensor cores where expected, the SASS figures (MMA shapes, main loop, occupancy) on the real kernels and
+on hand-written SASS; and the AOT lists cover every config the launchers can pick.
 
 Compilation runs in spawned workers (this process interprets Triton); Triton's on-disk cache makes reruns fast.
 """
+import dataclasses
 import importlib
+import re
 
 import pytest
 import torch
@@ -169,3 +172,235 @@ def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
                         assert (f"attention_{kernel}", config, target) in listed
                         checked += 1
     assert checked == 2 * 2 * (5 + 4 * 2) * 3 + 2 * 2 * (5 + 4)
+
+
+# ------------------------------------------------------------------------------------ SASS figures, real kernels
+
+
+def _attention_16_bit(results):
+    return [r for r in results if r.name in ("attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv")
+            and r.config.startswith("bf16/")]
+
+
+def test_16_bit_attention_runs_hgmma_on_hopper_and_hmma_before(results):
+    """wgmma (HGMMA) computes 64-row products per warpgroup: a config whose tiles are all under 64 rows (the D256
+    tiles) runs mma.sync (HMMA) on sm_90 too."""
+    checked = _attention_16_bit(results)
+    assert {r.target for r in checked} == {80, 86, 89, 90}
+    assert any(r.target == 90 and r.mma_counts[0][0].startswith("HGMMA.") for r in checked)
+    for r in checked:
+        block_m, block_n = map(int, re.search(r"BM(\d+)_BN(\d+)", r.config).groups())
+        wgmma = r.target == 90 and max(block_m, block_n) >= 64
+        kinds = {opcode.split(".")[0] for opcode, _ in r.mma_counts}
+        assert kinds == ({"HGMMA"} if wgmma else {"HMMA"}), (r.name, r.config, r.target, r.mma_counts)
+        if not wgmma:
+            assert all(opcode.startswith("HMMA.16816.F32.BF16") for opcode, _ in r.mma_counts), r.mma_counts
+
+
+def test_exact_float32_attention_has_no_mma(results):
+    exact = [r for r in results if r.name.startswith("attention_") and r.config.startswith("fp32/")]
+    assert exact and all(not r.mma_counts and r.loop_mma_instructions == 0 for r in exact)
+
+
+def test_every_kernel_with_mmas_has_a_main_loop(results):
+    # The weights kernel computes one (query tile, key tile) block per program: no loop.
+    with_mma = [r for r in results if r.mma_counts and r.name != "attention_weights"]
+    assert {r.name for r in with_mma} >= {"attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv",
+                                           "ffn_matmul_linear1_fwd"}
+    for r in with_mma:
+        assert 0 < r.loop_mma_instructions < r.loop_instructions, (r.name, r.config, r.target)
+        assert r.loop_mma_instructions <= sum(count for _, count in r.mma_counts)
+        assert r.non_mma_per_mma > 0 and r.non_mma_per_kmac > 0
+
+
+def test_every_config_fits_on_an_sm(results):
+    for r in results:
+        assert 1 <= r.blocks_per_sm and r.warps_per_sm == r.blocks_per_sm * r.num_warps, (r.name, r.config, r.target)
+        assert r.warps_per_sm <= report.SM_LIMITS[r.target].max_warps
+
+
+def test_pipelined_attention_copies_with_cp_async(results):
+    staged = [r for r in _attention_16_bit(results) if int(re.search(r"_s(\d+)", r.config).group(1)) > 1]
+    assert {r.name for r in staged} >= {"attention_fwd"}
+    assert all("LDGSTS" in r.async_copy for r in staged), [(r.name, r.config, r.async_copy) for r in staged]
+
+
+# -------------------------------------------------------------------------------- SASS figures, hand-written SASS
+
+
+def _sass(*instructions: str) -> str:
+    """cuobjdump -sass listing of ``instructions``, one every 16 bytes from address 0, with encoding lines."""
+    lines = ["", "\tcode for sm_80", "\t\tFunction : kernel"]
+    for index, text in enumerate(instructions):
+        lines.append(f"        /*{16 * index:04x}*/                   {text} ;                /* 0x000fe400078e00ff */")
+        lines.append("                                                                  /* 0x000fe20000000000 */")
+    return "\n".join(lines)
+
+
+_NESTED_LOOPS = _sass(
+    "S2R R0, SR_TID.X",                         # 0x00
+    "LDGSTS.E.BYPASS.128 [R2+0x4000], [R4.64]",  # 0x10
+    "LDGDEPBAR",                                 # 0x20
+    "HMMA.16816.F32.BF16 R8, R12, R16, RZ",      # 0x30  before the loops
+    "IMAD R0, R0, 0x2, RZ",                      # 0x40  outer loop
+    "HMMA.16816.F32.BF16 R8, R12, R16, R8",      # 0x50  inner loop
+    "HMMA.16816.F32.BF16 R8, R14, R18, R8",      # 0x60
+    "FFMA R20, R8, R9, R20",                     # 0x70
+    "@P0 BRA 0x50",                              # 0x80  inner back edge
+    "@!P1 BRA 0xd0",                             # 0x90  forward branch: no loop
+    "IADD3 R0, R0, 0x1, RZ",                     # 0xa0
+    "@!P2 BRA 0x40",                             # 0xb0  outer back edge
+    "EXIT",                                      # 0xc0
+    "BRA 0xd0",                                  # 0xd0  the trap after EXIT: a branch to itself
+)
+
+
+def test_main_loop_is_the_innermost_loop_with_the_most_mmas():
+    instructions = report.parse_sass(_NESTED_LOOPS)
+    assert len(instructions) == 14 and instructions[8].opcode == "BRA" and instructions[8].operands == "0x50"
+    first, last = report.main_loop(instructions)
+    assert (instructions[first].address, instructions[last].address) == (0x50, 0x80)
+    figures = report.analyse_sass(_NESTED_LOOPS)
+    assert (figures.loop_instructions, figures.loop_mma_instructions) == (4, 2)
+    assert figures.loop_macs_per_warp == 2 * 16 * 8 * 16
+    assert figures.mma_counts == (("HMMA.16816.F32.BF16", 3),)
+    result = report.AotResult(module="m", name="k", config="c", target=80, num_warps=4,
+                              **dataclasses.asdict(figures))
+    assert result.non_mma_per_mma == 1.0  # 2 other instructions, 2 MMAs
+    assert result.non_mma_per_kmac == 2 * 1024 / 4096
+
+
+def test_main_loop_is_the_innermost_loop_with_the_most_mmas_even_when_an_outer_loop_has_more():
+    sass = _sass(
+        "HMMA.1688.F32.TF32 R8, R12, R16, R8",   # 0x00  outer loop, 4 MMAs in all
+        "HMMA.1688.F32.TF32 R8, R12, R16, R8",   # 0x10  inner loop A: 1 MMA
+        "@P0 BRA 0x10",                          # 0x20
+        "HMMA.1688.F32.TF32 R8, R12, R16, R8",   # 0x30  inner loop B: 2 MMAs in 4 instructions
+        "HMMA.1688.F32.TF32 R8, R12, R16, R8",   # 0x40
+        "FMUL R1, R1, R2",                       # 0x50
+        "@P1 BRA 0x30",                          # 0x60
+        "@P2 BRA 0x0",                           # 0x70
+        "EXIT",
+    )
+    figures = report.analyse_sass(sass)
+    assert (figures.loop_instructions, figures.loop_mma_instructions) == (4, 2)
+    assert figures.loop_macs_per_warp == 2 * 16 * 8 * 8
+
+
+def test_jumps_back_from_out_of_line_code_are_no_loops():
+    # ptxas puts mbarrier wait retries after the kernel's EXIT: a forward jump there, a spin, a jump back.
+    sass = _sass(
+        "@!P0 BRA 0x80",                                      # 0x00  to the out-of-line wait
+        "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT",  # 0x10  the loop
+        "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0",  # 0x20
+        "@P1 BRA 0x10",                                       # 0x30
+        "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0",  # 0x40
+        "@!P3 EXIT",                                          # 0x50  a predicated EXIT does not end the kernel
+        "EXIT",                                               # 0x60
+        "BRA 0x70",                                           # 0x70
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2",       # 0x80  out-of-line wait
+        "@!P0 BRA 0x80",                                      # 0x90
+        "BRA 0x10",                                           # 0xa0  back into the kernel: no loop
+    )
+    instructions = report.parse_sass(sass)
+    assert instructions[5].predicate == "!P3" and instructions[6].predicate == ""
+    assert report.loops(instructions) == [(1, 3)]
+    assert (report.analyse_sass(sass).loop_instructions, report.analyse_sass(sass).loop_mma_instructions) == (3, 2)
+
+
+def test_main_loop_prefers_the_loop_with_more_mmas():
+    sass = _sass(
+        "HMMA.16816.F32.BF16 R8, R12, R16, R8",  # 0x00  loop A: 1 MMA in 2 instructions
+        "@P0 BRA 0x0",                           # 0x10
+        "HMMA.16816.F32.BF16 R8, R12, R16, R8",  # 0x20  loop B: 2 MMAs in 4 instructions
+        "HMMA.16816.F32.BF16 R8, R12, R16, R8",  # 0x30
+        "FMUL R1, R1, R2",                       # 0x40
+        "@P1 BRA 0x20",                          # 0x50
+        "EXIT",
+    )
+    figures = report.analyse_sass(sass)
+    assert (figures.loop_instructions, figures.loop_mma_instructions) == (4, 2)
+
+
+def test_no_main_loop_without_mmas_in_a_loop():
+    sass = _sass("HMMA.16816.F32 R8, R12, R16, RZ", "FADD R1, R1, R2", "@P0 BRA 0x10", "EXIT", "BRA 0x40")
+    figures = report.analyse_sass(sass)
+    assert (figures.loop_instructions, figures.loop_mma_instructions, figures.loop_macs_per_warp) == (0, 0, 0)
+    assert figures.mma_counts == (("HMMA.16816.F32", 1),)
+    result = report.AotResult(module="m", name="k", config="c", target=80, num_warps=4, **dataclasses.asdict(figures))
+    assert result.non_mma_per_mma is None and result.non_mma_per_kmac is None
+    assert report.main_loop(report.parse_sass(_sass("FADD R1, R1, R2", "@P0 BRA 0x0"))) is None
+
+
+@pytest.mark.parametrize("opcode, macs_per_warp", [
+    ("HMMA.16816.F32.BF16", 16 * 8 * 16),
+    ("HMMA.16816.F32", 16 * 8 * 16),
+    ("HMMA.1688.F32.TF32", 16 * 8 * 8),
+    ("HMMA.1684.F32.TF32", 16 * 8 * 4),
+    ("HGMMA.64x128x16.F32.BF16", 64 * 128 * 16 // 4),  # one warpgroup instruction, issued by its 4 warps
+    ("HGMMA.64x8x16.F32.BF16", 64 * 8 * 16 // 4),
+    ("HGMMA.64x32x8.F32.TF32", 64 * 32 * 8 // 4),
+    ("FFMA", 0), ("HFMA2.MMA", 0), ("IMAD", 0),
+])
+def test_mma_shapes(opcode, macs_per_warp):
+    assert report.mma_macs_per_warp(opcode) == macs_per_warp
+
+
+def test_hgmma_counts_widest_first_and_per_warpgroup_macs():
+    sass = _sass(
+        "WARPGROUP.ARRIVE",
+        "HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT",
+        "HGMMA.64x32x16.F32.BF16 R24, gdesc[UR12], R24, gsb0",
+        "HGMMA.64x128x16.F32.BF16 R56, R88, gdesc[UR16].tnspB, R56, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "UTMALDG.2D [UR8], [UR4]",
+        "@!P0 BRA 0x10",
+    )
+    figures = report.analyse_sass(sass)
+    assert figures.mma_counts == (("HGMMA.64x128x16.F32.BF16", 1), ("HGMMA.64x32x16.F32.BF16", 2))
+    assert report.format_mma(figures.mma_counts) == "HGMMA.64x128x16.F32.BF16 x1, HGMMA.64x32x16.F32.BF16 x2"
+    assert (figures.loop_instructions, figures.loop_mma_instructions) == (6, 3)
+    assert figures.loop_macs_per_warp == (2 * 64 * 32 * 16 + 64 * 128 * 16) // 4
+    assert figures.async_copy == "UTMALDG"
+
+
+@pytest.mark.parametrize("instructions, kind", [
+    (("LDGSTS.E.BYPASS.128 [R2+0x4000], [R4.64], P5", "LDGDEPBAR", "LDG.E.U8 R1, [R2.64]"), "LDGSTS"),
+    (("UTMALDG.2D [UR8], [UR4]", "LDGSTS.E.128 [R2], [R4.64]"), "UTMALDG+LDGSTS"),
+    (("LDG.E.128 R4, [R2.64]", "STS.128 [R1], R4"), "LDG"),
+    (("LDS R4, [R2]", "STG.E [R2.64], R4"), "-"),
+])
+def test_async_copy_kind(instructions, kind):
+    assert report.analyse_sass(_sass(*instructions)).async_copy == kind
+
+
+@pytest.mark.parametrize("target, num_warps, registers, shared_bytes, blocks, warps", [
+    (80, 8, 32, 0, 8, 64),            # 256 threads x 32 registers: every warp slot
+    (80, 8, 64, 0, 4, 32),            # register-bound: 2048 registers per warp, 8 warps per scheduler
+    (80, 4, 33, 0, 12, 48),           # 33 x 32 = 1056 registers rounds up to 1280 per warp: 12 per scheduler
+    (80, 8, 255, 0, 1, 8),            # 8192 registers per warp
+    (80, 16, 255, 0, 0, 0),           # over the 65536 registers one block may have
+    (80, 1, 16, 0, 32, 32),           # block-count bound: 32 blocks on sm_80 and sm_90,
+    (90, 1, 16, 0, 32, 32),
+    (86, 1, 16, 0, 16, 16),           # 16 on sm_86,
+    (89, 1, 16, 0, 24, 24),           # 24 on sm_89
+    (86, 8, 32, 0, 6, 48),            # 48 warp slots on sm_86 / sm_89
+    (80, 8, 32, 48 * 1024, 3, 24),    # shared-memory bound: 49152 + 1024 reserved per block, 164 KB per SM
+    (80, 8, 255, 114688, 1, 8),
+    (90, 4, 128, 100 * 1024, 2, 8),   # 228 KB per SM holds two blocks of 100 KB + 1 KB
+    (86, 4, 64, 49 * 1024, 2, 8),     # 100 KB per SM holds two blocks of 49 KB + 1 KB
+    (86, 4, 64, 50 * 1024, 1, 4),     # but not two of 50 KB + 1 KB
+])
+def test_occupancy(target, num_warps, registers, shared_bytes, blocks, warps):
+    assert report.occupancy(target, num_warps, registers, shared_bytes) == (blocks, warps)
+
+
+def test_table_has_the_sass_columns():
+    figures = report.analyse_sass(_NESTED_LOOPS)
+    result = report.AotResult(module="m", name="k", config="c", target=80, num_warps=4, registers=64,
+                              blocks_per_sm=4, warps_per_sm=16, **dataclasses.asdict(figures))
+    header, _, row = report.format_table([result]).splitlines()
+    for column in ("blocks/SM", "warps/SM", "MMA", "copy", "loop instr/MMA", "non-MMA/MMA", "non-MMA/kMAC"):
+        assert column in header
+    assert row.split() == ["k", "c", "sm_80", "4", "64", "0", "0", "4", "16", "HMMA.16816.F32.BF16", "x3", "LDGSTS",
+                           "4/2", "1.0", "0.5", "OK"]

@@ -1,12 +1,16 @@
 """Ahead-of-time check of every shipped kernel config: compile for sm_80, sm_86, sm_89 and sm_90 without a GPU
-and report registers, spills, shared memory and tensor-core use.
+and report registers, spills, shared memory, occupancy and tensor-core use, and what the SASS does.
 
 Each kernel module listed in ``KERNEL_MODULES`` exposes ``aot_configs() -> List[AotKernel]``: one entry per
 kernel variant and tile config its launcher can pick on a GPU. ``compile_all`` compiles each entry for each of
 its targets with ``triton.compile`` (PTX and cubin come from the ptxas inside the triton wheel), reads
 registers and local memory from ``cuobjdump --dump-resource-usage`` and looks for ``mma`` / ``wgmma`` in the
-PTX. A config fails when it spills, needs more shared memory than one block may have, or (``expect_tensor_cores``)
-runs its matmul on the CUDA cores.
+PTX. From the SASS (``cuobjdump -sass``) it reads the tensor-core instructions (``HMMA`` / ``HGMMA``, shape and
+count), the global-to-shared copy kind (``UTMALDG``: TMA, ``LDGSTS``: cp.async, or plain ``LDG``) and the main
+loop (``main_loop``: the innermost loop with the most MMA instructions), to count the other instructions the loop
+issues per MMA. Occupancy (blocks and warps per SM) follows from registers, shared memory and ``SM_LIMITS``. These
+figures are static: what the code issues, not how long it takes. A config fails when it spills, needs more shared
+memory than one block may have, or (``expect_tensor_cores``) runs its matmul on the CUDA cores.
 
     python -m fused_transformer report         # table; exit status 1 if any config fails
     python -m fused_transformer.tools.report   # the same
@@ -46,9 +50,39 @@ SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 TARGETS = (80, 86, 89, 90)
 WARP_SIZE = 32
 
+
+@dataclasses.dataclass(frozen=True)
+class SmLimits:
+    """Per-SM limits that bound occupancy, from the CUDA C++ Programming Guide's "Technical Specifications per
+    Compute Capability" table (and ``cuda_occupancy.h`` for the allocation rules used in ``occupancy``)."""
+
+    max_warps: int
+    max_blocks: int
+    shared_memory: int  # bytes per SM with the largest shared-memory carveout
+
+
+SM_LIMITS = {
+    80: SmLimits(max_warps=64, max_blocks=32, shared_memory=164 * 1024),
+    86: SmLimits(max_warps=48, max_blocks=16, shared_memory=100 * 1024),
+    89: SmLimits(max_warps=48, max_blocks=24, shared_memory=100 * 1024),
+    90: SmLimits(max_warps=64, max_blocks=32, shared_memory=228 * 1024),
+}
+REGISTERS_PER_SM = 65536  # also the most one block may hold, on every target here
+REGISTER_ALLOCATION_UNIT = 256  # registers are allocated per warp, in units of 256
+SUB_PARTITIONS_PER_SM = 4  # a warp's registers come from the register file of one of the SM's 4 schedulers
+SHARED_MEMORY_ALLOCATION_UNIT = 128  # bytes
+SHARED_MEMORY_RESERVED_PER_BLOCK = 1024  # bytes the CUDA runtime keeps in every block (sm_80 and later)
+WARPS_PER_WARPGROUP = 4  # an HGMMA is issued by all 4 warps of a warpgroup and computes its 64xNxK tile once
+
 _RESOURCE_LINE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 # mma.sync (Ampere and later) or wgmma.mma_async (Hopper): the matmul runs on tensor cores.
 _TENSOR_CORE_INSTRUCTION = re.compile(r"wgmma\.mma_async|\bmma\.sync")
+# One SASS instruction as cuobjdump prints it: "/*3e90*/  @!P5 HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;".
+_SASS_INSTRUCTION = re.compile(r"/\*([0-9a-f]+)\*/\s+(?:@(!?U?P(?:T|\d+))\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
+_HMMA_SHAPE = re.compile(r"HMMA\.(16|8)(8)(16|8|4)\b")  # HMMA.16816: m16 n8 k16, per warp
+_HGMMA_SHAPE = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\b")  # HGMMA.64x128x16: m64 n128 k16, per warpgroup
+# Global-to-shared copies, fastest kind first: TMA tensor and bulk copies (sm_90), cp.async (sm_80 and later).
+ASYNC_COPY_KINDS = ("UTMALDG", "UBLKCP", "LDGSTS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +125,30 @@ class AotResult:
     tensor_cores: bool = False
     expect_tensor_cores: bool = False
     error: Optional[str] = None
+    blocks_per_sm: int = 0
+    warps_per_sm: int = 0
+    # (SASS opcode, count in the whole kernel), widest shape first, e.g. (("HMMA.16816.F32.BF16", 128),)
+    mma_counts: Tuple[Tuple[str, int], ...] = ()
+    async_copy: str = ""  # "+"-joined ASYNC_COPY_KINDS in the SASS, else "LDG" (plain loads only) or "-"
+    loop_instructions: int = 0  # SASS instructions in the main loop (0: no loop with MMAs)
+    loop_mma_instructions: int = 0
+    loop_macs_per_warp: int = 0  # multiply-accumulates one warp's share of the loop's MMAs compute
+
+    @property
+    def non_mma_per_mma(self) -> Optional[float]:
+        """Main-loop instructions that are not MMAs, per MMA instruction (an HGMMA counts as one)."""
+        if not self.loop_mma_instructions:
+            return None
+        return (self.loop_instructions - self.loop_mma_instructions) / self.loop_mma_instructions
+
+    @property
+    def non_mma_per_kmac(self) -> Optional[float]:
+        """Main-loop non-MMA instructions one warp issues per 1024 multiply-accumulates of its share of the MMAs:
+        comparable across HMMA and HGMMA shapes (an HMMA.16816 is 2048 MACs per warp, an HGMMA.64xNx16 is
+        64*N*16 per warpgroup, so 256*N per warp)."""
+        if not self.loop_macs_per_warp:
+            return None
+        return (self.loop_instructions - self.loop_mma_instructions) * 1024 / self.loop_macs_per_warp
 
     @property
     def problems(self) -> List[str]:
@@ -132,23 +190,147 @@ def _divisibility_attrs(kernel: AotKernel) -> Dict[Tuple[int, ...], list]:
     return {(kernel.fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in names}
 
 
-def resource_usage(cubin: bytes) -> Dict[str, int]:
-    """Registers, stack, static shared and local bytes per thread of a one-kernel cubin, from cuobjdump."""
+def cuobjdump(cubin: bytes, *flags: str) -> str:
+    """What the triton wheel's cuobjdump prints for ``cubin`` with ``flags``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run(
-            [_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
-    match = _RESOURCE_LINE.search(out)
+        return subprocess.run([_tool("cuobjdump"), *flags, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cuobjdump_output: str) -> Dict[str, int]:
+    """Registers, stack, static shared and local bytes per thread of a one-kernel cubin, from the output of
+    ``cuobjdump --dump-resource-usage``."""
+    match = _RESOURCE_LINE.search(cuobjdump_output)
     if match is None:
-        raise RuntimeError(f"no resource usage in cuobjdump output:\n{out}")
+        raise RuntimeError(f"no resource usage in cuobjdump output:\n{cuobjdump_output}")
     registers, stack, shared, local = map(int, match.groups())
     return {"registers": registers, "stack": stack, "shared": shared, "local": local}
 
 
 def uses_tensor_cores(ptx: str) -> bool:
     return _TENSOR_CORE_INSTRUCTION.search(ptx) is not None
+
+
+# ------------------------------------------------------------------------------------------- SASS and occupancy
+
+
+@dataclasses.dataclass(frozen=True)
+class SassInstruction:
+    address: int
+    opcode: str  # with its modifiers: "HMMA.16816.F32.BF16"
+    operands: str
+    predicate: str = ""  # "P0", "!P5", ...; empty when the instruction always runs
+
+
+@dataclasses.dataclass(frozen=True)
+class SassFigures:
+    """What ``analyse_sass`` reads from one kernel's SASS (the ``AotResult`` fields of the same names)."""
+
+    mma_counts: Tuple[Tuple[str, int], ...]
+    async_copy: str
+    loop_instructions: int
+    loop_mma_instructions: int
+    loop_macs_per_warp: int
+
+
+def parse_sass(sass: str) -> List[SassInstruction]:
+    """The instructions of ``cuobjdump -sass`` output, in address order."""
+    return [SassInstruction(int(address, 16), opcode, operands.strip(), predicate)
+            for address, predicate, opcode, operands in _SASS_INSTRUCTION.findall(sass)]
+
+
+def mma_macs_per_warp(opcode: str) -> int:
+    """Multiply-accumulates one warp's share of an MMA instruction computes (0: not an MMA). An HMMA is a warp's
+    own m x n x k product; an HGMMA's m x n x k product is shared by the 4 warps of the warpgroup that issue it."""
+    match = _HMMA_SHAPE.match(opcode)
+    if match:
+        m, n, k = map(int, match.groups())
+        return m * n * k
+    match = _HGMMA_SHAPE.match(opcode)
+    if match:
+        m, n, k = map(int, match.groups())
+        return m * n * k // WARPS_PER_WARPGROUP
+    return 0
+
+
+def async_copy_kind(instructions: Sequence[SassInstruction]) -> str:
+    """The global-to-shared copy kinds used ("UTMALDG", "LDGSTS", ... joined by "+"), else "LDG" when the kernel
+    reads global memory with plain loads only, else "-"."""
+    kinds = {i.opcode.split(".")[0] for i in instructions}
+    found = [kind for kind in ASYNC_COPY_KINDS if kind in kinds]
+    if found:
+        return "+".join(found)
+    return "LDG" if "LDG" in kinds else "-"
+
+
+def loops(instructions: Sequence[SassInstruction]) -> List[Tuple[int, int]]:
+    """``(first, last)`` indices (inclusive) of every loop: from the target of a backward ``BRA`` to the branch.
+    Not loops: a branch to itself (the trap after ``EXIT``, a spin-wait), and the jumps back into the kernel from
+    the out-of-line code ptxas places after the last unconditional ``EXIT`` (e.g. mbarrier wait retries on sm_90),
+    whose span would hold the whole kernel."""
+    index_at = {instruction.address: index for index, instruction in enumerate(instructions)}
+    exits = [index for index, i in enumerate(instructions) if i.opcode == "EXIT" and not i.predicate]
+    end = exits[-1] if exits else len(instructions)
+    found = []
+    for last, instruction in enumerate(instructions[:end]):
+        if instruction.opcode.split(".")[0] != "BRA":
+            continue
+        targets = re.findall(r"0x([0-9a-f]+)", instruction.operands)
+        first = index_at.get(int(targets[-1], 16)) if targets else None
+        if first is not None and first < last:
+            found.append((first, last))
+    return found
+
+
+def main_loop(instructions: Sequence[SassInstruction]) -> Optional[Tuple[int, int]]:
+    """``(first, last)`` indices (inclusive) of the main loop: of the innermost loops with MMA instructions (those
+    holding no other loop with one), the one with the most, and the shortest among equals (a causal kernel's
+    unmasked loop rather than its diagonal one); None when no loop has an MMA."""
+    is_mma = [bool(mma_macs_per_warp(i.opcode)) for i in instructions]
+    with_mma = [(first, last) for first, last in loops(instructions) if any(is_mma[first:last + 1])]
+    innermost = [(first, last) for first, last in with_mma
+                 if not any(first <= inner_first and inner_last <= last and (inner_first, inner_last) != (first, last)
+                            for inner_first, inner_last in with_mma)]
+    if not innermost:
+        return None
+    return max(innermost, key=lambda loop: (sum(is_mma[loop[0]:loop[1] + 1]), loop[0] - loop[1]))
+
+
+def analyse_sass(sass: str) -> SassFigures:
+    """MMA opcodes and counts, async-copy kind and main-loop figures of one kernel's ``cuobjdump -sass`` output."""
+    instructions = parse_sass(sass)
+    mma_counts: Dict[str, int] = {}
+    for instruction in instructions:
+        if mma_macs_per_warp(instruction.opcode):
+            mma_counts[instruction.opcode] = mma_counts.get(instruction.opcode, 0) + 1
+    loop = main_loop(instructions)
+    body = instructions[loop[0]:loop[1] + 1] if loop else []
+    macs = [mma_macs_per_warp(i.opcode) for i in body]
+    return SassFigures(
+        mma_counts=tuple(sorted(mma_counts.items(), key=lambda item: (-mma_macs_per_warp(item[0]), item[0]))),
+        async_copy=async_copy_kind(instructions),
+        loop_instructions=len(body), loop_mma_instructions=sum(map(bool, macs)), loop_macs_per_warp=sum(macs),
+    )
+
+
+def _round_up(value: int, unit: int) -> int:
+    return -(-value // unit) * unit
+
+
+def occupancy(target: int, num_warps: int, registers: int, shared_bytes: int) -> Tuple[int, int]:
+    """``(blocks, warps)`` resident per SM of sm_<target> for blocks of ``num_warps`` warps using ``registers``
+    per thread and ``shared_bytes`` of shared memory, as NVIDIA's occupancy calculator counts them."""
+    limits = SM_LIMITS[target]
+    registers_per_warp = _round_up(max(registers, 1) * WARP_SIZE, REGISTER_ALLOCATION_UNIT)
+    # The launch check assumes a block's warps are spread over all sub-partitions at once.
+    if registers_per_warp * _round_up(num_warps, SUB_PARTITIONS_PER_SM) > REGISTERS_PER_SM:
+        return 0, 0
+    warps_by_registers = REGISTERS_PER_SM // SUB_PARTITIONS_PER_SM // registers_per_warp * SUB_PARTITIONS_PER_SM
+    shared_per_block = _round_up(shared_bytes + SHARED_MEMORY_RESERVED_PER_BLOCK, SHARED_MEMORY_ALLOCATION_UNIT)
+    blocks = min(warps_by_registers // num_warps, limits.max_warps // num_warps, limits.max_blocks,
+                 limits.shared_memory // shared_per_block)
+    return blocks, blocks * num_warps
 
 
 def compile_kernel(kernel: AotKernel, target: int, module: str = "") -> AotResult:
@@ -169,13 +351,19 @@ def compile_kernel(kernel: AotKernel, target: int, module: str = "") -> AotResul
             source, target=GPUTarget("cuda", target, WARP_SIZE),
             options={"num_warps": kernel.num_warps, "num_stages": kernel.num_stages},
         )
-        usage = resource_usage(compiled.asm["cubin"])
+        dump = cuobjdump(compiled.asm["cubin"], "--dump-resource-usage", "-sass")
+        usage = resource_usage(dump)
+        sass = analyse_sass(dump)
     except Exception as e:  # reported per config, so one broken kernel does not hide the others
         return AotResult(**base, error=f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
+    shared_bytes = max(int(compiled.metadata.shared), usage["shared"])
+    # A block holds its static shared memory (1 KB on sm_90, none below) besides the dynamic part the launch asks for.
+    blocks_per_sm, warps_per_sm = occupancy(
+        target, kernel.num_warps, usage["registers"], int(compiled.metadata.shared) + usage["shared"])
     return AotResult(
         **base, registers=usage["registers"], spill_bytes=usage["local"], stack_bytes=usage["stack"],
-        shared_bytes=max(int(compiled.metadata.shared), usage["shared"]),
-        tensor_cores=uses_tensor_cores(compiled.asm["ptx"]),
+        shared_bytes=shared_bytes, tensor_cores=uses_tensor_cores(compiled.asm["ptx"]),
+        blocks_per_sm=blocks_per_sm, warps_per_sm=warps_per_sm, **dataclasses.asdict(sass),
     )
 
 
@@ -229,21 +417,38 @@ def compile_all(jobs: int = 2, modules: Sequence[str] = KERNEL_MODULES) -> List[
 # ---------------------------------------------------------------------------------------------- reporting
 
 
+def format_mma(counts: Sequence[Tuple[str, int]]) -> str:
+    """``"HGMMA.64x64x16.F32.BF16 x8"``: each MMA opcode with its count, or "none"."""
+    return ", ".join(f"{opcode} x{count}" for opcode, count in counts) or "none"
+
+
+def _format_ratio(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+TABLE_HEADER = ("kernel", "config", "target", "warps", "regs", "spill B", "shared B", "blocks/SM", "warps/SM",
+                "MMA (SASS, whole kernel)", "copy", "loop instr/MMA", "non-MMA/MMA", "non-MMA/kMAC", "status")
+
+
+def _row(r: AotResult) -> Tuple[str, ...]:
+    if r.error is not None:
+        return (r.name, r.config, f"sm_{r.target}", str(r.num_warps)) + ("-",) * (len(TABLE_HEADER) - 5) + (
+            "FAIL: " + "; ".join(r.problems),)
+    loop = f"{r.loop_instructions}/{r.loop_mma_instructions}" if r.loop_mma_instructions else "-"
+    return (
+        r.name, r.config, f"sm_{r.target}", str(r.num_warps), str(r.registers), str(r.spill_bytes + r.stack_bytes),
+        str(r.shared_bytes), str(r.blocks_per_sm), str(r.warps_per_sm), format_mma(r.mma_counts), r.async_copy or "-",
+        loop, _format_ratio(r.non_mma_per_mma), _format_ratio(r.non_mma_per_kmac),
+        "OK" if r.ok else "FAIL: " + "; ".join(r.problems),
+    )
+
+
 def format_table(results: Sequence[AotResult]) -> str:
-    """One row per kernel x config x target."""
-    header = ("kernel", "config", "target", "warps", "regs", "spill B", "shared B", "tensor cores", "status")
-    rows = [header]
-    for r in results:
-        if r.error is not None:
-            rows.append((r.name, r.config, f"sm_{r.target}", str(r.num_warps), "-", "-", "-", "-",
-                         "FAIL: " + "; ".join(r.problems)))
-            continue
-        tensor_cores = ("yes" if r.tensor_cores else "no") + (" (expected)" if r.expect_tensor_cores else "")
-        rows.append((
-            r.name, r.config, f"sm_{r.target}", str(r.num_warps), str(r.registers), str(r.spill_bytes + r.stack_bytes),
-            str(r.shared_bytes), tensor_cores, "OK" if r.ok else "FAIL: " + "; ".join(r.problems),
-        ))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    """One row per kernel x config x target. The loop columns describe the main loop (``main_loop``): its SASS
+    instructions / MMA instructions, non-MMA instructions per MMA instruction, and non-MMA instructions per 1024
+    multiply-accumulates of a warp's share of the MMAs (``AotResult.non_mma_per_kmac``)."""
+    rows = [TABLE_HEADER] + [_row(r) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -252,8 +457,9 @@ def format_table(results: Sequence[AotResult]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fused_transformer report",
-        description="Compile every shipped kernel config for sm_80 / sm_86 / sm_89 / sm_90 (no GPU needed) and "
-                    "check spills, shared memory and tensor-core use.",
+        description="Compile every shipped kernel config for sm_80 / sm_86 / sm_89 / sm_90 (no GPU needed), check "
+                    "spills, shared memory and tensor-core use, and print occupancy and SASS figures (MMA shapes, "
+                    "copy kind, main-loop instructions per MMA).",
     )
     parser.add_argument("--jobs", type=int, default=2, help="compiler processes (default 2)")
     parser.add_argument("--module", action="append", choices=KERNEL_MODULES,
