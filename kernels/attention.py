@@ -209,6 +209,55 @@ def _visible_queries(first_col, q_len, k_len, offset, window_left, window_right,
 
 
 @triton.jit
+def _unmasked_keys_end(first_row, key_end, k_len, offset, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """With no window (the key tiles start at 0): the end of the key tiles that every row of the query tile starting
+    at ``first_row`` sees whole, below k_len and, causal, at or left of its first row's diagonal. The tiles from
+    there to ``key_end`` are the edges that need ``_mask_scores``."""
+    end = k_len
+    if IS_CAUSAL:
+        end = tl.minimum(end, first_row + offset + 1)
+    return tl.minimum(tl.maximum(end, 0) // BLOCK_N * BLOCK_N, key_end)
+
+
+@triton.jit
+def _attention_fwd_tile(
+    acc, row_sum, row_max,  # the online softmax's state, returned updated
+    q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn, dropout_row,
+    batch, head, k_len, seq_k, offset, window_left, window_right,
+    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EDGE: tl.constexpr,
+):
+    """The forward's step over the key tile starting at ``first_col``. EDGE False: the caller knows the tile lies
+    below k_len (<= seq_k) and inside every row's causal / window range, and drops the rows that are not real
+    itself: nothing is masked, and keys and values load with no row bound."""
+    cols = first_col + tl.arange(0, BLOCK_N)
+    key_ok = cols < seq_k if EDGE else tl.full((BLOCK_N,), 1, tl.int1)
+    kv_mask = _tile_mask(key_ok, dims, HEAD_DIM, BLOCK_D)
+    k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
+    s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
+    if EDGE:
+        s = _mask_scores(
+            s, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset, window_left,
+            window_right, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING,
+            IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
+        )
+    new_max = tl.maximum(row_max, tl.max(s, axis=1))
+    # A row with every key so far masked has max -inf; shifting it by 0 instead keeps exp2 free of NaN.
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    p = tl.math.exp2(s - shift[:, None])
+    rescale = tl.math.exp2(row_max - shift)
+    row_sum = row_sum * rescale + tl.sum(p, axis=1)
+    if HAS_DROPOUT:
+        keep = dropout_keep(SEED, dropout_row[:, None] + cols[None, :], dropout_p)
+        p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
+    v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
+    acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, UPCAST, DOT_PRECISION)
+    return acc, row_sum, new_max
+
+
+@triton.jit
 def _attention_fwd_kernel(
     Q,  # [B, H, Lq, D]; VARLEN: [Tq, H, D]
     K, V,  # [B, Hkv, Lk, D]; VARLEN: [Tk, Hkv, D]
@@ -264,31 +313,42 @@ def _attention_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     key_start, key_end = _visible_keys(
         first_row, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
-    for first_col in range(key_start, key_end, BLOCK_N):
-        cols = first_col + tl.arange(0, BLOCK_N)
-        kv_mask = _tile_mask(cols < seq_k, dims, HEAD_DIM, BLOCK_D)
-        k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
-        s = _mask_scores(
-            s, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset, window_left,
-            window_right, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING,
-            IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
-        )
-        new_max = tl.maximum(row_max, tl.max(s, axis=1))
-        # A row with every key so far masked has max -inf; shifting it by 0 instead keeps exp2 free of NaN.
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        p = tl.math.exp2(s - shift[:, None])
-        rescale = tl.math.exp2(row_max - shift)
-        row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        if HAS_DROPOUT:
-            keep = dropout_keep(SEED, dropout_row[:, None] + cols[None, :], dropout_p)
-            p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
-        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, UPCAST, DOT_PRECISION)
-        row_max = new_max
+    # Plain and causal attention (no mask held in memory, window, dropout or packing): the key tiles that no bound
+    # or diagonal crosses skip _mask_scores, after the edge tiles (the other way round, or with the few edge tiles
+    # pipelined too, spilled). Rows past q_len are dropped at the end. With any of those features on, two loops
+    # spilled in some tile configs of the AOT report: one loop masks every tile there.
+    split = MASK_KIND == 0 and not (HAS_PADDING or HAS_QUERY_PADDING)
+    split = split and not (HAS_WINDOW or HAS_DROPOUT or VARLEN)
+    if split:
+        inner_end = _unmasked_keys_end(first_row, key_end, k_len, offset, BLOCK_N, IS_CAUSAL)
+        for first_col in tl.range(inner_end, key_end, BLOCK_N, num_stages=1):
+            acc, row_sum, row_max = _attention_fwd_tile(
+                acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
+                dropout_row, batch, head, k_len, seq_k, offset, window_left, window_right, MASK, stride_mb, stride_mh,
+                stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND,
+                HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST, DOT_PRECISION, EDGE=True,
+            )
+        for first_col in range(key_start, inner_end, BLOCK_N):
+            acc, row_sum, row_max = _attention_fwd_tile(
+                acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
+                dropout_row, batch, head, k_len, seq_k, offset, window_left, window_right, MASK, stride_mb, stride_mh,
+                stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND,
+                HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST, DOT_PRECISION, EDGE=False,
+            )
+    else:
+        for first_col in range(key_start, key_end, BLOCK_N):
+            acc, row_sum, row_max = _attention_fwd_tile(
+                acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
+                dropout_row, batch, head, k_len, seq_k, offset, window_left, window_right, MASK, stride_mb, stride_mh,
+                stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND,
+                HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST, DOT_PRECISION, EDGE=True,
+            )
 
     # A NaN score made row_sum NaN (however tl.max treats NaN): != 0 lets it through to out and lse, as in torch.
     has_key = row_sum != 0.0
+    if split:  # rows past q_len ran unmasked through the interior tiles: what they hold is dropped here
+        has_key = has_key & real_rows
+        acc = tl.where(real_rows[:, None], acc, 0.0)
     out = acc / tl.where(has_key, row_sum, 1.0)[:, None]
     lse = tl.where(has_key, (row_max + tl.math.log2(tl.where(has_key, row_sum, 1.0))) * 0.6931471805599453,
                    float("-inf"))
@@ -1169,14 +1229,20 @@ _AOT_VARIANTS = {
              HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=False),
     "/varlen": dict(MASK_KIND=MASK_NONE, HAS_PADDING=False, HAS_QUERY_LENS=False, HAS_QUERY_PADDING=False,
                     IS_CAUSAL=True, HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=True),
+    # The forward's two-loop path (unmasked interior tiles): causal with the most it takes, no dropout.
+    "/causal": dict(MASK_KIND=MASK_NONE, HAS_PADDING=False, HAS_QUERY_LENS=True, HAS_QUERY_PADDING=False,
+                    IS_CAUSAL=True, HAS_WINDOW=False, PER_SEQUENCE_OFFSET=True, VARLEN=False, HAS_DROPOUT=False),
 }
+# Variants only some kernels have: the others compile them as the dense variant.
+_AOT_VARIANT_KERNELS = {"/causal": ("fwd",)}
 
 
 def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.report imports this module lazily)
     """Every attention kernel × tile config the launchers pick on a GPU, in bfloat16 (16-bit tiles), float32 and
     float32 with tf32 products, for the targets that pick it, in each feature set of ``_AOT_VARIANTS`` (dense
     with every feature on: float mask, key and query padding, query lengths, causal, window, per-sequence
-    alignment, dropout; and packed sequences with causal, window and dropout)."""
+    alignment, dropout; packed sequences with causal, window and dropout; and, for the forward, causal without
+    dropout, the path that skips masking interior tiles)."""
     from fused_transformer.tools.report import TARGETS, AotKernel
 
     kernels = {
@@ -1197,7 +1263,7 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     configs = []
     for (kernel, bits, head_dim, tiles, targets, dot_precision), (variant, features) in (
             (entry, variant) for entry in shipped for variant in _AOT_VARIANTS.items()):
-        if features["VARLEN"] and kernel == "weights":
+        if features["VARLEN"] and kernel == "weights" or kernel not in _AOT_VARIANT_KERNELS.get(variant, (kernel,)):
             continue
         elem = "*bf16" if bits == 16 else "*fp32"
         cfg = AttentionConfig(*tiles)
@@ -1214,8 +1280,9 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
                 signature[name] = "i32"
         constexprs = dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, HEAD_DIM=head_dim, MASK_OFFSETS_64=False,
-            HAS_DROPOUT=True, HAS_DLSE=True, UPCAST=False, DOT_PRECISION=dot_precision, **features,
+            HAS_DROPOUT=True, HAS_DLSE=True, UPCAST=False, DOT_PRECISION=dot_precision,
         )
+        constexprs.update(features)
         constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
         configs.append(AotKernel(
             name=f"attention_{kernel}",

@@ -156,6 +156,27 @@ def test_query_lengths_write_zero_rows():
     torch.testing.assert_close(out[1, :, :20].double(), ref[1, :, :20], atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("lq,lk", [(100, 130), (130, 100), (20, 97)])
+def test_unmasked_interior_key_tiles_with_query_lengths(lq, lk, alignment):
+    """Causal attention without masks in memory runs the key tiles that no bound or diagonal crosses unmasked, rows
+    past query_lengths included: those rows still give zeros, -inf LSE and no gradient; the others match."""
+    (q, k, v, do, _), _ = _random_inputs(2, 2, 2, lq, lk, 16, seed=lq + lk)
+    query_lengths = torch.tensor([lq, lq // 3], device=DEVICE)
+    masks = {"is_causal": True, "causal_alignment": alignment}
+    out, lse, dq, dk, dv = _run(triton_attention.attention, q, k, v, do, None, torch.float32, masks,
+                                query_lengths=query_lengths)
+    real = torch.arange(lq, device=DEVICE)[None, :] < query_lengths[:, None]
+    real_rows = real[:, None, :].expand(out.shape[:3])
+    assert (out[~real_rows] == 0).all() and (lse[~real_rows] == float("-inf")).all() and (dq[~real_rows] == 0).all()
+    # The reference computes every row; a zero do on the rows past query_lengths takes them out of dk and dv.
+    ref = _run(reference.attention, q, k, v, do * real_rows[..., None], None, torch.float64, masks)
+    for name, got, expected in (("out", out, ref[0]), ("dq", dq, ref[2])):
+        torch.testing.assert_close(got[real_rows].double(), expected[real_rows], atol=2e-5, rtol=0, msg=name)
+    for name, got, expected in (("dk", dk, ref[3]), ("dv", dv, ref[4])):
+        torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mask_kind", ["none", "padding_causal_float_mask"])
 def test_dropout_replays_exactly_in_the_reference(dtype, mask_kind):
