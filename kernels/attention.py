@@ -890,6 +890,11 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
     )
 
 
+def _contiguous_like(*tensors: Tensor) -> Tuple[Tensor, ...]:
+    """Empty contiguous tensors shaped as ``tensors``: what the backward ops return, for their fake kernels."""
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors)
+
+
 @torch.library.custom_op("fused_transformer::attention_fwd", mutates_args=())
 def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
@@ -942,9 +947,7 @@ def attention_bwd(
 @attention_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal,
       causal_alignment, window_left, window_right, dropout_p, seed, scale, allow_tf32):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+    return _contiguous_like(q, k, v)
 
 
 @torch.library.custom_op("fused_transformer::attention_varlen_fwd", mutates_args=())
@@ -1000,9 +1003,7 @@ def attention_varlen_bwd(
 @attention_varlen_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
       causal_alignment, window_left, window_right, dropout_p, seed, scale, allow_tf32):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+    return _contiguous_like(q, k, v)
 
 
 @torch.library.custom_op("fused_transformer::attention_weights", mutates_args=())
