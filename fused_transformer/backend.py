@@ -146,7 +146,8 @@ def current(device: "torch.device | str | None" = None, dtype: Optional[torch.dt
     ``"auto"`` sends float64 to the reference (the kernels serve the training dtypes).
     Raises ``RuntimeError`` when the chosen backend cannot run there, saying why.
     """
-    device = torch.device(device if device is not None else "cpu")
+    if not isinstance(device, torch.device):
+        device = torch.device(device if device is not None else "cpu")
     name = get_backend()
     if name == "auto":
         if dtype == torch.float64:

@@ -47,10 +47,10 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_cpu(**tensors: Optional[Tensor]) -> None:
-    for name, t in tensors.items():
-        if t is not None and t.device.type != "cpu":
-            raise ValueError(f"the cpu backend runs on CPU tensors; {name} is on {t.device}")
+def _check_cpu(name: str, anchor: Tensor) -> None:
+    """The functional ops have checked that every tensor argument is on ``anchor``'s device."""
+    if anchor.device.type != "cpu":
+        raise ValueError(f"the cpu backend runs on CPU tensors; {name} is on {anchor.device}")
 
 
 class _NoGradContext:
@@ -127,8 +127,7 @@ def attention(
     q ``[B, H, Lq, D]``, k / v ``[B, Hkv, Lk, D]``. Returns the output in q's dtype and, with ``return_lse``,
     the LSE ``[B, H, Lq]`` (float32; float64 for float64). A float ``attn_mask`` is not differentiated.
     """
-    _check_cpu(q=q, k=k, v=v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-               query_padding_mask=query_padding_mask)
+    _check_cpu("q", q)
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         raise ValueError("the cpu backend does not compute gradients for attn_mask; use backend 'reference'")
     bias = _attention_bias(attn_mask, _stats_dtype(q.dtype))
@@ -176,7 +175,7 @@ def attention_varlen(
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``fused_transformer.functional.attention_varlen`` on the C++ kernels (arguments checked there): packed
     q ``[Tq, H, D]``, k / v ``[Tk, Hkv, D]``; returns ``[Tq, H, D]`` and, with ``return_lse``, ``[H, Tq]``."""
-    _check_cpu(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    _check_cpu("q", q)
     options = (int(max_seqlen_q), int(max_seqlen_k), bool(is_causal), causal_alignment == "bottom_right",
                *_window_bounds(window), reference.softmax_scale(q.shape[-1], scale), float(dropout_p))
     seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
@@ -199,7 +198,7 @@ def attention_weights(
 ) -> Tensor:
     """``fused_transformer.functional.attention_weights``: the result is the full ``[B, H, Lq, Lk]`` matrix, so
     there is nothing to fuse and the reference computes it."""
-    _check_cpu(q=q, k=k, lse=lse)
+    _check_cpu("q", q)
     return reference.attention_weights(
         q, k, lse, attn_mask=attn_mask, key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
         is_causal=is_causal, causal_alignment=causal_alignment, window=window, scale=scale,
@@ -247,10 +246,10 @@ def layer_norm(
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``fused_transformer.functional.layer_norm`` on the C++ kernel: ``y = LayerNorm(dropout(x) + residual)``
     over the last dim, and ``z = dropout(x) + residual`` with ``prenorm``; statistics in float32."""
-    _check_cpu(x=x, weight=weight, bias=bias, residual=residual)
-    if dropout_p == 0.0 and x.dtype == torch.float32 and x.shape[-1] > 1 and all(
-        p is None or p.dtype == x.dtype for p in (weight, bias)
-    ):  # ATen's is faster here (see the module docstring)
+    _check_cpu("x", x)
+    if (dropout_p == 0.0 and x.dtype == torch.float32 and x.shape[-1] > 1
+            and (weight is None or weight.dtype == x.dtype) and (bias is None or bias.dtype == x.dtype)):
+        # ATen's is faster here (see the module docstring)
         z = x if residual is None else x + residual
         y = F.layer_norm(z, (x.shape[-1],), weight, bias, eps)
         return (y, z) if prenorm else y
@@ -303,7 +302,7 @@ def feed_forward(
 ) -> Tensor:
     """``fused_transformer.functional.feed_forward``: ``linear(dropout(act(linear(x, w1, b1))), w2, b2)`` with the
     matmuls on ATen and the bias, activation and dropout in one C++ pass in between (and one in backward)."""
-    _check_cpu(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
+    _check_cpu("x", x)
     if dropout_p == 0.0:  # ATen's, as the reference composes it, is at least as fast here (module docstring)
         return reference.feed_forward(x, w1, b1, w2, b2, activation=activation)
     seed = draw_dropout_seed(x.device)

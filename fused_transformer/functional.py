@@ -136,6 +136,8 @@ def _check_same(name: str, t: Tensor, ref_name: str, ref: Tensor, dtype: bool = 
 
 
 def _check_dropout(p: object) -> float:
+    if type(p) is float and 0.0 <= p < 1.0:
+        return p
     if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= float(p) < 1.0:
         raise ValueError(f"dropout_p={p!r} must be a number in [0, 1)")
     return float(p)
@@ -170,7 +172,7 @@ def _check_common_flags(is_causal: object, causal_alignment: object, scale: obje
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment={causal_alignment!r} must be one of {CAUSAL_ALIGNMENTS}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+    if scale is not None and type(scale) is not float and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
 
 
@@ -450,7 +452,7 @@ def layer_norm(
         _check_same("residual", residual, "x", x)
         if residual.shape != x.shape:
             raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {_describe(residual)}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
+    if type(eps) is not float and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)) or eps < 0:
         raise ValueError(f"eps={eps!r} must be a non-negative number")
     dropout_p = _check_dropout(dropout_p)
     return _run("layer_norm", x, cast, x, weight, bias, float(eps), residual=residual, dropout_p=dropout_p,

@@ -54,10 +54,19 @@ def _active_p(dropout: nn.Dropout) -> float:
     return dropout.p if dropout.training else 0.0
 
 
-def _mixed_dtypes(*tensors: Optional[Tensor]) -> bool:
-    """Whether the given parameters (None: absent) differ in dtype. Named one by one: walking a module's
-    parameters costs tens of microseconds per call, as much as a decoding step's kernels."""
-    return len({t.dtype for t in tensors if t is not None}) > 1
+def _mixed_dtypes(*modules: nn.Module) -> bool:
+    """Whether the parameters the given modules hold themselves (not their children's) differ in dtype. Read
+    from each ``_parameters`` dict: ``parameters()`` or an attribute per parameter costs tens of microseconds
+    per call, as much as a decoding step's kernels."""
+    dtype = None
+    for module in modules:
+        for p in module._parameters.values():
+            if p is not None:
+                if dtype is None:
+                    dtype = p.dtype
+                elif p.dtype != dtype:
+                    return True
+    return False
 
 
 def _any_nested(*tensors: Optional[Tensor]) -> bool:
@@ -123,10 +132,7 @@ class MultiheadAttention(_FusedTwin, nn.MultiheadAttention):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> Tuple[Tensor, Optional[Tensor]]:
-        if _any_nested(query, key, value) or _mixed_dtypes(
-            self.in_proj_weight, self.in_proj_bias, self.q_proj_weight, self.k_proj_weight, self.v_proj_weight,
-            self.bias_k, self.bias_v, self.out_proj.weight, self.out_proj.bias,
-        ):
+        if _any_nested(query, key, value) or _mixed_dtypes(self, self.out_proj):
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
         # As torch.nn: with is_causal and nothing else to merge into it, attn_mask is dropped unread.
@@ -148,7 +154,8 @@ class MultiheadAttention(_FusedTwin, nn.MultiheadAttention):
         if self.bias_k is not None:
             k = torch.cat([k, self.bias_k.expand(batch, 1, -1)], dim=1)
             v = torch.cat([v, self.bias_v.expand(batch, 1, -1)], dim=1)
-        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2) for t in (q, k, v))
+        heads, head_dim = self.num_heads, self.head_dim
+        q, k, v = (t.view(batch, t.shape[1], heads, head_dim).transpose(1, 2) for t in (q, k, v))
         if self.add_zero_attn:
             k = torch.cat([k, k.new_zeros(batch, self.num_heads, 1, self.head_dim)], dim=2)
             v = torch.cat([v, v.new_zeros(batch, self.num_heads, 1, self.head_dim)], dim=2)
@@ -226,25 +233,24 @@ class MultiheadAttention(_FusedTwin, nn.MultiheadAttention):
         """The input projections, one matrix product for self-attention and two for shared key/value."""
         e = self.embed_dim
         bias = self.in_proj_bias
-        b_q, b_k, b_v = (None, None, None) if bias is None else bias.split(e)
+        # tensor_split, not split: a C method (no Python wrapper per call), and three parts even when e = 0.
+        b_q, b_k, b_v = (None, None, None) if bias is None else bias.tensor_split(3)
         if not self._qkv_same_embed_dim:
             return (F.linear(query, self.q_proj_weight, b_q), F.linear(key, self.k_proj_weight, b_k),
                     F.linear(value, self.v_proj_weight, b_v))
         w = self.in_proj_weight
         if key is value:
             if query is key:
-                return F.linear(query, w, bias).split(e, dim=-1)
+                return F.linear(query, w, bias).tensor_split(3, dim=-1)
             kv_bias = None if bias is None else bias[e:]
-            return (F.linear(query, w[:e], b_q), *F.linear(key, w[e:], kv_bias).split(e, dim=-1))
+            return (F.linear(query, w[:e], b_q), *F.linear(key, w[e:], kv_bias).tensor_split(2, dim=-1))
         return F.linear(query, w[:e], b_q), F.linear(key, w[e:2 * e], b_k), F.linear(value, w[2 * e:], b_v)
 
     def _packs(self) -> bool:
         """Whether ``_packed_forward`` computes what ``forward`` would: this class's forward, no extra keys, one
         parameter dtype, and no hooks (they would expect to see ``forward`` called)."""
         return (type(self).forward is MultiheadAttention.forward and self.bias_k is None and not self.add_zero_attn
-                and not _has_hooks(self) and not _mixed_dtypes(
-                    self.in_proj_weight, self.in_proj_bias, self.q_proj_weight, self.k_proj_weight,
-                    self.v_proj_weight, self.out_proj.weight, self.out_proj.bias))
+                and not _has_hooks(self) and not _mixed_dtypes(self, self.out_proj))
 
     def _packed_forward(
         self, query: Tensor, key: Tensor, query_packing: "_Packing", key_packing: "_Packing", is_causal: bool,
@@ -294,14 +300,15 @@ class LayerNorm(_FusedTwin, nn.LayerNorm):
     """``torch.nn.LayerNorm`` computed by the fused ``layer_norm`` op (statistics in float32)."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if input.is_nested or _mixed_dtypes(self.weight, self.bias):
-            return super().forward(input)
-        dims = len(self.normalized_shape)
-        if tuple(input.shape[input.dim() - dims:]) != tuple(self.normalized_shape):
-            raise InputShapeError(
-                f"input of shape {tuple(input.shape)} does not end in normalized_shape {list(self.normalized_shape)}"
-            )
         weight, bias = self.weight, self.bias
+        if input.is_nested or (weight is not None and bias is not None and weight.dtype != bias.dtype):
+            return super().forward(input)
+        shape = self.normalized_shape
+        dims = len(shape)
+        if input.shape[input.dim() - dims:] != shape:
+            raise InputShapeError(
+                f"input of shape {tuple(input.shape)} does not end in normalized_shape {list(shape)}"
+            )
         if dims == 1:
             return ops.layer_norm(input, weight, bias, self.eps)
         weight = None if weight is None else weight.flatten()
@@ -447,9 +454,7 @@ class _FusedLayerMixin(_FusedTwin):
         linear1, linear2 = self.linear1, self.linear2
         if type(linear1) is not nn.Linear or type(linear2) is not nn.Linear:
             return False
-        norms = [getattr(self, name) for name in self._NORMS]
-        return not _mixed_dtypes(linear1.weight, linear1.bias, linear2.weight, linear2.bias,
-                                 *(getattr(norm, p, None) for norm in norms for p in ("weight", "bias")))
+        return not _mixed_dtypes(linear1, linear2, *(getattr(self, name) for name in self._NORMS))
 
     def _packs_modules(self) -> bool:
         """Whether, past ``_fuses``, this layer's modules give on packed tokens what they give padded: norms
