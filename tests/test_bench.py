@@ -46,6 +46,9 @@ def test_csv_has_ours_and_every_baseline(bench_run):
     assert {"ours", "sdpa", "sdpa:math", "sdpa:flash_attention"} <= impls["attention"]
     assert impls["layer_norm"] == impls["feed_forward"] == {"ours", "torch"}
     assert impls["encoder_layer"] == impls["decoder_layer"] == impls["decode_step"] == {"ours", "torch.nn"}
+    assert impls["module_call"] == {"ours", "torch.nn"}
+    calls = {(row["case"], row["mode"]) for row in rows if row["suite"] == "module_call"}
+    assert calls == {(c, m) for c in bench_cases.MODULE_CALL_MODULES for m in ("eval", "train")}
     masks = {(row["case"], row["mode"]) for row in rows if row["suite"] == "attention"}
     assert masks == {(m, p) for m in ("none", "causal", "pad50%", "B1H1 causal") for p in ("fwd", "fwd+bwd")}
     assert {row["batch"] for row in rows if row["case"] == "B1H1 causal"} == {"1"}

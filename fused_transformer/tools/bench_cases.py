@@ -22,6 +22,10 @@ Suites (``SUITES``), each over sequence lengths:
   (``fused_transformer.models``, d 256, 3 + 3 layers, 8 heads, ff 512) against its torch.nn twin on the same
   weights, after a prefix of L - 1 target tokens over a source of L tokens; tokens/s counts one token per
   sequence.
+- ``module_call``: one call of ``ft.LayerNorm``, ``MultiheadAttention`` (``need_weights=False``), and the encoder and
+  decoder layers on a tiny input (batch 2, L 4, d_model 32, 4 heads, d_ff 64), eval under ``no_grad`` and a training
+  step, against the ``torch.nn`` module with the same weights: at this size the time is almost all per-call Python
+  and dispatch overhead, which a one-token decoding step or a small-batch model pays on every module.
 
 The attention suite also runs batch 1, 1 head (``B1H1 causal``): one (batch, head) pair, whose backward must
 still use every thread.
@@ -61,7 +65,7 @@ from torch import Tensor, nn
 
 import fused_transformer as ft
 
-SUITES = ("attention", "layer_norm", "feed_forward", "encoder_layer", "decoder_layer", "decode_step")
+SUITES = ("attention", "layer_norm", "feed_forward", "encoder_layer", "decoder_layer", "decode_step", "module_call")
 DROPOUT = 0.1
 GPU_ATTENTION_TOKENS = 16384  # tokens per batch on CUDA: batch = 16384 // L (at least 2)
 
@@ -73,12 +77,14 @@ LENGTHS = {
     ("cpu", "encoder_layer"): ((128, 256, 512), (128,)),
     ("cpu", "decoder_layer"): ((128, 256, 512), (128,)),
     ("cpu", "decode_step"): ((16, 64, 128), (16,)),
+    ("cpu", "module_call"): ((4,), (4,)),
     ("cuda", "attention"): ((512, 1024, 2048, 4096, 8192, 16384), (1024, 4096)),
     ("cuda", "layer_norm"): ((512, 1024, 2048, 4096, 8192), (1024, 4096)),
     ("cuda", "feed_forward"): ((512, 1024, 2048, 4096), (1024, 4096)),
     ("cuda", "encoder_layer"): ((512, 1024, 2048, 4096), (1024, 4096)),
     ("cuda", "decoder_layer"): ((512, 1024, 2048, 4096), (1024, 4096)),
     ("cuda", "decode_step"): ((64, 256, 1024), (256,)),
+    ("cuda", "module_call"): ((4,), (4,)),
 }
 
 # Peak DRAM bandwidth in GB/s, by a substring of torch.cuda.get_device_name() (first match wins).
@@ -264,6 +270,11 @@ def _forward_backward(fn: Callable[[], Tensor], grad: Tensor) -> Callable[[], No
 
 
 def _on_backend(backend: str, fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
+    """``fn`` run on ``backend``; ``fn`` itself when that is already the choice, so that no case times a
+    context manager's few microseconds that torch's side does not pay."""
+    if ft.backend.get_backend() == backend:
+        return fn
+
     def run() -> Tensor:
         with ft.use_backend(backend):
             return fn()
@@ -509,6 +520,51 @@ def decode_step_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
                    build=functools.partial(_build_decode_step, setup, batch, length))
 
 
+MODULE_CALL_SHAPE = dict(batch=2, d_model=32, heads=4, d_ff=64)
+MODULE_CALL_MODULES = {  # case label -> the class, in torch.nn and in fused_transformer
+    "LayerNorm": "LayerNorm", "MHA": "MultiheadAttention", "encoder layer": "TransformerEncoderLayer",
+    "decoder layer": "TransformerDecoderLayer",
+}
+
+
+def _build_module_call(setup: Setup, name: str, length: int, train: bool) -> Built:
+    torch.manual_seed(0)
+    batch, d_model, heads, d_ff = (MODULE_CALL_SHAPE[k] for k in ("batch", "d_model", "heads", "d_ff"))
+    factory = dict(device=setup.device, dtype=setup.dtype)
+    args = {"LayerNorm": (d_model,), "MultiheadAttention": (d_model, heads)}.get(name, (d_model, heads, d_ff))
+    kwargs = {} if name == "LayerNorm" else dict(dropout=DROPOUT, batch_first=True)
+    theirs = getattr(nn, name)(*args, **kwargs, **factory)
+    ours = getattr(ft, name)(*args, **kwargs, **factory)
+    ours.load_state_dict(theirs.state_dict())
+    x, grad = _randn(setup, batch, length, d_model, grad=train), _randn(setup, batch, length, d_model)
+
+    def call(module: nn.Module) -> Callable[[], Tensor]:
+        if name == "MultiheadAttention":
+            return lambda: module(x, x, x, need_weights=False)[0]
+        if name == "TransformerDecoderLayer":
+            return lambda: module(x, x)
+        return lambda: module(x)
+
+    fns = {}
+    for impl, module in (("torch.nn", theirs), ("ours", ours)):
+        module.train(train)
+        fn = call(module) if impl == "torch.nn" else _on_backend(setup.backend, call(module))
+        fns[impl] = _forward_backward(fn, grad) if train else _forward(fn)
+    return Built(fns, [x, *theirs.parameters(), *ours.parameters()])
+
+
+def module_call_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
+    shape = MODULE_CALL_SHAPE
+    for label, name in MODULE_CALL_MODULES.items():
+        for mode in ("eval", "train"):
+            for length in lengths:
+                yield Case("module_call", label, mode, length, shape["batch"], ("torch.nn", "ours"),
+                           heads=None if name == "LayerNorm" else shape["heads"],
+                           head_dim=None if name == "LayerNorm" else shape["d_model"] // shape["heads"],
+                           d_model=shape["d_model"], d_ff=shape["d_ff"] if name.endswith("Layer") else None,
+                           build=functools.partial(_build_module_call, setup, name, length, mode == "train"))
+
+
 CASES: Dict[str, Callable[[Setup, Sequence[int]], Iterator[Case]]] = {
     "attention": attention_cases,
     "layer_norm": layer_norm_cases,
@@ -516,6 +572,7 @@ CASES: Dict[str, Callable[[Setup, Sequence[int]], Iterator[Case]]] = {
     "encoder_layer": functools.partial(_layer_cases, decoder=False),
     "decoder_layer": functools.partial(_layer_cases, decoder=True),
     "decode_step": decode_step_cases,
+    "module_call": module_call_cases,
 }
 
 
@@ -532,6 +589,10 @@ def describe(suite: str, setup: Setup) -> str:
     if suite == "feed_forward":
         shapes = "1024/4096, 4096/16384" if gpu else "256/1024, 512/2048"
         return f"batch 8, d_model/d_ff {shapes}, GELU, dropout {DROPOUT}"
+    if suite == "module_call":
+        shape = MODULE_CALL_SHAPE
+        return (f"batch {shape['batch']}, d_model {shape['d_model']}, {shape['heads']} heads, d_ff {shape['d_ff']}, "
+                f"dropout {DROPOUT}: one call of a module on a tiny input, its per-call overhead")
     if suite == "decode_step":
         return ("batch 32, Seq2Seq d 256, 3 + 3 layers, 8 heads, ff 512, one cached token per sequence after L - 1, "
                 "source L")

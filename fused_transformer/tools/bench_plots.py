@@ -16,6 +16,7 @@ THROUGHPUT = {  # suite -> (CSV column, axis label)
     "encoder_layer": ("tokens_per_s", "tokens/s"),
     "decoder_layer": ("tokens_per_s", "tokens/s"),
     "decode_step": ("tokens_per_s", "tokens/s"),
+    "module_call": ("tokens_per_s", "tokens/s"),
 }
 MEMORY_AXIS = {
     "cuda": "peak MiB allocated over one call\n(cuda max_memory_allocated)",
