@@ -34,12 +34,12 @@ def bench_setup(config) -> bench_cases.Setup:
 
 def pytest_generate_tests(metafunc):
     if {"setup", "case", "impl"} <= set(metafunc.fixturenames):
-        setup, pairs = bench_cases(metafunc.config)
+        setup, pairs = selected_cases(metafunc.config)
         metafunc.parametrize("setup", [setup], ids=[setup.device.type])
         metafunc.parametrize(("case", "impl"), pairs, ids=[f"{case.id}-{impl}" for case, impl in pairs])
 
 
-def bench_cases(config):
+def selected_cases(config):
     """The setup, and the (case, impl) pairs to parametrize over."""
     setup = bench_setup(config)
     if setup.device.type == "cuda" and not torch.cuda.is_available():

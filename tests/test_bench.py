@@ -2,6 +2,9 @@
 counts the work it promises to count, and refuses bad options."""
 import csv
 import math
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -167,3 +170,19 @@ def test_out_at_or_under_a_regular_file_is_an_argparse_error(tmp_path, capsys, u
     err = capsys.readouterr().err
     assert f"--out {out!r}: {blocking} is a file, not a folder" in err
     assert blocking.read_text() == "not a folder"
+
+
+def test_the_pytest_benchmark_suite_collects_every_case_of_a_suite():
+    """``pytest benchmarks/`` loads its conftest and parametrizes one test per (case, implementation) of
+    ``bench_cases`` (without pytest-benchmark installed, as here, collecting still works)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "benchmarks", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "--bench-suite", "module_call", "--bench-lengths", "4"],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    collected = [line for line in result.stdout.splitlines() if line.startswith("benchmarks/")]
+    setup = bench_cases.Setup(torch.device("cpu"), torch.float32)
+    expected = sum(len(case.impls) for case in bench_cases.cases("module_call", setup, [4]))
+    assert len(collected) == expected == 16
