@@ -3,10 +3,12 @@ replay, and a deterministic row reduction."""
 from __future__ import annotations
 
 import functools
+from typing import List
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..backend import as_rows, draw_dropout_seed  # noqa: F401 (re-exported for the kernel modules)
 from ..backend import triton_interpreting as interpreting  # noqa: F401 (the kernels' name for it)
@@ -27,6 +29,32 @@ def shared_memory_per_block(device: torch.device) -> int:
         return int(optin)
     return SMALL_SHARED_MEMORY if (props.major, props.minor) in ((8, 6), (8, 9)) or props.major >= 12 else (
         LARGE_SHARED_MEMORY)
+
+
+@functools.lru_cache(maxsize=None)
+def has_tma(device: torch.device) -> bool:
+    """Whether CUDA ``device`` has the Tensor Memory Accelerator (sm_90 and later; queried once per device)."""
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+# TMA's addressing rules: base and every stride but the last (which is 1) in multiples of 16 bytes.
+TMA_ALIGNMENT = 16
+
+
+def tma_addressable(x: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can address ``x`` (non-empty, last dim contiguous, base and other strides 16-byte
+    aligned). The strides of size-1 dims are never used: ``tma_descriptor`` replaces them."""
+    size = x.element_size()
+    return (x.numel() > 0 and x.stride(-1) == 1 and x.data_ptr() % TMA_ALIGNMENT == 0
+            and all(stride * size % TMA_ALIGNMENT == 0 for n, stride in zip(x.shape[:-1], x.stride()[:-1]) if n > 1))
+
+
+def tma_descriptor(x: torch.Tensor, block_shape: List[int]) -> TensorDescriptor:
+    """A host-side TMA descriptor over ``x`` (``tma_addressable``) loading ``block_shape`` blocks; out-of-bounds
+    elements of a block read as zeros."""
+    aligned = TMA_ALIGNMENT // x.element_size()
+    strides = [stride if n > 1 else aligned for n, stride in zip(x.shape[:-1], x.stride()[:-1])] + [1]
+    return TensorDescriptor(x, list(x.shape), strides, list(block_shape))
 
 
 def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:

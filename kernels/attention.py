@@ -30,6 +30,9 @@ Variable lengths (VARLEN): q [Tq, H, D], k/v [Tk, Hkv, D] hold B sequences packe
 [B + 1] their offsets. The grid is sized by the longest sequence; each program reads its sequence's bounds from
 cu_seqlens (no host sync) and returns at once when its tile lies past the sequence's end. Outputs are packed
 ([Tq, H, D], LSE [H, Tq]); dense outputs keep the contiguous [B, H, L, D] layout (a compile-time row stride).
+Loads: on sm_90 and later (USE_TMA, when TMA can address every input) the q/k/v/o/do tiles come through host-side
+TMA descriptors (``_tma_tile``), whose out-of-bounds rows and columns read as zeros; elsewhere through pointers and
+masks (cp.async when pipelined).
 Dropout on the probabilities: element (b, h, i, j) is kept when ``dropout_keep(SEED, ((b H + h) Lq + i) Lk + j,
 p)`` (Lq, Lk: max_seqlen_q, max_seqlen_k with VARLEN, i and j counted within the sequence);
 ``attention_keep_mask`` replays the mask for the reference.
@@ -41,11 +44,12 @@ from typing import List, Optional, Tuple, Union
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..reference import softmax_scale
 from ._common import (
-    LARGE_SHARED_MEMORY, contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, interpreting,
-    shared_memory_per_block,
+    LARGE_SHARED_MEMORY, contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, has_tma,
+    interpreting, shared_memory_per_block, tma_addressable, tma_descriptor,
 )
 
 Tensor = torch.Tensor
@@ -73,6 +77,23 @@ def _tile_mask(row_ok, dims, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Load/store mask of a [rows, BLOCK_D] tile: the row bound, and the head-dim bound only when padded (with
     HEAD_DIM == BLOCK_D the second term is the constant True and folds away, so loads stay vectorised)."""
     return row_ok[:, None] & ((dims[None, :] < HEAD_DIM) | (HEAD_DIM == BLOCK_D))
+
+
+@triton.jit
+def _tma_tile(desc, batch, head, start, first_row, seq_len, VARLEN: tl.constexpr, MAY_CROSS_END: tl.constexpr):
+    """The [rows, BLOCK_D] block of rows ``first_row, ...`` of the sequence that starts at row ``start`` of (batch,
+    head), through the TMA descriptor ``desc`` over [B, H, L, D] (VARLEN: packed [T, H, D] seen as [1, H, T, D])
+    with [1, 1, rows, BLOCK_D] blocks. TMA zero-fills rows past L (T) and columns past D. With VARLEN the rows past
+    the sequence's ``seq_len`` are the next sequence's: zeroed here unless the caller knows the block ends inside
+    (not MAY_CROSS_END), as the pointer path's masked loads give zeros, so that an inf or NaN in one sequence cannot
+    reach another's sums through a probability of 0."""
+    row = tl.cast(start + first_row, tl.int32)  # a loop's index is a Python int under the interpreter
+    tile = desc.load([0 if VARLEN else batch.to(tl.int32), head.to(tl.int32), row, 0])
+    tile = tile.reshape(tile.shape[2], tile.shape[3])
+    if VARLEN and MAY_CROSS_END:
+        rows = first_row + tl.arange(0, tile.shape[0])
+        tile = tl.where((rows < seq_len)[:, None], tile, 0.0)
+    return tile
 
 
 @triton.jit
@@ -223,19 +244,24 @@ def _unmasked_keys_end(first_row, key_end, k_len, offset, BLOCK_N: tl.constexpr,
 def _attention_fwd_tile(
     acc, row_sum, row_max,  # the online softmax's state, returned updated
     q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn, dropout_row,
-    batch, head, k_len, seq_k, offset, window_left, window_right,
+    batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, EDGE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+    USE_TMA: tl.constexpr, EDGE: tl.constexpr,
 ):
     """The forward's step over the key tile starting at ``first_col``. EDGE False: the caller knows the tile lies
     below k_len (<= seq_k) and inside every row's causal / window range, and drops the rows that are not real
-    itself: nothing is masked, and keys and values load with no row bound."""
+    itself: nothing is masked, and keys and values load with no row bound. USE_TMA: k_base and v_base are K's and
+    V's descriptors (``_tma_tile``), else pointers to key row 0 of this sequence and kv head."""
     cols = first_col + tl.arange(0, BLOCK_N)
     key_ok = cols < seq_k if EDGE else tl.full((BLOCK_N,), 1, tl.int1)
     kv_mask = _tile_mask(key_ok, dims, HEAD_DIM, BLOCK_D)
-    k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
+    if USE_TMA:
+        k = _tma_tile(k_base, batch, kv_head, k_start, first_col, seq_k, VARLEN, EDGE)
+    else:
+        k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
     s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
     if EDGE:
         s = _mask_scores(
@@ -252,15 +278,18 @@ def _attention_fwd_tile(
     if HAS_DROPOUT:
         keep = dropout_keep(SEED, dropout_row[:, None] + cols[None, :], dropout_p)
         p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
-    v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
+    if USE_TMA:
+        v = _tma_tile(v_base, batch, kv_head, k_start, first_col, seq_k, VARLEN, EDGE)
+    else:
+        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
     acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, UPCAST, DOT_PRECISION)
     return acc, row_sum, new_max
 
 
 @triton.jit
 def _attention_fwd_kernel(
-    Q,  # [B, H, Lq, D]; VARLEN: [Tq, H, D]
-    K, V,  # [B, Hkv, Lk, D]; VARLEN: [Tk, Hkv, D]
+    Q,  # [B, H, Lq, D]; VARLEN: [Tq, H, D]; a TMA descriptor with USE_TMA (see _tma_tile)
+    K, V,  # [B, Hkv, Lk, D]; VARLEN: [Tk, Hkv, D]; TMA descriptors with USE_TMA
     O,  # [B, H, Lq, D] contiguous; VARLEN: [Tq, H, D] contiguous
     LSE,  # [B, H, Lq] float32 contiguous, natural log; VARLEN: [H, Tq]
     MASK,  # attn_mask, read through strides (MASK_KIND != 0)
@@ -281,7 +310,7 @@ def _attention_fwd_kernel(
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
     batch_head = _batch_head(n_heads)
@@ -299,13 +328,17 @@ def _attention_fwd_kernel(
     rows = first_row + tl.arange(0, BLOCK_M)
     real_rows = _real_rows(rows, q_len, seq_q, batch, QUERY_PAD, stride_qpb, HAS_QUERY_PADDING)
     dims = tl.arange(0, BLOCK_D)
-    q = tl.load(
-        Q + batch * stride_qb + head * stride_qh + q_start * stride_qm + rows[:, None].to(tl.int64) * stride_qm
-        + dims[None, :],
-        mask=_tile_mask(rows < seq_q, dims, HEAD_DIM, BLOCK_D), other=0.0,
-    )
-    k_base = K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
-    v_base = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
+    if USE_TMA:
+        q = _tma_tile(Q, batch, head, q_start, first_row, seq_q, VARLEN, True)
+        k_base, v_base = K, V
+    else:
+        q = tl.load(
+            Q + batch * stride_qb + head * stride_qh + q_start * stride_qm + rows[:, None].to(tl.int64) * stride_qm
+            + dims[None, :],
+            mask=_tile_mask(rows < seq_q, dims, HEAD_DIM, BLOCK_D), other=0.0,
+        )
+        k_base = K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
+        v_base = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     dropout_row = (batch_head.to(tl.int64) * n_queries + rows) * n_keys
 
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -324,24 +357,27 @@ def _attention_fwd_kernel(
         for first_col in tl.range(inner_end, key_end, BLOCK_N, num_stages=1):
             acc, row_sum, row_max = _attention_fwd_tile(
                 acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
-                dropout_row, batch, head, k_len, seq_k, offset, window_left, window_right, MASK, stride_mb, stride_mh,
-                stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND,
-                HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST, DOT_PRECISION, EDGE=True,
+                dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N, BLOCK_D,
+                HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST,
+                DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
         for first_col in range(key_start, inner_end, BLOCK_N):
             acc, row_sum, row_max = _attention_fwd_tile(
                 acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
-                dropout_row, batch, head, k_len, seq_k, offset, window_left, window_right, MASK, stride_mb, stride_mh,
-                stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND,
-                HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST, DOT_PRECISION, EDGE=False,
+                dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N, BLOCK_D,
+                HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST,
+                DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
             )
     else:
         for first_col in range(key_start, key_end, BLOCK_N):
             acc, row_sum, row_max = _attention_fwd_tile(
                 acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
-                dropout_row, batch, head, k_len, seq_k, offset, window_left, window_right, MASK, stride_mb, stride_mh,
-                stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND,
-                HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST, DOT_PRECISION, EDGE=True,
+                dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N, BLOCK_D,
+                HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST,
+                DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
 
     # A NaN score made row_sum NaN (however tl.max treats NaN): != 0 lets it through to out and lse, as in torch.
@@ -361,9 +397,9 @@ def _attention_fwd_kernel(
 
 @triton.jit
 def _attention_bwd_dq_kernel(
-    Q, K, V,  # as in the forward
-    O,  # as the forward wrote it
-    DO,  # O's shape and layout
+    Q, K, V,  # as in the forward (TMA descriptors with USE_TMA)
+    O,  # as the forward wrote it (a TMA descriptor with USE_TMA)
+    DO,  # O's shape and layout (a TMA descriptor with USE_TMA)
     LSE,  # as the forward wrote it
     DLSE,  # LSE's shape and layout, float32: gradient of the returned LSE (HAS_DLSE)
     DELTA,  # LSE's shape and layout, float32, written here: rowsum(do * o) - dlse, for the dk/dv kernel
@@ -380,6 +416,7 @@ def _attention_bwd_dq_kernel(
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
     batch_head = _batch_head(n_heads)
@@ -399,16 +436,23 @@ def _attention_bwd_dq_kernel(
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < seq_q
     tile_mask = _tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D)
-    q = tl.load(
-        Q + batch * stride_qb + head * stride_qh + q_start * stride_qm + rows[:, None].to(tl.int64) * stride_qm
-        + dims[None, :],
-        mask=tile_mask, other=0.0,
-    )
+    if USE_TMA:
+        q = _tma_tile(Q, batch, head, q_start, first_row, seq_q, VARLEN, True)
+    else:
+        q = tl.load(
+            Q + batch * stride_qb + head * stride_qh + q_start * stride_qm + rows[:, None].to(tl.int64) * stride_qm
+            + dims[None, :],
+            mask=tile_mask, other=0.0,
+        )
     stat_offsets = _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN) + rows
     tile_offsets = _row_index(batch_head, head, n_heads, rows, n_queries, q_start, VARLEN)[:, None] * HEAD_DIM + (
         dims[None, :])
-    do = tl.load(DO + tile_offsets, mask=tile_mask, other=0.0)
-    o = tl.load(O + tile_offsets, mask=tile_mask, other=0.0)
+    if USE_TMA:
+        do = _tma_tile(DO, batch, head, q_start, first_row, seq_q, VARLEN, True)
+        o = _tma_tile(O, batch, head, q_start, first_row, seq_q, VARLEN, True)
+    else:
+        do = tl.load(DO + tile_offsets, mask=tile_mask, other=0.0)
+        o = tl.load(O + tile_offsets, mask=tile_mask, other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + stat_offsets, mask=row_ok, other=0.0)
@@ -417,8 +461,11 @@ def _attention_bwd_dq_kernel(
     # Rows with no key have lse = -inf; +inf makes exp2(s - lse) = 0 there instead of NaN.
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
 
-    k_base = K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
-    v_base = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
+    if USE_TMA:
+        k_base, v_base = K, V
+    else:
+        k_base = K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
+        v_base = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     dropout_row = (batch_head.to(tl.int64) * n_queries + rows) * n_keys
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     key_start, key_end = _visible_keys(
@@ -426,8 +473,12 @@ def _attention_bwd_dq_kernel(
     for first_col in range(key_start, key_end, BLOCK_N):
         cols = first_col + tl.arange(0, BLOCK_N)
         kv_mask = _tile_mask(cols < seq_k, dims, HEAD_DIM, BLOCK_D)
-        k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
+        if USE_TMA:
+            k = _tma_tile(k_base, batch, kv_head, k_start, first_col, seq_k, VARLEN, True)
+            v = _tma_tile(v_base, batch, kv_head, k_start, first_col, seq_k, VARLEN, True)
+        else:
+            k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
         s = _mask_scores(
             s, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset, window_left,
@@ -448,7 +499,7 @@ def _attention_bwd_dq_kernel(
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE,  # as in the dq kernel
+    Q, K, V, DO, LSE,  # as in the dq kernel (Q, K, V and DO TMA descriptors with USE_TMA)
     DELTA,  # LSE's shape and layout, float32, from the dq kernel
     DK, DV,  # [B, Hkv, Lk, D] contiguous; VARLEN: [Tk, Hkv, D] contiguous
     MASK, PAD, KEY_LENS, QUERY_LENS, QUERY_PAD, CU_SEQLENS_Q, CU_SEQLENS_K,
@@ -462,7 +513,7 @@ def _attention_bwd_dkdv_kernel(
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # Works in the transposed orientation (keys along dim 0) so no tile needs a transpose but q's and do's.
     first_col = tl.program_id(0) * BLOCK_N
@@ -481,10 +532,14 @@ def _attention_bwd_dkdv_kernel(
     cols = first_col + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     kv_mask = _tile_mask(cols < seq_k, dims, HEAD_DIM, BLOCK_D)
-    k = tl.load(K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
-                + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
-                + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
+    if USE_TMA:
+        k = _tma_tile(K, batch, kv_head, k_start, first_col, seq_k, VARLEN, True)
+        v = _tma_tile(V, batch, kv_head, k_start, first_col, seq_k, VARLEN, True)
+    else:
+        k = tl.load(K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
+                    + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
+                    + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
 
@@ -494,7 +549,8 @@ def _attention_bwd_dkdv_kernel(
     for group_member in range(0, kv_group):
         head = kv_head * kv_group + group_member
         batch_head = batch * n_heads + head
-        q_base = Q + batch * stride_qb + head * stride_qh + q_start * stride_qm
+        if not USE_TMA:
+            q_base = Q + batch * stride_qb + head * stride_qh + q_start * stride_qm
         stat_base = _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN)
         for first_row in range(row_start, row_end, BLOCK_M):
             rows = first_row + tl.arange(0, BLOCK_M)
@@ -502,9 +558,14 @@ def _attention_bwd_dkdv_kernel(
             row_ok = rows < seq_q
             tile_mask = _tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D)
             stat_offsets = stat_base + rows
-            q = tl.load(q_base + rows[:, None].to(tl.int64) * stride_qm + dims[None, :], mask=tile_mask, other=0.0)
-            do_rows = _row_index(batch_head, head, n_heads, rows, n_queries, q_start, VARLEN)
-            do = tl.load(DO + do_rows[:, None] * HEAD_DIM + dims[None, :], mask=tile_mask, other=0.0)
+            if USE_TMA:
+                q = _tma_tile(Q, batch, head, q_start, first_row, seq_q, VARLEN, True)
+                do = _tma_tile(DO, batch, head, q_start, first_row, seq_q, VARLEN, True)
+            else:
+                q = tl.load(q_base + rows[:, None].to(tl.int64) * stride_qm + dims[None, :], mask=tile_mask,
+                            other=0.0)
+                do_rows = _row_index(batch_head, head, n_heads, rows, n_queries, q_start, VARLEN)
+                do = tl.load(DO + do_rows[:, None] * HEAD_DIM + dims[None, :], mask=tile_mask, other=0.0)
             lse = tl.load(LSE + stat_offsets, mask=row_ok, other=float("-inf")) * 1.4426950408889634
             lse = tl.where(lse == float("-inf"), float("inf"), lse)
             delta = tl.load(DELTA + stat_offsets, mask=row_ok, other=0.0)
@@ -537,7 +598,7 @@ def _attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _attention_weights_kernel(
-    Q, K, LSE,  # as in the forward
+    Q, K, LSE,  # as in the forward (Q and K TMA descriptors with USE_TMA)
     W,  # [B, H, Lq, Lk] contiguous: the normalised probabilities
     MASK, PAD, KEY_LENS, QUERY_LENS, QUERY_PAD, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qm,
@@ -549,7 +610,7 @@ def _attention_weights_kernel(
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     tl.static_assert(not VARLEN, "the weights of packed sequences are not implemented")
     col_tiles = tl.cdiv(n_keys, BLOCK_N)
@@ -568,14 +629,18 @@ def _attention_weights_kernel(
     real_rows = _real_rows(rows, q_len, seq_q, batch, QUERY_PAD, stride_qpb, HAS_QUERY_PADDING)
     cols = first_col + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    q = tl.load(
-        Q + batch * stride_qb + head * stride_qh + rows[:, None].to(tl.int64) * stride_qm + dims[None, :],
-        mask=_tile_mask(rows < n_queries, dims, HEAD_DIM, BLOCK_D), other=0.0,
-    )
-    k = tl.load(
-        K + batch * stride_kb + kv_head * stride_kh + cols[:, None].to(tl.int64) * stride_kn + dims[None, :],
-        mask=_tile_mask(cols < n_keys, dims, HEAD_DIM, BLOCK_D), other=0.0,
-    )
+    if USE_TMA:
+        q = _tma_tile(Q, batch, head, 0, first_row, n_queries, VARLEN, False)
+        k = _tma_tile(K, batch, kv_head, 0, first_col, n_keys, VARLEN, False)
+    else:
+        q = tl.load(
+            Q + batch * stride_qb + head * stride_qh + rows[:, None].to(tl.int64) * stride_qm + dims[None, :],
+            mask=_tile_mask(rows < n_queries, dims, HEAD_DIM, BLOCK_D), other=0.0,
+        )
+        k = tl.load(
+            K + batch * stride_kb + kv_head * stride_kh + cols[:, None].to(tl.int64) * stride_kn + dims[None, :],
+            mask=_tile_mask(cols < n_keys, dims, HEAD_DIM, BLOCK_D), other=0.0,
+        )
     row_offsets = batch_head.to(tl.int64) * n_queries + rows
     lse = tl.load(LSE + row_offsets, mask=rows < n_queries, other=float("-inf")) * 1.4426950408889634
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -826,6 +891,40 @@ def _varlen_mask_args(
     )
 
 
+# Whether the interpreter takes the TMA path (tests switch it on to check it against the pointer path; the
+# interpreter reads descriptors as a GPU does, out-of-bounds blocks zero-filled).
+TMA_UNDER_INTERPRETER = False
+# Dtypes loaded through TMA: 16-bit only. Exact float32 products run on the CUDA cores from registers, where
+# staging the tiles in shared memory gains nothing, and 13 of those configs spilled with TMA on sm_90; the tf32
+# ones compiled without spills but for one (dk/dv D16 packed, 8 bytes).
+TMA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _loads_through_tma(*inputs: Tensor) -> bool:
+    """Whether the kernels load ``inputs`` (the q/k/v/o/do tiles) through TMA: on sm_90 and later (under the
+    interpreter, when TMA_UNDER_INTERPRETER), and only if TMA can address every one of them; else they use the
+    pointer path (cp.async). Host-side descriptors (``tma_descriptor``) rather than ``tl.make_tensor_descriptor``:
+    the driver encodes them at launch as kernel parameters, so no program builds one in global scratch memory
+    (and no allocator is needed), and the AOT report compiles them from a ``tensordesc`` signature."""
+    if inputs[0].dtype not in TMA_DTYPES:
+        return False
+    if interpreting():
+        enabled = TMA_UNDER_INTERPRETER
+    else:
+        enabled = inputs[0].is_cuda and has_tma(inputs[0].device)
+    return enabled and all(map(tma_addressable, inputs))
+
+
+def _tiles_of(x: Tensor, rows: int, block_d: int, use_tma: bool) -> Union[Tensor, TensorDescriptor]:
+    """What a kernel takes for an input it loads in [rows, block_d] tiles: ``x`` itself, or with ``use_tma`` a
+    descriptor over ``x`` seen as [B, H, L, D] (packed [T, H, D] as [1, H, T, D]), as ``_tma_tile`` reads it."""
+    if not use_tma:
+        return x
+    if x.dim() == 3:
+        x = x.transpose(0, 1).unsqueeze(0)
+    return tma_descriptor(x, [1, 1, rows, block_d])
+
+
 def _dot_args(dtype: torch.dtype, allow_tf32: bool) -> dict:
     return dict(
         UPCAST=interpreting() and dtype == torch.bfloat16,
@@ -852,13 +951,15 @@ def _launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout:
     """The forward kernel, dense or packed (``layout``), writing ``o`` and ``lse``."""
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
     cfg = config_for("fwd", q.dtype, layout.head_dim, q.device, allow_tf32)
+    block_d, use_tma = _head_dim_bucket(layout.head_dim), _loads_through_tma(q, k, v)
     _attention_fwd_kernel[_grid(triton.cdiv(layout.n_queries, cfg.block_m), layout.batch, layout.heads)](
-        q, k, v, o, lse, *masks.pointer_args(), *layout.q_strides, *layout.k_strides, *layout.v_strides,
-        *masks.stride_args(), layout.heads, layout.kv_group, layout.n_queries, layout.n_keys, *masks.offset_args(),
-        scale * LOG2E, dropout_p, seed,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_head_dim_bucket(layout.head_dim),
-        HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(),
-        **_dot_args(q.dtype, allow_tf32), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        _tiles_of(q, cfg.block_m, block_d, use_tma), _tiles_of(k, cfg.block_n, block_d, use_tma),
+        _tiles_of(v, cfg.block_n, block_d, use_tma), o, lse, *masks.pointer_args(), *layout.q_strides,
+        *layout.k_strides, *layout.v_strides, *masks.stride_args(), layout.heads, layout.kv_group, layout.n_queries,
+        layout.n_keys, *masks.offset_args(), scale * LOG2E, dropout_p, seed,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, HEAD_DIM=layout.head_dim,
+        HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(), **_dot_args(q.dtype, allow_tf32), USE_TMA=use_tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -867,6 +968,7 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
                 seed: Optional[Tensor], scale: float, allow_tf32: bool) -> None:
     """The dq kernel, then the dk/dv kernel, dense or packed (``layout``), writing ``dq``, ``dk`` and ``dv``."""
     do = do.contiguous()
+    block_d, use_tma = _head_dim_bucket(layout.head_dim), _loads_through_tma(q, k, v, o, do)
     delta = torch.empty_like(lse)  # lse's shape and layout
     common_args = (
         *masks.pointer_args(), *layout.q_strides, *layout.k_strides, *layout.v_strides, *masks.stride_args(),
@@ -874,18 +976,23 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
         dropout_p, seed,
     )
     common_constexprs = dict(
-        BLOCK_D=_head_dim_bucket(layout.head_dim), HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0,
-        **masks.constexprs(), **_dot_args(q.dtype, allow_tf32),
+        BLOCK_D=block_d, HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(),
+        **_dot_args(q.dtype, allow_tf32), USE_TMA=use_tma,
     )
     cfg = config_for("bwd_dq", q.dtype, layout.head_dim, q.device, allow_tf32)
+    q_in, o_in, do_in = (_tiles_of(x, cfg.block_m, block_d, use_tma) for x in (q, o, do))
+    k_in, v_in = (_tiles_of(x, cfg.block_n, block_d, use_tma) for x in (k, v))
     _attention_bwd_dq_kernel[_grid(triton.cdiv(layout.n_queries, cfg.block_m), layout.batch, layout.heads)](
-        q, k, v, o, do, lse, dlse.contiguous() if dlse is not None else None, delta, dq, *common_args,
+        q_in, k_in, v_in, o_in, do_in, lse, dlse.contiguous() if dlse is not None else None, delta, dq,
+        *common_args,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_DLSE=dlse is not None, **common_constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     cfg = config_for("bwd_dkdv", q.dtype, layout.head_dim, q.device, allow_tf32)
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(layout.n_keys, cfg.block_n), layout.batch, layout.kv_heads)](
-        q, k, v, do, lse, delta, dk, dv, *common_args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        _tiles_of(q, cfg.block_m, block_d, use_tma), _tiles_of(k, cfg.block_n, block_d, use_tma),
+        _tiles_of(v, cfg.block_n, block_d, use_tma), _tiles_of(do, cfg.block_m, block_d, use_tma), lse, delta, dk,
+        dv, *common_args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **common_constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -1023,11 +1130,13 @@ def attention_weights_fwd(
                        query_padding_mask, window_left, window_right)
     cfg = config_for("weights", q.dtype, head_dim, q.device)
     tiles = triton.cdiv(lq, cfg.block_m) * triton.cdiv(layout.n_keys, cfg.block_n)
+    block_d, use_tma = _head_dim_bucket(head_dim), _loads_through_tma(q, k)
     _attention_weights_kernel[_grid(tiles, batch, heads)](
-        q, k, lse.contiguous(), weights, *masks.pointer_args(), *layout.q_strides, *layout.k_strides,
+        _tiles_of(q, cfg.block_m, block_d, use_tma), _tiles_of(k, cfg.block_n, block_d, use_tma), lse.contiguous(),
+        weights, *masks.pointer_args(), *layout.q_strides, *layout.k_strides,
         *masks.stride_args(), heads, layout.kv_group, lq, layout.n_keys, *masks.offset_args(), scale * LOG2E,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_head_dim_bucket(head_dim), HEAD_DIM=head_dim,
-        **masks.constexprs(), **_dot_args(q.dtype, False),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, HEAD_DIM=head_dim,
+        **masks.constexprs(), **_dot_args(q.dtype, False), USE_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return weights
@@ -1236,6 +1345,13 @@ _AOT_VARIANTS = {
 }
 # Variants only some kernels have: the others compile them as the dense variant.
 _AOT_VARIANT_KERNELS = {"/causal": ("fwd",)}
+# Each variant is compiled with the loads the launcher picks on each target: 16-bit inputs through TMA descriptors
+# on these (config-name suffix "/tma"), the pointer path elsewhere. The inputs each kernel then loads through TMA,
+# in BLOCK_M-row (query) or BLOCK_N-row (key) tiles:
+_AOT_TMA_TARGETS = (90,)
+_AOT_TMA_INPUTS = {"fwd": ("Q", "K", "V"), "bwd_dq": ("Q", "K", "V", "O", "DO"), "bwd_dkdv": ("Q", "K", "V", "DO"),
+                   "weights": ("Q", "K")}
+_QUERY_TILE_INPUTS = ("Q", "O", "DO")
 
 
 def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.report imports this module lazily)
@@ -1243,7 +1359,8 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     float32 with tf32 products, for the targets that pick it, in each feature set of ``_AOT_VARIANTS`` (dense
     with every feature on: float mask, key and query padding, query lengths, causal, window, per-sequence
     alignment, dropout; packed sequences with causal, window and dropout; and, for the forward, causal without
-    dropout, the path that skips masking interior tiles)."""
+    dropout, the path that skips masking interior tiles), each with TMA loads for ``_AOT_TMA_TARGETS`` and the
+    pointer path for the other targets and float32."""
     from fused_transformer.tools.report import TARGETS, AotKernel
 
     kernels = {
@@ -1262,16 +1379,24 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
                 shipped.append((kernel, bits, head_dim, _TILES_TF32.get(kernel, {}).get(head_dim, tiles), TARGETS,
                                 "tf32"))
     configs = []
-    for (kernel, bits, head_dim, tiles, targets, dot_precision), (variant, features) in (
-            (entry, variant) for entry in shipped for variant in _AOT_VARIANTS.items()):
+    for (kernel, bits, head_dim, tiles, shipped_targets, dot_precision), (variant, features), use_tma in (
+            (entry, variant, use_tma) for entry in shipped for variant in _AOT_VARIANTS.items()
+            for use_tma in (False, True)):
         if features["VARLEN"] and kernel == "weights" or kernel not in _AOT_VARIANT_KERNELS.get(variant, (kernel,)):
+            continue
+        targets = tuple(target for target in shipped_targets
+                        if (bits == 16 and target in _AOT_TMA_TARGETS) == use_tma)
+        if not targets:
             continue
         elem = "*bf16" if bits == 16 else "*fp32"
         cfg = AttentionConfig(*tiles)
         fn = kernels[kernel]
         signature = {}
         for name in fn.arg_names:
-            if name in _AOT_POINTER_TYPES:
+            if use_tma and name in _AOT_TMA_INPUTS[kernel]:
+                rows = cfg.block_m if name in _QUERY_TILE_INPUTS else cfg.block_n
+                signature[name] = f"tensordesc<{elem[1:]}[1,1,{rows},{head_dim}]>"
+            elif name in _AOT_POINTER_TYPES:
                 signature[name] = _AOT_POINTER_TYPES[name]
             elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "W"):
                 signature[name] = elem
@@ -1281,7 +1406,7 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
                 signature[name] = "i32"
         constexprs = dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, HEAD_DIM=head_dim, MASK_OFFSETS_64=False,
-            HAS_DROPOUT=True, HAS_DLSE=True, UPCAST=False, DOT_PRECISION=dot_precision,
+            HAS_DROPOUT=True, HAS_DLSE=True, UPCAST=False, DOT_PRECISION=dot_precision, USE_TMA=use_tma,
         )
         constexprs.update(features)
         constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
@@ -1289,7 +1414,7 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
             name=f"attention_{kernel}",
             config=f"{'bf16' if bits == 16 else dot_precision.replace('ieee', 'fp32')}/D{head_dim}"
                    f"/BM{cfg.block_m}_BN{cfg.block_n}"
-                   f"_w{cfg.num_warps}_s{cfg.num_stages}{variant}",
+                   f"_w{cfg.num_warps}_s{cfg.num_stages}{variant}{'/tma' if use_tma else ''}",
             fn=fn, signature=signature, constexprs=constexprs, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, expect_tensor_cores=bits == 16, targets=targets,
             # What the JIT specialises for inputs from torch: aligned pointers and strides, odd lengths.

@@ -9,7 +9,7 @@ import torch
 
 from fused_transformer import backend, functional, reference
 from fused_transformer.kernels import attention as triton_attention
-from fused_transformer.kernels._common import draw_dropout_seed
+from fused_transformer.kernels._common import draw_dropout_seed, has_tma, interpreting
 from tests.numerics import DEVICE, assert_close_to_reference
 
 pytestmark = pytest.mark.usefixtures("interpreter_rounds_to_nearest", "nan_filled_outputs")
@@ -356,3 +356,122 @@ def test_int64_mask_offsets_match_the_reference(monkeypatch, mask_kind):
     """The int64 path a 2**31-element mask takes, run on small shapes by lowering the threshold."""
     monkeypatch.setattr(triton_attention, "INT32_OFFSET_LIMIT", 1)
     _check(mask_kind=mask_kind, dtype=torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------- TMA loads (sm_90)
+
+
+def _take_tma_path(monkeypatch) -> list:
+    """Switch the interpreter's TMA loads on (on a GPU the hardware decides) and return the list that records, per
+    launch, whether the launcher chose TMA."""
+    decisions = []
+    decide = triton_attention._loads_through_tma
+
+    def record(*inputs):
+        decisions.append(decide(*inputs))
+        return decisions[-1]
+
+    monkeypatch.setattr(triton_attention, "_loads_through_tma", record)
+    monkeypatch.setattr(triton_attention, "TMA_UNDER_INTERPRETER", True)
+    return decisions
+
+
+def tma_available() -> bool:
+    """Whether inputs TMA can address take the TMA path here: under the interpreter once switched on, on a GPU from
+    sm_90."""
+    return interpreting() or has_tma(torch.device(DEVICE))
+
+
+def _assert_same(tma, pointer, names):
+    """The TMA path loads the values the pointer path loads (zeros past the bounds) into the same arithmetic."""
+    for name, got, expected in zip(names, tma, pointer):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True, msg=f"{name}: TMA vs pointer path")
+
+
+@pytest.mark.parametrize("batch,lq,lk,heads,kv_heads,head_dim,dtype,mask_kind", [
+    (1, 7, 7, 2, 2, 24, torch.bfloat16, "none"),
+    (1, 77, 77, 1, 1, 48, torch.float16, "causal"),
+    (2, 1, 77, 1, 1, 16, torch.bfloat16, "causal_bottom_right"),
+    (2, 37, 50, 1, 1, 24, torch.bfloat16, "padding_causal_float_mask"),
+    (2, 33, 40, 2, 1, 16, torch.bfloat16, "scattered_padding_bool_mask_causal"),
+    (2, 40, 33, 2, 1, 40, torch.float16, "key_padding"),
+], ids=lambda value: str(value).replace("torch.", ""))
+def test_tma_loads_match_the_pointer_path_and_reference(monkeypatch, batch, lq, lk, heads, kv_heads, head_dim,
+                                                        dtype, mask_kind):
+    """Odd lengths, head dims that are not a power of two (TMA zero-fills the padded columns), grouped-query heads,
+    causal and padding masks: output, LSE and every gradient, through the LSE too."""
+    (q, k, v, do, dlse), g = _random_inputs(batch, heads, kv_heads, lq, lk, head_dim, seed=lq + lk + head_dim)
+    masks = _masks(mask_kind, batch, heads, lq, lk, g)
+    pointer = _run(triton_attention.attention, q, k, v, do, dlse, dtype, masks)
+    decisions = _take_tma_path(monkeypatch)
+    tma = _run(triton_attention.attention, q, k, v, do, dlse, dtype, masks)
+    assert decisions == [tma_available()] * 2  # forward, backward
+    _assert_same(tma, pointer, ("out", "lse", "dq", "dk", "dv"))
+    ref = _run(reference.attention, q, k, v, do, dlse, torch.float64, masks)
+    base = _run(reference.attention, q, k, v, do, dlse, dtype, masks)
+    for name, out, ref64, baseline in zip(("out", "lse", "dq", "dk", "dv"), tma, ref, base):
+        assert_close_to_reference(out, ref64, baseline, f"{name} (TMA, {mask_kind}, {dtype})")
+
+
+def test_tma_loads_strided_views_of_a_fused_projection_in_place(monkeypatch):
+    """q/k/v as slices of one [B, L, 3, H, D] projection: their row stride 3 H D is 16-byte aligned, so TMA reads
+    them through 4-D descriptors as they lie."""
+    batch, length, heads, dim = 1, 37, 2, 24
+    g = torch.Generator().manual_seed(12)
+    packed64 = torch.randn(batch, length, 3, heads, dim, generator=g, dtype=torch.float64).to(DEVICE)
+    do = torch.randn(batch, heads, length, dim, generator=g, dtype=torch.float64).to(DEVICE)
+
+    def run(dtype):
+        packed = packed64.to(dtype, copy=True).requires_grad_()
+        q, k, v = (packed[:, :, i].transpose(1, 2) for i in range(3))
+        fn = triton_attention.attention if dtype != torch.float64 else reference.attention
+        out = fn(q, k, v, is_causal=True)
+        (out * do.to(dtype)).sum().backward()
+        return out, packed.grad
+
+    pointer = run(torch.bfloat16)
+    decisions = _take_tma_path(monkeypatch)
+    tma = run(torch.bfloat16)
+    assert decisions == [tma_available()] * 2
+    _assert_same(tma, pointer, ("out", "d(qkv)"))
+    for name, got, ref64, baseline in zip(("out", "d(qkv)"), tma, run(torch.float64), run(torch.bfloat16)):
+        assert_close_to_reference(got, ref64, baseline, f"{name} (TMA, strided views)")
+
+
+def test_tma_attention_weights_match_the_pointer_path(monkeypatch):
+    (q, k, _, _, _), g = _random_inputs(2, 4, 2, 37, 50, 24, seed=13)
+    q, k = q.bfloat16(), k.bfloat16()
+    masks = _masks("scattered_padding_bool_mask_causal", 2, 4, 37, 50, g)
+    _, lse = triton_attention.attention(q, k, k, return_lse=True, **masks)
+    pointer = triton_attention.attention_weights(q, k, lse, **masks)
+    decisions = _take_tma_path(monkeypatch)
+    tma = triton_attention.attention_weights(q, k, lse, **masks)
+    assert decisions == [tma_available()]
+    _assert_same((tma,), (pointer,), ("weights",))
+
+
+def test_tma_is_refused_for_inputs_it_cannot_address(monkeypatch):
+    """TMA needs a 16-byte aligned base and strides (but the last, 1): anything else, and float32 (whose exact
+    products run from registers), takes the pointer path, with the same results."""
+    decisions = _take_tma_path(monkeypatch)
+    (q, k, v, _, _), _ = _random_inputs(1, 2, 2, 37, 37, 16, seed=14)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    odd_rows = torch.zeros(1, 2, 37, 17, dtype=torch.bfloat16, device=DEVICE)[..., :16]  # row stride 34 bytes
+    odd_rows.copy_(q)
+    odd_base = torch.zeros(q.numel() + 1, dtype=torch.bfloat16, device=DEVICE)[1:].view(q.shape)  # base + 2 bytes
+    odd_base.copy_(q)
+    head_dim_7 = q[..., :7].contiguous()  # row stride 14 bytes
+    assert not triton_attention._loads_through_tma(odd_rows, k, v)
+    assert not triton_attention._loads_through_tma(q, odd_base, v)
+    assert not triton_attention._loads_through_tma(head_dim_7, head_dim_7, head_dim_7)
+    assert not triton_attention._loads_through_tma(q.float(), k.float(), v.float())
+    assert triton_attention._loads_through_tma(q, k, v) == tma_available()
+    # A size-1 dim's stride is never used: any value passes (one query row, its row stride 3 elements).
+    one_row = torch.empty_strided((1, 2, 1, 16), (32, 16, 3, 1), dtype=torch.bfloat16, device=DEVICE)
+    assert triton_attention._loads_through_tma(one_row, k, v) == tma_available()
+    del decisions[:]
+    out = triton_attention.attention(odd_rows, k, v, is_causal=True)
+    assert decisions == [False]
+    ref = reference.attention(q.double(), k.double(), v.double(), is_causal=True)
+    base = reference.attention(q, k, v, is_causal=True)
+    assert_close_to_reference(out, ref, base, "out (pointer path for an unaligned row stride)")

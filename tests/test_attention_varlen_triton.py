@@ -12,6 +12,7 @@ from fused_transformer import backend, functional, reference
 from fused_transformer.kernels import attention as triton_attention
 from fused_transformer.kernels._common import draw_dropout_seed, interpreting
 from tests.numerics import DEVICE, assert_close_to_reference
+from tests.test_attention_triton import _assert_same, _take_tma_path, tma_available
 
 pytestmark = pytest.mark.usefixtures("interpreter_rounds_to_nearest", "nan_filled_outputs")
 
@@ -95,6 +96,64 @@ def test_varlen_grouped_query_attention(kv_heads):
 @pytest.mark.parametrize("window", [(4, 4), (0, 0), (None, 3), (20, None)])
 def test_varlen_window(window):
     _check_varlen(LENS, LENS, window=window)
+
+
+@pytest.mark.parametrize("lens_q,lens_k,kv_heads,head_dim,options", [
+    ([33, 0, 7, 32], [33, 0, 7, 32], 2, 24, {"is_causal": True}),
+    ([7, 0, 77], [7, 3, 77], 1, 48, {"window": (5, 9), "causal_alignment": "bottom_right"}),
+    (LENS_Q, LENS_K, 1, 16, {}),
+], ids=["causal_d24", "window_gqa_d48", "cross_gqa_d16"])
+def test_varlen_tma_loads_match_the_pointer_path_and_reference(monkeypatch, lens_q, lens_k, kv_heads, head_dim,
+                                                               options):
+    """Packed [T, H, D] inputs through 3-D-as-4-D descriptors ([1, H, T, D]): rows past a sequence's end are the
+    next sequence's (past T, zeros), masked out as the pointer path's zeros are."""
+    (q, k, v, do, dlse), cu_q, cu_k = _packed_inputs(lens_q, lens_k, 2, kv_heads, head_dim, seed=0)
+    pointer = _run_varlen(triton_attention.attention_varlen, q, k, v, do, dlse, torch.bfloat16, cu_q, cu_k,
+                          max(lens_q), max(lens_k), **options)
+    decisions = _take_tma_path(monkeypatch)
+    tma = _check_varlen(lens_q, lens_k, torch.bfloat16, kv_heads=kv_heads, head_dim=head_dim, with_dlse=True,
+                        **options)
+    assert decisions == [tma_available()] * 2
+    _assert_same(tma, pointer, NAMES)
+
+
+def test_varlen_tma_reads_slices_of_a_packed_projection(monkeypatch):
+    """q, k, v as slices of one [T, 3, H, D] projection (row stride 3 H D, 16-byte aligned) load through TMA."""
+    lens = [37, 5, 20]
+    g = torch.Generator().manual_seed(21)
+    qkv = torch.randn(sum(lens), 3, 2, 16, generator=g).to(device=DEVICE, dtype=torch.bfloat16)
+    cu = _cu_seqlens(lens)
+    q, k, v = qkv.unbind(1)
+    pointer = triton_attention.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), is_causal=True)
+    decisions = _take_tma_path(monkeypatch)
+    tma = triton_attention.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), is_causal=True)
+    assert decisions == [tma_available()]
+    _assert_same((tma,), (pointer,), ("out",))
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+def test_a_nan_in_one_packed_sequence_stays_out_of_the_others(monkeypatch, tma):
+    """Sequence 0 ends inside a tile whose other rows are sequence 1's, all NaN (q, k, v and do): every result of
+    sequence 0 equals the run without the NaN, forward and backward, in both loading paths."""
+    lens = [5, 7, 20]
+    (q, k, v, do, dlse), cu, _ = _packed_inputs(lens, lens, 2, 2, 16, seed=4)
+    poisoned = [t.clone() for t in (q, k, v, do)]
+    for t in poisoned:
+        t[5:12] = float("nan")
+    if tma:
+        decisions = _take_tma_path(monkeypatch)
+    clean = _run_varlen(triton_attention.attention_varlen, q, k, v, do, dlse, torch.bfloat16, cu, cu, 20, 20,
+                        is_causal=True)
+    dirty = _run_varlen(triton_attention.attention_varlen, *poisoned, dlse, torch.bfloat16, cu, cu, 20, 20,
+                        is_causal=True)
+    if tma:
+        assert decisions == [tma_available()] * 4
+    for name, expected, got in zip(NAMES, clean, dirty):
+        rows = (slice(None), slice(0, 5)) if name == "lse" else (slice(0, 5),)
+        assert got[rows].isfinite().all(), f"{name}: sequence 1's NaN reached sequence 0"
+        torch.testing.assert_close(got[rows], expected[rows], rtol=0, atol=0, msg=name)
+        outside = (slice(None), slice(12, None)) if name == "lse" else (slice(12, None),)
+        torch.testing.assert_close(got[outside], expected[outside], rtol=0, atol=0, msg=name)
 
 
 def test_varlen_gradient_through_lse_and_a_grid_wider_than_the_sequences():

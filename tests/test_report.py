@@ -149,7 +149,8 @@ def test_report_command_exits_1_when_a_compilation_fails(results, monkeypatch, c
 
 def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
     """Whatever tiles config_for picks (dtype, head dim, 99 KB or larger shared memory, allow_tf32) is compiled by
-    the report for the targets that pick it."""
+    the report for the targets that pick it, with the loads the launcher picks there (16-bit inputs through TMA on
+    sm_90)."""
     from fused_transformer.kernels import attention
 
     monkeypatch.setattr(attention, "interpreting", lambda: False)
@@ -169,7 +170,8 @@ def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
                     cfg = attention.config_for(kernel, dtype, head_dim, cuda, tf32)
                     config = f"{name}/D{head_dim}/BM{cfg.block_m}_BN{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
                     for target in targets:
-                        assert (f"attention_{kernel}", config, target) in listed
+                        tma = "/tma" if dtype in attention.TMA_DTYPES and target >= 90 else ""
+                        assert (f"attention_{kernel}", config + tma, target) in listed
                         checked += 1
     assert checked == 2 * 2 * (5 + 4 * 2) * 3 + 2 * 2 * (5 + 4)
 
@@ -219,10 +221,24 @@ def test_every_config_fits_on_an_sm(results):
         assert r.warps_per_sm <= report.SM_LIMITS[r.target].max_warps
 
 
-def test_pipelined_attention_copies_with_cp_async(results):
-    staged = [r for r in _attention_16_bit(results) if int(re.search(r"_s(\d+)", r.config).group(1)) > 1]
+def test_pipelined_attention_copies_with_cp_async_before_hopper(results):
+    staged = [r for r in _attention_16_bit(results)
+              if int(re.search(r"_s(\d+)", r.config).group(1)) > 1 and r.target < 90]
     assert {r.name for r in staged} >= {"attention_fwd"}
     assert all("LDGSTS" in r.async_copy for r in staged), [(r.name, r.config, r.async_copy) for r in staged]
+
+
+def test_16_bit_attention_loads_through_tma_on_hopper_only(results):
+    """On sm_90 every 16-bit attention kernel (the probabilities kernel included) is compiled as the launcher runs it
+    there, q/k/v (and o/do in the backward) through TMA descriptors; before sm_90 none uses TMA. The float mask, read
+    through any strides, still comes by cp.async (UTMALDG+LDGSTS)."""
+    attention_16_bit = [r for r in results if r.name.startswith("attention_") and r.config.startswith("bf16/")]
+    hopper = [r for r in attention_16_bit if r.target == 90]
+    assert {r.name for r in hopper} == {"attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv",
+                                        "attention_weights"}
+    for r in attention_16_bit:
+        assert (r.target == 90) == r.config.endswith("/tma") == ("UTMALDG" in r.async_copy), (
+            r.name, r.config, r.target, r.async_copy)
 
 
 # -------------------------------------------------------------------------------- SASS figures, hand-written SASS

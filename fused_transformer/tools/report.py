@@ -89,7 +89,9 @@ ASYNC_COPY_KINDS = ("UTMALDG", "UBLKCP", "LDGSTS")
 class AotKernel:
     """One kernel variant and config to compile.
 
-    ``signature`` maps every runtime argument to its Triton type (``"*bf16"``, ``"i32"``, ``"fp32"``, ...);
+    ``signature`` maps every runtime argument to its Triton type (``"*bf16"``, ``"i32"``, ``"fp32"``, ...; a host-side
+    TMA descriptor, as ``triton.tools.tensor_descriptor.TensorDescriptor`` passes one, is
+    ``"tensordesc<bf16[1,1,64,128]>"``: element type and block shape);
     ``constexprs`` maps constexpr arguments (and runtime arguments specialised to a constant, e.g. unit
     strides) to their values; they need not appear in ``signature``. ``targets`` are the compute
     capabilities the config is shipped for (a Hopper-only tile config lists only 90).
