@@ -668,8 +668,8 @@ class AttentionConfig:
 
 
 # (kernel, 16-bit or float32 inputs, padded head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages), for sm_80
-# and sm_90 alike. Chosen as the largest tiles that compile without register spills for both targets with
-# every feature on (float mask, key and query padding, causal, window, dropout) and for packed sequences;
+# and sm_90 alike (but _TILES_SM90). Chosen as the largest tiles that compile without register spills for both
+# targets with every feature on (float mask, key and query padding, causal, window, dropout) and for packed sequences;
 # `python -m fused_transformer report` re-checks them. A few float32 entries got smaller (or 8 warps instead of 4)
 # when the window, query padding and packed variants came: the old tiles spilled 8-96 bytes in one of them.
 # Eight warps spread the [BLOCK_M, BLOCK_N] score tile and the float mask tile over more registers; float32
@@ -694,7 +694,23 @@ _TILES_SMALL_SHARED_MEMORY = {
     ("fwd", 16): {64: (128, 64, 8, 2)},
     ("bwd_dkdv", 32): {16: (32, 32, 8, 2)},
 }
-_LARGE_SHARED_MEMORY_TARGETS, _SMALL_SHARED_MEMORY_TARGETS = (80, 90), (86, 89)
+# What parts with TMA and sm_90's shared memory (H100, H200) run instead for the 16-bit backward, pipelined.
+# wgmma computes 64-row products per warpgroup (4 warps): with 8 warps and a 64-row operand the tiles above split
+# N between the two warpgroups (HGMMA.64x16x16 at dq D128), and the dk/dv kernel's query tile (BLOCK_M) is the N
+# of its transposed products (64x16x16 / 64x8x16 at D64 / D128). The dq tiles give each warpgroup 64 query rows
+# and 64 keys (every HGMMA N >= 64; at D128 the report's non-MMA/kMAC goes 7.5 -> 7.7, but the old tile issued
+# 1.67x the MMAs its products need, and per needed kMAC it goes 12.6 -> 7.7). dk/dv with 64 query rows spills in
+# the dense variant at every head dim (40-1392 B, 4 or 8 warps, 1-3 stages), so D64 takes 32 rows (N = 32) and
+# the other head dims keep the tiles above, whose pipelined versions issue more non-MMA instructions per kMAC (as
+# do wider dq tiles at D16 / D32; at D256 64-row tiles spill 200-1136 B). Only launches that load through TMA take
+# them: with the pointer path they spill (72 B at dk/dv D64, 120 B at dq D128), so inputs TMA cannot address keep
+# the tiles above.
+_TILES_SM90 = {
+    ("bwd_dq", 16): {64: (128, 64, 8, 2), 128: (128, 64, 8, 3)},
+    ("bwd_dkdv", 16): {64: (32, 128, 8, 2)},
+}
+# Shared memory per block of sm_90: the dq tiles at D128 (3 stages) take 229400 B of it.
+_SM90_SHARED_MEMORY = 232448
 # float32 with allow_tf32=True, on every target: its tensor-core products hold their operands in more registers
 # than the ieee products of the float32 tiles, which spill there.
 _TILES_TF32 = {
@@ -712,17 +728,30 @@ def _head_dim_bucket(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def _tiles(kernel: str, bits: int, bucket: int, tf32: bool, shared_memory: int, tma: bool) -> Tuple[int, ...]:
+    """The table entry ``kernel`` runs with for ``bits``-bit inputs (``tf32``: float32 with allow_tf32) of head dim
+    bucket ``bucket`` on a part with ``shared_memory`` bytes per block that has TMA or not: what ``config_for``
+    picks on a GPU and ``aot_configs`` compiles for each report target."""
+    key = (kernel, bits)
+    if tf32 and bucket in _TILES_TF32.get(kernel, {}):
+        return _TILES_TF32[kernel][bucket]
+    if shared_memory < LARGE_SHARED_MEMORY and bucket in _TILES_SMALL_SHARED_MEMORY.get(key, {}):
+        return _TILES_SMALL_SHARED_MEMORY[key][bucket]
+    if tma and shared_memory >= _SM90_SHARED_MEMORY and bucket in _TILES_SM90.get(key, {}):
+        return _TILES_SM90[key][bucket]
+    return _TILES[key][bucket]
+
+
 def config_for(kernel: str, dtype: torch.dtype, head_dim: int, device: torch.device,
-               allow_tf32: bool = False) -> AttentionConfig:
-    """The tiles ``kernel`` runs with for inputs of ``dtype`` and ``head_dim`` on ``device`` (or the interpreter)."""
+               allow_tf32: bool = False, tma: bool = False) -> AttentionConfig:
+    """The tiles ``kernel`` runs with for inputs of ``dtype`` and ``head_dim`` on ``device`` (or the interpreter),
+    loading them through TMA (``_loads_through_tma``) or not: the pointer path keeps the tiles it compiles without
+    spills with."""
     if interpreting():
         return INTERPRETER_CONFIG
-    key, bucket = (kernel, 32 if dtype == torch.float32 else 16), _head_dim_bucket(head_dim)
-    if allow_tf32 and dtype == torch.float32 and bucket in _TILES_TF32.get(kernel, {}):
-        return AttentionConfig(*_TILES_TF32[kernel][bucket])
-    if shared_memory_per_block(device) < LARGE_SHARED_MEMORY and bucket in _TILES_SMALL_SHARED_MEMORY.get(key, {}):
-        return AttentionConfig(*_TILES_SMALL_SHARED_MEMORY[key][bucket])
-    return AttentionConfig(*_TILES[key][bucket])
+    bits = 32 if dtype == torch.float32 else 16
+    return AttentionConfig(*_tiles(kernel, bits, _head_dim_bucket(head_dim), allow_tf32 and bits == 32,
+                                   shared_memory_per_block(device), tma))
 
 
 # ------------------------------------------------------------------------------------------- launchers
@@ -950,8 +979,8 @@ def _launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout:
                 dropout_p: float, seed: Optional[Tensor], scale: float, allow_tf32: bool) -> None:
     """The forward kernel, dense or packed (``layout``), writing ``o`` and ``lse``."""
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
-    cfg = config_for("fwd", q.dtype, layout.head_dim, q.device, allow_tf32)
     block_d, use_tma = _head_dim_bucket(layout.head_dim), _loads_through_tma(q, k, v)
+    cfg = config_for("fwd", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma)
     _attention_fwd_kernel[_grid(triton.cdiv(layout.n_queries, cfg.block_m), layout.batch, layout.heads)](
         _tiles_of(q, cfg.block_m, block_d, use_tma), _tiles_of(k, cfg.block_n, block_d, use_tma),
         _tiles_of(v, cfg.block_n, block_d, use_tma), o, lse, *masks.pointer_args(), *layout.q_strides,
@@ -979,7 +1008,7 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
         BLOCK_D=block_d, HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(),
         **_dot_args(q.dtype, allow_tf32), USE_TMA=use_tma,
     )
-    cfg = config_for("bwd_dq", q.dtype, layout.head_dim, q.device, allow_tf32)
+    cfg = config_for("bwd_dq", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma)
     q_in, o_in, do_in = (_tiles_of(x, cfg.block_m, block_d, use_tma) for x in (q, o, do))
     k_in, v_in = (_tiles_of(x, cfg.block_n, block_d, use_tma) for x in (k, v))
     _attention_bwd_dq_kernel[_grid(triton.cdiv(layout.n_queries, cfg.block_m), layout.batch, layout.heads)](
@@ -988,7 +1017,7 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_DLSE=dlse is not None, **common_constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    cfg = config_for("bwd_dkdv", q.dtype, layout.head_dim, q.device, allow_tf32)
+    cfg = config_for("bwd_dkdv", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma)
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(layout.n_keys, cfg.block_n), layout.batch, layout.kv_heads)](
         _tiles_of(q, cfg.block_m, block_d, use_tma), _tiles_of(k, cfg.block_n, block_d, use_tma),
         _tiles_of(v, cfg.block_n, block_d, use_tma), _tiles_of(do, cfg.block_m, block_d, use_tma), lse, delta, dk,
@@ -1128,9 +1157,9 @@ def attention_weights_fwd(
         return weights
     masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment,
                        query_padding_mask, window_left, window_right)
-    cfg = config_for("weights", q.dtype, head_dim, q.device)
-    tiles = triton.cdiv(lq, cfg.block_m) * triton.cdiv(layout.n_keys, cfg.block_n)
     block_d, use_tma = _head_dim_bucket(head_dim), _loads_through_tma(q, k)
+    cfg = config_for("weights", q.dtype, head_dim, q.device, tma=use_tma)
+    tiles = triton.cdiv(lq, cfg.block_m) * triton.cdiv(layout.n_keys, cfg.block_n)
     _attention_weights_kernel[_grid(tiles, batch, heads)](
         _tiles_of(q, cfg.block_m, block_d, use_tma), _tiles_of(k, cfg.block_n, block_d, use_tma), lse.contiguous(),
         weights, *masks.pointer_args(), *layout.q_strides, *layout.k_strides,
@@ -1361,7 +1390,7 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     alignment, dropout; packed sequences with causal, window and dropout; and, for the forward, causal without
     dropout, the path that skips masking interior tiles), each with TMA loads for ``_AOT_TMA_TARGETS`` and the
     pointer path for the other targets and float32."""
-    from fused_transformer.tools.report import TARGETS, AotKernel
+    from fused_transformer.tools.report import SHARED_MEMORY_LIMIT, TARGETS, AotKernel
 
     kernels = {
         "fwd": _attention_fwd_kernel, "bwd_dq": _attention_bwd_dq_kernel, "bwd_dkdv": _attention_bwd_dkdv_kernel,
@@ -1369,15 +1398,16 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     }
     shipped = []  # (kernel, bits, head_dim, tiles, targets, dot precision)
     for (kernel, bits), by_head_dim in _TILES.items():
-        for head_dim, tiles in by_head_dim.items():
-            small = _TILES_SMALL_SHARED_MEMORY.get((kernel, bits), {}).get(head_dim)
-            shipped.append((kernel, bits, head_dim, tiles, _LARGE_SHARED_MEMORY_TARGETS + (
-                () if small else _SMALL_SHARED_MEMORY_TARGETS), "ieee"))
-            if small:
-                shipped.append((kernel, bits, head_dim, small, _SMALL_SHARED_MEMORY_TARGETS, "ieee"))
-            if bits == 32 and kernel != "weights":  # allow_tf32=True (never taken by the weights kernel)
-                shipped.append((kernel, bits, head_dim, _TILES_TF32.get(kernel, {}).get(head_dim, tiles), TARGETS,
-                                "tf32"))
+        for head_dim in by_head_dim:
+            # float32 with allow_tf32=True too (never taken by the weights kernel).
+            for tf32 in (False, True) if bits == 32 and kernel != "weights" else (False,):
+                picked = {}  # tiles -> the targets that pick them, as config_for picks on each
+                for target in TARGETS:
+                    tiles = _tiles(kernel, bits, head_dim, tf32, SHARED_MEMORY_LIMIT[target],
+                                   target in _AOT_TMA_TARGETS)
+                    picked.setdefault(tiles, []).append(target)
+                shipped.extend((kernel, bits, head_dim, tiles, tuple(targets), "tf32" if tf32 else "ieee")
+                               for tiles, targets in picked.items())
     configs = []
     for (kernel, bits, head_dim, tiles, shipped_targets, dot_precision), (variant, features), use_tma in (
             (entry, variant, use_tma) for entry in shipped for variant in _AOT_VARIANTS.items()

@@ -59,6 +59,33 @@ def test_attention_on_99_kb_parts_picks_tiles_that_fit(monkeypatch):
     assert (small.num_stages, large.num_stages) == (2, 3)  # the report compiles both for their targets
 
 
+@pytest.mark.parametrize("kernel", ["bwd_dq", "bwd_dkdv"])
+def test_attention_backward_on_sm_90_picks_its_own_tiles(monkeypatch, kernel):
+    """The 16-bit backward takes _TILES_SM90 on sm_90 when it loads through TMA (as the launcher decides there for
+    inputs TMA can address) only; sm_80 / 86 / 89, sm_90's pointer path, float32 and the forward keep the shared
+    tables."""
+    from fused_transformer.kernels import attention
+
+    monkeypatch.setattr(attention, "interpreting", lambda: False)
+    cuda = torch.device("cuda", 0)
+
+    def picked(target, dtype, kernel=kernel, addressable=True):
+        monkeypatch.setattr(attention, "shared_memory_per_block", lambda device: report.SHARED_MEMORY_LIMIT[target])
+        tma = addressable and target >= 90 and dtype in attention.TMA_DTYPES
+        return {d: attention.config_for(kernel, dtype, d, cuda, tma=tma) for d in (16, 32, 64, 128, 256)
+                if dtype != torch.float32 or d <= attention.MAX_HEAD_DIM_FLOAT32}
+
+    for dtype in (torch.float16, torch.bfloat16):
+        sm90 = attention._TILES_SM90[(kernel, 16)]
+        assert {d: attention.AttentionConfig(*sm90[d]) for d in sm90} == {
+            d: cfg for d, cfg in picked(90, dtype).items() if d in sm90}
+        shared = attention._TILES[(kernel, 16)]
+        assert picked(80, dtype) == {d: attention.AttentionConfig(*shared[d]) for d in shared}
+        assert picked(86, dtype) == picked(89, dtype) == picked(80, dtype) == picked(90, dtype, addressable=False)
+    assert picked(90, torch.float32) == picked(80, torch.float32)
+    assert picked(90, torch.bfloat16, "fwd") == picked(80, torch.bfloat16, "fwd")
+
+
 @pytest.mark.parametrize("module", report.KERNEL_MODULES)
 def test_every_module_lists_configs(module):
     configs = importlib.import_module(module).aot_configs()
@@ -148,8 +175,8 @@ def test_report_command_exits_1_when_a_compilation_fails(results, monkeypatch, c
 
 
 def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
-    """Whatever tiles config_for picks (dtype, head dim, 99 KB or larger shared memory, allow_tf32) is compiled by
-    the report for the targets that pick it, with the loads the launcher picks there (16-bit inputs through TMA on
+    """Whatever tiles config_for picks (dtype, head dim, each target's shared memory and TMA, allow_tf32) is compiled
+    by the report for the targets that pick it, with the loads the launcher picks there (16-bit inputs through TMA on
     sm_90)."""
     from fused_transformer.kernels import attention
 
@@ -157,8 +184,10 @@ def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
     listed = {(k.name, k.config, target) for k in attention.aot_configs() for target in k.targets}
     cuda = torch.device("cuda", 0)
     checked = 0
-    for shared_memory, targets in ((166912, (80, 90)), (101376, (86, 89))):
-        monkeypatch.setattr(attention, "shared_memory_per_block", lambda device, size=shared_memory: size)
+    for target in report.TARGETS:
+        targets = (target,)
+        monkeypatch.setattr(attention, "shared_memory_per_block",
+                            lambda device, size=report.SHARED_MEMORY_LIMIT[target]: size)
         for kernel in ("fwd", "bwd_dq", "bwd_dkdv", "weights"):
             for name, dtype, tf32 in (("bf16", torch.bfloat16, False), ("fp32", torch.float32, False),
                                       ("tf32", torch.float32, True)):
@@ -167,13 +196,13 @@ def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
                 for head_dim in (16, 32, 64, 128, 256):
                     if dtype == torch.float32 and head_dim > attention.MAX_HEAD_DIM_FLOAT32:
                         continue
-                    cfg = attention.config_for(kernel, dtype, head_dim, cuda, tf32)
+                    tma = dtype in attention.TMA_DTYPES and target >= 90  # what the launcher takes there
+                    cfg = attention.config_for(kernel, dtype, head_dim, cuda, tf32, tma)
                     config = f"{name}/D{head_dim}/BM{cfg.block_m}_BN{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
                     for target in targets:
-                        tma = "/tma" if dtype in attention.TMA_DTYPES and target >= 90 else ""
-                        assert (f"attention_{kernel}", config + tma, target) in listed
+                        assert (f"attention_{kernel}", config + ("/tma" if tma else ""), target) in listed
                         checked += 1
-    assert checked == 2 * 2 * (5 + 4 * 2) * 3 + 2 * 2 * (5 + 4)
+    assert checked == len(report.TARGETS) * ((5 + 4 * 2) * 3 + (5 + 4))
 
 
 # ------------------------------------------------------------------------------------ SASS figures, real kernels
@@ -197,6 +226,26 @@ def test_16_bit_attention_runs_hgmma_on_hopper_and_hmma_before(results):
         assert kinds == ({"HGMMA"} if wgmma else {"HMMA"}), (r.name, r.config, r.target, r.mma_counts)
         if not wgmma:
             assert all(opcode.startswith("HMMA.16816.F32.BF16") for opcode, _ in r.mma_counts), r.mma_counts
+
+
+def test_16_bit_backward_on_hopper_is_pipelined_with_wider_hgmma(results):
+    """The sm_90 backward tiles (_TILES_SM90) are pipelined, and their HGMMAs are at least 64 wide (dq: 64 keys per
+    warpgroup, or the head dim) or BLOCK_M wide (dk/dv: the query tile is the N of its transposed products)."""
+    from fused_transformer.kernels import attention
+
+    checked = 0
+    for (kernel, _), by_head_dim in attention._TILES_SM90.items():
+        for head_dim, (block_m, block_n, num_warps, num_stages) in by_head_dim.items():
+            config = f"bf16/D{head_dim}/BM{block_m}_BN{block_n}_w{num_warps}_s{num_stages}"
+            rows = [r for r in results if r.name == f"attention_{kernel}" and r.target == 90
+                    and r.config in (config + "/tma", config + "/varlen/tma")]
+            assert len(rows) == 2 and num_stages >= 2, (kernel, config)
+            narrowest = min(64, head_dim) if kernel == "bwd_dq" else min(block_m, head_dim)
+            for r in rows:
+                shapes = [re.match(r"HGMMA\.64x(\d+)x16\.", opcode) for opcode, _ in r.mma_counts]
+                assert all(shapes) and min(int(m.group(1)) for m in shapes) >= narrowest, (r.config, r.mma_counts)
+                checked += 1
+    assert checked >= 4
 
 
 def test_exact_float32_attention_has_no_mma(results):
