@@ -38,7 +38,6 @@ p)`` (Lq, Lk: max_seqlen_q, max_seqlen_k with VARLEN, i and j counted within the
 ``attention_keep_mask`` replays the mask for the reference.
 """
 import dataclasses
-import functools
 from typing import List, Optional, Tuple, Union
 
 import torch
