@@ -349,6 +349,7 @@ def _attention_fwd_kernel(
     # or diagonal crosses skip _mask_scores, after the edge tiles (the other way round, or with the few edge tiles
     # pipelined too, spilled). Rows past q_len are dropped at the end. With any of those features on, two loops
     # spilled in some tile configs of the AOT report: one loop masks every tile there.
+    # _runs_plain is this test on the host (the launcher picks the tiles with it).
     split = MASK_KIND == 0 and not (HAS_PADDING or HAS_QUERY_PADDING)
     split = split and not (HAS_WINDOW or HAS_DROPOUT or VARLEN)
     if split:
@@ -708,6 +709,20 @@ _TILES_SM90 = {
     ("bwd_dq", 16): {64: (128, 64, 8, 2), 128: (128, 64, 8, 3)},
     ("bwd_dkdv", 16): {64: (32, 128, 8, 2)},
 }
+# What the plain 16-bit forward (``_runs_plain``: no attn_mask, padding, window, dropout or packing, so its interior key
+# tiles skip masking; the report's /causal variant) runs on sm_90 with TMA. The shared tiles were sized for the
+# variant with every feature on; in this one their 32 keys (64 at D64) leave the per-tile work (row max, rescaling
+# the [BLOCK_M, D] accumulator, exp2 bookkeeping) few MACs to spread over. 128 keys give the scores HGMMA.64x128x16
+# (D256: 64 keys, 64x64x16, and p @ v 64x256x16 where the shared 32-row tiles ran HMMA): report figures, non-MMA per
+# kMAC, shared tiles -> these: D16 12.4 -> 7.7, D32 6.6 -> 3.9, D64 2.7 -> 2.1, D128 2.3 -> 1.1, D256 2.9 -> 0.9,
+# none spilling (151-209 registers), one block of 8 warps per SM (the shared tiles fit 2-4 at D16-D128); the Triton
+# tutorial's sm_90 kernel compiled the same way issues 2.0 (D64) and 1.0-1.2 (D128). 256 keys (D16-D64), 256 query
+# rows or 4 warps for 128 rows spill or sit at 240-255 registers for at most 0.9 less; fewer stages give the same
+# figures. D256 takes 2 stages: 3 need 262200 B of shared memory.
+_TILES_SM90_PLAIN = {
+    ("fwd", 16): {16: (128, 128, 8, 3), 32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 128, 8, 3),
+                  256: (128, 64, 8, 2)},
+}
 # Shared memory per block of sm_90: the dq tiles at D128 (3 stages) take 229400 B of it.
 _SM90_SHARED_MEMORY = 232448
 # float32 with allow_tf32=True, on every target: its tensor-core products hold their operands in more registers
@@ -727,30 +742,42 @@ def _head_dim_bucket(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _tiles(kernel: str, bits: int, bucket: int, tf32: bool, shared_memory: int, tma: bool) -> Tuple[int, ...]:
+def _runs_plain(MASK_KIND: int, HAS_PADDING: bool, HAS_QUERY_PADDING: bool, HAS_WINDOW: bool, HAS_DROPOUT: bool,
+                VARLEN: bool, **_) -> bool:
+    """Whether the forward with these constexprs is plain: it then runs the key tiles no bound or diagonal crosses
+    unmasked (the kernel's ``split``; the report's /causal variant), and on sm_90 with TMA _TILES_SM90_PLAIN."""
+    return MASK_KIND == MASK_NONE and not (HAS_PADDING or HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or VARLEN)
+
+
+def _tiles(kernel: str, bits: int, bucket: int, tf32: bool, shared_memory: int, tma: bool,
+           plain: bool = False) -> Tuple[int, ...]:
     """The table entry ``kernel`` runs with for ``bits``-bit inputs (``tf32``: float32 with allow_tf32) of head dim
-    bucket ``bucket`` on a part with ``shared_memory`` bytes per block that has TMA or not: what ``config_for``
-    picks on a GPU and ``aot_configs`` compiles for each report target."""
+    bucket ``bucket`` on a part with ``shared_memory`` bytes per block that has TMA or not, for a plain forward
+    (``_runs_plain``) or not: what ``config_for`` picks on a GPU and ``aot_configs`` compiles for each report
+    target."""
     key = (kernel, bits)
     if tf32 and bucket in _TILES_TF32.get(kernel, {}):
         return _TILES_TF32[kernel][bucket]
     if shared_memory < LARGE_SHARED_MEMORY and bucket in _TILES_SMALL_SHARED_MEMORY.get(key, {}):
         return _TILES_SMALL_SHARED_MEMORY[key][bucket]
-    if tma and shared_memory >= _SM90_SHARED_MEMORY and bucket in _TILES_SM90.get(key, {}):
-        return _TILES_SM90[key][bucket]
+    if tma and shared_memory >= _SM90_SHARED_MEMORY:
+        if plain and bucket in _TILES_SM90_PLAIN.get(key, {}):
+            return _TILES_SM90_PLAIN[key][bucket]
+        if bucket in _TILES_SM90.get(key, {}):
+            return _TILES_SM90[key][bucket]
     return _TILES[key][bucket]
 
 
 def config_for(kernel: str, dtype: torch.dtype, head_dim: int, device: torch.device,
-               allow_tf32: bool = False, tma: bool = False) -> AttentionConfig:
+               allow_tf32: bool = False, tma: bool = False, plain: bool = False) -> AttentionConfig:
     """The tiles ``kernel`` runs with for inputs of ``dtype`` and ``head_dim`` on ``device`` (or the interpreter),
-    loading them through TMA (``_loads_through_tma``) or not: the pointer path keeps the tiles it compiles without
-    spills with."""
+    loading them through TMA (``_loads_through_tma``) or not, for a plain forward (``_runs_plain``) or not: the
+    pointer path keeps the tiles it compiles without spills with."""
     if interpreting():
         return INTERPRETER_CONFIG
     bits = 32 if dtype == torch.float32 else 16
     return AttentionConfig(*_tiles(kernel, bits, _head_dim_bucket(head_dim), allow_tf32 and bits == 32,
-                                   shared_memory_per_block(device), tma))
+                                   shared_memory_per_block(device), tma, plain))
 
 
 # ------------------------------------------------------------------------------------------- launchers
@@ -979,14 +1006,15 @@ def _launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout:
     """The forward kernel, dense or packed (``layout``), writing ``o`` and ``lse``."""
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
     block_d, use_tma = _head_dim_bucket(layout.head_dim), _loads_through_tma(q, k, v)
-    cfg = config_for("fwd", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma)
+    constexprs = dict(HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs())
+    cfg = config_for("fwd", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma, _runs_plain(**constexprs))
     _attention_fwd_kernel[_grid(triton.cdiv(layout.n_queries, cfg.block_m), layout.batch, layout.heads)](
         _tiles_of(q, cfg.block_m, block_d, use_tma), _tiles_of(k, cfg.block_n, block_d, use_tma),
         _tiles_of(v, cfg.block_n, block_d, use_tma), o, lse, *masks.pointer_args(), *layout.q_strides,
         *layout.k_strides, *layout.v_strides, *masks.stride_args(), layout.heads, layout.kv_group, layout.n_queries,
         layout.n_keys, *masks.offset_args(), scale * LOG2E, dropout_p, seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, HEAD_DIM=layout.head_dim,
-        HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(), **_dot_args(q.dtype, allow_tf32), USE_TMA=use_tma,
+        **constexprs, **_dot_args(q.dtype, allow_tf32), USE_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -1388,35 +1416,33 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     with every feature on: float mask, key and query padding, query lengths, causal, window, per-sequence
     alignment, dropout; packed sequences with causal, window and dropout; and, for the forward, causal without
     dropout, the path that skips masking interior tiles), each with TMA loads for ``_AOT_TMA_TARGETS`` and the
-    pointer path for the other targets and float32."""
+    pointer path for the other targets and float32. Each variant gets the tiles its launches pick: the plain
+    forward's (``_runs_plain``) are its own on sm_90."""
     from fused_transformer.tools.report import SHARED_MEMORY_LIMIT, TARGETS, AotKernel
 
     kernels = {
         "fwd": _attention_fwd_kernel, "bwd_dq": _attention_bwd_dq_kernel, "bwd_dkdv": _attention_bwd_dkdv_kernel,
         "weights": _attention_weights_kernel,
     }
-    shipped = []  # (kernel, bits, head_dim, tiles, targets, dot precision)
+    shipped = []  # (kernel, bits, head_dim, tiles, targets, dot precision, variant, features, use_tma)
     for (kernel, bits), by_head_dim in _TILES.items():
         for head_dim in by_head_dim:
             # float32 with allow_tf32=True too (never taken by the weights kernel).
             for tf32 in (False, True) if bits == 32 and kernel != "weights" else (False,):
-                picked = {}  # tiles -> the targets that pick them, as config_for picks on each
-                for target in TARGETS:
-                    tiles = _tiles(kernel, bits, head_dim, tf32, SHARED_MEMORY_LIMIT[target],
-                                   target in _AOT_TMA_TARGETS)
-                    picked.setdefault(tiles, []).append(target)
-                shipped.extend((kernel, bits, head_dim, tiles, tuple(targets), "tf32" if tf32 else "ieee")
-                               for tiles, targets in picked.items())
+                for variant, features in _AOT_VARIANTS.items():
+                    if features["VARLEN"] and kernel == "weights" or kernel not in _AOT_VARIANT_KERNELS.get(
+                            variant, (kernel,)):
+                        continue
+                    plain = kernel == "fwd" and _runs_plain(**{"HAS_DROPOUT": True, **features})
+                    picked = {}  # (tiles, TMA loads) -> the targets that pick them, as the launcher does on each
+                    for target in TARGETS:
+                        use_tma = bits == 16 and target in _AOT_TMA_TARGETS
+                        tiles = _tiles(kernel, bits, head_dim, tf32, SHARED_MEMORY_LIMIT[target], use_tma, plain)
+                        picked.setdefault((tiles, use_tma), []).append(target)
+                    shipped.extend((kernel, bits, head_dim, tiles, tuple(targets), "tf32" if tf32 else "ieee",
+                                    variant, features, use_tma) for (tiles, use_tma), targets in picked.items())
     configs = []
-    for (kernel, bits, head_dim, tiles, shipped_targets, dot_precision), (variant, features), use_tma in (
-            (entry, variant, use_tma) for entry in shipped for variant in _AOT_VARIANTS.items()
-            for use_tma in (False, True)):
-        if features["VARLEN"] and kernel == "weights" or kernel not in _AOT_VARIANT_KERNELS.get(variant, (kernel,)):
-            continue
-        targets = tuple(target for target in shipped_targets
-                        if (bits == 16 and target in _AOT_TMA_TARGETS) == use_tma)
-        if not targets:
-            continue
+    for kernel, bits, head_dim, tiles, targets, dot_precision, variant, features, use_tma in shipped:
         elem = "*bf16" if bits == 16 else "*fp32"
         cfg = AttentionConfig(*tiles)
         fn = kernels[kernel]

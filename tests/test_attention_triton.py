@@ -177,6 +177,49 @@ def test_unmasked_interior_key_tiles_with_query_lengths(lq, lk, alignment):
         torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=0, msg=name)
 
 
+def _launch_options(name: str) -> dict:
+    """Keyword arguments for a [2, 1, 20, 20] call, by feature."""
+    padding = torch.arange(20, device=DEVICE) >= torch.tensor([[20], [11]], device=DEVICE)
+    return {
+        "none": lambda: {},
+        "causal_query_lengths": lambda: {"is_causal": True, "causal_alignment": "bottom_right",
+                                         "query_lengths": torch.tensor([20, 9], device=DEVICE)},
+        "dropout": lambda: {"dropout_p": 0.1},
+        "causal_key_padding": lambda: {"is_causal": True, "key_padding_mask": padding},
+        "query_padding": lambda: {"query_padding_mask": padding},
+        "bool_mask": lambda: {"attn_mask": torch.eye(20, dtype=torch.bool, device=DEVICE)},
+        "window": lambda: {"window": (8, 0)},
+    }[name]()
+
+
+@pytest.mark.parametrize("name,plain", [
+    ("none", True), ("causal_query_lengths", True), ("dropout", False), ("causal_key_padding", False),
+    ("query_padding", False), ("bool_mask", False), ("window", False),
+])
+def test_the_forward_takes_the_plain_tiles_exactly_when_it_skips_masking_interior_tiles(monkeypatch, name, plain):
+    """config_for gets plain=True (the sm_90 forward then runs _TILES_SM90_PLAIN, compiled as the report's /causal
+    variant) exactly for the launches whose kernel runs its two-loop path, as its constexprs say."""
+    (q, k, v, _, _), _ = _random_inputs(2, 1, 1, 20, 20, 16, seed=15)
+    picks, launches = [], []
+    pick, kernel = triton_attention.config_for, triton_attention._attention_fwd_kernel
+
+    def record_pick(kernel_name, dtype, head_dim, device, allow_tf32=False, tma=False, plain=False):
+        picks.append(plain)
+        return pick(kernel_name, dtype, head_dim, device, allow_tf32, tma, plain)
+
+    class RecordLaunch:
+        def __getitem__(self, grid):
+            def launch(*args, **constexprs):
+                launches.append(triton_attention._runs_plain(**constexprs))
+                return kernel[grid](*args, **constexprs)
+            return launch
+
+    monkeypatch.setattr(triton_attention, "config_for", record_pick)
+    monkeypatch.setattr(triton_attention, "_attention_fwd_kernel", RecordLaunch())
+    triton_attention.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **_launch_options(name))
+    assert picks == launches == [plain]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mask_kind", ["none", "padding_causal_float_mask"])
 def test_dropout_replays_exactly_in_the_reference(dtype, mask_kind):

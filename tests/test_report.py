@@ -62,8 +62,8 @@ def test_attention_on_99_kb_parts_picks_tiles_that_fit(monkeypatch):
 @pytest.mark.parametrize("kernel", ["bwd_dq", "bwd_dkdv"])
 def test_attention_backward_on_sm_90_picks_its_own_tiles(monkeypatch, kernel):
     """The 16-bit backward takes _TILES_SM90 on sm_90 when it loads through TMA (as the launcher decides there for
-    inputs TMA can address) only; sm_80 / 86 / 89, sm_90's pointer path, float32 and the forward keep the shared
-    tables."""
+    inputs TMA can address) only; sm_80 / 86 / 89, sm_90's pointer path, float32 and the forward that is not plain
+    keep the shared tables."""
     from fused_transformer.kernels import attention
 
     monkeypatch.setattr(attention, "interpreting", lambda: False)
@@ -84,6 +84,44 @@ def test_attention_backward_on_sm_90_picks_its_own_tiles(monkeypatch, kernel):
         assert picked(86, dtype) == picked(89, dtype) == picked(80, dtype) == picked(90, dtype, addressable=False)
     assert picked(90, torch.float32) == picked(80, torch.float32)
     assert picked(90, torch.bfloat16, "fwd") == picked(80, torch.bfloat16, "fwd")
+
+
+def test_plain_forward_on_sm_90_picks_its_own_tiles(monkeypatch):
+    """The plain 16-bit forward (no mask in memory, padding, window, dropout or packing) takes _TILES_SM90_PLAIN on
+    sm_90 when it loads through TMA only; sm_80 / 86 / 89, sm_90's pointer path and float32 keep the shared tables."""
+    from fused_transformer.kernels import attention
+
+    monkeypatch.setattr(attention, "interpreting", lambda: False)
+    cuda = torch.device("cuda", 0)
+
+    def picked(target, dtype, plain, addressable=True):
+        monkeypatch.setattr(attention, "shared_memory_per_block", lambda device: report.SHARED_MEMORY_LIMIT[target])
+        tma = addressable and target >= 90 and dtype in attention.TMA_DTYPES
+        return {d: attention.config_for("fwd", dtype, d, cuda, tma=tma, plain=plain) for d in (16, 32, 64, 128, 256)
+                if dtype != torch.float32 or d <= attention.MAX_HEAD_DIM_FLOAT32}
+
+    plain_tiles = attention._TILES_SM90_PLAIN[("fwd", 16)]
+    for dtype in (torch.float16, torch.bfloat16):
+        assert picked(90, dtype, True) == {d: attention.AttentionConfig(*t) for d, t in plain_tiles.items()}
+        assert picked(90, dtype, True, addressable=False) == picked(90, dtype, False) == picked(80, dtype, False)
+        for target in (80, 86, 89):
+            assert picked(target, dtype, True) == picked(target, dtype, False)
+    assert picked(90, torch.float32, True) == picked(80, torch.float32, True) == picked(80, torch.float32, False)
+
+
+def test_runs_plain_is_the_forward_kernels_split():
+    """The launcher picks the plain tiles exactly for the launches whose kernel runs the two-loop path: no attn_mask,
+    key or query padding, window, dropout or packing (causal, alignment and query lengths are fine)."""
+    from fused_transformer.kernels import attention
+
+    plain = dict(MASK_KIND=attention.MASK_NONE, HAS_PADDING=False, HAS_QUERY_LENS=True, HAS_QUERY_PADDING=False,
+                 IS_CAUSAL=True, HAS_WINDOW=False, PER_SEQUENCE_OFFSET=True, VARLEN=False, HAS_DROPOUT=False)
+    assert attention._runs_plain(**plain)
+    assert attention._runs_plain(**{**plain, "IS_CAUSAL": False, "HAS_QUERY_LENS": False})
+    for name, value in (("MASK_KIND", attention.MASK_BOOL), ("MASK_KIND", attention.MASK_FLOAT),
+                        ("HAS_PADDING", True), ("HAS_QUERY_PADDING", True), ("HAS_WINDOW", True), ("VARLEN", True),
+                        ("HAS_DROPOUT", True)):
+        assert not attention._runs_plain(**{**plain, name: value}), name
 
 
 @pytest.mark.parametrize("module", report.KERNEL_MODULES)
@@ -175,9 +213,9 @@ def test_report_command_exits_1_when_a_compilation_fails(results, monkeypatch, c
 
 
 def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
-    """Whatever tiles config_for picks (dtype, head dim, each target's shared memory and TMA, allow_tf32) is compiled
-    by the report for the targets that pick it, with the loads the launcher picks there (16-bit inputs through TMA on
-    sm_90)."""
+    """Whatever tiles config_for picks (dtype, head dim, each target's shared memory and TMA, allow_tf32, a plain
+    forward or not) is compiled by the report for the targets that pick it, with the loads the launcher picks there
+    (16-bit inputs through TMA on sm_90), in the variant that launch runs (a plain forward: /causal)."""
     from fused_transformer.kernels import attention
 
     monkeypatch.setattr(attention, "interpreting", lambda: False)
@@ -197,12 +235,15 @@ def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
                     if dtype == torch.float32 and head_dim > attention.MAX_HEAD_DIM_FLOAT32:
                         continue
                     tma = dtype in attention.TMA_DTYPES and target >= 90  # what the launcher takes there
-                    cfg = attention.config_for(kernel, dtype, head_dim, cuda, tf32, tma)
-                    config = f"{name}/D{head_dim}/BM{cfg.block_m}_BN{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
-                    for target in targets:
-                        assert (f"attention_{kernel}", config + ("/tma" if tma else ""), target) in listed
-                        checked += 1
-    assert checked == len(report.TARGETS) * ((5 + 4 * 2) * 3 + (5 + 4))
+                    # The plain forward (the /causal variant) picks with plain=True, every other launch without.
+                    for variant, plain in (("", False), ("/causal", True)) if kernel == "fwd" else (("", False),):
+                        cfg = attention.config_for(kernel, dtype, head_dim, cuda, tf32, tma, plain)
+                        config = (f"{name}/D{head_dim}/BM{cfg.block_m}_BN{cfg.block_n}_w{cfg.num_warps}"
+                                  f"_s{cfg.num_stages}{variant}{'/tma' if tma else ''}")
+                        for target in targets:
+                            assert (f"attention_{kernel}", config, target) in listed
+                            checked += 1
+    assert checked == len(report.TARGETS) * ((5 + 4 * 2) * (3 + 1) + (5 + 4))
 
 
 # ------------------------------------------------------------------------------------ SASS figures, real kernels
@@ -214,8 +255,8 @@ def _attention_16_bit(results):
 
 
 def test_16_bit_attention_runs_hgmma_on_hopper_and_hmma_before(results):
-    """wgmma (HGMMA) computes 64-row products per warpgroup: a config whose tiles are all under 64 rows (the D256
-    tiles) runs mma.sync (HMMA) on sm_90 too."""
+    """wgmma (HGMMA) computes 64-row products per warpgroup: a config whose tiles are all under 64 rows (the shared
+    D256 tiles) runs mma.sync (HMMA) on sm_90 too."""
     checked = _attention_16_bit(results)
     assert {r.target for r in checked} == {80, 86, 89, 90}
     assert any(r.target == 90 and r.mma_counts[0][0].startswith("HGMMA.") for r in checked)
@@ -246,6 +287,28 @@ def test_16_bit_backward_on_hopper_is_pipelined_with_wider_hgmma(results):
                 assert all(shapes) and min(int(m.group(1)) for m in shapes) >= narrowest, (r.config, r.mma_counts)
                 checked += 1
     assert checked >= 4
+
+
+def test_plain_forward_on_hopper_runs_wide_hgmma_with_less_bookkeeping(results):
+    """The plain forward's sm_90 tiles (_TILES_SM90_PLAIN) are pipelined, their HGMMAs at least 64 wide (or the head
+    dim, the N of p @ v), and their main loop issues fewer non-MMA instructions per kMAC than the shared tiles'
+    on sm_80 (the figure that compares the two)."""
+    from fused_transformer.kernels import attention
+
+    def causal_row(config, target):
+        rows = [r for r in results if r.name == "attention_fwd" and r.config == config and r.target == target]
+        assert len(rows) == 1, (config, target)
+        return rows[0]
+
+    for head_dim, (block_m, block_n, num_warps, num_stages) in attention._TILES_SM90_PLAIN[("fwd", 16)].items():
+        r = causal_row(f"bf16/D{head_dim}/BM{block_m}_BN{block_n}_w{num_warps}_s{num_stages}/causal/tma", 90)
+        assert num_stages >= 2
+        shapes = [re.match(r"HGMMA\.64x(\d+)x16\.", opcode) for opcode, _ in r.mma_counts]
+        assert all(shapes) and min(int(m.group(1)) for m in shapes) >= min(64, head_dim), (r.config, r.mma_counts)
+        shared = attention.AttentionConfig(*attention._TILES[("fwd", 16)][head_dim])
+        sm80 = causal_row(f"bf16/D{head_dim}/BM{shared.block_m}_BN{shared.block_n}_w{shared.num_warps}"
+                          f"_s{shared.num_stages}/causal", 80)
+        assert r.non_mma_per_kmac < sm80.non_mma_per_kmac, (r.config, r.non_mma_per_kmac, sm80.non_mma_per_kmac)
 
 
 def test_exact_float32_attention_has_no_mma(results):
