@@ -239,11 +239,15 @@ class MultiheadAttention(_FusedTwin, nn.MultiheadAttention):
             return (F.linear(query, self.q_proj_weight, b_q), F.linear(key, self.k_proj_weight, b_k),
                     F.linear(value, self.v_proj_weight, b_v))
         w = self.in_proj_weight
+        # A packed product's parts by unbind (backward: one stack of the gradients), not by slicing (backward: one
+        # zero-filled full-width gradient per part, then summed).
         if key is value:
             if query is key:
-                return F.linear(query, w, bias).tensor_split(3, dim=-1)
+                qkv = F.linear(query, w, bias)
+                return qkv.view(*qkv.shape[:-1], 3, e).unbind(-2)
             kv_bias = None if bias is None else bias[e:]
-            return (F.linear(query, w[:e], b_q), *F.linear(key, w[e:], kv_bias).tensor_split(2, dim=-1))
+            kv = F.linear(key, w[e:], kv_bias)
+            return (F.linear(query, w[:e], b_q), *kv.view(*kv.shape[:-1], 2, e).unbind(-2))
         return F.linear(query, w[:e], b_q), F.linear(key, w[e:2 * e], b_k), F.linear(value, w[2 * e:], b_v)
 
     def _packs(self) -> bool:

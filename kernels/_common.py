@@ -37,6 +37,11 @@ def has_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def has_clusters(device: torch.device) -> bool:
+    """Whether CUDA ``device`` launches thread-block clusters: sm_90 and later, as for TMA."""
+    return has_tma(device)
+
+
 # TMA's addressing rules: base and every stride but the last (which is 1) in multiples of 16 bytes.
 TMA_ALIGNMENT = 16
 

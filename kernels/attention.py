@@ -1222,11 +1222,13 @@ class AttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask, seed)
         ctx.options = (is_causal, causal_alignment, window_left, window_right, dropout_p)
         ctx.scale, ctx.allow_tf32 = scale, allow_tf32
+        ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None (no zeros to write and read)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask, seed = ctx.saved_tensors
+        do = torch.zeros_like(o) if do is None else do  # only the LSE was used
         dq, dk, dv = torch.ops.fused_transformer.attention_bwd(
             do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask,
             *ctx.options, seed, ctx.scale, ctx.allow_tf32,
@@ -1249,11 +1251,13 @@ class AttentionVarlenFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, seed)
         ctx.options = (max_seqlen_q, max_seqlen_k, is_causal, causal_alignment, window_left, window_right, dropout_p)
         ctx.scale, ctx.allow_tf32 = scale, allow_tf32
+        ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None (no zeros to write and read)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, seed = ctx.saved_tensors
+        do = torch.zeros_like(o) if do is None else do  # only the LSE was used
         dq, dk, dv = torch.ops.fused_transformer.attention_varlen_bwd(
             do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, seed, ctx.scale, ctx.allow_tf32,
         )

@@ -12,11 +12,13 @@ Backward, with xhat = (z - mean) * rstd (or z * rstd) and g = dy * weight:
     dresidual = dz,   dx = dropout(dz) with the forward's mask, regenerated from its seed
     dweight = sum_rows(dy * xhat),   dbias = sum_rows(dy)
 Each backward program walks a contiguous block of rows and writes one float32 partial row of dweight/dbias;
-a second small kernel (``sum_rows``) adds the partials in a fixed order: deterministic, no atomics. Rows
-wider than 8192 are split over programs of 4096 columns (SPLIT_COLS), each of which also reads the row's other
-blocks to get the row sums: a whole 16384-wide row and its dweight / dbias sums need more than the 64 registers a
-thread of a 1024-thread program may have, and so do two 8192-column halves in some variants (stack frames of
-8..200 bytes; ``python -m fused_transformer report`` checks the shipped configs).
+a second small kernel (``sum_rows``) adds the partials in a fixed order: deterministic, no atomics. A whole
+16384-wide row and its dweight / dbias sums need more than the 64 registers a thread of a 1024-thread block may
+have (stack frames of 100..270 bytes), so rows wider than 8192 (``_bwd_launch``) are held by a cluster of two
+blocks on sm_90 and later, each holding half the row with 128 registers a thread, the row sums reduced across the
+pair through distributed shared memory (Triton's ``num_ctas``; one program as the kernel sees it). Before sm_90
+(no clusters) they are split over programs of 4096 columns (SPLIT_COLS), each of which also reads the row's other
+blocks to get the row sums. ``python -m fused_transformer report`` checks the shipped configs.
 
 Bytes moved per element of z (element size s: 2 for bf16, 4 for fp32): read dy and z, write dx (3s), plus dz (s)
 and dresidual (s) when present; with SPLIT_COLS over C column blocks dy and z are read C times (+2s(C - 1)).
@@ -26,6 +28,7 @@ rows: at most 8 / 8 = 1 byte per element (``sum_rows`` reads them once more).
 Dropout keep-mask: element (row, col) of x viewed as [rows, N] is kept when ``dropout_keep(SEED, row * N +
 col, p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, rows, N, p, device)`` replays it.
 """
+import dataclasses
 import functools
 from typing import List, Optional, Tuple, Union
 
@@ -35,7 +38,7 @@ import triton.language as tl
 
 from ._common import (
     SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, as_rows, contiguous_last_dim, draw_dropout_seed,
-    dropout_keep, interpreting, sum_rows,
+    dropout_keep, has_clusters, interpreting, sum_rows,
 )
 
 Tensor = torch.Tensor
@@ -224,21 +227,45 @@ def _check_dtype(name: str, t: Optional[Tensor]) -> None:
         raise TypeError(f"triton layer_norm: {name} must be float16, bfloat16 or float32, got {t.dtype}")
 
 
-# Backward rows wider than MAX_BWD_BLOCK are split over programs of SPLIT_BLOCK columns (SPLIT_COLS): the
-# per-program dweight / dbias sums of a whole 16384-wide row do not fit in registers next to the row itself.
-# Each program reads every block of its rows (dy and z read C = cdiv(N, SPLIT_BLOCK) times).
+# Backward rows wider than MAX_BWD_BLOCK do not fit in one block's registers next to the per-program dweight /
+# dbias sums: a cluster of BWD_CLUSTER_CTAS blocks holds each row where the GPU has clusters (sm_90+); elsewhere
+# they are split over programs of SPLIT_BLOCK columns (SPLIT_COLS), each reading every block of its rows (dy and z
+# read C = cdiv(N, SPLIT_BLOCK) times).
 MAX_BWD_BLOCK = 8192
+BWD_CLUSTER_CTAS = 2
 SPLIT_BLOCK = 4096
 
 
-def _bwd_block_n(n_cols: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class BwdLaunch:
+    """How the backward covers rows of a given width."""
+
+    block_n: int  # columns one program holds
+    col_blocks: int  # programs per row (SPLIT_COLS when > 1)
+    num_ctas: int  # blocks per program (a cluster when > 1)
+    num_warps: int  # per block
+
+
+def _bwd_launch(n_cols: int, clusters: bool) -> BwdLaunch:
+    """The backward's launch for rows of ``n_cols`` on a GPU with thread-block ``clusters`` or not."""
     block_n = _block_n(n_cols)
-    return block_n if block_n <= MAX_BWD_BLOCK else SPLIT_BLOCK
-
-
-def _bwd_num_warps(block_n: int, split_cols: bool) -> int:
+    if block_n <= MAX_BWD_BLOCK:
+        return BwdLaunch(block_n, 1, 1, _num_warps(block_n))
+    if clusters:
+        return BwdLaunch(block_n, 1, BWD_CLUSTER_CTAS, _num_warps(block_n) // BWD_CLUSTER_CTAS)
     # The split kernel's extra pass over the row needs registers of its own: twice the warps of its block.
-    return 2 * _num_warps(block_n) if split_cols else _num_warps(block_n)
+    return BwdLaunch(SPLIT_BLOCK, triton.cdiv(n_cols, SPLIT_BLOCK), 1, 2 * _num_warps(SPLIT_BLOCK))
+
+
+def _has_clusters(device: torch.device) -> bool:
+    """Whether the backward may launch clusters on ``device`` (under the interpreter, which runs a program's
+    blocks as one: when CLUSTERS_UNDER_INTERPRETER, for the tests)."""
+    if interpreting():
+        return CLUSTERS_UNDER_INTERPRETER
+    return device.type == "cuda" and has_clusters(device)
+
+
+CLUSTERS_UNDER_INTERPRETER = False
 
 
 def _launch_warps(block_n: int) -> int:
@@ -310,17 +337,16 @@ def layer_norm_bwd(
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if weight is not None else None
     db_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if bias is not None else None
     # Launched even for zero rows: every program writes its (possibly zero) partial sums.
-    block_n = _bwd_block_n(n_cols)
-    col_blocks = triton.cdiv(n_cols, block_n)
-    _layer_norm_bwd_kernel[(programs, col_blocks)](
+    launch = _bwd_launch(n_cols, _has_clusters(z.device))
+    _layer_norm_bwd_kernel[(programs, launch.col_blocks)](
         z, dy, dz, weight, mean if not rms_norm else None, rstd, dx, dresidual if has_residual else None,
         dw_partial, db_partial,
         z.stride(0), dy.stride(0), dz.stride(0) if dz is not None else 0, dx.stride(0),
         dresidual.stride(0) if has_residual else 0,
         n_rows, n_cols, rows_per_program, dropout_p, seed,
-        BLOCK_N=block_n, HAS_DZ=dz is not None, HAS_RESIDUAL=has_residual, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, IS_RMS_NORM=rms_norm, SPLIT_COLS=col_blocks > 1,
-        num_warps=1 if interpreting() else _bwd_num_warps(block_n, col_blocks > 1),
+        BLOCK_N=launch.block_n, HAS_DZ=dz is not None, HAS_RESIDUAL=has_residual, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, IS_RMS_NORM=rms_norm,
+        SPLIT_COLS=launch.col_blocks > 1, num_warps=1 if interpreting() else launch.num_warps, num_ctas=launch.num_ctas,
     )
     dweight = sum_rows(dw_partial, weight.dtype) if weight is not None else _empty(dx)
     dbias = sum_rows(db_partial, bias.dtype) if bias is not None else _empty(dx)
@@ -446,14 +472,20 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
             constexprs={"BLOCK_N": block_n, "STORE_Z": True, **features}, num_warps=_num_warps(block_n),
             num_stages=1,
         ))
-    # Every (block, split) pair _bwd_block_n can give: whole rows up to MAX_BWD_BLOCK, then split ones.
-    for block_n, split in [(b, False) for b in AOT_BLOCK_SIZES if b <= MAX_BWD_BLOCK] + [(SPLIT_BLOCK, True)]:
+    # Every launch _bwd_launch gives, for the targets that take it: whole rows up to MAX_BWD_BLOCK everywhere, wider
+    # ones on a cluster from sm_90 (clusters) and split before.
+    targets_of = {}
+    for block_n in AOT_BLOCK_SIZES:
+        for target in TARGETS:
+            if not (block_n in BWD_BLOCKS_NOT_YET_CLEAN_ON_SM86 and target in (86, 89)):
+                targets_of.setdefault(_bwd_launch(block_n, clusters=target >= 90), []).append(target)
+    for launch, targets in targets_of.items():
+        config = f"BLOCK_N={launch.block_n}" + (",SPLIT_COLS" if launch.col_blocks > 1 else "") + (
+            f",CTAS={launch.num_ctas}" if launch.num_ctas > 1 else "")
         configs.append(AotKernel(
-            name="layer_norm_bwd", config=f"BLOCK_N={block_n}" + (",SPLIT_COLS" if split else ""),
-            fn=_layer_norm_bwd_kernel, signature=bwd_signature,
-            constexprs={"BLOCK_N": block_n, "HAS_DZ": True, "SPLIT_COLS": split, **features},
-            num_warps=_bwd_num_warps(block_n, split), num_stages=1,
-            targets=(80, 90) if block_n in BWD_BLOCKS_NOT_YET_CLEAN_ON_SM86 else TARGETS,
+            name="layer_norm_bwd", config=config, fn=_layer_norm_bwd_kernel, signature=bwd_signature,
+            constexprs={"BLOCK_N": launch.block_n, "HAS_DZ": True, "SPLIT_COLS": launch.col_blocks > 1, **features},
+            num_warps=launch.num_warps, num_stages=1, num_ctas=launch.num_ctas, targets=tuple(targets),
         ))
     # The partial-sum reduction: float32 partials here, bfloat16 / float16 gradients in feed_forward's bias grads.
     for ty in ("fp32", "bf16"):

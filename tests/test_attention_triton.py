@@ -6,7 +6,9 @@ slow: shapes stay small, but every one crosses several 32 x 32 interpreter tiles
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import fused_transformer
 from fused_transformer import backend, functional, reference
 from fused_transformer.kernels import attention as triton_attention
 from fused_transformer.kernels._common import draw_dropout_seed, has_tma, interpreting
@@ -272,6 +274,74 @@ def test_strided_inputs_are_read_in_place():
     out = triton_attention.attention(q, k, v, is_causal=True)
     ref = reference.attention(q.double(), k.double(), v.double(), is_causal=True)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+
+
+def _heads_interleaved(t):
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def test_the_backward_reads_a_gradient_in_either_layout_to_the_same_bits():
+    """do as a module's head merge hands it back ([B, L, H, D] memory) or contiguous: the same gradients, which
+    match the reference."""
+    (q, k, v, do, _), _ = _random_inputs(2, 2, 2, 37, 29, 16, seed=12)
+
+    def grads(do_layout):
+        leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        out = triton_attention.attention(*leaves, is_causal=True)
+        out.backward(do_layout(do.float()))
+        return [t.grad for t in leaves]
+
+    interleaved, contiguous = grads(_heads_interleaved), grads(torch.Tensor.contiguous)
+    for a, b in zip(interleaved, contiguous):
+        assert torch.equal(a, b)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    reference.attention(*leaves, is_causal=True).backward(do)
+    for got, leaf in zip(interleaved, leaves):
+        torch.testing.assert_close(got.double(), leaf.grad, atol=2e-5, rtol=0)
+
+
+def test_a_gradient_through_the_lse_alone():
+    """With only the LSE used, the output's gradient is None in the backward (not materialised): zeros there."""
+    (q, k, v, _, dlse), _ = _random_inputs(2, 2, 2, 21, 30, 16, seed=13)
+    got, ref = [], []
+    runs = ((triton_attention.attention, torch.float32, got), (reference.attention, torch.float64, ref))
+    for fn, dtype, into in runs:
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        _, lse = fn(*leaves, is_causal=True, return_lse=True)
+        (lse * dlse.to(dtype)).sum().backward()
+        into.extend(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves)  # v: no path to the LSE
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=0)
+
+
+class _RecordedOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_multihead_attention_backward_on_triton_writes_no_zero_filled_gradients():
+    """The fused q/k/v projection's gradient is one stack of the three, not three zero-filled full-width slices
+    summed; the LSE, which the module does not use, gets no zero gradient."""
+    module = fused_transformer.MultiheadAttention(32, 4, batch_first=True, device=DEVICE)
+    x = torch.randn(2, 10, 32, device=DEVICE, requires_grad=True)
+    with backend.use_backend("triton"):
+        out, _ = module(x, x, x, need_weights=False)
+        with _RecordedOps() as backward:
+            out.sum().backward()
+    assert torch.ops.fused_transformer.attention_bwd.default in backward.ops
+    assert torch.ops.aten.stack.default in backward.ops
+    assert not {torch.ops.aten.slice_backward.default, torch.ops.aten.zeros.default} & set(backward.ops)
+    reference_module = torch.nn.MultiheadAttention(32, 4, batch_first=True, device=DEVICE)
+    reference_module.load_state_dict(module.state_dict())
+    x_ref = x.detach().requires_grad_()
+    reference_module(x_ref, x_ref, x_ref, need_weights=False)[0].sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(module.in_proj_weight.grad, reference_module.in_proj_weight.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_saved_tensors_grow_linearly_with_sequence_length():

@@ -50,7 +50,7 @@ def interrupt(args, ready, timeout=240):
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.communicate(timeout=60)  # a child left holding its pipes fails the test rather than hanging it
     return proc.returncode, out, err
 
 
@@ -122,6 +122,24 @@ def test_ctrl_c_in_report_stops_the_compiler_workers():
     status, out, err = interrupt(["report", "--jobs", "2"], ready=lambda pid: len(children(pid)) >= 2)
     assert status == INTERRUPTED, out + err
     assert "compilations finished; report writes nothing" in assert_one_line(err)
+
+
+def test_a_compiler_worker_exits_when_its_parent_is_gone(monkeypatch):
+    """A worker still starting when a Ctrl-C ended the report would wait forever on queues whose write ends the
+    workers themselves hold; its watchdog exits once the parent is gone (the worker is re-parented)."""
+    from fused_transformer.tools import report
+
+    parents = iter([100, 100, 1])
+    monkeypatch.setattr(report.os, "getppid", lambda: next(parents))
+    monkeypatch.setattr(report.time, "sleep", lambda seconds: None)
+
+    def exit_(status):
+        raise SystemExit(status)
+
+    monkeypatch.setattr(report.os, "_exit", exit_)
+    with pytest.raises(SystemExit) as exited:
+        report._exit_when_orphaned(100)
+    assert exited.value.code == 1 and next(parents, None) is None
 
 
 def test_ctrl_c_in_the_demo_keeps_a_checkpoint_and_exits_130(tmp_path):

@@ -89,9 +89,15 @@ def test_layer_norm_shapes_and_mixed_dtypes(shape, dtype, param_dtype):
     check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
 
 
+@pytest.mark.parametrize("clusters", [False, True], ids=["split", "cluster"])
 @pytest.mark.parametrize("rms_norm", [False, True])
-def test_widest_rows_split_backward(rms_norm):
-    """Hidden sizes above 8192 run the backward on column blocks (SPLIT_COLS), dropout and prenorm included."""
+def test_widest_rows_backward(monkeypatch, rms_norm, clusters):
+    """Hidden sizes above 8192 run the backward on column blocks (SPLIT_COLS) before sm_90, on whole rows (held by
+    a cluster) from sm_90, dropout and prenorm included."""
+    monkeypatch.setattr(triton_layer_norm, "CLUSTERS_UNDER_INTERPRETER", clusters)
+    launches = []
+    launch = triton_layer_norm._bwd_launch
+    monkeypatch.setattr(triton_layer_norm, "_bwd_launch", lambda *args: launches.append(launch(*args)) or launches[-1])
     torch.manual_seed(3)
     inputs = _random_inputs((5, 9000), torch.bfloat16, residual=True)
     keep = _replayed_keep_mask(7, inputs["x"], 0.2)
@@ -110,6 +116,7 @@ def test_widest_rows_split_backward(rms_norm):
         return reference.layer_norm(z, weight, bias, EPS, prenorm=True)
 
     check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
+    assert launches and all((launch.col_blocks == 1) == clusters for launch in launches)
 
 
 def test_layer_norm_strided_rows():
@@ -185,13 +192,13 @@ def test_custom_ops_pass_opcheck():
     )
 
 
-def _bwd_bytes_per_element(n_rows, n_cols, itemsize, *, has_dz=False, has_residual=False, parameters=2):
+def _bwd_bytes_per_element(n_rows, n_cols, itemsize, *, clusters, has_dz=False, has_residual=False, parameters=2):
     """Global bytes the backward kernel loads and stores per element of z on a GPU, from the launcher's picks:
     dy and z once per column block of the row, dx (plus dz, dresidual), and the float32 partial rows of the
     ``parameters`` (dweight, dbias) each program writes. Weight and bias reads (one [N] vector shared by every row)
     and the per-row mean / rstd are left out."""
     cuda = torch.device("cuda", 0)
-    reads = -(-n_cols // triton_layer_norm._bwd_block_n(n_cols))
+    reads = triton_layer_norm._bwd_launch(n_cols, clusters).col_blocks
     programs = -(-n_rows // triton_layer_norm._backward_rows_per_program(n_rows, cuda))
     row_bytes = itemsize * (2 * reads + 1 + has_dz + has_residual)
     return row_bytes + 4 * parameters * programs / n_rows
@@ -199,14 +206,17 @@ def _bwd_bytes_per_element(n_rows, n_cols, itemsize, *, has_dz=False, has_residu
 
 @pytest.mark.parametrize("sms", [1, 108, 132])
 def test_backward_bytes_per_element(monkeypatch, sms):
-    """Whole rows up to 8192 columns read dy and z once; the partial sums add at most 1 byte per element (plus
-    8 / rows for the last, partly filled program; fewer rows than MIN_ROWS_PER_PROGRAM share one program)."""
+    """Whole rows read dy and z once (up to 8192 columns everywhere, up to 16384 on a cluster from sm_90); the partial
+    sums add at most 1 byte per element (plus 8 / rows for the last, partly filled program; fewer rows than
+    MIN_ROWS_PER_PROGRAM share one program)."""
     monkeypatch.setattr(triton_layer_norm, "_backward_programs", lambda device: 4 * sms)
     for n_rows in (8, 100, 4096, 4097, 100_000):
         last_program = 8 / n_rows
-        for n_cols in (1, 1000, 1024, 4096, 8191, 8192):
-            assert _bwd_bytes_per_element(n_rows, n_cols, 2) <= 7 + last_program, (n_rows, n_cols)
-            assert _bwd_bytes_per_element(n_rows, n_cols, 4) <= 13 + last_program, (n_rows, n_cols)
-        for n_cols in (8193, 12288, 16384):  # split rows: dy and z read once per 4096-column block
+        for clusters in (False, True):
+            for n_cols in (1, 1000, 1024, 4096, 8191, 8192) + ((8193, 12288, 16384) if clusters else ()):
+                assert _bwd_bytes_per_element(n_rows, n_cols, 2, clusters=clusters) <= 7 + last_program
+                assert _bwd_bytes_per_element(n_rows, n_cols, 4, clusters=clusters) <= 13 + last_program
+        for n_cols in (8193, 12288, 16384):  # split rows before sm_90: dy and z read once per 4096-column block
             blocks = -(-n_cols // triton_layer_norm.SPLIT_BLOCK)
-            assert _bwd_bytes_per_element(n_rows, n_cols, 2) <= 2 * (2 * blocks + 1) + 1 + last_program
+            assert (_bwd_bytes_per_element(n_rows, n_cols, 2, clusters=False)
+                    <= 2 * (2 * blocks + 1) + 1 + last_program)

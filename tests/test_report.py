@@ -141,15 +141,27 @@ def _hidden_sizes():
 def test_layer_norm_configs_cover_every_block_the_launcher_picks():
     configs = layer_norm.aot_configs()
     fwd = {(k.constexprs["BLOCK_N"], k.num_warps) for k in configs if k.name == "layer_norm_fwd"}
-    bwd = {(k.constexprs["BLOCK_N"], k.constexprs["SPLIT_COLS"], k.num_warps) for k in configs
-           if k.name == "layer_norm_bwd"}
+    bwd = {(k.constexprs["BLOCK_N"], k.constexprs["SPLIT_COLS"], k.num_warps, k.num_ctas, target) for k in configs
+           if k.name == "layer_norm_bwd" for target in k.targets}
     for n in _hidden_sizes():
         block_n = layer_norm._block_n(n)
         assert (block_n, layer_norm._num_warps(block_n)) in fwd, n
-        bwd_block = layer_norm._bwd_block_n(n)
-        split = -(-n // bwd_block) > 1
-        assert (bwd_block, split, layer_norm._bwd_num_warps(bwd_block, split)) in bwd, n
+        for target in report.TARGETS:
+            launch = layer_norm._bwd_launch(n, clusters=target >= 90)
+            picked = (launch.block_n, launch.col_blocks > 1, launch.num_warps, launch.num_ctas, target)
+            assert picked in bwd or (launch.block_n in layer_norm.BWD_BLOCKS_NOT_YET_CLEAN_ON_SM86
+                                     and target in (86, 89)), (n, target)
     assert any(k.name == "sum_rows" for k in configs)
+
+
+def test_layer_norm_backward_holds_the_widest_rows_on_a_cluster_on_hopper_only(results):
+    """Rows above 8192 columns: one program of two CTAs (a cluster) per row on sm_90, 16 warps and 128 registers a
+    thread each, the row sums reduced across the pair; before sm_90 the split kernel."""
+    rows = {r.target: r for r in results if r.name == "layer_norm_bwd" and "BLOCK_N=16384" in r.config}
+    assert set(rows) == {90} and rows[90].config == "BLOCK_N=16384,CTAS=2" and rows[90].ok
+    assert rows[90].num_warps == 16 and rows[90].blocks_per_sm == 1
+    split = {r.target for r in results if r.name == "layer_norm_bwd" and r.config == "BLOCK_N=4096,SPLIT_COLS"}
+    assert split == {80, 86, 89}
 
 
 def test_layer_norm_configs_do_not_depend_on_the_interpreter():

@@ -33,6 +33,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from fused_transformer.tools import Interrupted, interrupts_held_back
@@ -102,13 +104,14 @@ class AotKernel:
     fn: Any  # triton JITFunction
     signature: Dict[str, str]
     constexprs: Dict[str, Any]
-    num_warps: int
+    num_warps: int  # per CTA
     num_stages: int
     targets: Tuple[int, ...] = TARGETS
     expect_tensor_cores: bool = False
     # Arguments compiled as multiples of 16 (None: every pointer and integer argument, as the JIT specialises
     # a launch whose sizes and strides are multiples of 16). Odd sizes compile another, unchecked variant.
     divisible_by_16: Optional[Tuple[str, ...]] = None
+    num_ctas: int = 1  # CTAs per program: a thread-block cluster when > 1 (sm_90 and later)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +354,7 @@ def compile_kernel(kernel: AotKernel, target: int, module: str = "") -> AotResul
         )
         compiled = triton.compile(
             source, target=GPUTarget("cuda", target, WARP_SIZE),
-            options={"num_warps": kernel.num_warps, "num_stages": kernel.num_stages},
+            options={"num_warps": kernel.num_warps, "num_stages": kernel.num_stages, "num_ctas": kernel.num_ctas},
         )
         dump = cuobjdump(compiled.asm["cubin"], "--dump-resource-usage", "-sass")
         usage = resource_usage(dump)
@@ -378,7 +381,16 @@ def _compile_job(module: str, index: int, target: int) -> AotResult:
     return compile_kernel(_configs(module)[index], target, module)
 
 
+def _exit_when_orphaned(parent: int) -> None:
+    """Poll (in a daemon thread) for the parent's end and exit then: a worker that was still starting when a Ctrl-C
+    stopped the parent can otherwise wait forever on the parent's queues, holding its stdout and stderr open."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 def _init_worker() -> None:
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     # Ctrl-C on a terminal reaches the whole process group: the parent alone stops the run.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Before any kernel module is imported in this worker, so @triton.jit makes compilable functions.
