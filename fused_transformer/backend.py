@@ -110,6 +110,14 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
+def empty_heads_interleaved(like: torch.Tensor) -> torch.Tensor:
+    """An empty ``[B, H, L, D]`` tensor shaped as ``like`` whose memory is ``[B, L, H, D]``: what the attention
+    kernels write, so that merging the heads (``out.transpose(1, 2).flatten(2)``) is a view, not a copy."""
+    batch, heads, length, head_dim = like.shape
+    out = torch.empty((batch, length, heads, head_dim), dtype=like.dtype, device=like.device)
+    return out.transpose(1, 2)
+
+
 @_computed_once
 def triton_unavailable_reason() -> Optional[str]:
     """None when the Triton kernels can be imported, else why not."""

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from . import _C  # noqa: F401  (registers torch.ops.fused_transformer_cpu)
 from . import reference
-from .backend import as_rows, draw_dropout_seed
+from .backend import as_rows, draw_dropout_seed, empty_heads_interleaved
 
 Tensor = torch.Tensor
 _ops = torch.ops.fused_transformer_cpu
@@ -322,16 +322,13 @@ def _register_fakes() -> None:
     def stats(t: Tensor, shape: Sequence[int]) -> Tensor:
         return t.new_empty(shape, dtype=_stats_dtype(t.dtype))
 
-    def head_rows(t: Tensor) -> Tensor:  # [B, H, L, D] laid out as [B, L, H, D], as the kernels write it
-        return t.new_empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])).transpose(1, 2)
-
     @torch.library.register_fake("fused_transformer_cpu::attention_fwd")
     def _(q, k, v, bias, key_padding, query_padding, *options_and_seed):
-        return head_rows(q), stats(q, q.shape[:3])
+        return empty_heads_interleaved(q), stats(q, q.shape[:3])
 
     @torch.library.register_fake("fused_transformer_cpu::attention_bwd")
     def _(dout, q, k, v, out, lse, bias, key_padding, query_padding, *options_and_seed):
-        return head_rows(q), head_rows(k), head_rows(v)
+        return tuple(map(empty_heads_interleaved, (q, k, v)))
 
     @torch.library.register_fake("fused_transformer_cpu::attention_varlen_fwd")
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *options_and_seed):

@@ -29,10 +29,12 @@ Masks, composable, all inside the kernels:
 Variable lengths (VARLEN): q [Tq, H, D], k/v [Tk, Hkv, D] hold B sequences packed end to end, cu_seqlens_q/k
 [B + 1] their offsets. The grid is sized by the longest sequence; each program reads its sequence's bounds from
 cu_seqlens (no host sync) and returns at once when its tile lies past the sequence's end. Outputs are packed
-([Tq, H, D], LSE [H, Tq]); dense outputs keep the contiguous [B, H, L, D] layout (a compile-time row stride).
-Loads: on sm_90 and later (USE_TMA, when TMA can address every input) the q/k/v/o/do tiles come through host-side
-TMA descriptors (``_tma_tile``), whose out-of-bounds rows and columns read as zeros; elsewhere through pointers and
-masks (cp.async when pipelined).
+([Tq, H, D], LSE [H, Tq]). Dense outputs (o, dq, dk, dv) are [B, H, L, D] laid out as [B, L, H, D]
+(``empty_heads_interleaved``, the packed layout with sequence b starting at row b L), so that a module merges the
+heads with a view and hands back do in o's layout, which the backward reads without a copy.
+Loads: on sm_90 and later (USE_TMA, when TMA can address every input and output) the q/k/v/o/do tiles come through
+host-side TMA descriptors (``_tma_tile``), whose out-of-bounds rows and columns read as zeros, and dense dk/dv go
+out through them; elsewhere through pointers and masks (cp.async when pipelined).
 Dropout on the probabilities: element (b, h, i, j) is kept when ``dropout_keep(SEED, ((b H + h) Lq + i) Lk + j,
 p)`` (Lq, Lk: max_seqlen_q, max_seqlen_k with VARLEN, i and j counted within the sequence);
 ``attention_keep_mask`` replays the mask for the reference.
@@ -45,6 +47,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..backend import empty_heads_interleaved
 from ..reference import softmax_scale
 from ._common import (
     LARGE_SHARED_MEMORY, contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, has_tma,
@@ -179,12 +182,18 @@ def _sequence(
 
 
 @triton.jit
-def _row_index(batch_head, head, n_heads, rows, n_rows, start, VARLEN: tl.constexpr):
-    """Each row's index in an output seen as rows of HEAD_DIM elements: [B, H, L] (dense: the contiguous
-    [B, H, L, D] layout) or [T, H] (VARLEN: packed [T, H, D])."""
+def _row_index(head, n_heads, rows, n_rows, start, VARLEN: tl.constexpr, PER_ROW_INT64: tl.constexpr):
+    """Each row's index in an output seen as rows of HEAD_DIM elements, [T, H] (VARLEN: packed [T, H, D], the
+    sequence starting at row ``start``) or [B L, H] (dense: [B, H, L, D] laid out as [B, L, H, D]). The batch is the
+    program's (``_batch_head``), read here rather than held in registers through the main loop. Within one batch
+    element the index fits in int32 (the launcher checks Lq H < 2**31): PER_ROW_INT64 computes it in int64 anyway,
+    the form ptxas allocates without spills in the dk/dv kernel, where the forward's and dq's need the int32 one."""
     if VARLEN:
         return (start + rows) * n_heads + head
-    return batch_head.to(tl.int64) * n_rows + rows
+    first = tl.program_id(2).to(tl.int64) * n_rows
+    if PER_ROW_INT64:
+        return (first + rows) * n_heads + head
+    return first * n_heads + (rows * n_heads + head.to(tl.int32))
 
 
 @triton.jit
@@ -289,7 +298,7 @@ def _attention_fwd_tile(
 def _attention_fwd_kernel(
     Q,  # [B, H, Lq, D]; VARLEN: [Tq, H, D]; a TMA descriptor with USE_TMA (see _tma_tile)
     K, V,  # [B, Hkv, Lk, D]; VARLEN: [Tk, Hkv, D]; TMA descriptors with USE_TMA
-    O,  # [B, H, Lq, D] contiguous; VARLEN: [Tq, H, D] contiguous
+    O,  # [B, H, Lq, D] laid out as [B, Lq, H, D] (see _row_index); VARLEN: [Tq, H, D] contiguous
     LSE,  # [B, H, Lq] float32 contiguous, natural log; VARLEN: [H, Tq]
     MASK,  # attn_mask, read through strides (MASK_KIND != 0)
     PAD,  # [B, Lk] uint8, 1 = padding (HAS_PADDING)
@@ -390,7 +399,7 @@ def _attention_fwd_kernel(
                    float("-inf"))
     row_ok = rows < seq_q
     tl.store(LSE + _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN) + rows, lse, mask=row_ok)
-    out_rows = _row_index(batch_head, head, n_heads, rows, n_queries, q_start, VARLEN)
+    out_rows = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, False)
     tl.store(O + out_rows[:, None] * HEAD_DIM + dims[None, :], out.to(O.dtype.element_ty),
              mask=_tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D))
 
@@ -445,7 +454,7 @@ def _attention_bwd_dq_kernel(
             mask=tile_mask, other=0.0,
         )
     stat_offsets = _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN) + rows
-    tile_offsets = _row_index(batch_head, head, n_heads, rows, n_queries, q_start, VARLEN)[:, None] * HEAD_DIM + (
+    tile_offsets = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, False)[:, None] * HEAD_DIM + (
         dims[None, :])
     if USE_TMA:
         do = _tma_tile(DO, batch, head, q_start, first_row, seq_q, VARLEN, True)
@@ -501,7 +510,7 @@ def _attention_bwd_dq_kernel(
 def _attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE,  # as in the dq kernel (Q, K, V and DO TMA descriptors with USE_TMA)
     DELTA,  # LSE's shape and layout, float32, from the dq kernel
-    DK, DV,  # [B, Hkv, Lk, D] contiguous; VARLEN: [Tk, Hkv, D] contiguous
+    DK, DV,  # [B, Hkv, Lk, D] laid out as [B, Lk, Hkv, D] (TMA descriptors with USE_TMA); VARLEN: [Tk, Hkv, D]
     MASK, PAD, KEY_LENS, QUERY_LENS, QUERY_PAD, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -564,7 +573,7 @@ def _attention_bwd_dkdv_kernel(
             else:
                 q = tl.load(q_base + rows[:, None].to(tl.int64) * stride_qm + dims[None, :], mask=tile_mask,
                             other=0.0)
-                do_rows = _row_index(batch_head, head, n_heads, rows, n_queries, q_start, VARLEN)
+                do_rows = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, True)
                 do = tl.load(DO + do_rows[:, None] * HEAD_DIM + dims[None, :], mask=tile_mask, other=0.0)
             lse = tl.load(LSE + stat_offsets, mask=row_ok, other=float("-inf")) * 1.4426950408889634
             lse = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -590,10 +599,18 @@ def _attention_bwd_dkdv_kernel(
             dk += _dot(ds_t.to(q.dtype), q, UPCAST, DOT_PRECISION)
     dk *= qk_scale * 0.6931471805599453
 
-    out_rows = _row_index(batch_kv_head, kv_head, n_kv_heads, cols, n_keys, k_start, VARLEN)
-    out_offsets = out_rows[:, None] * HEAD_DIM + dims[None, :]
-    tl.store(DK + out_offsets, dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + out_offsets, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    if USE_TMA and not VARLEN:
+        # Through TMA, which drops the rows past Lk and the columns past D (a packed tile's rows past its sequence
+        # are the next one's: VARLEN stores through pointers). The per-row address arithmetic of the pointer path
+        # spilled here in the sm_90 tiles.
+        tile_start = [batch.to(tl.int32), kv_head.to(tl.int32), first_col, 0]
+        DK.store(tile_start, dk.to(k.dtype).reshape(1, 1, BLOCK_N, BLOCK_D))
+        DV.store(tile_start, dv.to(k.dtype).reshape(1, 1, BLOCK_N, BLOCK_D))
+    else:
+        out_rows = _row_index(kv_head, n_kv_heads, cols, n_keys, k_start, VARLEN, True)
+        out_offsets = out_rows[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(DK + out_offsets, dk.to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + out_offsets, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -677,7 +694,7 @@ class AttentionConfig:
 _TILES = {
     ("fwd", 16): {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 64, 8, 3), 128: (128, 32, 8, 2),
                   256: (32, 32, 8, 1)},
-    ("fwd", 32): {16: (64, 64, 8, 2), 32: (64, 32, 8, 2), 64: (32, 32, 8, 1), 128: (32, 16, 8, 1)},
+    ("fwd", 32): {16: (64, 32, 8, 2), 32: (64, 32, 8, 2), 64: (32, 32, 8, 1), 128: (32, 16, 8, 1)},
     ("bwd_dq", 16): {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 32, 8, 1), 128: (64, 32, 8, 2),
                      256: (32, 32, 8, 1)},
     ("bwd_dq", 32): {16: (32, 32, 4, 1), 32: (64, 32, 8, 2), 64: (64, 32, 8, 2), 128: (16, 16, 8, 1)},
@@ -691,7 +708,7 @@ _TILES = {
 # What parts with 99 KB of shared memory per block (sm_86, sm_89) run instead, where a tile above does not fit
 # there (shared memory) or spills (registers).
 _TILES_SMALL_SHARED_MEMORY = {
-    ("fwd", 16): {64: (128, 64, 8, 2)},
+    ("fwd", 16): {32: (128, 64, 8, 2), 64: (128, 64, 8, 2)},
     ("bwd_dkdv", 32): {16: (32, 32, 8, 2)},
 }
 # What parts with TMA and sm_90's shared memory (H100, H200) run instead for the 16-bit backward, pipelined.
@@ -840,6 +857,9 @@ class _Layout:
     @staticmethod
     def dense(q: Tensor, k: Tensor, v: Tensor) -> "_Layout":
         (batch, heads, lq, head_dim), (_, kv_heads, lk, _) = q.shape, k.shape
+        if lq * heads > MAX_DENSE_OUTPUT_ROWS:
+            raise ValueError(f"triton attention: q {tuple(q.shape)} has Lq x heads = {lq * heads} rows of o per "
+                             f"batch element; at most {MAX_DENSE_OUTPUT_ROWS} are supported")
         return _Layout(batch, heads, kv_heads, lq, lk, head_dim, *(tuple(t.stride()[:3]) for t in (q, k, v)))
 
     @staticmethod
@@ -855,6 +875,8 @@ class _Layout:
 
 # Offsets at or past this need int64 arithmetic in the kernels.
 INT32_OFFSET_LIMIT = 2**31
+# Lq x heads of one batch element: _row_index indexes those rows of o / do / dq in int32.
+MAX_DENSE_OUTPUT_ROWS = 2**31 - 1
 # CUDA's limits on grid axis 0 and on axes 1 and 2.
 MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535
 
@@ -1023,8 +1045,8 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
                 dq: Tensor, dk: Tensor, dv: Tensor, layout: _Layout, masks: _MaskArgs, dropout_p: float,
                 seed: Optional[Tensor], scale: float, allow_tf32: bool) -> None:
     """The dq kernel, then the dk/dv kernel, dense or packed (``layout``), writing ``dq``, ``dk`` and ``dv``."""
-    do = do.contiguous()
-    block_d, use_tma = _head_dim_bucket(layout.head_dim), _loads_through_tma(q, k, v, o, do)
+    o, do = _output_layout(o), _output_layout(do)
+    block_d, use_tma = _head_dim_bucket(layout.head_dim), _loads_through_tma(q, k, v, o, do, dk, dv)
     delta = torch.empty_like(lse)  # lse's shape and layout
     common_args = (
         *masks.pointer_args(), *layout.q_strides, *layout.k_strides, *layout.v_strides, *masks.stride_args(),
@@ -1047,15 +1069,32 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
     cfg = config_for("bwd_dkdv", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma)
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(layout.n_keys, cfg.block_n), layout.batch, layout.kv_heads)](
         _tiles_of(q, cfg.block_m, block_d, use_tma), _tiles_of(k, cfg.block_n, block_d, use_tma),
-        _tiles_of(v, cfg.block_n, block_d, use_tma), _tiles_of(do, cfg.block_m, block_d, use_tma), lse, delta, dk,
-        dv, *common_args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        _tiles_of(v, cfg.block_n, block_d, use_tma), _tiles_of(do, cfg.block_m, block_d, use_tma), lse, delta,
+        *(_tiles_of(t, cfg.block_n, block_d, use_tma and t.dim() == 4) for t in (dk, dv)),  # dense: TMA stores
+        *common_args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **common_constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def _contiguous_like(*tensors: Tensor) -> Tuple[Tensor, ...]:
-    """Empty contiguous tensors shaped as ``tensors``: what the backward ops return, for their fake kernels."""
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors)
+def _empty_output(like: Tensor) -> Tensor:
+    """An empty output shaped as ``like`` in the layout the kernels write: dense ``[B, H, L, D]`` laid out as
+    ``[B, L, H, D]``, packed ``[T, H, D]`` contiguous."""
+    if like.dim() == 4:
+        return empty_heads_interleaved(like)
+    return torch.empty_like(like, memory_format=torch.contiguous_format)
+
+
+def _output_layout(t: Tensor) -> Tensor:
+    """``t`` (o, or its gradient) in the kernels' output layout, which the backward reads it in: copied unless it
+    already is (as the gradient of a module's head merge is)."""
+    if t.dim() == 4:
+        _, heads, length, head_dim = t.shape
+        expected = (length * heads * head_dim, head_dim, heads * head_dim, 1)
+    else:
+        expected = (t.shape[1] * t.shape[2], t.shape[2], 1)
+    if all(size <= 1 or stride == want for size, stride, want in zip(t.shape, t.stride(), expected)):
+        return t
+    return _empty_output(t).copy_(t)
 
 
 @torch.library.custom_op("fused_transformer::attention_fwd", mutates_args=())
@@ -1067,11 +1106,11 @@ def attention_fwd(
 ) -> Tuple[Tensor, Tensor]:
     """Launch the forward; q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` with contiguous last dims.
 
-    Returns ``o [B, H, Lq, D]`` (q's dtype) and ``lse [B, H, Lq]`` (float32).
+    Returns ``o [B, H, Lq, D]`` (q's dtype, laid out as ``[B, Lq, H, D]``) and ``lse [B, H, Lq]`` (float32).
     """
     _check_inputs(q, k, v)
-    batch, heads, lq, head_dim = q.shape
-    o = torch.empty((batch, heads, lq, head_dim), dtype=q.dtype, device=q.device)
+    batch, heads, lq, _ = q.shape
+    o = _empty_output(q)
     lse = torch.empty((batch, heads, lq), dtype=torch.float32, device=q.device)
     if lse.numel() == 0:  # no query row: a grid of 0 programs is an error on a GPU
         return o, lse
@@ -1084,7 +1123,7 @@ def attention_fwd(
 @attention_fwd.register_fake
 def _(q, k, v, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal, causal_alignment,
       window_left, window_right, dropout_p, seed, scale, allow_tf32):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return _empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("fused_transformer::attention_bwd", mutates_args=())
@@ -1094,10 +1133,9 @@ def attention_bwd(
     query_padding_mask: Optional[Tensor], is_causal: bool, causal_alignment: str, window_left: Optional[int],
     window_right: Optional[int], dropout_p: float, seed: Optional[Tensor], scale: float, allow_tf32: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Launch the backward (dq kernel, then dk/dv kernel); returns ``dq, dk, dv`` in the inputs' shapes."""
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    """Launch the backward (dq kernel, then dk/dv kernel); returns ``dq, dk, dv`` in the inputs' shapes, laid out
+    as o."""
+    dq, dk, dv = map(_empty_output, (q, k, v))
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     masks = _mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment,
@@ -1110,7 +1148,7 @@ def attention_bwd(
 @attention_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal,
       causal_alignment, window_left, window_right, dropout_p, seed, scale, allow_tf32):
-    return _contiguous_like(q, k, v)
+    return tuple(map(_empty_output, (q, k, v)))
 
 
 @torch.library.custom_op("fused_transformer::attention_varlen_fwd", mutates_args=())
@@ -1124,8 +1162,8 @@ def attention_varlen_fwd(
     Returns ``o [Tq, H, D]`` (q's dtype) and ``lse [H, Tq]`` (float32).
     """
     _check_inputs(q, k, v)
-    total_q, heads, head_dim = q.shape
-    o = torch.empty((total_q, heads, head_dim), dtype=q.dtype, device=q.device)
+    total_q, heads, _ = q.shape
+    o = _empty_output(q)
     lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
     if lse.numel() == 0:
         return o, lse
@@ -1139,8 +1177,7 @@ def attention_varlen_fwd(
 @attention_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment, window_left,
       window_right, dropout_p, seed, scale, allow_tf32):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+    return _empty_output(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("fused_transformer::attention_varlen_bwd", mutates_args=())
@@ -1151,9 +1188,7 @@ def attention_varlen_bwd(
     seed: Optional[Tensor], scale: float, allow_tf32: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Launch the backward on packed sequences; returns ``dq [Tq, H, D], dk, dv [Tk, Hkv, D]``."""
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = map(_empty_output, (q, k, v))
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     layout = _Layout.packed(q, k, v, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k)
@@ -1166,7 +1201,7 @@ def attention_varlen_bwd(
 @attention_varlen_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
       causal_alignment, window_left, window_right, dropout_p, seed, scale, allow_tf32):
-    return _contiguous_like(q, k, v)
+    return tuple(map(_empty_output, (q, k, v)))
 
 
 @torch.library.custom_op("fused_transformer::attention_weights", mutates_args=())
@@ -1296,7 +1331,8 @@ def attention(
         allow_tf32: float32 products on tensor cores in TF32 (default: full float32 precision).
 
     Returns:
-        ``[B, H, Lq, D]`` in q's dtype, and the float32 LSE ``[B, H, Lq]`` with ``return_lse``.
+        ``[B, H, Lq, D]`` in q's dtype, laid out as ``[B, Lq, H, D]`` (``out.transpose(1, 2)`` is contiguous),
+        and the float32 LSE ``[B, H, Lq]`` with ``return_lse``.
     """
     q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
@@ -1407,10 +1443,10 @@ _AOT_VARIANTS = {
 _AOT_VARIANT_KERNELS = {"/causal": ("fwd",)}
 # Each variant is compiled with the loads the launcher picks on each target: 16-bit inputs through TMA descriptors
 # on these (config-name suffix "/tma"), the pointer path elsewhere. The inputs each kernel then loads through TMA,
-# in BLOCK_M-row (query) or BLOCK_N-row (key) tiles:
+# in BLOCK_M-row (query) or BLOCK_N-row (key) tiles (and dk / dv, which dense launches store through TMA):
 _AOT_TMA_TARGETS = (90,)
-_AOT_TMA_INPUTS = {"fwd": ("Q", "K", "V"), "bwd_dq": ("Q", "K", "V", "O", "DO"), "bwd_dkdv": ("Q", "K", "V", "DO"),
-                   "weights": ("Q", "K")}
+_AOT_TMA_INPUTS = {"fwd": ("Q", "K", "V"), "bwd_dq": ("Q", "K", "V", "O", "DO"),
+                   "bwd_dkdv": ("Q", "K", "V", "DO", "DK", "DV"), "weights": ("Q", "K")}
 _QUERY_TILE_INPUTS = ("Q", "O", "DO")
 
 
@@ -1452,7 +1488,7 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
         fn = kernels[kernel]
         signature = {}
         for name in fn.arg_names:
-            if use_tma and name in _AOT_TMA_INPUTS[kernel]:
+            if use_tma and name in _AOT_TMA_INPUTS[kernel] and not (features["VARLEN"] and name in ("DK", "DV")):
                 rows = cfg.block_m if name in _QUERY_TILE_INPUTS else cfg.block_n
                 signature[name] = f"tensordesc<{elem[1:]}[1,1,{rows},{head_dim}]>"
             elif name in _AOT_POINTER_TYPES:

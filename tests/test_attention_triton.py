@@ -280,9 +280,28 @@ def _heads_interleaved(t):
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def test_outputs_and_gradients_are_written_heads_interleaved():
+    """o, dq, dk and dv come back as [B, H, L, D] laid out as [B, L, H, D]: merging the heads is a view."""
+    (q, k, v, do, _), _ = _random_inputs(2, 3, 3, 37, 29, 16, seed=11)
+    q, k, v, do = (t.float() for t in (q, k, v, do))
+    options = (None, None, None, None, True, "top_left", None, None, 0.0, None, 0.25, False)
+    o, lse = torch.ops.fused_transformer.attention_fwd(q, k, v, *options)
+    dq, dk, dv = torch.ops.fused_transformer.attention_bwd(_heads_interleaved(do), None, q, k, v, o, lse, *options)
+    for t in (o, dq, dk, dv):
+        assert t.transpose(1, 2).is_contiguous()
+        assert t.transpose(1, 2).flatten(2).data_ptr() == t.data_ptr()
+
+
+def test_rows_of_o_past_int32_are_refused_clearly(monkeypatch):
+    monkeypatch.setattr(triton_attention, "MAX_DENSE_OUTPUT_ROWS", 100)
+    q = torch.randn(1, 4, 26, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"q \(1, 4, 26, 16\) has Lq x heads = 104"):
+        triton_attention.attention(q, q, q)
+
+
 def test_the_backward_reads_a_gradient_in_either_layout_to_the_same_bits():
-    """do as a module's head merge hands it back ([B, L, H, D] memory) or contiguous: the same gradients, which
-    match the reference."""
+    """The backward reads do in o's layout (what a module's head merge hands back) without a copy, and copies a
+    do laid out otherwise: both give the same gradients, and they match the reference."""
     (q, k, v, do, _), _ = _random_inputs(2, 2, 2, 37, 29, 16, seed=12)
 
     def grads(do_layout):
@@ -324,16 +343,29 @@ class _RecordedOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_multihead_attention_backward_on_triton_writes_no_zero_filled_gradients():
-    """The fused q/k/v projection's gradient is one stack of the three, not three zero-filled full-width slices
-    summed; the LSE, which the module does not use, gets no zero gradient."""
+def test_multihead_attention_on_triton_copies_no_head_layout_and_fills_no_gradient_with_zeros(monkeypatch):
+    """The module's head merge and the gradient it hands back are views (no clone forward or backward, and the
+    backward reads o and do where they are); the fused q/k/v projection's gradient is one stack of the three, not
+    three zero-filled full-width slices summed; the LSE, which the module does not use, gets no zero gradient."""
+    read_in_place = []
+    output_layout = triton_attention._output_layout
+
+    def spy(t):
+        laid_out = output_layout(t)
+        read_in_place.append(laid_out is t)
+        return laid_out
+
+    monkeypatch.setattr(triton_attention, "_output_layout", spy)
     module = fused_transformer.MultiheadAttention(32, 4, batch_first=True, device=DEVICE)
     x = torch.randn(2, 10, 32, device=DEVICE, requires_grad=True)
     with backend.use_backend("triton"):
-        out, _ = module(x, x, x, need_weights=False)
+        with _RecordedOps() as forward:
+            out, _ = module(x, x, x, need_weights=False)
         with _RecordedOps() as backward:
             out.sum().backward()
-    assert torch.ops.fused_transformer.attention_bwd.default in backward.ops
+    copies = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default}
+    assert not copies & set(forward.ops) and not copies & set(backward.ops)
+    assert torch.ops.fused_transformer.attention_bwd.default in backward.ops and read_in_place == [True, True]
     assert torch.ops.aten.stack.default in backward.ops
     assert not {torch.ops.aten.slice_backward.default, torch.ops.aten.zeros.default} & set(backward.ops)
     reference_module = torch.nn.MultiheadAttention(32, 4, batch_first=True, device=DEVICE)
