@@ -159,7 +159,7 @@ def test_layer_norm_backward_holds_the_widest_rows_on_a_cluster_on_hopper_only(r
     thread each, the row sums reduced across the pair; before sm_90 the split kernel."""
     rows = {r.target: r for r in results if r.name == "layer_norm_bwd" and "BLOCK_N=16384" in r.config}
     assert set(rows) == {90} and rows[90].config == "BLOCK_N=16384,CTAS=2" and rows[90].ok
-    assert rows[90].num_warps == 16 and rows[90].blocks_per_sm == 1
+    assert rows[90].num_warps == 16 and rows[90].registers <= 128 and rows[90].blocks_per_sm == 1
     split = {r.target for r in results if r.name == "layer_norm_bwd" and r.config == "BLOCK_N=4096,SPLIT_COLS"}
     assert split == {80, 86, 89}
 
