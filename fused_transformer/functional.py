@@ -172,7 +172,8 @@ def _check_common_flags(is_causal: object, causal_alignment: object, scale: obje
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment={causal_alignment!r} must be one of {CAUSAL_ALIGNMENTS}")
-    if scale is not None and type(scale) is not float and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+    if scale is not None and type(scale) is not float and (
+            isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
 
 

@@ -978,11 +978,12 @@ TMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _loads_through_tma(*inputs: Tensor) -> bool:
-    """Whether the kernels load ``inputs`` (the q/k/v/o/do tiles) through TMA: on sm_90 and later (under the
-    interpreter, when TMA_UNDER_INTERPRETER), and only if TMA can address every one of them; else they use the
-    pointer path (cp.async). Host-side descriptors (``tma_descriptor``) rather than ``tl.make_tensor_descriptor``:
-    the driver encodes them at launch as kernel parameters, so no program builds one in global scratch memory
-    (and no allocator is needed), and the AOT report compiles them from a ``tensordesc`` signature."""
+    """Whether the kernels load ``inputs`` (the q/k/v/o/do tiles; dk/dv, which dense launches store, too) through
+    TMA: on sm_90 and later (under the interpreter, when TMA_UNDER_INTERPRETER), and only if TMA can address every
+    one of them; else they use the pointer path (cp.async). Host-side descriptors (``tma_descriptor``) rather than
+    ``tl.make_tensor_descriptor``: the driver encodes them at launch as kernel parameters, so no program builds one
+    in global scratch memory (and no allocator is needed), and the AOT report compiles them from a ``tensordesc``
+    signature."""
     if inputs[0].dtype not in TMA_DTYPES:
         return False
     if interpreting():
