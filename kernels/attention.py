@@ -358,7 +358,6 @@ def _attention_fwd_kernel(
     # or diagonal crosses skip _mask_scores, after the edge tiles (the other way round, or with the few edge tiles
     # pipelined too, spilled). Rows past q_len are dropped at the end. With any of those features on, two loops
     # spilled in some tile configs of the AOT report: one loop masks every tile there.
-    # _runs_plain is this test on the host (the launcher picks the tiles with it).
     split = MASK_KIND == 0 and not (HAS_PADDING or HAS_QUERY_PADDING)
     split = split and not (HAS_WINDOW or HAS_DROPOUT or VARLEN)
     if split:
@@ -726,22 +725,34 @@ _TILES_SM90 = {
     ("bwd_dq", 16): {64: (128, 64, 8, 2), 128: (128, 64, 8, 3)},
     ("bwd_dkdv", 16): {64: (32, 128, 8, 2)},
 }
-# What the plain 16-bit forward (``_runs_plain``: no attn_mask, padding, window, dropout or packing, so its interior key
-# tiles skip masking; the report's /causal variant) runs on sm_90 with TMA. The shared tiles were sized for the
-# variant with every feature on; in this one their 32 keys (64 at D64) leave the per-tile work (row max, rescaling
-# the [BLOCK_M, D] accumulator, exp2 bookkeeping) few MACs to spread over. 128 keys give the scores HGMMA.64x128x16
-# (D256: 64 keys, 64x64x16, and p @ v 64x256x16 where the shared 32-row tiles ran HMMA): report figures, non-MMA per
-# kMAC, shared tiles -> these: D16 12.4 -> 7.7, D32 6.6 -> 3.9, D64 2.7 -> 2.1, D128 2.3 -> 1.1, D256 2.9 -> 0.9,
-# none spilling (151-209 registers), one block of 8 warps per SM (the shared tiles fit 2-4 at D16-D128); the Triton
-# tutorial's sm_90 kernel compiled the same way issues 2.0 (D64) and 1.0-1.2 (D128). 256 keys (D16-D64), 256 query
-# rows or 4 warps for 128 rows spill or sit at 240-255 registers for at most 0.9 less; fewer stages give the same
-# figures. D256 takes 2 stages: 3 need 262200 B of shared memory.
-_TILES_SM90_PLAIN = {
+# What 16-bit launches whose scores read no attn_mask element and draw no dropout number each (``_wide_tiles_fit``;
+# key and query padding, lengths, causal, window and packing cost registers per row or column) run on sm_90 with
+# TMA: the shared tiles are sized for the variant with every feature on, where each score also holds a mask value
+# and a Philox draw. Forward: 32 keys (64 at D64) in the shared tiles leave the per-tile work (row max, rescaling the
+# [BLOCK_M, D] accumulator, exp2 bookkeeping) few MACs to spread over; 128 keys give the scores HGMMA.64x128x16 (D256:
+# 64 keys, 64x64x16, and p @ v 64x256x16 where the shared 32-row tiles ran HMMA). Report figures for the plain
+# forward (the /causal variant), non-MMA per kMAC, shared tiles -> these: D16 12.4 -> 7.7, D32 6.6 -> 3.9, D64 2.7 ->
+# 2.1, D128 2.3 -> 1.1, D256 2.9 -> 0.9; the Triton tutorial's sm_90 kernel compiled the same way issues 2.0 (D64)
+# and 1.0-1.2 (D128). 256 keys (D16-D64), 256 query rows or 4 warps for 128 rows spill or sit at 240-255 registers
+# for at most 0.9 less. D256 takes 2 stages: 3 need 262200 B of shared memory. Backward: 64 query rows per
+# warpgroup in dq (D16 / D32 too: every HGMMA N >= 64 but the head dim's) and 64 query rows in the dk/dv tile, the N of
+# its transposed products: HGMMA.64x64x16 for S^T and dP^T where the every-feature tiles run 64x32x16 (D64) and
+# 64x8x16 (D128; per kMAC 4.4 -> 1.9 in the /padded variant); with a mask tile or dropout these dk/dv tiles spill
+# (D64: 544 B with both, 24-360 B with the float mask alone). D256 dk/dv keeps the shared tile (a 64-row tile's dk
+# and dv alone take 256 registers a thread).
+_TILES_SM90_WIDE = {
     ("fwd", 16): {16: (128, 128, 8, 3), 32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 128, 8, 3),
                   256: (128, 64, 8, 2)},
+    ("bwd_dq", 16): {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 3),
+                     256: (64, 64, 4, 2)},
+    ("bwd_dkdv", 16): {16: (64, 128, 8, 2), 32: (64, 128, 8, 2), 64: (64, 128, 8, 2), 128: (64, 128, 8, 1)},
 }
 # Shared memory per block of sm_90: the dq tiles at D128 (3 stages) take 229400 B of it.
 _SM90_SHARED_MEMORY = 232448
+# Where the wide tiles spill for packed sequences, which zero a q / do tile's rows past their sequence in registers
+# (_tma_tile): such launches keep the other tiles (report: 8 B at dk/dv D128 with 64 x 128 or 64 x 64 tiles, 256 B
+# at dq D256).
+_WIDE_TILES_SPILL_PACKED = {("bwd_dq", 256), ("bwd_dkdv", 128)}
 # float32 with allow_tf32=True, on every target: its tensor-core products hold their operands in more registers
 # than the ieee products of the float32 tiles, which spill there.
 _TILES_TF32 = {
@@ -759,18 +770,20 @@ def _head_dim_bucket(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _runs_plain(MASK_KIND: int, HAS_PADDING: bool, HAS_QUERY_PADDING: bool, HAS_WINDOW: bool, HAS_DROPOUT: bool,
-                VARLEN: bool, **_) -> bool:
-    """Whether the forward with these constexprs is plain: it then runs the key tiles no bound or diagonal crosses
-    unmasked (the kernel's ``split``; the report's /causal variant), and on sm_90 with TMA _TILES_SM90_PLAIN."""
-    return MASK_KIND == MASK_NONE and not (HAS_PADDING or HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or VARLEN)
+def _wide_tiles_fit(kernel: str, head_dim: int, MASK_KIND: int, HAS_DROPOUT: bool, VARLEN: bool, **_) -> bool:
+    """Whether a ``kernel`` launch with these constexprs may take _TILES_SM90_WIDE: its scores read no attn_mask
+    element and draw no dropout number each, the registers those tiles do not have (nor, for some, packed sequences':
+    _WIDE_TILES_SPILL_PACKED)."""
+    if VARLEN and (kernel, _head_dim_bucket(head_dim)) in _WIDE_TILES_SPILL_PACKED:
+        return False
+    return MASK_KIND == MASK_NONE and not HAS_DROPOUT
 
 
 def _tiles(kernel: str, bits: int, bucket: int, tf32: bool, shared_memory: int, tma: bool,
-           plain: bool = False) -> Tuple[int, ...]:
+           wide: bool = False) -> Tuple[int, ...]:
     """The table entry ``kernel`` runs with for ``bits``-bit inputs (``tf32``: float32 with allow_tf32) of head dim
-    bucket ``bucket`` on a part with ``shared_memory`` bytes per block that has TMA or not, for a plain forward
-    (``_runs_plain``) or not: what ``config_for`` picks on a GPU and ``aot_configs`` compiles for each report
+    bucket ``bucket`` on a part with ``shared_memory`` bytes per block that has TMA or not, for a launch that
+    ``_wide_tiles_fit`` or not: what ``config_for`` picks on a GPU and ``aot_configs`` compiles for each report
     target."""
     key = (kernel, bits)
     if tf32 and bucket in _TILES_TF32.get(kernel, {}):
@@ -778,23 +791,23 @@ def _tiles(kernel: str, bits: int, bucket: int, tf32: bool, shared_memory: int, 
     if shared_memory < LARGE_SHARED_MEMORY and bucket in _TILES_SMALL_SHARED_MEMORY.get(key, {}):
         return _TILES_SMALL_SHARED_MEMORY[key][bucket]
     if tma and shared_memory >= _SM90_SHARED_MEMORY:
-        if plain and bucket in _TILES_SM90_PLAIN.get(key, {}):
-            return _TILES_SM90_PLAIN[key][bucket]
+        if wide and bucket in _TILES_SM90_WIDE.get(key, {}):
+            return _TILES_SM90_WIDE[key][bucket]
         if bucket in _TILES_SM90.get(key, {}):
             return _TILES_SM90[key][bucket]
     return _TILES[key][bucket]
 
 
 def config_for(kernel: str, dtype: torch.dtype, head_dim: int, device: torch.device,
-               allow_tf32: bool = False, tma: bool = False, plain: bool = False) -> AttentionConfig:
+               allow_tf32: bool = False, tma: bool = False, wide: bool = False) -> AttentionConfig:
     """The tiles ``kernel`` runs with for inputs of ``dtype`` and ``head_dim`` on ``device`` (or the interpreter),
-    loading them through TMA (``_loads_through_tma``) or not, for a plain forward (``_runs_plain``) or not: the
+    loading them through TMA (``_loads_through_tma``) or not, for a launch that ``_wide_tiles_fit`` or not: the
     pointer path keeps the tiles it compiles without spills with."""
     if interpreting():
         return INTERPRETER_CONFIG
     bits = 32 if dtype == torch.float32 else 16
     return AttentionConfig(*_tiles(kernel, bits, _head_dim_bucket(head_dim), allow_tf32 and bits == 32,
-                                   shared_memory_per_block(device), tma, plain))
+                                   shared_memory_per_block(device), tma, wide))
 
 
 # ------------------------------------------------------------------------------------------- launchers
@@ -1030,7 +1043,8 @@ def _launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout:
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
     block_d, use_tma = _head_dim_bucket(layout.head_dim), _loads_through_tma(q, k, v)
     constexprs = dict(HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs())
-    cfg = config_for("fwd", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma, _runs_plain(**constexprs))
+    cfg = config_for("fwd", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma,
+                     _wide_tiles_fit("fwd", layout.head_dim, **constexprs))
     _attention_fwd_kernel[_grid(triton.cdiv(layout.n_queries, cfg.block_m), layout.batch, layout.heads)](
         _tiles_of(q, cfg.block_m, block_d, use_tma), _tiles_of(k, cfg.block_n, block_d, use_tma),
         _tiles_of(v, cfg.block_n, block_d, use_tma), o, lse, *masks.pointer_args(), *layout.q_strides,
@@ -1058,7 +1072,8 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
         BLOCK_D=block_d, HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(),
         **_dot_args(q.dtype, allow_tf32), USE_TMA=use_tma,
     )
-    cfg = config_for("bwd_dq", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma)
+    cfg = config_for("bwd_dq", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma,
+                     _wide_tiles_fit("bwd_dq", layout.head_dim, **common_constexprs))
     q_in, o_in, do_in = (_tiles_of(x, cfg.block_m, block_d, use_tma) for x in (q, o, do))
     k_in, v_in = (_tiles_of(x, cfg.block_n, block_d, use_tma) for x in (k, v))
     _attention_bwd_dq_kernel[_grid(triton.cdiv(layout.n_queries, cfg.block_m), layout.batch, layout.heads)](
@@ -1067,7 +1082,8 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_DLSE=dlse is not None, **common_constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    cfg = config_for("bwd_dkdv", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma)
+    cfg = config_for("bwd_dkdv", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma,
+                     _wide_tiles_fit("bwd_dkdv", layout.head_dim, **common_constexprs))
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(layout.n_keys, cfg.block_n), layout.batch, layout.kv_heads)](
         _tiles_of(q, cfg.block_m, block_d, use_tma), _tiles_of(k, cfg.block_n, block_d, use_tma),
         _tiles_of(v, cfg.block_n, block_d, use_tma), _tiles_of(do, cfg.block_m, block_d, use_tma), lse, delta,
@@ -1439,9 +1455,19 @@ _AOT_VARIANTS = {
     # The forward's two-loop path (unmasked interior tiles): causal with the most it takes, no dropout.
     "/causal": dict(MASK_KIND=MASK_NONE, HAS_PADDING=False, HAS_QUERY_LENS=True, HAS_QUERY_PADDING=False,
                     IS_CAUSAL=True, HAS_WINDOW=False, PER_SEQUENCE_OFFSET=True, VARLEN=False, HAS_DROPOUT=False),
+    # The most a launch that _wide_tiles_fit takes, dense and packed.
+    "/padded": dict(MASK_KIND=MASK_NONE, HAS_PADDING=True, HAS_QUERY_LENS=True, HAS_QUERY_PADDING=True,
+                    IS_CAUSAL=True, HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=False, HAS_DROPOUT=False),
+    "/varlen/nodropout": dict(MASK_KIND=MASK_NONE, HAS_PADDING=False, HAS_QUERY_LENS=False, HAS_QUERY_PADDING=False,
+                              IS_CAUSAL=True, HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=True,
+                              HAS_DROPOUT=False),
 }
 # Variants only some kernels have: the others compile them as the dense variant.
-_AOT_VARIANT_KERNELS = {"/causal": ("fwd",)}
+_AOT_VARIANT_KERNELS = {"/causal": ("fwd",), "/padded": ("fwd", "bwd_dq", "bwd_dkdv"),
+                        "/varlen/nodropout": ("fwd", "bwd_dq", "bwd_dkdv")}
+# Variants compiled only for the targets where they pick other tiles than the variant named (elsewhere they run
+# the same tiles with fewer features).
+_AOT_TILE_VARIANTS = {"/padded": "", "/varlen/nodropout": "/varlen"}
 # Each variant is compiled with the loads the launcher picks on each target: 16-bit inputs through TMA descriptors
 # on these (config-name suffix "/tma"), the pointer path elsewhere. The inputs each kernel then loads through TMA,
 # in BLOCK_M-row (query) or BLOCK_N-row (key) tiles (and dk / dv, which dense launches store through TMA):
@@ -1455,10 +1481,10 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     """Every attention kernel × tile config the launchers pick on a GPU, in bfloat16 (16-bit tiles), float32 and
     float32 with tf32 products, for the targets that pick it, in each feature set of ``_AOT_VARIANTS`` (dense
     with every feature on: float mask, key and query padding, query lengths, causal, window, per-sequence
-    alignment, dropout; packed sequences with causal, window and dropout; and, for the forward, causal without
-    dropout, the path that skips masking interior tiles), each with TMA loads for ``_AOT_TMA_TARGETS`` and the
-    pointer path for the other targets and float32. Each variant gets the tiles its launches pick: the plain
-    forward's (``_runs_plain``) are its own on sm_90."""
+    alignment, dropout; packed sequences with causal, window and dropout; for the forward, causal without dropout,
+    the path that skips masking interior tiles; and, where they pick tiles of their own (``_AOT_TILE_VARIANTS``), the
+    most a launch that ``_wide_tiles_fit`` takes, dense and packed), each with TMA loads for ``_AOT_TMA_TARGETS``
+    and the pointer path for the other targets and float32. Each variant gets the tiles its launches pick."""
     from fused_transformer.tools.report import SHARED_MEMORY_LIMIT, TARGETS, AotKernel
 
     kernels = {
@@ -1474,11 +1500,14 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
                     if features["VARLEN"] and kernel == "weights" or kernel not in _AOT_VARIANT_KERNELS.get(
                             variant, (kernel,)):
                         continue
-                    plain = kernel == "fwd" and _runs_plain(**{"HAS_DROPOUT": True, **features})
+                    wide = _wide_tiles_fit(kernel, head_dim, **{"HAS_DROPOUT": True, **features})
                     picked = {}  # (tiles, TMA loads) -> the targets that pick them, as the launcher does on each
                     for target in TARGETS:
                         use_tma = bits == 16 and target in _AOT_TMA_TARGETS
-                        tiles = _tiles(kernel, bits, head_dim, tf32, SHARED_MEMORY_LIMIT[target], use_tma, plain)
+                        tiles = _tiles(kernel, bits, head_dim, tf32, SHARED_MEMORY_LIMIT[target], use_tma, wide)
+                        if variant in _AOT_TILE_VARIANTS and tiles == _tiles(
+                                kernel, bits, head_dim, tf32, SHARED_MEMORY_LIMIT[target], use_tma, False):
+                            continue
                         picked.setdefault((tiles, use_tma), []).append(target)
                     shipped.extend((kernel, bits, head_dim, tiles, tuple(targets), "tf32" if tf32 else "ieee",
                                     variant, features, use_tma) for (tiles, use_tma), targets in picked.items())

@@ -194,32 +194,41 @@ def _launch_options(name: str) -> dict:
     }[name]()
 
 
-@pytest.mark.parametrize("name,plain", [
-    ("none", True), ("causal_query_lengths", True), ("dropout", False), ("causal_key_padding", False),
-    ("query_padding", False), ("bool_mask", False), ("window", False),
+@pytest.mark.parametrize("name,wide", [
+    ("none", True), ("causal_query_lengths", True), ("causal_key_padding", True), ("query_padding", True),
+    ("window", True), ("dropout", False), ("bool_mask", False),
 ])
-def test_the_forward_takes_the_plain_tiles_exactly_when_it_skips_masking_interior_tiles(monkeypatch, name, plain):
-    """config_for gets plain=True (the sm_90 forward then runs _TILES_SM90_PLAIN, compiled as the report's /causal
-    variant) exactly for the launches whose kernel runs its two-loop path, as its constexprs say."""
-    (q, k, v, _, _), _ = _random_inputs(2, 1, 1, 20, 20, 16, seed=15)
+def test_kernels_take_the_wide_tiles_exactly_without_an_attn_mask_or_dropout(monkeypatch, name, wide):
+    """config_for gets wide=True (on sm_90 with TMA: _TILES_SM90_WIDE, compiled as the report's /causal, /padded and
+    /varlen/nodropout variants) for the forward, dq and dk/dv launches exactly when their constexprs carry no
+    attn_mask and no dropout, as _wide_tiles_fit says of the constexprs each kernel is launched with."""
+    (q, k, v, do, _), _ = _random_inputs(2, 1, 1, 20, 20, 16, seed=15)
     picks, launches = [], []
-    pick, kernel = triton_attention.config_for, triton_attention._attention_fwd_kernel
+    pick = triton_attention.config_for
 
-    def record_pick(kernel_name, dtype, head_dim, device, allow_tf32=False, tma=False, plain=False):
-        picks.append(plain)
-        return pick(kernel_name, dtype, head_dim, device, allow_tf32, tma, plain)
+    def record_pick(kernel_name, dtype, head_dim, device, allow_tf32=False, tma=False, wide=False):
+        picks.append((kernel_name, wide))
+        return pick(kernel_name, dtype, head_dim, device, allow_tf32, tma, wide)
 
     class RecordLaunch:
+        def __init__(self, kernel_name, kernel):
+            self.kernel_name, self.kernel = kernel_name, kernel
+
         def __getitem__(self, grid):
             def launch(*args, **constexprs):
-                launches.append(triton_attention._runs_plain(**constexprs))
-                return kernel[grid](*args, **constexprs)
+                launches.append((self.kernel_name, triton_attention._wide_tiles_fit(
+                    self.kernel_name, constexprs["HEAD_DIM"], **constexprs)))
+                return self.kernel[grid](*args, **constexprs)
             return launch
 
     monkeypatch.setattr(triton_attention, "config_for", record_pick)
-    monkeypatch.setattr(triton_attention, "_attention_fwd_kernel", RecordLaunch())
-    triton_attention.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **_launch_options(name))
-    assert picks == launches == [plain]
+    for kernel_name, attr in (("fwd", "_attention_fwd_kernel"), ("bwd_dq", "_attention_bwd_dq_kernel"),
+                              ("bwd_dkdv", "_attention_bwd_dkdv_kernel")):
+        monkeypatch.setattr(triton_attention, attr, RecordLaunch(kernel_name, getattr(triton_attention, attr)))
+    q, k, v = (t.bfloat16().requires_grad_() for t in (q, k, v))
+    triton_attention.attention(q, k, v, **_launch_options(name)).backward(do.bfloat16())
+    expected = [("fwd", wide), ("bwd_dq", wide), ("bwd_dkdv", wide)]
+    assert picks == launches == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

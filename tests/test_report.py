@@ -62,8 +62,8 @@ def test_attention_on_99_kb_parts_picks_tiles_that_fit(monkeypatch):
 @pytest.mark.parametrize("kernel", ["bwd_dq", "bwd_dkdv"])
 def test_attention_backward_on_sm_90_picks_its_own_tiles(monkeypatch, kernel):
     """The 16-bit backward takes _TILES_SM90 on sm_90 when it loads through TMA (as the launcher decides there for
-    inputs TMA can address) only; sm_80 / 86 / 89, sm_90's pointer path, float32 and the forward that is not plain
-    keep the shared tables."""
+    inputs TMA can address) only; sm_80 / 86 / 89, sm_90's pointer path, float32 and the forward keep the shared
+    tables (launches that do not _wide_tiles_fit)."""
     from fused_transformer.kernels import attention
 
     monkeypatch.setattr(attention, "interpreting", lambda: False)
@@ -86,42 +86,51 @@ def test_attention_backward_on_sm_90_picks_its_own_tiles(monkeypatch, kernel):
     assert picked(90, torch.bfloat16, "fwd") == picked(80, torch.bfloat16, "fwd")
 
 
-def test_plain_forward_on_sm_90_picks_its_own_tiles(monkeypatch):
-    """The plain 16-bit forward (no mask in memory, padding, window, dropout or packing) takes _TILES_SM90_PLAIN on
-    sm_90 when it loads through TMA only; sm_80 / 86 / 89, sm_90's pointer path and float32 keep the shared tables."""
+@pytest.mark.parametrize("kernel", ["fwd", "bwd_dq", "bwd_dkdv"])
+def test_wide_launches_on_sm_90_pick_their_own_tiles(monkeypatch, kernel):
+    """16-bit launches that _wide_tiles_fit take _TILES_SM90_WIDE on sm_90 when they load through TMA only (the other
+    head dims _TILES_SM90 or the shared tiles, as other launches); sm_80 / 86 / 89, sm_90's pointer path and float32
+    pick the same tiles wide or not."""
     from fused_transformer.kernels import attention
 
     monkeypatch.setattr(attention, "interpreting", lambda: False)
     cuda = torch.device("cuda", 0)
 
-    def picked(target, dtype, plain, addressable=True):
+    def picked(target, dtype, wide, addressable=True):
         monkeypatch.setattr(attention, "shared_memory_per_block", lambda device: report.SHARED_MEMORY_LIMIT[target])
         tma = addressable and target >= 90 and dtype in attention.TMA_DTYPES
-        return {d: attention.config_for("fwd", dtype, d, cuda, tma=tma, plain=plain) for d in (16, 32, 64, 128, 256)
+        return {d: attention.config_for(kernel, dtype, d, cuda, tma=tma, wide=wide) for d in (16, 32, 64, 128, 256)
                 if dtype != torch.float32 or d <= attention.MAX_HEAD_DIM_FLOAT32}
 
-    plain_tiles = attention._TILES_SM90_PLAIN[("fwd", 16)]
+    wide_tiles = attention._TILES_SM90_WIDE[(kernel, 16)]
     for dtype in (torch.float16, torch.bfloat16):
-        assert picked(90, dtype, True) == {d: attention.AttentionConfig(*t) for d, t in plain_tiles.items()}
-        assert picked(90, dtype, True, addressable=False) == picked(90, dtype, False) == picked(80, dtype, False)
+        on_sm90 = picked(90, dtype, True)
+        assert {d: on_sm90[d] for d in wide_tiles} == {d: attention.AttentionConfig(*t) for d, t in wide_tiles.items()}
+        assert all(on_sm90[d] == picked(90, dtype, False)[d] for d in on_sm90 if d not in wide_tiles)
+        assert picked(90, dtype, True, addressable=False) == picked(90, dtype, False, addressable=False)
         for target in (80, 86, 89):
             assert picked(target, dtype, True) == picked(target, dtype, False)
     assert picked(90, torch.float32, True) == picked(80, torch.float32, True) == picked(80, torch.float32, False)
 
 
-def test_runs_plain_is_the_forward_kernels_split():
-    """The launcher picks the plain tiles exactly for the launches whose kernel runs the two-loop path: no attn_mask,
-    key or query padding, window, dropout or packing (causal, alignment and query lengths are fine)."""
+def test_wide_tiles_fit_without_an_attn_mask_or_dropout():
+    """The wide tiles are for launches whose scores read no attn_mask element and draw no dropout number: the masks
+    computed per row or column (key / query padding, lengths, causal, window, packing) keep them, but for the
+    kernels and head dims _WIDE_TILES_SPILL_PACKED lists, which packed sequences take without."""
     from fused_transformer.kernels import attention
 
-    plain = dict(MASK_KIND=attention.MASK_NONE, HAS_PADDING=False, HAS_QUERY_LENS=True, HAS_QUERY_PADDING=False,
-                 IS_CAUSAL=True, HAS_WINDOW=False, PER_SEQUENCE_OFFSET=True, VARLEN=False, HAS_DROPOUT=False)
-    assert attention._runs_plain(**plain)
-    assert attention._runs_plain(**{**plain, "IS_CAUSAL": False, "HAS_QUERY_LENS": False})
-    for name, value in (("MASK_KIND", attention.MASK_BOOL), ("MASK_KIND", attention.MASK_FLOAT),
-                        ("HAS_PADDING", True), ("HAS_QUERY_PADDING", True), ("HAS_WINDOW", True), ("VARLEN", True),
-                        ("HAS_DROPOUT", True)):
-        assert not attention._runs_plain(**{**plain, name: value}), name
+    every_other = dict(MASK_KIND=attention.MASK_NONE, HAS_PADDING=True, HAS_QUERY_LENS=True, HAS_QUERY_PADDING=True,
+                       IS_CAUSAL=True, HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=False, HAS_DROPOUT=False)
+    for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
+        for head_dim in (1, 16, 40, 64, 100, 128, 256):
+            assert attention._wide_tiles_fit(kernel, head_dim, **every_other)
+            none_other = {name: False for name in every_other if name != "MASK_KIND"}
+            assert attention._wide_tiles_fit(kernel, head_dim, MASK_KIND=attention.MASK_NONE, **none_other)
+            packed = (kernel, attention._head_dim_bucket(head_dim)) not in attention._WIDE_TILES_SPILL_PACKED
+            assert attention._wide_tiles_fit(kernel, head_dim, **{**every_other, "VARLEN": True}) == packed
+            for name, value in (("MASK_KIND", attention.MASK_BOOL), ("MASK_KIND", attention.MASK_FLOAT),
+                                ("HAS_DROPOUT", True)):
+                assert not attention._wide_tiles_fit(kernel, head_dim, **{**every_other, name: value}), name
 
 
 @pytest.mark.parametrize("module", report.KERNEL_MODULES)
@@ -225,9 +234,11 @@ def test_report_command_exits_1_when_a_compilation_fails(results, monkeypatch, c
 
 
 def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
-    """Whatever tiles config_for picks (dtype, head dim, each target's shared memory and TMA, allow_tf32, a plain
-    forward or not) is compiled by the report for the targets that pick it, with the loads the launcher picks there
-    (16-bit inputs through TMA on sm_90), in the variant that launch runs (a plain forward: /causal)."""
+    """Whatever tiles config_for picks (dtype, head dim, each target's shared memory and TMA, allow_tf32, wide tiles
+    or not) is compiled by the report for the targets that pick it, with the loads the launcher picks there (16-bit
+    inputs through TMA on sm_90), in the variant that launch runs: a launch that _wide_tiles_fit in /causal (the
+    plain forward), /padded or /varlen/nodropout, which are listed only where their tiles are not the ones the
+    dense or /varlen variant compiles with more features on."""
     from fused_transformer.kernels import attention
 
     monkeypatch.setattr(attention, "interpreting", lambda: False)
@@ -247,15 +258,25 @@ def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
                     if dtype == torch.float32 and head_dim > attention.MAX_HEAD_DIM_FLOAT32:
                         continue
                     tma = dtype in attention.TMA_DTYPES and target >= 90  # what the launcher takes there
-                    # The plain forward (the /causal variant) picks with plain=True, every other launch without.
-                    for variant, plain in (("", False), ("/causal", True)) if kernel == "fwd" else (("", False),):
-                        cfg = attention.config_for(kernel, dtype, head_dim, cuda, tf32, tma, plain)
+                    variants = (("", False),)
+                    if kernel != "weights":
+                        variants += (("/varlen", False), ("/padded", True), ("/varlen/nodropout", True))
+                    if kernel == "fwd":
+                        variants += (("/causal", True),)
+                    for variant, wide in variants:
+                        # What the launcher asks for: packed launches without dropout, as _wide_tiles_fit says.
+                        wide = wide and attention._wide_tiles_fit(kernel, head_dim, MASK_KIND=attention.MASK_NONE,
+                                                                  HAS_DROPOUT=False, VARLEN="/varlen" in variant)
+                        cfg = attention.config_for(kernel, dtype, head_dim, cuda, tf32, tma, wide)
+                        if variant in attention._AOT_TILE_VARIANTS and cfg == attention.config_for(
+                                kernel, dtype, head_dim, cuda, tf32, tma, False):
+                            variant = attention._AOT_TILE_VARIANTS[variant]
                         config = (f"{name}/D{head_dim}/BM{cfg.block_m}_BN{cfg.block_n}_w{cfg.num_warps}"
                                   f"_s{cfg.num_stages}{variant}{'/tma' if tma else ''}")
                         for target in targets:
                             assert (f"attention_{kernel}", config, target) in listed
                             checked += 1
-    assert checked == len(report.TARGETS) * ((5 + 4 * 2) * (3 + 1) + (5 + 4))
+    assert checked == len(report.TARGETS) * ((5 + 4 * 2) * (5 + 4 + 4) + (5 + 4))
 
 
 # ------------------------------------------------------------------------------------ SASS figures, real kernels
@@ -301,25 +322,49 @@ def test_16_bit_backward_on_hopper_is_pipelined_with_wider_hgmma(results):
     assert checked >= 4
 
 
-def test_plain_forward_on_hopper_runs_wide_hgmma_with_less_bookkeeping(results):
-    """The plain forward's sm_90 tiles (_TILES_SM90_PLAIN) are pipelined, their HGMMAs at least 64 wide (or the head
-    dim, the N of p @ v), and their main loop issues fewer non-MMA instructions per kMAC than the shared tiles'
-    on sm_80 (the figure that compares the two)."""
+def _row(results, name, config, target):
+    rows = [r for r in results if r.name == name and r.config == config and r.target == target]
+    assert len(rows) == 1, (name, config, target)
+    return rows[0]
+
+
+def test_wide_tiles_on_hopper_run_hgmma_at_least_64_wide(results):
+    """Launches that _wide_tiles_fit run HGMMAs of N >= 64 on sm_90, or the head dim where it is the N (p @ v, dq, dk,
+    dv): 64 keys per warpgroup in the forward and dq, 64 query rows in the dk/dv tile (the N of its transposed
+    products), in every variant such a launch runs."""
     from fused_transformer.kernels import attention
 
-    def causal_row(config, target):
-        rows = [r for r in results if r.name == "attention_fwd" and r.config == config and r.target == target]
-        assert len(rows) == 1, (config, target)
-        return rows[0]
+    checked = 0
+    for (kernel, _), by_head_dim in attention._TILES_SM90_WIDE.items():
+        variants = ("/padded", "/varlen/nodropout") + (("/causal",) if kernel == "fwd" else ())
+        for head_dim, (block_m, block_n, num_warps, num_stages) in by_head_dim.items():
+            shared = attention._tiles(kernel, 16, head_dim, False, report.SHARED_MEMORY_LIMIT[90], True, False)
+            for variant in variants:
+                if variant == "/varlen/nodropout" and (kernel, head_dim) in attention._WIDE_TILES_SPILL_PACKED:
+                    continue  # runs the /varlen tiles
+                if variant in attention._AOT_TILE_VARIANTS and shared == (block_m, block_n, num_warps, num_stages):
+                    variant = attention._AOT_TILE_VARIANTS[variant]
+                r = _row(results, f"attention_{kernel}",
+                         f"bf16/D{head_dim}/BM{block_m}_BN{block_n}_w{num_warps}_s{num_stages}{variant}/tma", 90)
+                shapes = [re.match(r"HGMMA\.64x(\d+)x16\.", opcode) for opcode, _ in r.mma_counts]
+                assert all(shapes) and min(int(m.group(1)) for m in shapes) >= min(64, head_dim), (
+                    r.config, r.mma_counts)
+                checked += 1
+    assert checked == 5 * 3 + 5 * 2 + 4 * 2 - len(attention._WIDE_TILES_SPILL_PACKED)
 
-    for head_dim, (block_m, block_n, num_warps, num_stages) in attention._TILES_SM90_PLAIN[("fwd", 16)].items():
-        r = causal_row(f"bf16/D{head_dim}/BM{block_m}_BN{block_n}_w{num_warps}_s{num_stages}/causal/tma", 90)
+
+def test_plain_forward_on_hopper_runs_less_bookkeeping(results):
+    """The plain forward's sm_90 tiles (_TILES_SM90_WIDE, the /causal variant) are pipelined, and their main loop
+    issues fewer non-MMA instructions per kMAC than the shared tiles' on sm_80 (the figure that compares the two)."""
+    from fused_transformer.kernels import attention
+
+    for head_dim, (block_m, block_n, num_warps, num_stages) in attention._TILES_SM90_WIDE[("fwd", 16)].items():
+        r = _row(results, "attention_fwd",
+                 f"bf16/D{head_dim}/BM{block_m}_BN{block_n}_w{num_warps}_s{num_stages}/causal/tma", 90)
         assert num_stages >= 2
-        shapes = [re.match(r"HGMMA\.64x(\d+)x16\.", opcode) for opcode, _ in r.mma_counts]
-        assert all(shapes) and min(int(m.group(1)) for m in shapes) >= min(64, head_dim), (r.config, r.mma_counts)
         shared = attention.AttentionConfig(*attention._TILES[("fwd", 16)][head_dim])
-        sm80 = causal_row(f"bf16/D{head_dim}/BM{shared.block_m}_BN{shared.block_n}_w{shared.num_warps}"
-                          f"_s{shared.num_stages}/causal", 80)
+        sm80 = _row(results, "attention_fwd", f"bf16/D{head_dim}/BM{shared.block_m}_BN{shared.block_n}"
+                    f"_w{shared.num_warps}_s{shared.num_stages}/causal", 80)
         assert r.non_mma_per_kmac < sm80.non_mma_per_kmac, (r.config, r.non_mma_per_kmac, sm80.non_mma_per_kmac)
 
 
