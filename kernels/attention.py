@@ -710,7 +710,9 @@ _TILES_SMALL_SHARED_MEMORY = {
     ("fwd", 16): {32: (128, 64, 8, 2), 64: (128, 64, 8, 2)},
     ("bwd_dkdv", 32): {16: (32, 32, 8, 2)},
 }
-# What parts with TMA and sm_90's shared memory (H100, H200) run instead for the 16-bit backward, pipelined.
+# What parts with TMA and sm_90's shared memory (H100, H200) run instead in 16 bits, pipelined. The forward's 64 keys
+# (D16 / D32 / D128; the tiles above hold 32) give its scores HGMMA.64x64x16 and lower its non-MMA/kMAC in the
+# dense variant (D16 95.5 -> 90.5, D32 46.9 -> 45.7, D128 12.4 -> 11.5; 195-254 registers, no spills).
 # wgmma computes 64-row products per warpgroup (4 warps): with 8 warps and a 64-row operand the tiles above split
 # N between the two warpgroups (HGMMA.64x16x16 at dq D128), and the dk/dv kernel's query tile (BLOCK_M) is the N
 # of its transposed products (64x16x16 / 64x8x16 at D64 / D128). The dq tiles give each warpgroup 64 query rows
@@ -718,10 +720,11 @@ _TILES_SMALL_SHARED_MEMORY = {
 # 1.67x the MMAs its products need, and per needed kMAC it goes 12.6 -> 7.7). dk/dv with 64 query rows spills in
 # the dense variant at every head dim (40-1392 B, 4 or 8 warps, 1-3 stages), so D64 takes 32 rows (N = 32) and
 # the other head dims keep the tiles above, whose pipelined versions issue more non-MMA instructions per kMAC (as
-# do wider dq tiles at D16 / D32; at D256 64-row tiles spill 200-1136 B). Only launches that load through TMA take
-# them: with the pointer path they spill (72 B at dk/dv D64, 120 B at dq D128), so inputs TMA cannot address keep
-# the tiles above.
+# do wider dq tiles at D16 / D32: 62 -> 68 and 31 -> 34 with 64 keys; at D256 64-row tiles spill 200-1136 B, and
+# forward ones 64-872 B). Only launches that load through TMA take them: with the pointer path they spill (72 B at
+# dk/dv D64, 120 B at dq D128), so inputs TMA cannot address keep the tiles above.
 _TILES_SM90 = {
+    ("fwd", 16): {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 128: (128, 64, 8, 2)},
     ("bwd_dq", 16): {64: (128, 64, 8, 2), 128: (128, 64, 8, 3)},
     ("bwd_dkdv", 16): {64: (32, 128, 8, 2)},
 }

@@ -59,11 +59,11 @@ def test_attention_on_99_kb_parts_picks_tiles_that_fit(monkeypatch):
     assert (small.num_stages, large.num_stages) == (2, 3)  # the report compiles both for their targets
 
 
-@pytest.mark.parametrize("kernel", ["bwd_dq", "bwd_dkdv"])
-def test_attention_backward_on_sm_90_picks_its_own_tiles(monkeypatch, kernel):
-    """The 16-bit backward takes _TILES_SM90 on sm_90 when it loads through TMA (as the launcher decides there for
-    inputs TMA can address) only; sm_80 / 86 / 89, sm_90's pointer path, float32 and the forward keep the shared
-    tables (launches that do not _wide_tiles_fit)."""
+@pytest.mark.parametrize("kernel", ["fwd", "bwd_dq", "bwd_dkdv"])
+def test_16_bit_attention_on_sm_90_picks_its_own_tiles(monkeypatch, kernel):
+    """16-bit launches (that do not _wide_tiles_fit) take _TILES_SM90 on sm_90 when they load through TMA (as the
+    launcher decides there for inputs TMA can address) only; sm_80 / 86 / 89, sm_90's pointer path and float32 keep
+    the shared tables."""
     from fused_transformer.kernels import attention
 
     monkeypatch.setattr(attention, "interpreting", lambda: False)
@@ -81,9 +81,12 @@ def test_attention_backward_on_sm_90_picks_its_own_tiles(monkeypatch, kernel):
             d: cfg for d, cfg in picked(90, dtype).items() if d in sm90}
         shared = attention._TILES[(kernel, 16)]
         assert picked(80, dtype) == {d: attention.AttentionConfig(*shared[d]) for d in shared}
-        assert picked(86, dtype) == picked(89, dtype) == picked(80, dtype) == picked(90, dtype, addressable=False)
+        assert picked(80, dtype) == picked(90, dtype, addressable=False)
+        small = attention._TILES_SMALL_SHARED_MEMORY.get((kernel, 16), {})
+        assert picked(86, dtype) == picked(89, dtype) == {
+            d: attention.AttentionConfig(*small[d]) if d in small else cfg for d, cfg in picked(80, dtype).items()}
     assert picked(90, torch.float32) == picked(80, torch.float32)
-    assert picked(90, torch.bfloat16, "fwd") == picked(80, torch.bfloat16, "fwd")
+    assert picked(90, torch.bfloat16, "weights") == picked(80, torch.bfloat16, "weights")
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "bwd_dq", "bwd_dkdv"])
@@ -302,8 +305,8 @@ def test_16_bit_attention_runs_hgmma_on_hopper_and_hmma_before(results):
             assert all(opcode.startswith("HMMA.16816.F32.BF16") for opcode, _ in r.mma_counts), r.mma_counts
 
 
-def test_16_bit_backward_on_hopper_is_pipelined_with_wider_hgmma(results):
-    """The sm_90 backward tiles (_TILES_SM90) are pipelined, and their HGMMAs are at least 64 wide (dq: 64 keys per
+def test_16_bit_attention_on_hopper_is_pipelined_with_wider_hgmma(results):
+    """The sm_90 tiles (_TILES_SM90) are pipelined, and their HGMMAs are at least 64 wide (forward and dq: 64 keys per
     warpgroup, or the head dim) or BLOCK_M wide (dk/dv: the query tile is the N of its transposed products)."""
     from fused_transformer.kernels import attention
 
@@ -314,12 +317,12 @@ def test_16_bit_backward_on_hopper_is_pipelined_with_wider_hgmma(results):
             rows = [r for r in results if r.name == f"attention_{kernel}" and r.target == 90
                     and r.config in (config + "/tma", config + "/varlen/tma")]
             assert len(rows) == 2 and num_stages >= 2, (kernel, config)
-            narrowest = min(64, head_dim) if kernel == "bwd_dq" else min(block_m, head_dim)
+            narrowest = min(block_m, head_dim) if kernel == "bwd_dkdv" else min(64, head_dim)
             for r in rows:
                 shapes = [re.match(r"HGMMA\.64x(\d+)x16\.", opcode) for opcode, _ in r.mma_counts]
                 assert all(shapes) and min(int(m.group(1)) for m in shapes) >= narrowest, (r.config, r.mma_counts)
                 checked += 1
-    assert checked >= 4
+    assert checked == 2 * sum(map(len, attention._TILES_SM90.values()))
 
 
 def _row(results, name, config, target):
