@@ -20,7 +20,7 @@ import importlib
 import math
 import os
 import warnings
-from typing import Callable, Dict, Iterator, Optional, TypeVar
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -110,12 +110,17 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
+def heads_interleaved_strides(shape: Sequence[int]) -> Tuple[int, int, int, int]:
+    """The strides of a ``[B, H, L, D]`` tensor whose memory is ``[B, L, H, D]``: what the attention kernels write,
+    so that merging the heads (``out.transpose(1, 2).flatten(2)``) is a view, not a copy."""
+    _, heads, length, head_dim = shape
+    return (length * heads * head_dim, head_dim, heads * head_dim, 1)
+
+
 def empty_heads_interleaved(like: torch.Tensor) -> torch.Tensor:
-    """An empty ``[B, H, L, D]`` tensor shaped as ``like`` whose memory is ``[B, L, H, D]``: what the attention
-    kernels write, so that merging the heads (``out.transpose(1, 2).flatten(2)``) is a view, not a copy."""
-    batch, heads, length, head_dim = like.shape
-    out = torch.empty((batch, length, heads, head_dim), dtype=like.dtype, device=like.device)
-    return out.transpose(1, 2)
+    """An empty tensor shaped as ``like`` ``[B, H, L, D]`` with ``heads_interleaved_strides``."""
+    return torch.empty_strided(like.shape, heads_interleaved_strides(like.shape), dtype=like.dtype,
+                               device=like.device)
 
 
 @_computed_once

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..backend import empty_heads_interleaved
+from ..backend import empty_heads_interleaved, heads_interleaved_strides
 from ..reference import softmax_scale
 from ._common import (
     LARGE_SHARED_MEMORY, contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, has_tma,
@@ -1107,12 +1107,10 @@ def _empty_output(like: Tensor) -> Tensor:
 def _output_layout(t: Tensor) -> Tensor:
     """``t`` (o, or its gradient) in the kernels' output layout, which the backward reads it in: copied unless it
     already is (as the gradient of a module's head merge is)."""
-    if t.dim() == 4:
-        _, heads, length, head_dim = t.shape
-        expected = (length * heads * head_dim, head_dim, heads * head_dim, 1)
-    else:
-        expected = (t.shape[1] * t.shape[2], t.shape[2], 1)
-    if all(size <= 1 or stride == want for size, stride, want in zip(t.shape, t.stride(), expected)):
+    if t.dim() != 4:
+        return t.contiguous()
+    if all(size <= 1 or stride == want for size, stride, want in zip(t.shape, t.stride(),
+                                                                      heads_interleaved_strides(t.shape))):
         return t
     return _empty_output(t).copy_(t)
 
