@@ -270,18 +270,22 @@ def _attention_fwd_tile(
         k = _tma_tile(k_base, batch, kv_head, k_start, first_col, seq_k, VARLEN, EDGE)
     else:
         k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
-    s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
+    qk = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION)
     if EDGE:
         s = _mask_scores(
-            s, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset, window_left,
-            window_right, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING,
-            IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
+            qk * qk_scale, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset,
+            window_left, window_right, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND,
+            HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
         )
-    new_max = tl.maximum(row_max, tl.max(s, axis=1))
-    # A row with every key so far masked has max -inf; shifting it by 0 instead keeps exp2 free of NaN.
-    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-    p = tl.math.exp2(s - shift[:, None])
-    rescale = tl.math.exp2(row_max - shift)
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))
+    else:
+        # qk_scale >= 0 here (the caller sends other scales to the edge loop), so the scaled scores' row max is the
+        # scaled row max, bit for bit (rounding is monotonic): one multiply per row, and s below has one use, the
+        # subtraction, which fuses with it (an FFMA per score instead of an FMUL and an FFMA).
+        new_max = tl.maximum(row_max, tl.max(qk, axis=1) * qk_scale)
+        s = qk * qk_scale
+    p = tl.math.exp2(s - new_max[:, None])
+    rescale = tl.math.exp2(row_max - new_max)
     row_sum = row_sum * rescale + tl.sum(p, axis=1)
     if HAS_DROPOUT:
         keep = dropout_keep(SEED, dropout_row[:, None] + cols[None, :], dropout_p)
@@ -349,7 +353,9 @@ def _attention_fwd_kernel(
         v_base = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     dropout_row = (batch_head.to(tl.int64) * n_queries + rows) * n_keys
 
-    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    # The lowest finite float32 rather than -inf: a row whose keys so far are all masked (scores -inf) keeps a finite
+    # max, so exp2(s - max) is 0 there, not NaN, with no test per row and tile.
+    row_max = tl.full((BLOCK_M,), -3.4028234663852886e38, dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     key_start, key_end = _visible_keys(
@@ -362,6 +368,8 @@ def _attention_fwd_kernel(
     split = split and not (HAS_WINDOW or HAS_DROPOUT or VARLEN)
     if split:
         inner_end = _unmasked_keys_end(first_row, key_end, k_len, offset, BLOCK_N, IS_CAUSAL)
+        if qk_scale < 0:  # the interior tiles take the row max before scaling, which a negative scale turns over
+            inner_end = key_start
         for first_col in tl.range(inner_end, key_end, BLOCK_N, num_stages=1):
             acc, row_sum, row_max = _attention_fwd_tile(
                 acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
@@ -734,9 +742,9 @@ _TILES_SM90 = {
 # and a Philox draw. Forward: 32 keys (64 at D64) in the shared tiles leave the per-tile work (row max, rescaling the
 # [BLOCK_M, D] accumulator, exp2 bookkeeping) few MACs to spread over; 128 keys give the scores HGMMA.64x128x16 (D256:
 # 64 keys, 64x64x16, and p @ v 64x256x16 where the shared 32-row tiles ran HMMA). Report figures for the plain
-# forward (the /causal variant), non-MMA per kMAC, shared tiles -> these: D16 12.4 -> 7.7, D32 6.6 -> 3.9, D64 2.7 ->
-# 2.1, D128 2.3 -> 1.1, D256 2.9 -> 0.9; the Triton tutorial's sm_90 kernel compiled the same way issues 2.0 (D64)
-# and 1.0-1.2 (D128). 256 keys (D16-D64), 256 query rows or 4 warps for 128 rows spill or sit at 240-255 registers
+# forward (the /causal variant), non-MMA per kMAC: D16 6.7, D32 3.4, D64 1.8, D128 1.0, D256 0.9 (the shared tiles
+# issued 12.4, 6.6, 2.7, 2.3, 2.9 before the interior tiles took the row max before scaling, these 7.7, 3.9, 2.1,
+# 1.1, 0.9); the Triton tutorial's sm_90 kernel compiled the same way issues 2.0 (D64) and 1.0-1.2 (D128). 256 keys (D16-D64), 256 query rows or 4 warps for 128 rows spill or sit at 240-255 registers
 # for at most 0.9 less. D256 takes 2 stages: 3 need 262200 B of shared memory. Backward: 64 query rows per
 # warpgroup in dq (D16 / D32 too: every HGMMA N >= 64 but the head dim's) and 64 query rows in the dk/dv tile, the N of
 # its transposed products: HGMMA.64x64x16 for S^T and dP^T where the every-feature tiles run 64x32x16 (D64) and
@@ -757,9 +765,10 @@ _SM90_SHARED_MEMORY = 232448
 # at dq D256).
 _WIDE_TILES_SPILL_PACKED = {("bwd_dq", 256), ("bwd_dkdv", 128)}
 # float32 with allow_tf32=True, on every target: its tensor-core products hold their operands in more registers
-# than the ieee products of the float32 tiles, which spill there.
+# than the ieee products of the float32 tiles, which spill there. Forward D16: 16 query rows (32 spilled 8 B in the
+# packed variant on sm_90 once the row max started at the lowest float instead of -inf).
 _TILES_TF32 = {
-    "fwd": {16: (32, 32, 4, 1), 32: (32, 32, 4, 1)},
+    "fwd": {16: (16, 32, 4, 1), 32: (32, 32, 4, 1)},
     "bwd_dq": {64: (16, 32, 8, 1)},
     "bwd_dkdv": {16: (16, 32, 4, 1), 32: (16, 32, 8, 1), 64: (16, 16, 8, 1), 128: (16, 16, 8, 1)},
 }

@@ -179,6 +179,23 @@ def test_unmasked_interior_key_tiles_with_query_lengths(lq, lk, alignment):
         torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=0, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scale", [-0.7, 0.0, 0.4])
+@pytest.mark.parametrize("mask_kind", ["none", "causal"])
+def test_any_scale_sign_matches_the_reference(mask_kind, scale, dtype):
+    """The forward's unmasked interior key tiles take the row max before scaling, which holds for scales >= 0 only:
+    a negative scale runs every tile through the masked loop, and all three signs match the reference. Scores
+    spread over more than exp's float32 range, so a shift below a row's true max would overflow."""
+    (q, k, v, do, _), g = _random_inputs(2, 2, 2, 100, 100, 16, seed=int(scale * 10) + 20)
+    q = q * 8
+    masks = _masks(mask_kind, 2, 2, 100, 100, g)
+    got = _run(triton_attention.attention, q, k, v, do, None, dtype, masks, scale=scale)
+    ref = _run(reference.attention, q, k, v, do, None, torch.float64, masks, scale=scale)
+    base = _run(reference.attention, q, k, v, do, None, dtype, masks, scale=scale)
+    for name, out, ref64, baseline in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
+        assert_close_to_reference(out, ref64, baseline, f"{name} (scale {scale}, {mask_kind}, {dtype})")
+
+
 def _launch_options(name: str) -> dict:
     """Keyword arguments for a [2, 1, 20, 20] call, by feature."""
     padding = torch.arange(20, device=DEVICE) >= torch.tensor([[20], [11]], device=DEVICE)
