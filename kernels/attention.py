@@ -412,6 +412,43 @@ def _attention_fwd_kernel(
 
 
 @triton.jit
+def _attention_dq_tile(
+    dq,  # the [BLOCK_M, BLOCK_D] float32 sum, returned updated
+    q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn, dropout_row,
+    batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right,
+    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+    USE_TMA: tl.constexpr, EDGE: tl.constexpr,
+):
+    """dq's step over the key tile starting at ``first_col`` (EDGE as in _attention_fwd_tile)."""
+    cols = first_col + tl.arange(0, BLOCK_N)
+    key_ok = cols < seq_k if EDGE else tl.full((BLOCK_N,), 1, tl.int1)
+    kv_mask = _tile_mask(key_ok, dims, HEAD_DIM, BLOCK_D)
+    if USE_TMA:
+        k = _tma_tile(k_base, batch, kv_head, k_start, first_col, seq_k, VARLEN, EDGE)
+        v = _tma_tile(v_base, batch, kv_head, k_start, first_col, seq_k, VARLEN, EDGE)
+    else:
+        k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
+    s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
+    if EDGE:
+        s = _mask_scores(
+            s, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset, window_left,
+            window_right, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING,
+            IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
+        )
+    p = tl.math.exp2(s - lse[:, None])
+    dp = _dot(do, tl.trans(v), UPCAST, DOT_PRECISION)
+    if HAS_DROPOUT:
+        keep = dropout_keep(SEED, dropout_row[:, None] + cols[None, :], dropout_p)
+        dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+    ds = p * (dp - delta[:, None])
+    return dq + _dot(ds.to(k.dtype), k, UPCAST, DOT_PRECISION)
+
+
+@triton.jit
 def _attention_bwd_dq_kernel(
     Q, K, V,  # as in the forward (TMA descriptors with USE_TMA)
     O,  # as the forward wrote it (a TMA descriptor with USE_TMA)
@@ -432,7 +469,7 @@ def _attention_bwd_dq_kernel(
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, INTERIOR_LOOP: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
     batch_head = _batch_head(n_heads)
@@ -486,31 +523,116 @@ def _attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     key_start, key_end = _visible_keys(
         first_row, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
-    for first_col in range(key_start, key_end, BLOCK_N):
-        cols = first_col + tl.arange(0, BLOCK_N)
-        kv_mask = _tile_mask(cols < seq_k, dims, HEAD_DIM, BLOCK_D)
-        if USE_TMA:
-            k = _tma_tile(k_base, batch, kv_head, k_start, first_col, seq_k, VARLEN, True)
-            v = _tma_tile(v_base, batch, kv_head, k_start, first_col, seq_k, VARLEN, True)
-        else:
-            k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
-        s = _mask_scores(
-            s, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset, window_left,
-            window_right, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND, HAS_PADDING,
-            IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
-        )
-        p = tl.math.exp2(s - lse[:, None])
-        dp = _dot(do, tl.trans(v), UPCAST, DOT_PRECISION)
-        if HAS_DROPOUT:
-            keep = dropout_keep(SEED, dropout_row[:, None] + cols[None, :], dropout_p)
-            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, UPCAST, DOT_PRECISION)
+    # As in the forward: with no mask held in memory, window, dropout or packing, the key tiles that no bound or
+    # diagonal crosses skip _mask_scores (rows past q_len have lse = -inf, so p = 0 there; their dq is dropped below
+    # in case an inf or NaN in their q made it NaN), the edge tiles first; unless the launcher's
+    # _interior_loop_fits says the two loops spill with these tiles (INTERIOR_LOOP False).
+    split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_PADDING or HAS_QUERY_PADDING)
+    split = split and not (HAS_WINDOW or HAS_DROPOUT or VARLEN)
+    if split:
+        inner_end = _unmasked_keys_end(first_row, key_end, k_len, offset, BLOCK_N, IS_CAUSAL)
+        for first_col in tl.range(inner_end, key_end, BLOCK_N, num_stages=1):
+            dq = _attention_dq_tile(
+                dq, q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
+                dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N,
+                BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
+                UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+            )
+        for first_col in range(key_start, inner_end, BLOCK_N):
+            dq = _attention_dq_tile(
+                dq, q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
+                dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N,
+                BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
+                UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
+            )
+        dq = tl.where(real_rows[:, None], dq, 0.0)
+    else:
+        for first_col in range(key_start, key_end, BLOCK_N):
+            dq = _attention_dq_tile(
+                dq, q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
+                dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N,
+                BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
+                UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+            )
     # qk_scale carries log2(e) for exp2; the gradient wants the plain scale.
     dq *= qk_scale * 0.6931471805599453
     tl.store(DQ + tile_offsets, dq.to(DQ.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
+def _unmasked_queries(first_col, row_start, row_end, q_len, k_len, offset, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """With no window: [start, end) of the query tiles (from row_start, a multiple of BLOCK_M) that see every key of
+    the tile starting at ``first_col`` whole, empty unless that tile lies below k_len: tiles below q_len and, causal,
+    whose first row sees the tile's last key. Those from row_start to start and from end to row_end are edges."""
+    start = row_start
+    if IS_CAUSAL:
+        start = tl.maximum(start, tl.cdiv(tl.maximum(first_col + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M)
+    start = tl.minimum(start, row_end)
+    end = tl.minimum(q_len, row_end) // BLOCK_M * BLOCK_M
+    end = tl.where(first_col + BLOCK_N <= k_len, end, start)
+    return start, tl.maximum(end, start)
+
+
+@triton.jit
+def _attention_dkdv_tile(
+    dk, dv,  # the [BLOCK_N, BLOCK_D] float32 sums, returned updated
+    k, v, first_row, cols, dims, q_base, stride_qm, batch, head, batch_head, q_start, seq_q, q_len, k_len, seq_k,
+    offset, window_left, window_right, stat_base, LSE, DELTA, DO, QUERY_PAD, stride_qpb,
+    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, n_heads, n_queries, n_keys,
+    qk_scale, dropout_p, SEED,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_PADDING: tl.constexpr, HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, EDGE: tl.constexpr,
+):
+    """dk's and dv's step over the query tile starting at ``first_row`` of one query head. EDGE False: the caller
+    knows the tile's rows are all real queries below q_len that see every key of this key tile (below k_len)."""
+    rows = first_row + tl.arange(0, BLOCK_M)
+    if EDGE:
+        real_rows = _real_rows(rows, q_len, seq_q, batch, QUERY_PAD, stride_qpb, HAS_QUERY_PADDING)
+    row_ok = rows < seq_q if EDGE else tl.full((BLOCK_M,), 1, tl.int1)
+    tile_mask = _tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D)
+    stat_offsets = stat_base + rows
+    if USE_TMA:
+        q = _tma_tile(q_base, batch, head, q_start, first_row, seq_q, VARLEN, EDGE)
+        do = _tma_tile(DO, batch, head, q_start, first_row, seq_q, VARLEN, EDGE)
+    else:
+        q = tl.load(q_base + rows[:, None].to(tl.int64) * stride_qm + dims[None, :], mask=tile_mask, other=0.0)
+        do_rows = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, True)
+        do = tl.load(DO + do_rows[:, None] * HEAD_DIM + dims[None, :], mask=tile_mask, other=0.0)
+    if EDGE:
+        lse = tl.load(LSE + stat_offsets, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+        # Rows with no key have lse = -inf; +inf makes exp2(s - lse) = 0 there instead of NaN.
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
+        delta = tl.load(DELTA + stat_offsets, mask=row_ok, other=0.0)
+    else:  # real rows that see keys: a finite lse
+        lse = tl.load(LSE + stat_offsets) * 1.4426950408889634
+        delta = tl.load(DELTA + stat_offsets)
+
+    s_t = _dot(k, tl.trans(q), UPCAST, DOT_PRECISION) * qk_scale
+    if EDGE:
+        s_t = _mask_scores(
+            s_t, rows[None, :], cols[:, None], real_rows[None, :], batch, head, k_len, seq_k, offset,
+            window_left, window_right, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb,
+            MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
+        )
+    p_t = tl.math.exp2(s_t - lse[None, :])
+    dp_t = _dot(v, tl.trans(do), UPCAST, DOT_PRECISION)
+    if HAS_DROPOUT:
+        dropout_row = (batch_head * n_queries + rows) * n_keys
+        keep = dropout_keep(SEED, dropout_row[None, :] + cols[:, None], dropout_p)
+        keep_scale = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+        dv += _dot((p_t * keep_scale).to(do.dtype), do, UPCAST, DOT_PRECISION)
+        dp_t *= keep_scale
+    else:
+        dv += _dot(p_t.to(do.dtype), do, UPCAST, DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += _dot(ds_t.to(q.dtype), q, UPCAST, DOT_PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -530,6 +652,7 @@ def _attention_bwd_dkdv_kernel(
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    INTERIOR_LOOP: tl.constexpr,
 ):
     # Works in the transposed orientation (keys along dim 0) so no tile needs a transpose but q's and do's.
     first_col = tl.program_id(0) * BLOCK_N
@@ -562,48 +685,56 @@ def _attention_bwd_dkdv_kernel(
     # Query tiles wholly above the causal diagonal or outside the window see none of these keys: not visited.
     row_start, row_end = _visible_queries(
         first_col, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    # As in the forward: with no mask held in memory, window, dropout or packing, the query tiles that see every key
+    # of this tile whole (a key tile below k_len; query tiles below q_len and, causal, below the diagonal through its
+    # last key) skip _mask_scores; one loop walks the edge tiles before and after them, then one the interior
+    # (INTERIOR_LOOP as in the dq kernel).
+    split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_PADDING or HAS_QUERY_PADDING)
+    split = split and not (HAS_WINDOW or HAS_DROPOUT or VARLEN)
+    inner_start, inner_end = row_end, row_end
+    if split:
+        inner_start, inner_end = _unmasked_queries(first_col, row_start, row_end, q_len, k_len, offset, BLOCK_M,
+                                                   BLOCK_N, IS_CAUSAL)
+    leading_edge_tiles = tl.cdiv(inner_start - row_start, BLOCK_M)
+    edge_tiles = leading_edge_tiles + tl.cdiv(row_end - inner_end, BLOCK_M)
     for group_member in range(0, kv_group):
         head = kv_head * kv_group + group_member
         batch_head = batch * n_heads + head
+        q_base = Q
         if not USE_TMA:
             q_base = Q + batch * stride_qb + head * stride_qh + q_start * stride_qm
         stat_base = _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN)
-        for first_row in range(row_start, row_end, BLOCK_M):
-            rows = first_row + tl.arange(0, BLOCK_M)
-            real_rows = _real_rows(rows, q_len, seq_q, batch, QUERY_PAD, stride_qpb, HAS_QUERY_PADDING)
-            row_ok = rows < seq_q
-            tile_mask = _tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D)
-            stat_offsets = stat_base + rows
-            if USE_TMA:
-                q = _tma_tile(Q, batch, head, q_start, first_row, seq_q, VARLEN, True)
-                do = _tma_tile(DO, batch, head, q_start, first_row, seq_q, VARLEN, True)
-            else:
-                q = tl.load(q_base + rows[:, None].to(tl.int64) * stride_qm + dims[None, :], mask=tile_mask,
-                            other=0.0)
-                do_rows = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, True)
-                do = tl.load(DO + do_rows[:, None] * HEAD_DIM + dims[None, :], mask=tile_mask, other=0.0)
-            lse = tl.load(LSE + stat_offsets, mask=row_ok, other=float("-inf")) * 1.4426950408889634
-            lse = tl.where(lse == float("-inf"), float("inf"), lse)
-            delta = tl.load(DELTA + stat_offsets, mask=row_ok, other=0.0)
-
-            s_t = _dot(k, tl.trans(q), UPCAST, DOT_PRECISION) * qk_scale
-            s_t = _mask_scores(
-                s_t, rows[None, :], cols[:, None], real_rows[None, :], batch, head, k_len, seq_k, offset,
-                window_left, window_right, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb,
-                MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
-            )
-            p_t = tl.math.exp2(s_t - lse[None, :])
-            dp_t = _dot(v, tl.trans(do), UPCAST, DOT_PRECISION)
-            if HAS_DROPOUT:
-                dropout_row = (batch_head * n_queries + rows) * n_keys
-                keep = dropout_keep(SEED, dropout_row[None, :] + cols[:, None], dropout_p)
-                keep_scale = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
-                dv += _dot((p_t * keep_scale).to(do.dtype), do, UPCAST, DOT_PRECISION)
-                dp_t *= keep_scale
-            else:
-                dv += _dot(p_t.to(do.dtype), do, UPCAST, DOT_PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += _dot(ds_t.to(q.dtype), q, UPCAST, DOT_PRECISION)
+        if split:
+            for edge_tile in tl.range(0, edge_tiles, num_stages=1):
+                first_row = tl.where(edge_tile < leading_edge_tiles, row_start + edge_tile * BLOCK_M,
+                                     inner_end + (edge_tile - leading_edge_tiles) * BLOCK_M)
+                dk, dv = _attention_dkdv_tile(
+                    dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, batch, head, batch_head, q_start, seq_q,
+                    q_len, k_len, seq_k, offset, window_left, window_right, stat_base, LSE, DELTA, DO, QUERY_PAD,
+                    stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, n_heads, n_queries,
+                    n_keys, qk_scale, dropout_p, SEED, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING,
+                    HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST, DOT_PRECISION,
+                    VARLEN, USE_TMA, EDGE=True,
+                )
+            for first_row in range(inner_start, inner_end, BLOCK_M):
+                dk, dv = _attention_dkdv_tile(
+                    dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, batch, head, batch_head, q_start, seq_q,
+                    q_len, k_len, seq_k, offset, window_left, window_right, stat_base, LSE, DELTA, DO, QUERY_PAD,
+                    stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, n_heads, n_queries,
+                    n_keys, qk_scale, dropout_p, SEED, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING,
+                    HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST, DOT_PRECISION,
+                    VARLEN, USE_TMA, EDGE=False,
+                )
+        else:
+            for first_row in range(row_start, row_end, BLOCK_M):
+                dk, dv = _attention_dkdv_tile(
+                    dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, batch, head, batch_head, q_start, seq_q,
+                    q_len, k_len, seq_k, offset, window_left, window_right, stat_base, LSE, DELTA, DO, QUERY_PAD,
+                    stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, n_heads, n_queries,
+                    n_keys, qk_scale, dropout_p, SEED, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING,
+                    HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST, DOT_PRECISION,
+                    VARLEN, USE_TMA, EDGE=True,
+                )
     dk *= qk_scale * 0.6931471805599453
 
     if USE_TMA and not VARLEN:
@@ -704,9 +835,9 @@ _TILES = {
     ("fwd", 32): {16: (64, 32, 8, 2), 32: (64, 32, 8, 2), 64: (32, 32, 8, 1), 128: (32, 16, 8, 1)},
     ("bwd_dq", 16): {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 32, 8, 1), 128: (64, 32, 8, 2),
                      256: (32, 32, 8, 1)},
-    ("bwd_dq", 32): {16: (32, 32, 4, 1), 32: (64, 32, 8, 2), 64: (64, 32, 8, 2), 128: (16, 16, 8, 1)},
+    ("bwd_dq", 32): {16: (32, 32, 4, 1), 32: (32, 32, 8, 2), 64: (64, 32, 8, 2), 128: (16, 16, 8, 1)},
     ("bwd_dkdv", 16): {16: (32, 128, 8, 1), 32: (32, 128, 8, 1), 64: (16, 64, 4, 1), 128: (16, 64, 8, 1),
-                       256: (16, 16, 8, 1)},
+                       256: (16, 32, 8, 1)},
     ("bwd_dkdv", 32): {16: (32, 64, 8, 1), 32: (32, 64, 8, 2), 64: (16, 32, 8, 1), 128: (16, 64, 8, 1)},
     ("weights", 16): {16: (64, 64, 4, 1), 32: (64, 64, 4, 1), 64: (64, 64, 4, 1), 128: (64, 64, 4, 1),
                       256: (32, 32, 4, 1)},
@@ -744,19 +875,20 @@ _TILES_SM90 = {
 # 64 keys, 64x64x16, and p @ v 64x256x16 where the shared 32-row tiles ran HMMA). Report figures for the plain
 # forward (the /causal variant), non-MMA per kMAC: D16 6.7, D32 3.4, D64 1.8, D128 1.0, D256 0.9 (the shared tiles
 # issued 12.4, 6.6, 2.7, 2.3, 2.9 before the interior tiles took the row max before scaling, these 7.7, 3.9, 2.1,
-# 1.1, 0.9); the Triton tutorial's sm_90 kernel compiled the same way issues 2.0 (D64) and 1.0-1.2 (D128). 256 keys (D16-D64), 256 query rows or 4 warps for 128 rows spill or sit at 240-255 registers
-# for at most 0.9 less. D256 takes 2 stages: 3 need 262200 B of shared memory. Backward: 64 query rows per
-# warpgroup in dq (D16 / D32 too: every HGMMA N >= 64 but the head dim's) and 64 query rows in the dk/dv tile, the N of
-# its transposed products: HGMMA.64x64x16 for S^T and dP^T where the every-feature tiles run 64x32x16 (D64) and
-# 64x8x16 (D128; per kMAC 4.4 -> 1.9 in the /padded variant); with a mask tile or dropout these dk/dv tiles spill
-# (D64: 544 B with both, 24-360 B with the float mask alone). D256 dk/dv keeps the shared tile (a 64-row tile's dk
-# and dv alone take 256 registers a thread).
+# 1.1, 0.9); the Triton tutorial's sm_90 kernel compiled the same way issues 2.0 (D64) and 1.0-1.2 (D128). 256 keys
+# (D16-D64), 256 query rows or 4 warps for 128 rows spill or sit at 240-255 registers for at most 0.9 less. D256
+# takes 2 stages: 3 need 262200 B of shared memory. Backward: 64 query rows per warpgroup in dq (D16 / D32 too:
+# every HGMMA N >= 64 but the head dim's) and 64 query rows in the dk/dv tile, the N of its transposed products:
+# HGMMA.64x64x16 for S^T and dP^T where the every-feature tiles run 64x32x16 (D64) and 64x8x16 (D128; per kMAC
+# 4.4 -> 1.9 in the /padded variant; D128 takes one warpgroup and 64 keys: two and 128 keys spilled 16 B in the
+# /causal variant); with a mask tile or dropout these dk/dv tiles spill (D64: 544 B with both, 24-360 B with the
+# float mask alone). D256 dk/dv keeps the shared tile (a 64-row tile's dk and dv alone take 256 registers a thread).
 _TILES_SM90_WIDE = {
     ("fwd", 16): {16: (128, 128, 8, 3), 32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 128, 8, 3),
                   256: (128, 64, 8, 2)},
     ("bwd_dq", 16): {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 3),
                      256: (64, 64, 4, 2)},
-    ("bwd_dkdv", 16): {16: (64, 128, 8, 2), 32: (64, 128, 8, 2), 64: (64, 128, 8, 2), 128: (64, 128, 8, 1)},
+    ("bwd_dkdv", 16): {16: (64, 128, 8, 2), 32: (64, 128, 8, 2), 64: (64, 128, 8, 2), 128: (64, 64, 4, 1)},
 }
 # Shared memory per block of sm_90: the dq tiles at D128 (3 stages) take 229400 B of it.
 _SM90_SHARED_MEMORY = 232448
@@ -769,7 +901,7 @@ _WIDE_TILES_SPILL_PACKED = {("bwd_dq", 256), ("bwd_dkdv", 128)}
 # packed variant on sm_90 once the row max started at the lowest float instead of -inf).
 _TILES_TF32 = {
     "fwd": {16: (16, 32, 4, 1), 32: (32, 32, 4, 1)},
-    "bwd_dq": {64: (16, 32, 8, 1)},
+    "bwd_dq": {16: (16, 32, 4, 1), 64: (16, 32, 8, 1)},
     "bwd_dkdv": {16: (16, 32, 4, 1), 32: (16, 32, 8, 1), 64: (16, 16, 8, 1), 128: (16, 16, 8, 1)},
 }
 # float32 stops at head_dim 128: its dq kernel spills at every tile size tried for 256 (see the AOT report).
@@ -789,6 +921,23 @@ def _wide_tiles_fit(kernel: str, head_dim: int, MASK_KIND: int, HAS_DROPOUT: boo
     if VARLEN and (kernel, _head_dim_bucket(head_dim)) in _WIDE_TILES_SPILL_PACKED:
         return False
     return MASK_KIND == MASK_NONE and not HAS_DROPOUT
+
+
+# Backward tiles whose two-loop path (unmasked interior tiles: plain or causal, no mask in memory, window, dropout
+# or packing) spills in the AOT report, by (kernel, precision, head dim bucket, tiles, TMA loads): such launches mask
+# every tile. bf16 stands for both 16-bit types. Report, two loops: dq D256 8 B (sm_90 wide tiles), dk/dv D128
+# 448 B (sm_90 wide tiles) and D256 752 B (sm_90), float32 dq D64 296-328 B.
+_INTERIOR_LOOP_SPILLS = {
+    ("bwd_dq", "bf16", 256, (64, 64, 4, 2), True), ("bwd_dkdv", "bf16", 128, (64, 64, 4, 1), True),
+    ("bwd_dkdv", "bf16", 256, (16, 32, 8, 1), True), ("bwd_dq", "fp32", 64, (64, 32, 8, 2), False),
+}
+
+
+def _interior_loop_fits(kernel: str, precision: str, head_dim: int, tiles: Tuple[int, ...], tma: bool) -> bool:
+    """Whether a backward ``kernel`` launch in ``precision`` ("bf16" for 16-bit inputs, "fp32" or "tf32") with these
+    tiles, loading through TMA or not, may run the two-loop path (its INTERIOR_LOOP), as the report compiles it
+    without spills (the interpreter's tiles always do)."""
+    return (kernel, precision, _head_dim_bucket(head_dim), tuple(tiles), tma) not in _INTERIOR_LOOP_SPILLS
 
 
 def _tiles(kernel: str, bits: int, bucket: int, tf32: bool, shared_memory: int, tma: bool,
@@ -1084,6 +1233,7 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
         BLOCK_D=block_d, HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(),
         **_dot_args(q.dtype, allow_tf32), USE_TMA=use_tma,
     )
+    precision = "bf16" if q.dtype != torch.float32 else "tf32" if allow_tf32 else "fp32"
     cfg = config_for("bwd_dq", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma,
                      _wide_tiles_fit("bwd_dq", layout.head_dim, **common_constexprs))
     q_in, o_in, do_in = (_tiles_of(x, cfg.block_m, block_d, use_tma) for x in (q, o, do))
@@ -1092,6 +1242,7 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
         q_in, k_in, v_in, o_in, do_in, lse, dlse.contiguous() if dlse is not None else None, delta, dq,
         *common_args,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_DLSE=dlse is not None, **common_constexprs,
+        INTERIOR_LOOP=_interior_loop_fits("bwd_dq", precision, layout.head_dim, dataclasses.astuple(cfg), use_tma),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     cfg = config_for("bwd_dkdv", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma,
@@ -1100,8 +1251,10 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
         _tiles_of(q, cfg.block_m, block_d, use_tma), _tiles_of(k, cfg.block_n, block_d, use_tma),
         _tiles_of(v, cfg.block_n, block_d, use_tma), _tiles_of(do, cfg.block_m, block_d, use_tma), lse, delta,
         *(_tiles_of(t, cfg.block_n, block_d, use_tma and t.dim() == 4) for t in (dk, dv)),  # dense: TMA stores
-        *common_args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        **common_constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        *common_args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common_constexprs,
+        INTERIOR_LOOP=_interior_loop_fits("bwd_dkdv", precision, layout.head_dim, dataclasses.astuple(cfg),
+                                          use_tma),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -1462,7 +1615,7 @@ _AOT_VARIANTS = {
              HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=False),
     "/varlen": dict(MASK_KIND=MASK_NONE, HAS_PADDING=False, HAS_QUERY_LENS=False, HAS_QUERY_PADDING=False,
                     IS_CAUSAL=True, HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=True),
-    # The forward's two-loop path (unmasked interior tiles): causal with the most it takes, no dropout.
+    # The two-loop path of each kernel (unmasked interior tiles): causal with the most it takes, no dropout.
     "/causal": dict(MASK_KIND=MASK_NONE, HAS_PADDING=False, HAS_QUERY_LENS=True, HAS_QUERY_PADDING=False,
                     IS_CAUSAL=True, HAS_WINDOW=False, PER_SEQUENCE_OFFSET=True, VARLEN=False, HAS_DROPOUT=False),
     # The most a launch that _wide_tiles_fit takes, dense and packed.
@@ -1473,7 +1626,7 @@ _AOT_VARIANTS = {
                               HAS_DROPOUT=False),
 }
 # Variants only some kernels have: the others compile them as the dense variant.
-_AOT_VARIANT_KERNELS = {"/causal": ("fwd",), "/padded": ("fwd", "bwd_dq", "bwd_dkdv"),
+_AOT_VARIANT_KERNELS = {"/causal": ("fwd", "bwd_dq", "bwd_dkdv"), "/padded": ("fwd", "bwd_dq", "bwd_dkdv"),
                         "/varlen/nodropout": ("fwd", "bwd_dq", "bwd_dkdv")}
 # Variants compiled only for the targets where they pick other tiles than the variant named (elsewhere they run
 # the same tiles with fewer features).
@@ -1491,7 +1644,7 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     """Every attention kernel × tile config the launchers pick on a GPU, in bfloat16 (16-bit tiles), float32 and
     float32 with tf32 products, for the targets that pick it, in each feature set of ``_AOT_VARIANTS`` (dense
     with every feature on: float mask, key and query padding, query lengths, causal, window, per-sequence
-    alignment, dropout; packed sequences with causal, window and dropout; for the forward, causal without dropout,
+    alignment, dropout; packed sequences with causal, window and dropout; causal without dropout,
     the path that skips masking interior tiles; and, where they pick tiles of their own (``_AOT_TILE_VARIANTS``), the
     most a launch that ``_wide_tiles_fit`` takes, dense and packed), each with TMA loads for ``_AOT_TMA_TARGETS``
     and the pointer path for the other targets and float32. Each variant gets the tiles its launches pick."""
@@ -1544,6 +1697,8 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
             HAS_DROPOUT=True, HAS_DLSE=True, UPCAST=False, DOT_PRECISION=dot_precision, USE_TMA=use_tma,
         )
         constexprs.update(features)
+        constexprs["INTERIOR_LOOP"] = _interior_loop_fits(
+            kernel, "bf16" if bits == 16 else dot_precision.replace("ieee", "fp32"), head_dim, tiles, use_tma)
         constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
         configs.append(AotKernel(
             name=f"attention_{kernel}",

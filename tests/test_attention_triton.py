@@ -179,6 +179,54 @@ def test_unmasked_interior_key_tiles_with_query_lengths(lq, lk, alignment):
         torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=0, msg=name)
 
 
+@pytest.mark.parametrize("fits", [False, True])
+def test_backward_takes_the_interior_loop_where_the_launcher_says_it_fits(monkeypatch, fits):
+    """dq and dk/dv get INTERIOR_LOOP from _interior_loop_fits (off for the tiles whose two loops spill), and either
+    way give the reference's gradients for causal attention with query lengths."""
+    asked, launched = [], []
+    monkeypatch.setattr(triton_attention, "_interior_loop_fits", lambda *args: asked.append(args[0]) or fits)
+    for attr in ("_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"):
+        kernel = getattr(triton_attention, attr)
+
+        class RecordLaunch:
+            def __getitem__(self, grid, kernel=kernel):
+                def launch(*args, **constexprs):
+                    launched.append(constexprs["INTERIOR_LOOP"])
+                    return kernel[grid](*args, **constexprs)
+                return launch
+
+        monkeypatch.setattr(triton_attention, attr, RecordLaunch())
+    (q, k, v, do, _), _ = _random_inputs(2, 2, 2, 100, 77, 16, seed=9)
+    masks = {"is_causal": True, "causal_alignment": "bottom_right"}
+    query_lengths = torch.tensor([100, 61], device=DEVICE)
+    got = _run(triton_attention.attention, q, k, v, do, None, torch.float32, masks, query_lengths=query_lengths)
+    real = (torch.arange(100, device=DEVICE)[None, :] < query_lengths[:, None])[:, None, :, None]
+    ref = _run(reference.attention, q * real, k, v, do * real, None, torch.float64, masks)
+    assert asked == ["bwd_dq", "bwd_dkdv"] and launched == [fits, fits]
+    for name, out, expected in zip(("dq", "dk", "dv"), got[2:], ref[2:]):
+        torch.testing.assert_close(out.double(), expected * real if name == "dq" else expected, atol=2e-5, rtol=0,
+                                   msg=name)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_nan_in_queries_past_query_lengths_stays_there(is_causal):
+    """The unmasked interior tiles compute rows past query_lengths too (the forward and dq drop them at the end): a
+    NaN in those rows' q reaches neither the outputs, nor dq, nor dv. (dk does take it: dk sums ds^T q, and a zero
+    ds times a NaN q row is NaN, as with every tile masked.)"""
+    (q, k, v, do, _), _ = _random_inputs(2, 2, 2, 100, 100, 16, seed=5)
+    query_lengths = torch.tensor([100, 40], device=DEVICE)
+    q[1, :, 40:] = float("nan")
+    masks = {"is_causal": is_causal}
+    out, lse, dq, dk, dv = _run(triton_attention.attention, q, k, v, do, None, torch.float32, masks,
+                                query_lengths=query_lengths)
+    real = (torch.arange(100, device=DEVICE)[None, :] < query_lengths[:, None])[:, None, :].expand(out.shape[:3])
+    assert (out[~real] == 0).all() and (lse[~real] == float("-inf")).all() and (dq[~real] == 0).all()
+    clean_q = torch.where(real[..., None], q, 0.0)
+    ref = _run(reference.attention, clean_q, k, v, do * real[..., None], None, torch.float64, masks)
+    for name, got, expected in (("out", out[real], ref[0][real]), ("dq", dq[real], ref[2][real]), ("dv", dv, ref[4])):
+        torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("scale", [-0.7, 0.0, 0.4])
 @pytest.mark.parametrize("mask_kind", ["none", "causal"])

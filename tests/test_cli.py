@@ -119,9 +119,13 @@ def children(pid):
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the compiler workers through /proc")
 def test_ctrl_c_in_report_stops_the_compiler_workers():
+    """Interrupted as its workers start, the report exits within seconds: the jobs not yet running are cancelled
+    (left to the pool, the workers went on compiling for over a minute)."""
+    started = time.monotonic()
     status, out, err = interrupt(["report", "--jobs", "2"], ready=lambda pid: len(children(pid)) >= 2)
     assert status == INTERRUPTED, out + err
     assert "compilations finished; report writes nothing" in assert_one_line(err)
+    assert time.monotonic() - started < 30
 
 
 def test_a_compiler_worker_exits_when_its_parent_is_gone(monkeypatch):

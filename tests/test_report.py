@@ -240,7 +240,7 @@ def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
     """Whatever tiles config_for picks (dtype, head dim, each target's shared memory and TMA, allow_tf32, wide tiles
     or not) is compiled by the report for the targets that pick it, with the loads the launcher picks there (16-bit
     inputs through TMA on sm_90), in the variant that launch runs: a launch that _wide_tiles_fit in /causal (the
-    plain forward), /padded or /varlen/nodropout, which are listed only where their tiles are not the ones the
+    two-loop path), /padded or /varlen/nodropout, the last two listed only where their tiles are not the ones the
     dense or /varlen variant compiles with more features on."""
     from fused_transformer.kernels import attention
 
@@ -264,7 +264,7 @@ def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
                     variants = (("", False),)
                     if kernel != "weights":
                         variants += (("/varlen", False), ("/padded", True), ("/varlen/nodropout", True))
-                    if kernel == "fwd":
+                    if kernel != "weights":
                         variants += (("/causal", True),)
                     for variant, wide in variants:
                         # What the launcher asks for: packed launches without dropout, as _wide_tiles_fit says.
@@ -279,7 +279,35 @@ def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
                         for target in targets:
                             assert (f"attention_{kernel}", config, target) in listed
                             checked += 1
-    assert checked == len(report.TARGETS) * ((5 + 4 * 2) * (5 + 4 + 4) + (5 + 4))
+    assert checked == len(report.TARGETS) * ((5 + 4 * 2) * (5 + 5 + 5) + (5 + 4))
+
+
+def test_backward_interior_loop_is_off_only_for_tiles_a_launcher_picks():
+    """_INTERIOR_LOOP_SPILLS names backward tiles (with their precision and loads) that some target really picks, so
+    no entry outlives a change of tiles; the report compiles exactly those with INTERIOR_LOOP off."""
+    from fused_transformer.kernels import attention
+
+    picked = set()
+    for target in report.TARGETS:
+        for kernel in ("bwd_dq", "bwd_dkdv"):
+            for precision, bits, tf32 in (("bf16", 16, False), ("fp32", 32, False), ("tf32", 32, True)):
+                for bucket in (16, 32, 64, 128, 256):
+                    if bits == 32 and bucket > attention.MAX_HEAD_DIM_FLOAT32:
+                        continue
+                    tma = bits == 16 and target in attention._AOT_TMA_TARGETS
+                    for wide in (False, True):
+                        tiles = attention._tiles(kernel, bits, bucket, tf32, report.SHARED_MEMORY_LIMIT[target], tma,
+                                                 wide)
+                        picked.add((kernel, precision, bucket, tiles, tma))
+    assert attention._INTERIOR_LOOP_SPILLS <= picked
+    off = set()
+    for k in attention.aot_configs():
+        if k.name in ("attention_bwd_dq", "attention_bwd_dkdv") and not k.constexprs["INTERIOR_LOOP"]:
+            precision = k.config.split("/")[0]
+            tiles = (k.constexprs["BLOCK_M"], k.constexprs["BLOCK_N"], k.num_warps, k.num_stages)
+            off.add((k.name.removeprefix("attention_"), precision, k.constexprs["BLOCK_D"], tiles,
+                     k.constexprs["USE_TMA"]))
+    assert off == attention._INTERIOR_LOOP_SPILLS
 
 
 # ------------------------------------------------------------------------------------ SASS figures, real kernels
@@ -339,7 +367,7 @@ def test_wide_tiles_on_hopper_run_hgmma_at_least_64_wide(results):
 
     checked = 0
     for (kernel, _), by_head_dim in attention._TILES_SM90_WIDE.items():
-        variants = ("/padded", "/varlen/nodropout") + (("/causal",) if kernel == "fwd" else ())
+        variants = ("/padded", "/varlen/nodropout", "/causal")
         for head_dim, (block_m, block_n, num_warps, num_stages) in by_head_dim.items():
             shared = attention._tiles(kernel, 16, head_dim, False, report.SHARED_MEMORY_LIMIT[90], True, False)
             for variant in variants:
@@ -353,7 +381,7 @@ def test_wide_tiles_on_hopper_run_hgmma_at_least_64_wide(results):
                 assert all(shapes) and min(int(m.group(1)) for m in shapes) >= min(64, head_dim), (
                     r.config, r.mma_counts)
                 checked += 1
-    assert checked == 5 * 3 + 5 * 2 + 4 * 2 - len(attention._WIDE_TILES_SPILL_PACKED)
+    assert checked == 5 * 3 + 5 * 3 + 4 * 3 - len(attention._WIDE_TILES_SPILL_PACKED)
 
 
 def test_plain_forward_on_hopper_runs_less_bookkeeping(results):

@@ -423,6 +423,11 @@ def compile_all(jobs: int = 2, modules: Sequence[str] = KERNEL_MODULES) -> List[
                 futures.extend(pool.submit(_compile_job, *job) for job in work)
             return [f.result() for f in futures]
         except KeyboardInterrupt:
+            # Cancelled here, not by shutdown(cancel_futures=True): that leaves the cancelling to the pool's manager
+            # thread, which, interrupted while its workers were still starting, went on feeding them every job
+            # (Python 3.11: a Ctrl-C in the first second took 75 s and ~100 compilations to exit).
+            for future in futures:
+                future.cancel()
             pool.shutdown(wait=False, cancel_futures=True)
             done = sum(f.done() and not f.cancelled() for f in futures)
             raise Interrupted(f"{done} of {len(work)} compilations finished; report writes nothing") from None
