@@ -263,9 +263,8 @@ def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
                     tma = dtype in attention.TMA_DTYPES and target >= 90  # what the launcher takes there
                     variants = (("", False),)
                     if kernel != "weights":
-                        variants += (("/varlen", False), ("/padded", True), ("/varlen/nodropout", True))
-                    if kernel != "weights":
-                        variants += (("/causal", True),)
+                        variants += (("/varlen", False), ("/padded", True), ("/varlen/nodropout", True),
+                                     ("/causal", True))
                     for variant, wide in variants:
                         # What the launcher asks for: packed launches without dropout, as _wide_tiles_fit says.
                         wide = wide and attention._wide_tiles_fit(kernel, head_dim, MASK_KIND=attention.MASK_NONE,
