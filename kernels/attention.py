@@ -1677,6 +1677,7 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     configs = []
     for kernel, bits, head_dim, tiles, targets, dot_precision, variant, features, use_tma in shipped:
         elem = "*bf16" if bits == 16 else "*fp32"
+        precision = "bf16" if bits == 16 else dot_precision.replace("ieee", "fp32")  # the config name's, too
         cfg = AttentionConfig(*tiles)
         fn = kernels[kernel]
         signature = {}
@@ -1697,12 +1698,11 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
             HAS_DROPOUT=True, HAS_DLSE=True, UPCAST=False, DOT_PRECISION=dot_precision, USE_TMA=use_tma,
         )
         constexprs.update(features)
-        constexprs["INTERIOR_LOOP"] = _interior_loop_fits(
-            kernel, "bf16" if bits == 16 else dot_precision.replace("ieee", "fp32"), head_dim, tiles, use_tma)
+        constexprs["INTERIOR_LOOP"] = _interior_loop_fits(kernel, precision, head_dim, tiles, use_tma)
         constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
         configs.append(AotKernel(
             name=f"attention_{kernel}",
-            config=f"{'bf16' if bits == 16 else dot_precision.replace('ieee', 'fp32')}/D{head_dim}"
+            config=f"{precision}/D{head_dim}"
                    f"/BM{cfg.block_m}_BN{cfg.block_n}"
                    f"_w{cfg.num_warps}_s{cfg.num_stages}{variant}{'/tma' if use_tma else ''}",
             fn=fn, signature=signature, constexprs=constexprs, num_warps=cfg.num_warps,
