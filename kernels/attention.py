@@ -13,8 +13,8 @@ program per key tile of a key/value head writes dk and dv, walking every query h
 
 Masks, composable, all inside the kernels:
   key lengths     derived on the device from key_padding_mask (index of the last key that is not padding, + 1):
-                  key tiles past a sequence's length are skipped, not visited; keys inside it are still
-                  checked against the mask itself, so a mask that is not right-padded is exact too.
+                  key tiles past a sequence's length are skipped, not visited; the tiles from its first padding
+                  key on are checked against the mask itself, so a mask that is not right-padded is exact too.
   query padding   the same for query rows (query_padding_mask): padding rows write zeros (LSE -inf) and pass
                   no gradient; query tiles past the last real query are skipped in the dk/dv loop.
   causal/window   key j visible from query i when i + o - left <= j <= i + o + right, o the alignment offset:
@@ -164,7 +164,8 @@ def _sequence(
     """Where sequence ``batch`` lies and what of it is real:
     q_start, k_start: its first query / key row in q / k (int64; 0 unless VARLEN, whose rows are packed);
     seq_q, seq_k: its query / key rows in memory (Lq / Lk; its own lengths with VARLEN);
-    q_len, k_len: one past its last query / key that is not padding (QUERY_LENS / KEY_LENS, else seq_q / seq_k);
+    q_len, k_len: one past its last query / key that is not padding (QUERY_LENS / KEY_LENS's first row, else seq_q /
+    seq_k);
     offset: its alignment offset, query i's diagonal key being i + offset (k_len - q_len with PER_SEQUENCE_OFFSET,
     bottom_right aligned per sequence; else the launcher's causal_offset)."""
     if VARLEN:
@@ -238,11 +239,21 @@ def _visible_queries(first_col, q_len, k_len, offset, window_left, window_right,
 
 
 @triton.jit
-def _unmasked_keys_end(first_row, key_end, k_len, offset, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+def _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING: tl.constexpr):
+    """How many keys of sequence ``batch`` come before its first padding key (k_len when it has padding only at the
+    end, or none): key tiles below that need no padding mask. KEY_LENS is [2, B] int32 (``_key_lengths``), this
+    the second row; the grid's axis 2 is the batch."""
+    if HAS_PADDING:
+        return tl.load(KEY_LENS + tl.num_programs(2) + batch)
+    return k_len
+
+
+@triton.jit
+def _unmasked_keys_end(first_row, key_end, leading_keys, offset, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """With no window (the key tiles start at 0): the end of the key tiles that every row of the query tile starting
-    at ``first_row`` sees whole, below k_len and, causal, at or left of its first row's diagonal. The tiles from
-    there to ``key_end`` are the edges that need ``_mask_scores``."""
-    end = k_len
+    at ``first_row`` sees whole, below ``leading_keys`` (``_leading_real_keys``) and, causal, at or left of its first
+    row's diagonal. The tiles from there to ``key_end`` are the edges that need ``_mask_scores``."""
+    end = leading_keys
     if IS_CAUSAL:
         end = tl.minimum(end, first_row + offset + 1)
     return tl.minimum(tl.maximum(end, 0) // BLOCK_N * BLOCK_N, key_end)
@@ -306,7 +317,8 @@ def _attention_fwd_kernel(
     LSE,  # [B, H, Lq] float32 contiguous, natural log; VARLEN: [H, Tq]
     MASK,  # attn_mask, read through strides (MASK_KIND != 0)
     PAD,  # [B, Lk] uint8, 1 = padding (HAS_PADDING)
-    KEY_LENS,  # [B] int32: one past each sequence's last key that is not padding (HAS_PADDING)
+    KEY_LENS,  # [2, B] int32: one past each sequence's last key that is not padding, then its keys before the first
+    # padding key (HAS_PADDING; _key_lengths)
     QUERY_LENS,  # [B] int32: one past each sequence's last query row to compute (HAS_QUERY_LENS)
     QUERY_PAD,  # [B, Lq] uint8, 1 = padding (HAS_QUERY_PADDING)
     CU_SEQLENS_Q, CU_SEQLENS_K,  # [B + 1] int32: each packed sequence's first row, then the total (VARLEN)
@@ -360,14 +372,14 @@ def _attention_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     key_start, key_end = _visible_keys(
         first_row, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
-    # Plain and causal attention (no mask held in memory, window, dropout or packing): the key tiles that no bound
-    # or diagonal crosses skip _mask_scores, after the edge tiles (the other way round, or with the few edge tiles
-    # pipelined too, spilled). Rows past q_len are dropped at the end. With any of those features on, two loops
-    # spilled in some tile configs of the AOT report: one loop masks every tile there.
-    split = MASK_KIND == 0 and not (HAS_PADDING or HAS_QUERY_PADDING)
-    split = split and not (HAS_WINDOW or HAS_DROPOUT or VARLEN)
+    # Plain and causal attention, key padding included (no attn_mask, query padding, window, dropout or packing): the
+    # key tiles that no bound, diagonal or padding key crosses skip _mask_scores, after the edge tiles (the other way
+    # round, or with the few edge tiles pipelined too, spilled). Rows past q_len are dropped at the end. With any of
+    # those features on, two loops spilled in some tile configs of the AOT report: one loop masks every tile there.
+    split = MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or VARLEN)
     if split:
-        inner_end = _unmasked_keys_end(first_row, key_end, k_len, offset, BLOCK_N, IS_CAUSAL)
+        inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING),
+                                       offset, BLOCK_N, IS_CAUSAL)
         if qk_scale < 0:  # the interior tiles take the row max before scaling, which a negative scale turns over
             inner_end = key_start
         for first_col in tl.range(inner_end, key_end, BLOCK_N, num_stages=1):
@@ -523,14 +535,14 @@ def _attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     key_start, key_end = _visible_keys(
         first_row, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
-    # As in the forward: with no mask held in memory, window, dropout or packing, the key tiles that no bound or
-    # diagonal crosses skip _mask_scores (rows past q_len have lse = -inf, so p = 0 there; their dq is dropped below
-    # in case an inf or NaN in their q made it NaN), the edge tiles first; unless the launcher's
+    # As in the forward: with no attn_mask, query padding, window, dropout or packing, the key tiles that no bound,
+    # diagonal or padding key crosses skip _mask_scores (rows past q_len have lse = -inf, so p = 0 there; their dq
+    # is dropped below in case an inf or NaN in their q made it NaN), the edge tiles first; unless the launcher's
     # _interior_loop_fits says the two loops spill with these tiles (INTERIOR_LOOP False).
-    split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_PADDING or HAS_QUERY_PADDING)
-    split = split and not (HAS_WINDOW or HAS_DROPOUT or VARLEN)
+    split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or VARLEN)
     if split:
-        inner_end = _unmasked_keys_end(first_row, key_end, k_len, offset, BLOCK_N, IS_CAUSAL)
+        inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING),
+                                       offset, BLOCK_N, IS_CAUSAL)
         for first_col in tl.range(inner_end, key_end, BLOCK_N, num_stages=1):
             dq = _attention_dq_tile(
                 dq, q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
@@ -563,17 +575,18 @@ def _attention_bwd_dq_kernel(
 
 
 @triton.jit
-def _unmasked_queries(first_col, row_start, row_end, q_len, k_len, offset, BLOCK_M: tl.constexpr,
+def _unmasked_queries(first_col, row_start, row_end, q_len, leading_keys, offset, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """With no window: [start, end) of the query tiles (from row_start, a multiple of BLOCK_M) that see every key of
-    the tile starting at ``first_col`` whole, empty unless that tile lies below k_len: tiles below q_len and, causal,
-    whose first row sees the tile's last key. Those from row_start to start and from end to row_end are edges."""
+    the tile starting at ``first_col`` whole, empty unless that tile lies below ``leading_keys``
+    (``_leading_real_keys``): tiles below q_len and, causal, whose first row sees the tile's last key. Those from
+    row_start to start and from end to row_end are edges."""
     start = row_start
     if IS_CAUSAL:
         start = tl.maximum(start, tl.cdiv(tl.maximum(first_col + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M)
     start = tl.minimum(start, row_end)
     end = tl.minimum(q_len, row_end) // BLOCK_M * BLOCK_M
-    end = tl.where(first_col + BLOCK_N <= k_len, end, start)
+    end = tl.where(first_col + BLOCK_N <= leading_keys, end, start)
     return start, tl.maximum(end, start)
 
 
@@ -685,16 +698,16 @@ def _attention_bwd_dkdv_kernel(
     # Query tiles wholly above the causal diagonal or outside the window see none of these keys: not visited.
     row_start, row_end = _visible_queries(
         first_col, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
-    # As in the forward: with no mask held in memory, window, dropout or packing, the query tiles that see every key
-    # of this tile whole (a key tile below k_len; query tiles below q_len and, causal, below the diagonal through its
-    # last key) skip _mask_scores; one loop walks the edge tiles before and after them, then one the interior
-    # (INTERIOR_LOOP as in the dq kernel).
-    split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_PADDING or HAS_QUERY_PADDING)
-    split = split and not (HAS_WINDOW or HAS_DROPOUT or VARLEN)
+    # As in the forward: with no attn_mask, query padding, window, dropout or packing, the query tiles that see every
+    # key of this tile whole (a key tile before the first padding key; query tiles below q_len and, causal, below the
+    # diagonal through its last key) skip _mask_scores; one loop walks the edge tiles before and after them, then one
+    # the interior (INTERIOR_LOOP as in the dq kernel).
+    split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or VARLEN)
     inner_start, inner_end = row_end, row_end
     if split:
-        inner_start, inner_end = _unmasked_queries(first_col, row_start, row_end, q_len, k_len, offset, BLOCK_M,
-                                                   BLOCK_N, IS_CAUSAL)
+        inner_start, inner_end = _unmasked_queries(
+            first_col, row_start, row_end, q_len, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING), offset,
+            BLOCK_M, BLOCK_N, IS_CAUSAL)
     leading_edge_tiles = tl.cdiv(inner_start - row_start, BLOCK_M)
     edge_tiles = leading_edge_tiles + tl.cdiv(row_end - inner_end, BLOCK_M)
     for group_member in range(0, kv_group):
@@ -923,13 +936,17 @@ def _wide_tiles_fit(kernel: str, head_dim: int, MASK_KIND: int, HAS_DROPOUT: boo
     return MASK_KIND == MASK_NONE and not HAS_DROPOUT
 
 
-# Backward tiles whose two-loop path (unmasked interior tiles: plain or causal, no mask in memory, window, dropout
-# or packing) spills in the AOT report, by (kernel, precision, head dim bucket, tiles, TMA loads): such launches mask
-# every tile. bf16 stands for both 16-bit types. Report, two loops: dq D256 8 B (sm_90 wide tiles), dk/dv D128
-# 448 B (sm_90 wide tiles) and D256 752 B (sm_90), float32 dq D64 296-328 B.
+# Backward tiles whose two-loop path (unmasked interior tiles: plain or causal, key padding, no attn_mask, query
+# padding, window, dropout or packing) spills in the AOT report, by (kernel, precision, head dim bucket, tiles, TMA
+# loads): such launches mask every tile. bf16 stands for both 16-bit types. Report, two loops: dq D256 8 B (sm_90 wide
+# tiles), dk/dv D128 448 B (sm_90 wide tiles) and D256 752 B (sm_90), float32 dq D64 296-328 B; with key padding,
+# float32 dk/dv D16 and D32 8-16 B, tf32 dk/dv D16, D64 and D128 8-16 B.
 _INTERIOR_LOOP_SPILLS = {
     ("bwd_dq", "bf16", 256, (64, 64, 4, 2), True), ("bwd_dkdv", "bf16", 128, (64, 64, 4, 1), True),
     ("bwd_dkdv", "bf16", 256, (16, 32, 8, 1), True), ("bwd_dq", "fp32", 64, (64, 32, 8, 2), False),
+    ("bwd_dkdv", "fp32", 16, (32, 32, 8, 2), False), ("bwd_dkdv", "fp32", 32, (32, 64, 8, 2), False),
+    ("bwd_dkdv", "tf32", 16, (16, 32, 4, 1), False), ("bwd_dkdv", "tf32", 64, (16, 16, 8, 1), False),
+    ("bwd_dkdv", "tf32", 128, (16, 16, 8, 1), False),
 }
 
 
@@ -981,7 +998,7 @@ class _MaskArgs:
     mask: Optional[Tensor]  # attn_mask viewed as [B, H, Lq, Lk] with stride 0 on broadcast dims
     mask_kind: int
     padding: Optional[Tensor]  # [B, Lk] uint8
-    key_lens: Optional[Tensor]  # [B] int32
+    key_lens: Optional[Tensor]  # [2, B] int32 (_key_lengths)
     query_lens: Optional[Tensor]  # [B] int32
     query_padding: Optional[Tensor]  # [B, Lq] uint8
     cu_seqlens_q: Optional[Tensor]  # [B + 1] int32, packed sequences only
@@ -1082,6 +1099,18 @@ def _last_real_position(padding_mask: Tensor) -> Tensor:
     return torch.where(padding_mask, 0, positions).amax(dim=1).to(torch.int32)
 
 
+def _key_lengths(key_padding_mask: Tensor) -> Tensor:
+    """int32 ``[2, B]``, KEY_LENS as the kernels read it: one past each sequence's last key that is not padding
+    (``_last_real_position``), then how many keys come before its first padding key (Lk if none), the keys whose
+    tiles need no padding mask; the two are equal for a right-padded sequence. On the device (no host sync)."""
+    batch, length = key_padding_mask.shape
+    if length == 0:
+        return torch.zeros(2, batch, dtype=torch.int32, device=key_padding_mask.device)
+    positions = torch.arange(length, device=key_padding_mask.device, dtype=torch.int32)
+    leading = torch.where(key_padding_mask, positions, length).amin(dim=1)
+    return torch.stack([_last_real_position(key_padding_mask), leading]).to(torch.int32)
+
+
 def _kernel_window(window_left: Optional[int], window_right: Optional[int], is_causal: bool,
                    unlimited: int) -> Optional[Tuple[int, int]]:
     """``(left, right)`` as the kernels take it, None without a window. A side that is None, or wider than
@@ -1111,7 +1140,7 @@ def _mask_args(
     padding = key_lens = None
     if key_padding_mask is not None:
         padding = key_padding_mask.contiguous().view(torch.uint8)
-        key_lens = _last_real_position(key_padding_mask)
+        key_lens = _key_lengths(key_padding_mask)
     query_lens = query_padding = None
     if query_lengths is not None:
         query_lens = query_lengths.to(device=q.device, dtype=torch.int32).clamp(0, lq).contiguous()
@@ -1615,8 +1644,9 @@ _AOT_VARIANTS = {
              HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=False),
     "/varlen": dict(MASK_KIND=MASK_NONE, HAS_PADDING=False, HAS_QUERY_LENS=False, HAS_QUERY_PADDING=False,
                     IS_CAUSAL=True, HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=True),
-    # The two-loop path of each kernel (unmasked interior tiles): causal with the most it takes, no dropout.
-    "/causal": dict(MASK_KIND=MASK_NONE, HAS_PADDING=False, HAS_QUERY_LENS=True, HAS_QUERY_PADDING=False,
+    # The two-loop path of each kernel (unmasked interior tiles): causal with the most it takes (key padding, query
+    # lengths), no dropout.
+    "/causal": dict(MASK_KIND=MASK_NONE, HAS_PADDING=True, HAS_QUERY_LENS=True, HAS_QUERY_PADDING=False,
                     IS_CAUSAL=True, HAS_WINDOW=False, PER_SEQUENCE_OFFSET=True, VARLEN=False, HAS_DROPOUT=False),
     # The most a launch that _wide_tiles_fit takes, dense and packed.
     "/padded": dict(MASK_KIND=MASK_NONE, HAS_PADDING=True, HAS_QUERY_LENS=True, HAS_QUERY_PADDING=True,

@@ -179,6 +179,55 @@ def test_unmasked_interior_key_tiles_with_query_lengths(lq, lk, alignment):
         torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=0, msg=name)
 
 
+def _padding_with_holes(lk: int) -> torch.Tensor:
+    """[4, lk] key padding: right-padded (70 keys), a hole inside the third key tile with real keys after it, one
+    padding key first, and none."""
+    padding = torch.zeros(4, lk, dtype=torch.bool)
+    padding[0, 70:] = True
+    padding[1, 70:73] = True
+    padding[2, 0] = True
+    return padding.to(DEVICE)
+
+
+def test_key_lengths_give_the_keys_before_the_first_padding_key():
+    padding = _padding_with_holes(100)
+    assert triton_attention._key_lengths(padding).tolist() == [[70, 100, 100, 100], [70, 70, 0, 100]]
+    everything = torch.ones(2, 5, dtype=torch.bool, device=DEVICE)
+    assert triton_attention._key_lengths(everything).tolist() == [[0, 0], [0, 0]]
+    assert triton_attention._key_lengths(everything[:, :0]).tolist() == [[0, 0], [0, 0]]
+
+
+@pytest.mark.parametrize("masks", [{}, {"is_causal": True}, {"is_causal": True, "causal_alignment": "bottom_right"}],
+                         ids=["plain", "causal", "bottom_right"])
+def test_key_padding_runs_the_tiles_before_the_first_padding_key_unmasked(masks):
+    """With key padding, the key tiles before a sequence's first padding key skip the mask; the tiles from there on
+    (a hole with real keys after it, a right-padded tail) are masked: a padding key that took part would move each
+    output by about 1/70 of a value row."""
+    lq, lk = 90, 100
+    (q, k, v, do, dlse), _ = _random_inputs(4, 2, 2, lq, lk, 16, seed=11)
+    padding = _padding_with_holes(lk)
+    masks = {**masks, "key_padding_mask": padding}
+    got = _run(triton_attention.attention, q, k, v, do, dlse, torch.float32, masks)
+    ref = _run(reference.attention, q, k, v, do, dlse, torch.float64, masks)
+    for name, out, expected in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(out.double(), expected, atol=3e-5, rtol=0, msg=name)
+
+
+def test_kernels_read_where_the_padding_mask_starts(monkeypatch):
+    """The kernels take the keys before the first padding key from KEY_LENS's second row: told (falsely) that a
+    sequence with a hole has none, they run every key tile unmasked, and give attention without the hole."""
+    lq, lk = 64, 64  # whole tiles: with rows or keys past a tile's end, the edge tiles would mask the hole
+    (q, k, v, do, _), _ = _random_inputs(1, 2, 2, lq, lk, 16, seed=12)
+    padding = torch.zeros(1, lk, dtype=torch.bool, device=DEVICE)
+    padding[0, 3] = True
+    true_lengths = triton_attention._key_lengths
+    monkeypatch.setattr(triton_attention, "_key_lengths", lambda mask: true_lengths(torch.zeros_like(mask)))
+    got = _run(triton_attention.attention, q, k, v, do, None, torch.float32, {"key_padding_mask": padding})
+    unmasked = _run(reference.attention, q, k, v, do, None, torch.float64, {})
+    for name, out, expected in zip(("out", "lse", "dq", "dk", "dv"), got, unmasked):
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("fits", [False, True])
 def test_backward_takes_the_interior_loop_where_the_launcher_says_it_fits(monkeypatch, fits):
     """dq and dk/dv get INTERIOR_LOOP from _interior_loop_fits (off for the tiles whose two loops spill), and either
