@@ -335,6 +335,7 @@ def _attention_fwd_kernel(
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    INTERIOR_LOOP: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
     batch_head = _batch_head(n_heads)
@@ -372,11 +373,12 @@ def _attention_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     key_start, key_end = _visible_keys(
         first_row, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
-    # Plain and causal attention, key padding included (no attn_mask, query padding, window, dropout or packing): the
-    # key tiles that no bound, diagonal or padding key crosses skip _mask_scores, after the edge tiles (the other way
-    # round, or with the few edge tiles pipelined too, spilled). Rows past q_len are dropped at the end. With any of
-    # those features on, two loops spilled in some tile configs of the AOT report: one loop masks every tile there.
-    split = MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or VARLEN)
+    # Plain and causal attention, key padding and packed sequences included (no attn_mask, query padding, window or
+    # dropout): the key tiles that no bound, diagonal or padding key crosses skip _mask_scores, after the edge tiles
+    # (the other way round, or with the few edge tiles pipelined too, spilled). Rows past q_len are dropped at the
+    # end. With any of those features on, two loops spilled in some tile configs of the AOT report: one loop masks
+    # every tile there, as it does where the launcher's _interior_loop_fits says the two spill with these tiles.
+    split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT)
     if split:
         inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING),
                                        offset, BLOCK_N, IS_CAUSAL)
@@ -535,11 +537,11 @@ def _attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     key_start, key_end = _visible_keys(
         first_row, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
-    # As in the forward: with no attn_mask, query padding, window, dropout or packing, the key tiles that no bound,
+    # As in the forward: with no attn_mask, query padding, window or dropout, the key tiles that no bound,
     # diagonal or padding key crosses skip _mask_scores (rows past q_len have lse = -inf, so p = 0 there; their dq
     # is dropped below in case an inf or NaN in their q made it NaN), the edge tiles first; unless the launcher's
     # _interior_loop_fits says the two loops spill with these tiles (INTERIOR_LOOP False).
-    split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or VARLEN)
+    split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT)
     if split:
         inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING),
                                        offset, BLOCK_N, IS_CAUSAL)
@@ -698,11 +700,11 @@ def _attention_bwd_dkdv_kernel(
     # Query tiles wholly above the causal diagonal or outside the window see none of these keys: not visited.
     row_start, row_end = _visible_queries(
         first_col, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
-    # As in the forward: with no attn_mask, query padding, window, dropout or packing, the query tiles that see every
-    # key of this tile whole (a key tile before the first padding key; query tiles below q_len and, causal, below the
+    # As in the forward: with no attn_mask, query padding, window or dropout, the query tiles that see every key of
+    # this tile whole (a key tile before the first padding key; query tiles below q_len and, causal, below the
     # diagonal through its last key) skip _mask_scores; one loop walks the edge tiles before and after them, then one
     # the interior (INTERIOR_LOOP as in the dq kernel).
-    split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or VARLEN)
+    split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT)
     inner_start, inner_end = row_end, row_end
     if split:
         inner_start, inner_end = _unmasked_queries(
@@ -936,25 +938,35 @@ def _wide_tiles_fit(kernel: str, head_dim: int, MASK_KIND: int, HAS_DROPOUT: boo
     return MASK_KIND == MASK_NONE and not HAS_DROPOUT
 
 
-# Backward tiles whose two-loop path (unmasked interior tiles: plain or causal, key padding, no attn_mask, query
-# padding, window, dropout or packing) spills in the AOT report, by (kernel, precision, head dim bucket, tiles, TMA
-# loads): such launches mask every tile. bf16 stands for both 16-bit types. Report, two loops: dq D256 8 B (sm_90 wide
-# tiles), dk/dv D128 448 B (sm_90 wide tiles) and D256 752 B (sm_90), float32 dq D64 296-328 B; with key padding,
-# float32 dk/dv D16 and D32 8-16 B, tf32 dk/dv D16, D64 and D128 8-16 B.
+# Tiles whose two-loop path (unmasked interior tiles: plain or causal, key padding or packed sequences, no
+# attn_mask, query padding, window or dropout) spills in the AOT report, by (kernel, precision, head dim bucket,
+# tiles, TMA loads, packed sequences): such launches mask every tile. bf16 stands for both 16-bit types. Report, two
+# loops, dense: dq D256 8 B (sm_90 wide tiles), dk/dv D128 448 B (sm_90 wide tiles) and D256 752 B (sm_90), float32
+# dq D64 296-328 B, float32 dk/dv D16 / D32 and tf32 dk/dv D16 / D64 / D128 8-16 B (with key padding); packed: the
+# forward D128 8 B (sm_90 wide tiles), D256 24-120 B, dq D256 680 B (sm_90), float32 D64 312-336 B, tf32 D128 8 B,
+# dk/dv D64 88 B and D128 232 B (sm_90), D256 704 B (sm_90), float32 D16 / D32 32-48 B, tf32 D128 8 B.
 _INTERIOR_LOOP_SPILLS = {
-    ("bwd_dq", "bf16", 256, (64, 64, 4, 2), True), ("bwd_dkdv", "bf16", 128, (64, 64, 4, 1), True),
-    ("bwd_dkdv", "bf16", 256, (16, 32, 8, 1), True), ("bwd_dq", "fp32", 64, (64, 32, 8, 2), False),
-    ("bwd_dkdv", "fp32", 16, (32, 32, 8, 2), False), ("bwd_dkdv", "fp32", 32, (32, 64, 8, 2), False),
-    ("bwd_dkdv", "tf32", 16, (16, 32, 4, 1), False), ("bwd_dkdv", "tf32", 64, (16, 16, 8, 1), False),
-    ("bwd_dkdv", "tf32", 128, (16, 16, 8, 1), False),
+    ("bwd_dq", "bf16", 256, (64, 64, 4, 2), True, False), ("bwd_dkdv", "bf16", 128, (64, 64, 4, 1), True, False),
+    ("bwd_dkdv", "bf16", 256, (16, 32, 8, 1), True, False), ("bwd_dq", "fp32", 64, (64, 32, 8, 2), False, False),
+    ("bwd_dkdv", "fp32", 16, (32, 32, 8, 2), False, False), ("bwd_dkdv", "fp32", 32, (32, 64, 8, 2), False, False),
+    ("bwd_dkdv", "tf32", 16, (16, 32, 4, 1), False, False), ("bwd_dkdv", "tf32", 64, (16, 16, 8, 1), False, False),
+    ("bwd_dkdv", "tf32", 128, (16, 16, 8, 1), False, False),
+    ("fwd", "bf16", 128, (128, 128, 8, 3), True, True), ("fwd", "bf16", 256, (32, 32, 8, 1), False, True),
+    ("fwd", "bf16", 256, (128, 64, 8, 2), True, True),
+    ("bwd_dq", "bf16", 256, (32, 32, 8, 1), True, True), ("bwd_dq", "fp32", 64, (64, 32, 8, 2), False, True),
+    ("bwd_dq", "tf32", 128, (16, 16, 8, 1), False, True),
+    ("bwd_dkdv", "bf16", 64, (64, 128, 8, 2), True, True), ("bwd_dkdv", "bf16", 128, (16, 64, 8, 1), True, True),
+    ("bwd_dkdv", "bf16", 256, (16, 32, 8, 1), True, True), ("bwd_dkdv", "fp32", 16, (32, 32, 8, 2), False, True),
+    ("bwd_dkdv", "fp32", 32, (32, 64, 8, 2), False, True), ("bwd_dkdv", "tf32", 128, (16, 16, 8, 1), False, True),
 }
 
 
-def _interior_loop_fits(kernel: str, precision: str, head_dim: int, tiles: Tuple[int, ...], tma: bool) -> bool:
-    """Whether a backward ``kernel`` launch in ``precision`` ("bf16" for 16-bit inputs, "fp32" or "tf32") with these
-    tiles, loading through TMA or not, may run the two-loop path (its INTERIOR_LOOP), as the report compiles it
-    without spills (the interpreter's tiles always do)."""
-    return (kernel, precision, _head_dim_bucket(head_dim), tuple(tiles), tma) not in _INTERIOR_LOOP_SPILLS
+def _interior_loop_fits(kernel: str, precision: str, head_dim: int, tiles: Tuple[int, ...], tma: bool,
+                        packed: bool) -> bool:
+    """Whether a ``kernel`` launch in ``precision`` ("bf16" for 16-bit inputs, "fp32" or "tf32") with these tiles,
+    loading through TMA or not, on packed sequences or not, may run the two-loop path (its INTERIOR_LOOP), as the
+    report compiles it without spills (the interpreter's tiles always do)."""
+    return (kernel, precision, _head_dim_bucket(head_dim), tuple(tiles), tma, packed) not in _INTERIOR_LOOP_SPILLS
 
 
 def _tiles(kernel: str, bits: int, bucket: int, tf32: bool, shared_memory: int, tma: bool,
@@ -1020,12 +1032,16 @@ class _MaskArgs:
     def offset_args(self) -> tuple:
         return (self.causal_offset, *(self.window if self.window is not None else (0, 0)))
 
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens_q is not None
+
     def constexprs(self) -> dict:
         return dict(
             MASK_KIND=self.mask_kind, HAS_PADDING=self.padding is not None,
             HAS_QUERY_LENS=self.query_lens is not None, HAS_QUERY_PADDING=self.query_padding is not None,
             IS_CAUSAL=self.is_causal, HAS_WINDOW=self.window is not None,
-            PER_SEQUENCE_OFFSET=self.per_sequence_offset, VARLEN=self.cu_seqlens_q is not None,
+            PER_SEQUENCE_OFFSET=self.per_sequence_offset, VARLEN=self.packed,
             MASK_OFFSETS_64=self.mask is not None and mask_offsets_need_int64(self.mask),
         )
 
@@ -1227,6 +1243,11 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
 
 
+def _precision(dtype: torch.dtype, allow_tf32: bool) -> str:
+    """The precision name ``_interior_loop_fits`` takes: "bf16" for 16-bit inputs, else "tf32" or "fp32"."""
+    return "bf16" if dtype != torch.float32 else "tf32" if allow_tf32 else "fp32"
+
+
 def _launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout: _Layout, masks: _MaskArgs,
                 dropout_p: float, seed: Optional[Tensor], scale: float, allow_tf32: bool) -> None:
     """The forward kernel, dense or packed (``layout``), writing ``o`` and ``lse``."""
@@ -1242,6 +1263,8 @@ def _launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout:
         layout.n_keys, *masks.offset_args(), scale * LOG2E, dropout_p, seed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, HEAD_DIM=layout.head_dim,
         **constexprs, **_dot_args(q.dtype, allow_tf32), USE_TMA=use_tma,
+        INTERIOR_LOOP=_interior_loop_fits("fwd", _precision(q.dtype, allow_tf32), layout.head_dim,
+                                          dataclasses.astuple(cfg), use_tma, masks.packed),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -1262,7 +1285,7 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
         BLOCK_D=block_d, HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(),
         **_dot_args(q.dtype, allow_tf32), USE_TMA=use_tma,
     )
-    precision = "bf16" if q.dtype != torch.float32 else "tf32" if allow_tf32 else "fp32"
+    precision = _precision(q.dtype, allow_tf32)
     cfg = config_for("bwd_dq", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma,
                      _wide_tiles_fit("bwd_dq", layout.head_dim, **common_constexprs))
     q_in, o_in, do_in = (_tiles_of(x, cfg.block_m, block_d, use_tma) for x in (q, o, do))
@@ -1271,7 +1294,8 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
         q_in, k_in, v_in, o_in, do_in, lse, dlse.contiguous() if dlse is not None else None, delta, dq,
         *common_args,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_DLSE=dlse is not None, **common_constexprs,
-        INTERIOR_LOOP=_interior_loop_fits("bwd_dq", precision, layout.head_dim, dataclasses.astuple(cfg), use_tma),
+        INTERIOR_LOOP=_interior_loop_fits("bwd_dq", precision, layout.head_dim, dataclasses.astuple(cfg), use_tma,
+                                          masks.packed),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     cfg = config_for("bwd_dkdv", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma,
@@ -1282,7 +1306,7 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
         *(_tiles_of(t, cfg.block_n, block_d, use_tma and t.dim() == 4) for t in (dk, dv)),  # dense: TMA stores
         *common_args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common_constexprs,
         INTERIOR_LOOP=_interior_loop_fits("bwd_dkdv", precision, layout.head_dim, dataclasses.astuple(cfg),
-                                          use_tma),
+                                          use_tma, masks.packed),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -1644,10 +1668,13 @@ _AOT_VARIANTS = {
              HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=False),
     "/varlen": dict(MASK_KIND=MASK_NONE, HAS_PADDING=False, HAS_QUERY_LENS=False, HAS_QUERY_PADDING=False,
                     IS_CAUSAL=True, HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=True),
-    # The two-loop path of each kernel (unmasked interior tiles): causal with the most it takes (key padding, query
-    # lengths), no dropout.
+    # The two-loop path of each kernel (unmasked interior tiles), dense and packed: causal with the most it takes (key
+    # padding, query lengths; bounds and alignment per sequence), no dropout.
     "/causal": dict(MASK_KIND=MASK_NONE, HAS_PADDING=True, HAS_QUERY_LENS=True, HAS_QUERY_PADDING=False,
                     IS_CAUSAL=True, HAS_WINDOW=False, PER_SEQUENCE_OFFSET=True, VARLEN=False, HAS_DROPOUT=False),
+    "/varlen/causal": dict(MASK_KIND=MASK_NONE, HAS_PADDING=False, HAS_QUERY_LENS=False, HAS_QUERY_PADDING=False,
+                           IS_CAUSAL=True, HAS_WINDOW=False, PER_SEQUENCE_OFFSET=True, VARLEN=True,
+                           HAS_DROPOUT=False),
     # The most a launch that _wide_tiles_fit takes, dense and packed.
     "/padded": dict(MASK_KIND=MASK_NONE, HAS_PADDING=True, HAS_QUERY_LENS=True, HAS_QUERY_PADDING=True,
                     IS_CAUSAL=True, HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=False, HAS_DROPOUT=False),
@@ -1656,7 +1683,8 @@ _AOT_VARIANTS = {
                               HAS_DROPOUT=False),
 }
 # Variants only some kernels have: the others compile them as the dense variant.
-_AOT_VARIANT_KERNELS = {"/causal": ("fwd", "bwd_dq", "bwd_dkdv"), "/padded": ("fwd", "bwd_dq", "bwd_dkdv"),
+_AOT_VARIANT_KERNELS = {"/causal": ("fwd", "bwd_dq", "bwd_dkdv"), "/varlen/causal": ("fwd", "bwd_dq", "bwd_dkdv"),
+                        "/padded": ("fwd", "bwd_dq", "bwd_dkdv"),
                         "/varlen/nodropout": ("fwd", "bwd_dq", "bwd_dkdv")}
 # Variants compiled only for the targets where they pick other tiles than the variant named (elsewhere they run
 # the same tiles with fewer features).
@@ -1728,7 +1756,8 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
             HAS_DROPOUT=True, HAS_DLSE=True, UPCAST=False, DOT_PRECISION=dot_precision, USE_TMA=use_tma,
         )
         constexprs.update(features)
-        constexprs["INTERIOR_LOOP"] = _interior_loop_fits(kernel, precision, head_dim, tiles, use_tma)
+        constexprs["INTERIOR_LOOP"] = _interior_loop_fits(kernel, precision, head_dim, tiles, use_tma,
+                                                          features["VARLEN"])
         constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
         configs.append(AotKernel(
             name=f"attention_{kernel}",

@@ -229,12 +229,12 @@ def test_kernels_read_where_the_padding_mask_starts(monkeypatch):
 
 
 @pytest.mark.parametrize("fits", [False, True])
-def test_backward_takes_the_interior_loop_where_the_launcher_says_it_fits(monkeypatch, fits):
-    """dq and dk/dv get INTERIOR_LOOP from _interior_loop_fits (off for the tiles whose two loops spill), and either
-    way give the reference's gradients for causal attention with query lengths."""
+def test_kernels_take_the_interior_loop_where_the_launcher_says_it_fits(monkeypatch, fits):
+    """The forward, dq and dk/dv get INTERIOR_LOOP from _interior_loop_fits (off for the tiles whose two loops
+    spill), and either way give the reference's results for causal attention with query lengths."""
     asked, launched = [], []
     monkeypatch.setattr(triton_attention, "_interior_loop_fits", lambda *args: asked.append(args[0]) or fits)
-    for attr in ("_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"):
+    for attr in ("_attention_fwd_kernel", "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"):
         kernel = getattr(triton_attention, attr)
 
         class RecordLaunch:
@@ -251,7 +251,8 @@ def test_backward_takes_the_interior_loop_where_the_launcher_says_it_fits(monkey
     got = _run(triton_attention.attention, q, k, v, do, None, torch.float32, masks, query_lengths=query_lengths)
     real = (torch.arange(100, device=DEVICE)[None, :] < query_lengths[:, None])[:, None, :, None]
     ref = _run(reference.attention, q * real, k, v, do * real, None, torch.float64, masks)
-    assert asked == ["bwd_dq", "bwd_dkdv"] and launched == [fits, fits]
+    assert asked == ["fwd", "bwd_dq", "bwd_dkdv"] and launched == [fits, fits, fits]
+    torch.testing.assert_close(got[0].double(), ref[0] * real, atol=2e-5, rtol=0, msg="out")
     for name, out, expected in zip(("dq", "dk", "dv"), got[2:], ref[2:]):
         torch.testing.assert_close(out.double(), expected * real if name == "dq" else expected, atol=2e-5, rtol=0,
                                    msg=name)

@@ -131,28 +131,32 @@ def test_varlen_tma_reads_slices_of_a_packed_projection(monkeypatch):
     _assert_same((tma,), (pointer,), ("out",))
 
 
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("lens", [[5, 7, 20], [40, 7, 70]], ids=["short", "interior_tiles"])
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
-def test_a_nan_in_one_packed_sequence_stays_out_of_the_others(monkeypatch, tma):
+def test_a_nan_in_one_packed_sequence_stays_out_of_the_others(monkeypatch, tma, lens, is_causal):
     """Sequence 0 ends inside a tile whose other rows are sequence 1's, all NaN (q, k, v and do): every result of
-    sequence 0 equals the run without the NaN, forward and backward, in both loading paths."""
-    lens = [5, 7, 20]
+    sequences 0 and 2 equals the run without the NaN, forward and backward, in both loading paths, with sequences
+    shorter than a tile and with sequences whose tiles before the last run the unmasked interior loops."""
     (q, k, v, do, dlse), cu, _ = _packed_inputs(lens, lens, 2, 2, 16, seed=4)
+    nan_start, nan_end = lens[0], lens[0] + lens[1]
     poisoned = [t.clone() for t in (q, k, v, do)]
     for t in poisoned:
-        t[5:12] = float("nan")
+        t[nan_start:nan_end] = float("nan")
     if tma:
         decisions = _take_tma_path(monkeypatch)
-    clean = _run_varlen(triton_attention.attention_varlen, q, k, v, do, dlse, torch.bfloat16, cu, cu, 20, 20,
-                        is_causal=True)
-    dirty = _run_varlen(triton_attention.attention_varlen, *poisoned, dlse, torch.bfloat16, cu, cu, 20, 20,
-                        is_causal=True)
+    longest = max(lens)
+    clean = _run_varlen(triton_attention.attention_varlen, q, k, v, do, dlse, torch.bfloat16, cu, cu, longest,
+                        longest, is_causal=is_causal)
+    dirty = _run_varlen(triton_attention.attention_varlen, *poisoned, dlse, torch.bfloat16, cu, cu, longest, longest,
+                        is_causal=is_causal)
     if tma:
         assert decisions == [tma_available()] * 4
     for name, expected, got in zip(NAMES, clean, dirty):
-        rows = (slice(None), slice(0, 5)) if name == "lse" else (slice(0, 5),)
+        rows = (slice(None), slice(0, nan_start)) if name == "lse" else (slice(0, nan_start),)
         assert got[rows].isfinite().all(), f"{name}: sequence 1's NaN reached sequence 0"
         torch.testing.assert_close(got[rows], expected[rows], rtol=0, atol=0, msg=name)
-        outside = (slice(None), slice(12, None)) if name == "lse" else (slice(12, None),)
+        outside = (slice(None), slice(nan_end, None)) if name == "lse" else (slice(nan_end, None),)
         torch.testing.assert_close(got[outside], expected[outside], rtol=0, atol=0, msg=name)
 
 

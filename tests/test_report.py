@@ -281,14 +281,14 @@ def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
     assert checked == len(report.TARGETS) * ((5 + 4 * 2) * (5 + 5 + 5) + (5 + 4))
 
 
-def test_backward_interior_loop_is_off_only_for_tiles_a_launcher_picks():
-    """_INTERIOR_LOOP_SPILLS names backward tiles (with their precision and loads) that some target really picks, so
-    no entry outlives a change of tiles; the report compiles exactly those with INTERIOR_LOOP off."""
+def test_interior_loop_is_off_only_for_tiles_a_launcher_picks():
+    """_INTERIOR_LOOP_SPILLS names tiles (with their kernel, precision and loads) that some target really picks, so
+    no entry outlives a change of tiles; the report compiles exactly those with INTERIOR_LOOP off, dense and packed."""
     from fused_transformer.kernels import attention
 
     picked = set()
     for target in report.TARGETS:
-        for kernel in ("bwd_dq", "bwd_dkdv"):
+        for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
             for precision, bits, tf32 in (("bf16", 16, False), ("fp32", 32, False), ("tf32", 32, True)):
                 for bucket in (16, 32, 64, 128, 256):
                     if bits == 32 and bucket > attention.MAX_HEAD_DIM_FLOAT32:
@@ -297,15 +297,15 @@ def test_backward_interior_loop_is_off_only_for_tiles_a_launcher_picks():
                     for wide in (False, True):
                         tiles = attention._tiles(kernel, bits, bucket, tf32, report.SHARED_MEMORY_LIMIT[target], tma,
                                                  wide)
-                        picked.add((kernel, precision, bucket, tiles, tma))
+                        picked.update((kernel, precision, bucket, tiles, tma, packed) for packed in (False, True))
     assert attention._INTERIOR_LOOP_SPILLS <= picked
     off = set()
     for k in attention.aot_configs():
-        if k.name in ("attention_bwd_dq", "attention_bwd_dkdv") and not k.constexprs["INTERIOR_LOOP"]:
+        if k.name in ("attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv") and not k.constexprs["INTERIOR_LOOP"]:
             precision = k.config.split("/")[0]
             tiles = (k.constexprs["BLOCK_M"], k.constexprs["BLOCK_N"], k.num_warps, k.num_stages)
             off.add((k.name.removeprefix("attention_"), precision, k.constexprs["BLOCK_D"], tiles,
-                     k.constexprs["USE_TMA"]))
+                     k.constexprs["USE_TMA"], k.constexprs["VARLEN"]))
     assert off == attention._INTERIOR_LOOP_SPILLS
 
 
