@@ -1702,8 +1702,8 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     """Every attention kernel × tile config the launchers pick on a GPU, in bfloat16 (16-bit tiles), float32 and
     float32 with tf32 products, for the targets that pick it, in each feature set of ``_AOT_VARIANTS`` (dense
     with every feature on: float mask, key and query padding, query lengths, causal, window, per-sequence
-    alignment, dropout; packed sequences with causal, window and dropout; causal without dropout,
-    the path that skips masking interior tiles; and, where they pick tiles of their own (``_AOT_TILE_VARIANTS``), the
+    alignment, dropout; packed sequences with causal, window and dropout; causal without dropout, dense (with key
+    padding) and packed, the path that skips masking interior tiles; and, where they pick tiles of their own (``_AOT_TILE_VARIANTS``), the
     most a launch that ``_wide_tiles_fit`` takes, dense and packed), each with TMA loads for ``_AOT_TMA_TARGETS``
     and the pointer path for the other targets and float32. Each variant gets the tiles its launches pick."""
     from fused_transformer.tools.report import SHARED_MEMORY_LIMIT, TARGETS, AotKernel
