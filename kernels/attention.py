@@ -1735,7 +1735,8 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     configs = []
     for kernel, bits, head_dim, tiles, targets, dot_precision, variant, features, use_tma in shipped:
         elem = "*bf16" if bits == 16 else "*fp32"
-        precision = "bf16" if bits == 16 else dot_precision.replace("ieee", "fp32")  # the config name's, too
+        # The launchers' name for it, the config name's too.
+        precision = _precision(torch.bfloat16 if bits == 16 else torch.float32, dot_precision == "tf32")
         cfg = AttentionConfig(*tiles)
         fn = kernels[kernel]
         signature = {}
