@@ -875,11 +875,13 @@ _TILES_SMALL_SHARED_MEMORY = {
 # the dense variant at every head dim (40-1392 B, 4 or 8 warps, 1-3 stages), so D64 takes 32 rows (N = 32) and
 # the other head dims keep the tiles above, whose pipelined versions issue more non-MMA instructions per kMAC (as
 # do wider dq tiles at D16 / D32: 62 -> 68 and 31 -> 34 with 64 keys; at D256 64-row tiles spill 200-1136 B, and
-# forward ones 64-872 B). Only launches that load through TMA take them: with the pointer path they spill (72 B at
-# dk/dv D64, 120 B at dq D128), so inputs TMA cannot address keep the tiles above.
+# forward ones 64-872 B). dq D16 runs its 128 rows on one warpgroup: with two, ptxas serialized the K steps of
+# ds @ k (the report's "wgmma serialized"; non-MMA/kMAC 62.2 -> 60.2). Only launches that load through TMA take
+# them: with the pointer path they spill (72 B at dk/dv D64, 120 B at dq D128), so inputs TMA cannot address keep
+# the tiles above.
 _TILES_SM90 = {
     ("fwd", 16): {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 128: (128, 64, 8, 2)},
-    ("bwd_dq", 16): {64: (128, 64, 8, 2), 128: (128, 64, 8, 3)},
+    ("bwd_dq", 16): {16: (128, 32, 4, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 3)},
     ("bwd_dkdv", 16): {64: (32, 128, 8, 2)},
 }
 # What 16-bit launches whose scores read no attn_mask element and draw no dropout number each (``_wide_tiles_fit``;

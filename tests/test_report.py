@@ -579,6 +579,49 @@ def test_hgmma_counts_widest_first_and_per_warpgroup_macs():
     assert figures.async_copy == "UTMALDG"
 
 
+def test_serialized_hgmma_chain_is_a_problem():
+    # As ptxas emits a product it serializes (C7515): each K step waits for the one before.
+    serialized = _sass(
+        "WARPGROUP.ARRIVE",
+        "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR24], RZ, !UPT, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "WARPGROUP.ARRIVE",
+        "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR24], R24, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "WARPGROUP.ARRIVE",
+        "HGMMA.64x128x16.F32.BF16 R88, R24, gdesc[UR28].tnspB, R88, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "WARPGROUP.ARRIVE",
+        "HGMMA.64x128x16.F32.BF16 R88, R32, gdesc[UR28].tnspB, R88, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "@!P0 BRA 0x0",
+    )
+    assert report.analyse_sass(serialized).serialized_mmas == 2
+    result = report.AotResult(module="m", name="k", config="c", target=90, num_warps=8, serialized_mmas=2)
+    assert result.problems == ["wgmma serialized (2 HGMMA wait for the one before)"]
+
+
+def test_pipelined_hgmma_chains_are_not_serialized():
+    # One wait per product; a product that starts from zero (RZ) or accumulates into another register (the P @ V
+    # product onto the accumulator of the last iteration, after the scores' wait) is a new chain.
+    pipelined = _sass(
+        "WARPGROUP.ARRIVE",
+        "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT",
+        "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24",
+        "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR24], R24, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "WARPGROUP.ARRIVE",
+        "HGMMA.64x128x16.F32.BF16 R88, R152, gdesc[UR8].tnspB, R88",
+        "HGMMA.64x128x16.F32.BF16 R88, R156, gdesc[UR8].tnspB, R88, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "WARPGROUP.ARRIVE",
+        "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "@!P0 BRA 0x0",
+    )
+    assert report.analyse_sass(pipelined).serialized_mmas == 0
+
+
 @pytest.mark.parametrize("instructions, kind", [
     (("LDGSTS.E.BYPASS.128 [R2+0x4000], [R4.64], P5", "LDGDEPBAR", "LDG.E.U8 R1, [R2.64]"), "LDGSTS"),
     (("UTMALDG.2D [UR8], [UR4]", "LDGSTS.E.128 [R2], [R4.64]"), "UTMALDG+LDGSTS"),

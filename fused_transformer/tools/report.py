@@ -138,6 +138,7 @@ class AotResult:
     loop_instructions: int = 0  # SASS instructions in the main loop (0: no loop with MMAs)
     loop_mma_instructions: int = 0
     loop_macs_per_warp: int = 0  # multiply-accumulates one warp's share of the loop's MMAs compute
+    serialized_mmas: int = 0  # HGMMAs that wait for the one before them in their own product (``serialized_mmas``)
 
     @property
     def non_mma_per_mma(self) -> Optional[float]:
@@ -167,6 +168,8 @@ class AotResult:
             found.append(f"shared {self.shared_bytes} B > {limit} B")
         if self.expect_tensor_cores and not self.tensor_cores:
             found.append("no mma/wgmma")
+        if self.serialized_mmas:
+            found.append(f"wgmma serialized ({self.serialized_mmas} HGMMA wait for the one before)")
         return found
 
     @property
@@ -237,6 +240,7 @@ class SassFigures:
     loop_instructions: int
     loop_mma_instructions: int
     loop_macs_per_warp: int
+    serialized_mmas: int
 
 
 def parse_sass(sass: str) -> List[SassInstruction]:
@@ -288,6 +292,26 @@ def loops(instructions: Sequence[SassInstruction]) -> List[Tuple[int, int]]:
     return found
 
 
+def serialized_mmas(instructions: Sequence[SassInstruction]) -> int:
+    """HGMMAs that accumulate onto the HGMMA just before them (the next K step of one product) after a
+    ``WARPGROUP.DEPBAR`` wait for it. A pipelined product issues its HGMMAs back to back and waits once; ptxas
+    serializes them instead when it cannot prove the accumulator registers untouched in between (its C7515 note,
+    "wgmma.mma_async instructions are serialized"), and each K step then waits out the whole MMA latency."""
+    serialized, waited, previous_dst = 0, False, None
+    for instruction in instructions:
+        if instruction.opcode.startswith("WARPGROUP.DEPBAR"):
+            waited = True
+        elif _HGMMA_SHAPE.match(instruction.opcode):
+            # "R24, gdesc[UR8], R24, gsb0" (A and B in shared memory) or "R88, R152, gdesc[UR8].tnspB, R88"
+            # (A in registers): destination first, accumulator input last, then flags.
+            operands = [o.strip() for o in instruction.operands.split(",")]
+            registers = [o for o in operands if o.startswith("R") or o.startswith("gdesc")]
+            if waited and registers[0] == previous_dst and registers[-1] == registers[0]:
+                serialized += 1
+            waited, previous_dst = False, registers[0]
+    return serialized
+
+
 def main_loop(instructions: Sequence[SassInstruction]) -> Optional[Tuple[int, int]]:
     """``(first, last)`` indices (inclusive) of the main loop: of the innermost loops with MMA instructions (those
     holding no other loop with one), the one with the most, and the shortest among equals (a causal kernel's
@@ -316,6 +340,7 @@ def analyse_sass(sass: str) -> SassFigures:
         mma_counts=tuple(sorted(mma_counts.items(), key=lambda item: (-mma_macs_per_warp(item[0]), item[0]))),
         async_copy=async_copy_kind(instructions),
         loop_instructions=len(body), loop_mma_instructions=sum(map(bool, macs)), loop_macs_per_warp=sum(macs),
+        serialized_mmas=serialized_mmas(instructions),
     )
 
 
@@ -490,7 +515,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"\n{len(results)} compilations, {len(failed)} failed "
           f"(limits: no spills; shared memory per target: "
           f"{', '.join(f'{limit} B on sm_{target}' for target, limit in SHARED_MEMORY_LIMIT.items())}; "
-          f"mma/wgmma where expected)")
+          f"mma/wgmma where expected; no serialized wgmma)")
     return 1 if failed else 0
 
 
