@@ -539,8 +539,8 @@ def _attention_bwd_dq_kernel(
         first_row, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
     # As in the forward: with no attn_mask, query padding, window or dropout, the key tiles that no bound,
     # diagonal or padding key crosses skip _mask_scores (rows past q_len have lse = -inf, so p = 0 there; their dq
-    # is dropped below in case an inf or NaN in their q made it NaN), the edge tiles first; unless the launcher's
-    # _interior_loop_fits says the two loops spill with these tiles (INTERIOR_LOOP False).
+    # is dropped below), the edge tiles first; unless the launcher's _interior_loop_fits says the two loops spill
+    # with these tiles (INTERIOR_LOOP False).
     split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT)
     if split:
         inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING),
@@ -561,7 +561,6 @@ def _attention_bwd_dq_kernel(
                 BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
                 UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
             )
-        dq = tl.where(real_rows[:, None], dq, 0.0)
     else:
         for first_col in range(key_start, key_end, BLOCK_N):
             dq = _attention_dq_tile(
@@ -571,6 +570,10 @@ def _attention_bwd_dq_kernel(
                 BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
                 UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
+    if split or HAS_QUERY_LENS or HAS_QUERY_PADDING:
+        # Rows that are no queries get no gradient, even where an inf or NaN in their do or q met their probability 0
+        # (without these features, the rows past seq_q are not stored).
+        dq = tl.where(real_rows[:, None], dq, 0.0)
     # qk_scale carries log2(e) for exp2; the gradient wants the plain scale.
     dq *= qk_scale * 0.6931471805599453
     tl.store(DQ + tile_offsets, dq.to(DQ.dtype.element_ty), mask=tile_mask)
