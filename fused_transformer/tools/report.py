@@ -292,6 +292,9 @@ def loops(instructions: Sequence[SassInstruction]) -> List[Tuple[int, int]]:
     return found
 
 
+_HGMMA_FLAGS = ("gsb0", "!UPT", "UPT")  # scoreboard and accumulate-predicate operands after an HGMMA's registers
+
+
 def serialized_mmas(instructions: Sequence[SassInstruction]) -> int:
     """HGMMAs that accumulate onto the HGMMA just before them (the next K step of one product) after a
     ``WARPGROUP.DEPBAR`` wait for it. A pipelined product issues its HGMMAs back to back and waits once; ptxas
@@ -304,11 +307,10 @@ def serialized_mmas(instructions: Sequence[SassInstruction]) -> int:
         elif _HGMMA_SHAPE.match(instruction.opcode):
             # "R24, gdesc[UR8], R24, gsb0" (A and B in shared memory) or "R88, R152, gdesc[UR8].tnspB, R88"
             # (A in registers): destination first, accumulator input last, then flags.
-            operands = [o.strip() for o in instruction.operands.split(",")]
-            registers = [o for o in operands if o.startswith("R") or o.startswith("gdesc")]
-            if waited and registers[0] == previous_dst and registers[-1] == registers[0]:
+            operands = [o.strip() for o in instruction.operands.split(",") if o.strip() not in _HGMMA_FLAGS]
+            if waited and operands[0] == previous_dst and operands[-1] == operands[0]:
                 serialized += 1
-            waited, previous_dst = False, registers[0]
+            waited, previous_dst = False, operands[0]
     return serialized
 
 
