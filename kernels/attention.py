@@ -1124,12 +1124,8 @@ def _key_lengths(key_padding_mask: Tensor) -> Tensor:
     """int32 ``[2, B]``, KEY_LENS as the kernels read it: one past each sequence's last key that is not padding
     (``_last_real_position``), then how many keys come before its first padding key (Lk if none), the keys whose
     tiles need no padding mask; the two are equal for a right-padded sequence. On the device (no host sync)."""
-    batch, length = key_padding_mask.shape
-    if length == 0:
-        return torch.zeros(2, batch, dtype=torch.int32, device=key_padding_mask.device)
-    positions = torch.arange(length, device=key_padding_mask.device, dtype=torch.int32)
-    leading = torch.where(key_padding_mask, positions, length).amin(dim=1)
-    return torch.stack([_last_real_position(key_padding_mask), leading]).to(torch.int32)
+    leading = (~key_padding_mask).cumprod(dim=1).sum(dim=1)  # the run of real keys from position 0
+    return torch.stack([_last_real_position(key_padding_mask), leading.to(torch.int32)])
 
 
 def _kernel_window(window_left: Optional[int], window_right: Optional[int], is_causal: bool,
