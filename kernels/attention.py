@@ -32,7 +32,8 @@ cu_seqlens (no host sync) and returns at once when its tile lies past the sequen
 ([Tq, H, D], LSE [H, Tq]). Dense outputs (o, dq, dk, dv) are [B, H, L, D] laid out as [B, L, H, D]
 (``empty_heads_interleaved``, the packed layout with sequence b starting at row b L), so that a module merges the
 heads with a view and hands back do in o's layout, which the backward reads without a copy.
-Loads: on sm_90 and later (USE_TMA, when TMA can address every input and output) the q/k/v/o/do tiles come through
+Loads: on sm_90 and later (USE_TMA, for 16-bit inputs and the forward's float32 in tf32 at some head dims, when TMA
+can address every input and output: ``_loads_through_tma``) the q/k/v/o/do tiles come through
 host-side TMA descriptors (``_tma_tile``), whose out-of-bounds rows and columns read as zeros, and dense dk/dv go
 out through them; elsewhere through pointers and masks (cp.async when pipelined).
 Dropout on the probabilities: element (b, h, i, j) is kept when ``dropout_keep(SEED, ((b H + h) Lq + i) Lk + j,
@@ -924,6 +925,14 @@ _TILES_TF32 = {
     "bwd_dq": {16: (16, 32, 4, 1), 64: (16, 32, 8, 1)},
     "bwd_dkdv": {16: (16, 32, 4, 1), 32: (16, 32, 8, 1), 64: (16, 16, 8, 1), 128: (16, 16, 8, 1)},
 }
+# The forward in float32 with allow_tf32=True on sm_90, through TMA at these head dims: 128 query rows whose products
+# run as wgmma (HGMMA.64xNx8.TF32; Triton stages V, p @ v's MN-major operand, transposed through shared memory) where
+# the tiles above run HMMA.1688 from registers. Report, non-MMA per kMAC on sm_90 (every-feature / /causal variant),
+# before -> after: D64 29.5 / 8.9 -> 24.2 / 3.4, D128 13.9 / 5.8 -> 14.2 / 3.0 (D128 64 keys spilled 16 B packed).
+# D16 / D32: 64-row tiles issue up to twice as many per kMAC with a mask or dropout (D16 51.8 -> 102), and the tiles
+# above 5-30 % more through TMA than through pointers. The backward keeps the pointer path: its 64-row tf32 tiles
+# spilled (dq D128 32-592 B, dk/dv D64 48-640 B with 64 keys; 8 warps or 1 stage too).
+_TILES_SM90_TF32_FWD = {64: (128, 64, 8, 2), 128: (128, 32, 8, 2)}
 # float32 stops at head_dim 128: its dq kernel spills at every tile size tried for 256 (see the AOT report).
 MAX_HEAD_DIM_FLOAT32 = 128
 # Small tiles under the interpreter, so short test sequences still cross several tiles.
@@ -981,6 +990,8 @@ def _tiles(kernel: str, bits: int, bucket: int, tf32: bool, shared_memory: int, 
     ``_wide_tiles_fit`` or not: what ``config_for`` picks on a GPU and ``aot_configs`` compiles for each report
     target."""
     key = (kernel, bits)
+    if tf32 and tma and kernel == "fwd" and shared_memory >= _SM90_SHARED_MEMORY and bucket in _TILES_SM90_TF32_FWD:
+        return _TILES_SM90_TF32_FWD[bucket]
     if tf32 and bucket in _TILES_TF32.get(kernel, {}):
         return _TILES_TF32[kernel][bucket]
     if shared_memory < LARGE_SHARED_MEMORY and bucket in _TILES_SMALL_SHARED_MEMORY.get(key, {}):
@@ -1191,20 +1202,29 @@ def _varlen_mask_args(
 # Whether the interpreter takes the TMA path (tests switch it on to check it against the pointer path; the
 # interpreter reads descriptors as a GPU does, out-of-bounds blocks zero-filled).
 TMA_UNDER_INTERPRETER = False
-# Dtypes loaded through TMA: 16-bit only. Exact float32 products run on the CUDA cores from registers, where
-# staging the tiles in shared memory gains nothing, and 13 of those configs spilled with TMA on sm_90; the tf32
-# ones compiled without spills but for one (dk/dv D16 packed, 8 bytes).
+# Dtypes loaded through TMA: 16-bit, and the forward's float32 with allow_tf32 at _TILES_SM90_TF32_FWD's head dims.
+# Exact float32 products run on the CUDA cores from registers, where staging the tiles in shared memory gains
+# nothing, and 13 of those configs spilled with TMA on sm_90.
 TMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _loads_through_tma(*inputs: Tensor) -> bool:
+def _precision_takes_tma(kernel: str, dtype: torch.dtype, allow_tf32: bool, head_dim: int) -> bool:
+    """Whether ``kernel`` ("fwd", "bwd_dq", ...; the backward's two kernels load alike) on ``dtype`` inputs of
+    ``head_dim`` (float32 products in tf32 or not) loads through TMA where the part has it and TMA can address the
+    inputs."""
+    if dtype == torch.float32:
+        return allow_tf32 and kernel == "fwd" and _head_dim_bucket(head_dim) in _TILES_SM90_TF32_FWD
+    return dtype in TMA_DTYPES
+
+
+def _loads_through_tma(*inputs: Tensor, kernel: str = "", allow_tf32: bool = False) -> bool:
     """Whether the kernels load ``inputs`` (the q/k/v/o/do tiles; dk/dv, which dense launches store, too) through
-    TMA: on sm_90 and later (under the interpreter, when TMA_UNDER_INTERPRETER), and only if TMA can address every
-    one of them; else they use the pointer path (cp.async). Host-side descriptors (``tma_descriptor``) rather than
-    ``tl.make_tensor_descriptor``: the driver encodes them at launch as kernel parameters, so no program builds one
-    in global scratch memory (and no allocator is needed), and the AOT report compiles them from a ``tensordesc``
-    signature."""
-    if inputs[0].dtype not in TMA_DTYPES:
+    TMA: for the precisions ``kernel`` takes it in (``_precision_takes_tma``), on sm_90 and later (under the
+    interpreter, when TMA_UNDER_INTERPRETER), and only if TMA can address every one of them; else they use the
+    pointer path (cp.async). Host-side descriptors (``tma_descriptor``) rather than ``tl.make_tensor_descriptor``:
+    the driver encodes them at launch as kernel parameters, so no program builds one in global scratch memory (and
+    no allocator is needed), and the AOT report compiles them from a ``tensordesc`` signature."""
+    if not _precision_takes_tma(kernel, inputs[0].dtype, allow_tf32, inputs[0].shape[-1]):
         return False
     if interpreting():
         enabled = TMA_UNDER_INTERPRETER
@@ -1253,7 +1273,8 @@ def _launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout:
                 dropout_p: float, seed: Optional[Tensor], scale: float, allow_tf32: bool) -> None:
     """The forward kernel, dense or packed (``layout``), writing ``o`` and ``lse``."""
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
-    block_d, use_tma = _head_dim_bucket(layout.head_dim), _loads_through_tma(q, k, v)
+    block_d = _head_dim_bucket(layout.head_dim)
+    use_tma = _loads_through_tma(q, k, v, kernel="fwd", allow_tf32=allow_tf32)
     constexprs = dict(HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs())
     cfg = config_for("fwd", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma,
                      _wide_tiles_fit("fwd", layout.head_dim, **constexprs))
@@ -1704,9 +1725,10 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     float32 with tf32 products, for the targets that pick it, in each feature set of ``_AOT_VARIANTS`` (dense
     with every feature on: float mask, key and query padding, query lengths, causal, window, per-sequence
     alignment, dropout; packed sequences with causal, window and dropout; causal without dropout, dense (with key
-    padding) and packed, the path that skips masking interior tiles; and, where they pick tiles of their own (``_AOT_TILE_VARIANTS``), the
-    most a launch that ``_wide_tiles_fit`` takes, dense and packed), each with TMA loads for ``_AOT_TMA_TARGETS``
-    and the pointer path for the other targets and float32. Each variant gets the tiles its launches pick."""
+    padding) and packed, the path that skips masking interior tiles; and, where they pick tiles of their own
+    (``_AOT_TILE_VARIANTS``), the most a launch that ``_wide_tiles_fit`` takes, dense and packed), each with TMA
+    loads for ``_AOT_TMA_TARGETS`` and the pointer path for the other targets and the precisions
+    ``_precision_takes_tma`` keeps off TMA. Each variant gets the tiles its launches pick."""
     from fused_transformer.tools.report import SHARED_MEMORY_LIMIT, TARGETS, AotKernel
 
     kernels = {
@@ -1725,7 +1747,8 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
                     wide = _wide_tiles_fit(kernel, head_dim, **{"HAS_DROPOUT": True, **features})
                     picked = {}  # (tiles, TMA loads) -> the targets that pick them, as the launcher does on each
                     for target in TARGETS:
-                        use_tma = bits == 16 and target in _AOT_TMA_TARGETS
+                        use_tma = target in _AOT_TMA_TARGETS and _precision_takes_tma(
+                            kernel, torch.bfloat16 if bits == 16 else torch.float32, tf32, head_dim)
                         tiles = _tiles(kernel, bits, head_dim, tf32, SHARED_MEMORY_LIMIT[target], use_tma, wide)
                         if variant in _AOT_TILE_VARIANTS and tiles == _tiles(
                                 kernel, bits, head_dim, tf32, SHARED_MEMORY_LIMIT[target], use_tma, False):

@@ -663,8 +663,8 @@ def _take_tma_path(monkeypatch) -> list:
     decisions = []
     decide = triton_attention._loads_through_tma
 
-    def record(*inputs):
-        decisions.append(decide(*inputs))
+    def record(*inputs, **options):
+        decisions.append(decide(*inputs, **options))
         return decisions[-1]
 
     monkeypatch.setattr(triton_attention, "_loads_through_tma", record)
@@ -707,6 +707,27 @@ def test_tma_loads_match_the_pointer_path_and_reference(monkeypatch, batch, lq, 
     base = _run(reference.attention, q, k, v, do, dlse, dtype, masks)
     for name, out, ref64, baseline in zip(("out", "lse", "dq", "dk", "dv"), tma, ref, base):
         assert_close_to_reference(out, ref64, baseline, f"{name} (TMA, {mask_kind}, {dtype})")
+
+
+@pytest.mark.parametrize("head_dim,mask_kind", [(40, "padding_causal_float_mask"), (64, "causal"), (72, "none")])
+def test_tf32_loads_through_tma_at_its_head_dims(monkeypatch, head_dim, mask_kind):
+    """The forward in float32 with allow_tf32 takes the TMA path at head dims 33..128 (_TILES_SM90_TF32_FWD; the
+    interpreter computes its products in float32, so it gives the pointer path's values); the backward, exact float32
+    and other head dims keep the pointer path."""
+    (q, k, v, do, dlse), g = _random_inputs(2, 2, 1, 37, 50, head_dim, seed=head_dim)
+    masks = _masks(mask_kind, 2, 2, 37, 50, g)
+    pointer = _run(triton_attention.attention, q, k, v, do, dlse, torch.float32, masks, allow_tf32=True)
+    decisions = _take_tma_path(monkeypatch)
+    tma = _run(triton_attention.attention, q, k, v, do, dlse, torch.float32, masks, allow_tf32=True)
+    assert decisions == [tma_available(), False]  # forward, backward
+    _assert_same(tma, pointer, ("out", "lse", "dq", "dk", "dv"))
+    del decisions[:]
+    _run(triton_attention.attention, q, k, v, do, dlse, torch.float32, masks)
+    assert decisions == [False] * 2
+    q16, k16, v16 = (t[..., :16].float().contiguous() for t in (q, k, v))
+    assert not triton_attention._loads_through_tma(q16, k16, v16, kernel="fwd", allow_tf32=True)
+    head_dim_256 = [t.float().repeat(1, 1, 1, -(-256 // head_dim))[..., :256].contiguous() for t in (q, k, v)]
+    assert not triton_attention._loads_through_tma(*head_dim_256, kernel="fwd", allow_tf32=True)
 
 
 def test_tma_loads_strided_views_of_a_fused_projection_in_place(monkeypatch):
@@ -761,6 +782,8 @@ def test_tma_is_refused_for_inputs_it_cannot_address(monkeypatch):
     assert not triton_attention._loads_through_tma(q, odd_base, v)
     assert not triton_attention._loads_through_tma(head_dim_7, head_dim_7, head_dim_7)
     assert not triton_attention._loads_through_tma(q.float(), k.float(), v.float())
+    assert not triton_attention._loads_through_tma(q.float(), k.float(), v.float(), kernel="fwd",
+                                                   allow_tf32=True)  # head dim 16
     assert triton_attention._loads_through_tma(q, k, v) == tma_available()
     # A size-1 dim's stride is never used: any value passes (one query row, its row stride 3 elements).
     one_row = torch.empty_strided((1, 2, 1, 16), (32, 16, 3, 1), dtype=torch.bfloat16, device=DEVICE)

@@ -260,7 +260,8 @@ def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
                 for head_dim in (16, 32, 64, 128, 256):
                     if dtype == torch.float32 and head_dim > attention.MAX_HEAD_DIM_FLOAT32:
                         continue
-                    tma = dtype in attention.TMA_DTYPES and target >= 90  # what the launcher takes there
+                    # what the launcher takes there
+                    tma = attention._precision_takes_tma(kernel, dtype, tf32, head_dim) and target >= 90
                     variants = (("", False),)
                     if kernel != "weights":
                         variants += (("/varlen", False), ("/padded", True), ("/varlen/nodropout", True),
@@ -438,6 +439,22 @@ def test_16_bit_attention_loads_through_tma_on_hopper_only(results):
     for r in attention_16_bit:
         assert (r.target == 90) == r.config.endswith("/tma") == ("UTMALDG" in r.async_copy), (
             r.name, r.config, r.target, r.async_copy)
+
+
+def test_tf32_forward_on_sm_90_runs_wgmma_through_tma_at_its_head_dims(results):
+    """The forward in tf32 at _TILES_SM90_TF32_FWD's head dims on sm_90 loads through TMA and runs its products as wgmma
+    (HGMMA...TF32), every variant; the other head dims and targets, and the backward, keep the pointer path."""
+    from fused_transformer.kernels import attention
+
+    tf32 = [r for r in results if r.name.startswith("attention_") and r.config.startswith("tf32/")]
+    assert {r.name for r in tf32 if r.config.endswith("/tma")} == {"attention_fwd"}
+    for r in tf32:
+        head_dim = int(re.search(r"/D(\d+)/", r.config).group(1))
+        takes_tma = r.name == "attention_fwd" and r.target == 90 and head_dim in attention._TILES_SM90_TF32_FWD
+        assert takes_tma == r.config.endswith("/tma") == ("UTMALDG" in r.async_copy), (r.name, r.config, r.target)
+        if takes_tma:
+            shapes = [opcode for opcode, _ in r.mma_counts]
+            assert shapes and all(re.fullmatch(r"HGMMA\.64x\d+x8\.F32\.TF32", o) for o in shapes), (r.config, shapes)
 
 
 # -------------------------------------------------------------------------------- SASS figures, hand-written SASS
