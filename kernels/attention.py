@@ -914,9 +914,12 @@ _TILES_SM90_WIDE = {
 # Shared memory per block of sm_90: the dq tiles at D128 (3 stages) take 229400 B of it.
 _SM90_SHARED_MEMORY = 232448
 # Where the wide tiles spill for packed sequences, which zero a q / do tile's rows past their sequence in registers
-# (_tma_tile): such launches keep the other tiles (report: 8 B at dk/dv D128 with 64 x 128 or 64 x 64 tiles, 256 B
-# at dq D256).
-_WIDE_TILES_SPILL_PACKED = {("bwd_dq", 256), ("bwd_dkdv", 128)}
+# (_tma_tile): such launches keep the other tiles (report: 256 B at dq D256) ...
+_WIDE_TILES_SPILL_PACKED = {("bwd_dq", 256)}
+# ... or take these. dk/dv D128 (64 x 64 spilled 8-24 B, 64 x 128 8 B): 32 query rows, 128 keys and 2 stages run
+# HGMMA.64x32x16 for S^T / dP^T and 64x128x16 for dk / dv where the shared tiles run 64x8x16 (report, non-MMA per
+# kMAC on sm_90, /varlen/causal 3.7 -> 1.9, /varlen/nodropout 3.7 -> 2.0; with the mask or dropout they spill).
+_TILES_SM90_WIDE_PACKED = {("bwd_dkdv", 16): {128: (32, 128, 8, 2)}}
 # float32 with allow_tf32=True, on every target: its tensor-core products hold their operands in more registers
 # than the ieee products of the float32 tiles, which spill there. Forward D16: 16 query rows (32 spilled 8 B in the
 # packed variant on sm_90 once the row max started at the lowest float instead of -inf).
@@ -969,7 +972,7 @@ _INTERIOR_LOOP_SPILLS = {
     ("fwd", "bf16", 256, (128, 64, 8, 2), True, True),
     ("bwd_dq", "bf16", 256, (32, 32, 8, 1), True, True), ("bwd_dq", "fp32", 64, (64, 32, 8, 2), False, True),
     ("bwd_dq", "tf32", 128, (16, 16, 8, 1), False, True),
-    ("bwd_dkdv", "bf16", 64, (64, 128, 8, 2), True, True), ("bwd_dkdv", "bf16", 128, (16, 64, 8, 1), True, True),
+    ("bwd_dkdv", "bf16", 64, (64, 128, 8, 2), True, True), ("bwd_dkdv", "bf16", 128, (32, 128, 8, 2), True, True),
     ("bwd_dkdv", "bf16", 256, (16, 32, 8, 1), True, True), ("bwd_dkdv", "fp32", 16, (32, 32, 8, 2), False, True),
     ("bwd_dkdv", "fp32", 32, (32, 64, 8, 2), False, True), ("bwd_dkdv", "tf32", 128, (16, 16, 8, 1), False, True),
 }
@@ -984,11 +987,11 @@ def _interior_loop_fits(kernel: str, precision: str, head_dim: int, tiles: Tuple
 
 
 def _tiles(kernel: str, bits: int, bucket: int, tf32: bool, shared_memory: int, tma: bool,
-           wide: bool = False) -> Tuple[int, ...]:
+           wide: bool = False, packed: bool = False) -> Tuple[int, ...]:
     """The table entry ``kernel`` runs with for ``bits``-bit inputs (``tf32``: float32 with allow_tf32) of head dim
     bucket ``bucket`` on a part with ``shared_memory`` bytes per block that has TMA or not, for a launch that
-    ``_wide_tiles_fit`` or not: what ``config_for`` picks on a GPU and ``aot_configs`` compiles for each report
-    target."""
+    ``_wide_tiles_fit`` or not, on ``packed`` sequences or not: what ``config_for`` picks on a GPU and
+    ``aot_configs`` compiles for each report target."""
     key = (kernel, bits)
     if tf32 and tma and kernel == "fwd" and shared_memory >= _SM90_SHARED_MEMORY and bucket in _TILES_SM90_TF32_FWD:
         return _TILES_SM90_TF32_FWD[bucket]
@@ -997,6 +1000,8 @@ def _tiles(kernel: str, bits: int, bucket: int, tf32: bool, shared_memory: int, 
     if shared_memory < LARGE_SHARED_MEMORY and bucket in _TILES_SMALL_SHARED_MEMORY.get(key, {}):
         return _TILES_SMALL_SHARED_MEMORY[key][bucket]
     if tma and shared_memory >= _SM90_SHARED_MEMORY:
+        if wide and packed and bucket in _TILES_SM90_WIDE_PACKED.get(key, {}):
+            return _TILES_SM90_WIDE_PACKED[key][bucket]
         if wide and bucket in _TILES_SM90_WIDE.get(key, {}):
             return _TILES_SM90_WIDE[key][bucket]
         if bucket in _TILES_SM90.get(key, {}):
@@ -1004,16 +1009,16 @@ def _tiles(kernel: str, bits: int, bucket: int, tf32: bool, shared_memory: int, 
     return _TILES[key][bucket]
 
 
-def config_for(kernel: str, dtype: torch.dtype, head_dim: int, device: torch.device,
-               allow_tf32: bool = False, tma: bool = False, wide: bool = False) -> AttentionConfig:
+def config_for(kernel: str, dtype: torch.dtype, head_dim: int, device: torch.device, allow_tf32: bool = False,
+               tma: bool = False, wide: bool = False, packed: bool = False) -> AttentionConfig:
     """The tiles ``kernel`` runs with for inputs of ``dtype`` and ``head_dim`` on ``device`` (or the interpreter),
-    loading them through TMA (``_loads_through_tma``) or not, for a launch that ``_wide_tiles_fit`` or not: the
-    pointer path keeps the tiles it compiles without spills with."""
+    loading them through TMA (``_loads_through_tma``) or not, for a launch that ``_wide_tiles_fit`` or not, on
+    ``packed`` sequences or not: the pointer path keeps the tiles it compiles without spills with."""
     if interpreting():
         return INTERPRETER_CONFIG
     bits = 32 if dtype == torch.float32 else 16
     return AttentionConfig(*_tiles(kernel, bits, _head_dim_bucket(head_dim), allow_tf32 and bits == 32,
-                                   shared_memory_per_block(device), tma, wide))
+                                   shared_memory_per_block(device), tma, wide, packed))
 
 
 # ------------------------------------------------------------------------------------------- launchers
@@ -1277,7 +1282,7 @@ def _launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout:
     use_tma = _loads_through_tma(q, k, v, kernel="fwd", allow_tf32=allow_tf32)
     constexprs = dict(HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs())
     cfg = config_for("fwd", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma,
-                     _wide_tiles_fit("fwd", layout.head_dim, **constexprs))
+                     _wide_tiles_fit("fwd", layout.head_dim, **constexprs), masks.packed)
     _attention_fwd_kernel[_grid(triton.cdiv(layout.n_queries, cfg.block_m), layout.batch, layout.heads)](
         _tiles_of(q, cfg.block_m, block_d, use_tma), _tiles_of(k, cfg.block_n, block_d, use_tma),
         _tiles_of(v, cfg.block_n, block_d, use_tma), o, lse, *masks.pointer_args(), *layout.q_strides,
@@ -1309,7 +1314,7 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
     )
     precision = _precision(q.dtype, allow_tf32)
     cfg = config_for("bwd_dq", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma,
-                     _wide_tiles_fit("bwd_dq", layout.head_dim, **common_constexprs))
+                     _wide_tiles_fit("bwd_dq", layout.head_dim, **common_constexprs), masks.packed)
     q_in, o_in, do_in = (_tiles_of(x, cfg.block_m, block_d, use_tma) for x in (q, o, do))
     k_in, v_in = (_tiles_of(x, cfg.block_n, block_d, use_tma) for x in (k, v))
     _attention_bwd_dq_kernel[_grid(triton.cdiv(layout.n_queries, cfg.block_m), layout.batch, layout.heads)](
@@ -1321,7 +1326,7 @@ def _launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Ten
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     cfg = config_for("bwd_dkdv", q.dtype, layout.head_dim, q.device, allow_tf32, use_tma,
-                     _wide_tiles_fit("bwd_dkdv", layout.head_dim, **common_constexprs))
+                     _wide_tiles_fit("bwd_dkdv", layout.head_dim, **common_constexprs), masks.packed)
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(layout.n_keys, cfg.block_n), layout.batch, layout.kv_heads)](
         _tiles_of(q, cfg.block_m, block_d, use_tma), _tiles_of(k, cfg.block_n, block_d, use_tma),
         _tiles_of(v, cfg.block_n, block_d, use_tma), _tiles_of(do, cfg.block_m, block_d, use_tma), lse, delta,
@@ -1749,7 +1754,8 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
                     for target in TARGETS:
                         use_tma = target in _AOT_TMA_TARGETS and _precision_takes_tma(
                             kernel, torch.bfloat16 if bits == 16 else torch.float32, tf32, head_dim)
-                        tiles = _tiles(kernel, bits, head_dim, tf32, SHARED_MEMORY_LIMIT[target], use_tma, wide)
+                        tiles = _tiles(kernel, bits, head_dim, tf32, SHARED_MEMORY_LIMIT[target], use_tma, wide,
+                                       features["VARLEN"])
                         if variant in _AOT_TILE_VARIANTS and tiles == _tiles(
                                 kernel, bits, head_dim, tf32, SHARED_MEMORY_LIMIT[target], use_tma, False):
                             continue

@@ -17,8 +17,8 @@ a second small kernel (``sum_rows``) adds the partials in a fixed order: determi
 have (stack frames of 100..270 bytes), so rows wider than 8192 (``_bwd_launch``) are held by a cluster of two
 blocks on sm_90 and later, each holding half the row with 128 registers a thread, the row sums reduced across the
 pair through distributed shared memory (Triton's ``num_ctas``; one program as the kernel sees it). Before sm_90
-(no clusters) they are split over programs of 4096 columns (SPLIT_COLS), each of which also reads the row's other
-blocks to get the row sums. ``python -m fused_transformer report`` checks the shipped configs.
+(no clusters) they are split over programs of 8192 columns (SPLIT_COLS), each of which also reads the row's other
+block to get the row sums. ``python -m fused_transformer report`` checks the shipped configs.
 
 Bytes moved per element of z (element size s: 2 for bf16, 4 for fp32): read dy and z, write dx (3s), plus dz (s)
 and dresidual (s) when present; with SPLIT_COLS over C column blocks dy and z are read C times (+2s(C - 1)).
@@ -151,6 +151,13 @@ def _layer_norm_bwd_kernel(
             mean = tl.load(MEAN + row)
         xhat, g, dy = _row_sums(Z, DY, W, row, stride_z_row, stride_dy_row, n_cols, mean, rstd, col_start,
                                 BLOCK_N, HAS_WEIGHT, IS_RMS_NORM)
+        # Summed before the row sums, so dy is not held across SPLIT_COLS's reads of the other blocks (the split
+        # kernel at 8192 columns otherwise kept a pointer on the stack on sm_80, and the whole-row one at 1024 on
+        # sm_86 / sm_89).
+        if HAS_WEIGHT:
+            dw_sum += dy * xhat
+        if HAS_BIAS:
+            db_sum += dy
         if SPLIT_COLS:
             # Summed block by block in column order, the own block from registers: every program of the row gets
             # bit-identical sums and reads each other block of the row once.
@@ -180,10 +187,6 @@ def _layer_norm_bwd_kernel(
             keep = dropout_keep(SEED, row * n_cols + cols, dropout_p)
             dz = tl.where(keep, dz * (1.0 / (1.0 - dropout_p)), 0.0)
         tl.store(DX + row * stride_dx_row + cols, dz.to(DX.dtype.element_ty), mask=mask)
-        if HAS_WEIGHT:
-            dw_sum += dy * xhat
-        if HAS_BIAS:
-            db_sum += dy
 
     if HAS_WEIGHT:
         tl.store(DW_PARTIAL + program * n_cols + cols, dw_sum, mask=mask)
@@ -229,11 +232,10 @@ def _check_dtype(name: str, t: Optional[Tensor]) -> None:
 
 # Backward rows wider than MAX_BWD_BLOCK do not fit in one block's registers next to the per-program dweight /
 # dbias sums: a cluster of BWD_CLUSTER_CTAS blocks holds each row where the GPU has clusters (sm_90+); elsewhere
-# they are split over programs of SPLIT_BLOCK columns (SPLIT_COLS), each reading every block of its rows (dy and z
-# read C = cdiv(N, SPLIT_BLOCK) times).
+# they are split over programs of MAX_BWD_BLOCK columns (SPLIT_COLS), each reading every block of its rows (dy and
+# z read C = cdiv(N, MAX_BWD_BLOCK) = 2 times).
 MAX_BWD_BLOCK = 8192
 BWD_CLUSTER_CTAS = 2
-SPLIT_BLOCK = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,8 +255,7 @@ def _bwd_launch(n_cols: int, clusters: bool) -> BwdLaunch:
         return BwdLaunch(block_n, 1, 1, _num_warps(block_n))
     if clusters:
         return BwdLaunch(block_n, 1, BWD_CLUSTER_CTAS, _num_warps(block_n) // BWD_CLUSTER_CTAS)
-    # The split kernel's extra pass over the row needs registers of its own: twice the warps of its block.
-    return BwdLaunch(SPLIT_BLOCK, triton.cdiv(n_cols, SPLIT_BLOCK), 1, 2 * _num_warps(SPLIT_BLOCK))
+    return BwdLaunch(MAX_BWD_BLOCK, triton.cdiv(n_cols, MAX_BWD_BLOCK), 1, _num_warps(MAX_BWD_BLOCK))
 
 
 def _has_clusters(device: torch.device) -> bool:
@@ -442,10 +443,6 @@ def layer_norm(
 AOT_BLOCK_SIZES = tuple(2**i for i in range(4, 15))  # 16 .. 16384, every bucket _block_n can pick
 
 
-# The backward at this block compiles with an 8-byte stack frame for sm_86 / sm_89 (72 registers, so not register
-# pressure; not yet understood): the report checks it for sm_80 / sm_90 only until that is fixed.
-BWD_BLOCKS_NOT_YET_CLEAN_ON_SM86 = (1024,)
-
 
 def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.report imports this module lazily)
     """Every LayerNorm kernel this module launches on a GPU, one per block-size bucket, in bfloat16 with all
@@ -477,8 +474,7 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     targets_of = {}
     for block_n in AOT_BLOCK_SIZES:
         for target in TARGETS:
-            if not (block_n in BWD_BLOCKS_NOT_YET_CLEAN_ON_SM86 and target in (86, 89)):
-                targets_of.setdefault(_bwd_launch(block_n, clusters=target >= 90), []).append(target)
+            targets_of.setdefault(_bwd_launch(block_n, clusters=target >= 90), []).append(target)
     for launch, targets in targets_of.items():
         config = f"BLOCK_N={launch.block_n}" + (",SPLIT_COLS" if launch.col_blocks > 1 else "") + (
             f",CTAS={launch.num_ctas}" if launch.num_ctas > 1 else "")

@@ -348,9 +348,9 @@ def test_kernels_take_the_wide_tiles_exactly_without_an_attn_mask_or_dropout(mon
     picks, launches = [], []
     pick = triton_attention.config_for
 
-    def record_pick(kernel_name, dtype, head_dim, device, allow_tf32=False, tma=False, wide=False):
+    def record_pick(kernel_name, dtype, head_dim, device, allow_tf32=False, tma=False, wide=False, packed=False):
         picks.append((kernel_name, wide))
-        return pick(kernel_name, dtype, head_dim, device, allow_tf32, tma, wide)
+        return pick(kernel_name, dtype, head_dim, device, allow_tf32, tma, wide, packed)
 
     class RecordLaunch:
         def __init__(self, kernel_name, kernel):

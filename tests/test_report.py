@@ -99,20 +99,26 @@ def test_wide_launches_on_sm_90_pick_their_own_tiles(monkeypatch, kernel):
     monkeypatch.setattr(attention, "interpreting", lambda: False)
     cuda = torch.device("cuda", 0)
 
-    def picked(target, dtype, wide, addressable=True):
+    def picked(target, dtype, wide, addressable=True, packed=False):
         monkeypatch.setattr(attention, "shared_memory_per_block", lambda device: report.SHARED_MEMORY_LIMIT[target])
         tma = addressable and target >= 90 and dtype in attention.TMA_DTYPES
-        return {d: attention.config_for(kernel, dtype, d, cuda, tma=tma, wide=wide) for d in (16, 32, 64, 128, 256)
-                if dtype != torch.float32 or d <= attention.MAX_HEAD_DIM_FLOAT32}
+        return {d: attention.config_for(kernel, dtype, d, cuda, tma=tma, wide=wide, packed=packed)
+                for d in (16, 32, 64, 128, 256) if dtype != torch.float32 or d <= attention.MAX_HEAD_DIM_FLOAT32}
 
     wide_tiles = attention._TILES_SM90_WIDE[(kernel, 16)]
+    packed_tiles = {**wide_tiles, **attention._TILES_SM90_WIDE_PACKED.get((kernel, 16), {})}
     for dtype in (torch.float16, torch.bfloat16):
         on_sm90 = picked(90, dtype, True)
         assert {d: on_sm90[d] for d in wide_tiles} == {d: attention.AttentionConfig(*t) for d, t in wide_tiles.items()}
         assert all(on_sm90[d] == picked(90, dtype, False)[d] for d in on_sm90 if d not in wide_tiles)
+        packed_on_sm90 = picked(90, dtype, True, packed=True)
+        assert {d: packed_on_sm90[d] for d in packed_tiles} == {
+            d: attention.AttentionConfig(*t) for d, t in packed_tiles.items()}
+        assert picked(90, dtype, False, packed=True) == picked(90, dtype, False)
         assert picked(90, dtype, True, addressable=False) == picked(90, dtype, False, addressable=False)
         for target in (80, 86, 89):
             assert picked(target, dtype, True) == picked(target, dtype, False)
+            assert picked(target, dtype, True, packed=True) == picked(target, dtype, False)
     assert picked(90, torch.float32, True) == picked(80, torch.float32, True) == picked(80, torch.float32, False)
 
 
@@ -161,8 +167,7 @@ def test_layer_norm_configs_cover_every_block_the_launcher_picks():
         for target in report.TARGETS:
             launch = layer_norm._bwd_launch(n, clusters=target >= 90)
             picked = (launch.block_n, launch.col_blocks > 1, launch.num_warps, launch.num_ctas, target)
-            assert picked in bwd or (launch.block_n in layer_norm.BWD_BLOCKS_NOT_YET_CLEAN_ON_SM86
-                                     and target in (86, 89)), (n, target)
+            assert picked in bwd, (n, target)
     assert any(k.name == "sum_rows" for k in configs)
 
 
@@ -172,8 +177,8 @@ def test_layer_norm_backward_holds_the_widest_rows_on_a_cluster_on_hopper_only(r
     rows = {r.target: r for r in results if r.name == "layer_norm_bwd" and "BLOCK_N=16384" in r.config}
     assert set(rows) == {90} and rows[90].config == "BLOCK_N=16384,CTAS=2" and rows[90].ok
     assert rows[90].num_warps == 16 and rows[90].registers <= 128 and rows[90].blocks_per_sm == 1
-    split = {r.target for r in results if r.name == "layer_norm_bwd" and r.config == "BLOCK_N=4096,SPLIT_COLS"}
-    assert split == {80, 86, 89}
+    split = {r.target: r for r in results if r.name == "layer_norm_bwd" and r.config == "BLOCK_N=8192,SPLIT_COLS"}
+    assert set(split) == {80, 86, 89} and all(r.ok and r.num_warps == 16 for r in split.values())
 
 
 def test_layer_norm_configs_do_not_depend_on_the_interpreter():
@@ -270,7 +275,8 @@ def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
                         # What the launcher asks for: packed launches without dropout, as _wide_tiles_fit says.
                         wide = wide and attention._wide_tiles_fit(kernel, head_dim, MASK_KIND=attention.MASK_NONE,
                                                                   HAS_DROPOUT=False, VARLEN="/varlen" in variant)
-                        cfg = attention.config_for(kernel, dtype, head_dim, cuda, tf32, tma, wide)
+                        cfg = attention.config_for(kernel, dtype, head_dim, cuda, tf32, tma, wide,
+                                                   "/varlen" in variant)
                         if variant in attention._AOT_TILE_VARIANTS and cfg == attention.config_for(
                                 kernel, dtype, head_dim, cuda, tf32, tma, False):
                             variant = attention._AOT_TILE_VARIANTS[variant]
@@ -296,9 +302,10 @@ def test_interior_loop_is_off_only_for_tiles_a_launcher_picks():
                         continue
                     tma = bits == 16 and target in attention._AOT_TMA_TARGETS
                     for wide in (False, True):
-                        tiles = attention._tiles(kernel, bits, bucket, tf32, report.SHARED_MEMORY_LIMIT[target], tma,
-                                                 wide)
-                        picked.update((kernel, precision, bucket, tiles, tma, packed) for packed in (False, True))
+                        for packed in (False, True):
+                            tiles = attention._tiles(kernel, bits, bucket, tf32, report.SHARED_MEMORY_LIMIT[target],
+                                                     tma, wide, packed)
+                            picked.add((kernel, precision, bucket, tiles, tma, packed))
     assert attention._INTERIOR_LOOP_SPILLS <= picked
     off = set()
     for k in attention.aot_configs():
@@ -371,8 +378,10 @@ def test_wide_tiles_on_hopper_run_hgmma_at_least_64_wide(results):
         for head_dim, (block_m, block_n, num_warps, num_stages) in by_head_dim.items():
             shared = attention._tiles(kernel, 16, head_dim, False, report.SHARED_MEMORY_LIMIT[90], True, False)
             for variant in variants:
-                if variant == "/varlen/nodropout" and (kernel, head_dim) in attention._WIDE_TILES_SPILL_PACKED:
-                    continue  # runs the /varlen tiles
+                packed_own = attention._TILES_SM90_WIDE_PACKED.get((kernel, 16), {})
+                if variant == "/varlen/nodropout" and (
+                        (kernel, head_dim) in attention._WIDE_TILES_SPILL_PACKED or head_dim in packed_own):
+                    continue  # runs the /varlen tiles, or its own (test_packed_wide_tiles_on_hopper_...)
                 if variant in attention._AOT_TILE_VARIANTS and shared == (block_m, block_n, num_warps, num_stages):
                     variant = attention._AOT_TILE_VARIANTS[variant]
                 r = _row(results, f"attention_{kernel}",
@@ -381,7 +390,38 @@ def test_wide_tiles_on_hopper_run_hgmma_at_least_64_wide(results):
                 assert all(shapes) and min(int(m.group(1)) for m in shapes) >= min(64, head_dim), (
                     r.config, r.mma_counts)
                 checked += 1
-    assert checked == 5 * 3 + 5 * 3 + 4 * 3 - len(attention._WIDE_TILES_SPILL_PACKED)
+    packed_own = sum(map(len, attention._TILES_SM90_WIDE_PACKED.values()))
+    assert checked == 5 * 3 + 5 * 3 + 4 * 3 - len(attention._WIDE_TILES_SPILL_PACKED) - packed_own
+
+
+def test_packed_wide_tiles_on_hopper_run_wider_hgmma_with_less_bookkeeping(results):
+    """Packed launches without an attn_mask or dropout whose wide tiles spill take _TILES_SM90_WIDE_PACKED: HGMMAs at
+    least as wide as the tile's query rows (the N of dk/dv's transposed products), wider than the shared tiles'
+    (which those launches took before), in both variants that run them (the two-loop /varlen/causal and
+    /varlen/nodropout), issuing at most 1.25x the non-MMA instructions per kMAC of the dense launches' wide tiles in
+    the matching variant (/causal, /padded)."""
+    from fused_transformer.kernels import attention
+
+    def hgmma_widths(r):
+        shapes = [re.match(r"HGMMA\.64x(\d+)x16\.", opcode) for opcode, _ in r.mma_counts]
+        assert all(shapes), (r.config, r.mma_counts)
+        return [int(m.group(1)) for m in shapes]
+
+    name = "bf16/D{}/BM{}_BN{}_w{}_s{}{}/tma"
+    checked = 0
+    for (kernel, _), by_head_dim in attention._TILES_SM90_WIDE_PACKED.items():
+        for head_dim, tiles in by_head_dim.items():
+            shared = attention._tiles(kernel, 16, head_dim, False, report.SHARED_MEMORY_LIMIT[90], True, False, True)
+            shared_widths = hgmma_widths(_row(results, f"attention_{kernel}", name.format(head_dim, *shared, "/varlen"),
+                                              90))
+            dense = attention._TILES_SM90_WIDE[(kernel, 16)][head_dim]
+            for variant, dense_variant in (("/varlen/causal", "/causal"), ("/varlen/nodropout", "/padded")):
+                r = _row(results, f"attention_{kernel}", name.format(head_dim, *tiles, variant), 90)
+                assert min(hgmma_widths(r)) >= tiles[0] > min(shared_widths), (r.config, r.mma_counts)
+                wide = _row(results, f"attention_{kernel}", name.format(head_dim, *dense, dense_variant), 90)
+                assert r.non_mma_per_kmac <= 1.25 * wide.non_mma_per_kmac, (r.config, r.non_mma_per_kmac, wide.config)
+                checked += 1
+    assert checked == 2
 
 
 def test_plain_forward_on_hopper_runs_less_bookkeeping(results):
