@@ -49,6 +49,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..backend import empty_heads_interleaved, heads_interleaved_strides
+from ..functional import _check_attention_args, _check_dropout, _check_window
 from ..reference import softmax_scale
 from ._common import (
     LARGE_SHARED_MEMORY, contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, has_tma,
@@ -916,10 +917,15 @@ _SM90_SHARED_MEMORY = 232448
 # Where the wide tiles spill for packed sequences, which zero a q / do tile's rows past their sequence in registers
 # (_tma_tile): such launches keep the other tiles (report: 256 B at dq D256) ...
 _WIDE_TILES_SPILL_PACKED = {("bwd_dq", 256)}
-# ... or take these. dk/dv D128 (64 x 64 spilled 8-24 B, 64 x 128 8 B): 32 query rows, 128 keys and 2 stages run
-# HGMMA.64x32x16 for S^T / dP^T and 64x128x16 for dk / dv where the shared tiles run 64x8x16 (report, non-MMA per
-# kMAC on sm_90, /varlen/causal 3.7 -> 1.9, /varlen/nodropout 3.7 -> 2.0; with the mask or dropout they spill).
-_TILES_SM90_WIDE_PACKED = {("bwd_dkdv", 16): {128: (32, 128, 8, 2)}}
+# ... or take these (report, non-MMA per kMAC on sm_90 in the /varlen/causal and /varlen/nodropout variants, before
+# -> after; with an attn_mask or dropout they spill). Forward D128: 128 keys spilled 8 B in the two-loop path, so
+# packed launches masked every tile (2.3 / 2.5); 64 keys and 3 stages run it (1.3 / 2.8: the masked loop of
+# windowed launches issues more with half the keys). dk/dv D64: 64 query rows spilled 24-88 B in the two-loop path
+# (masked: 3.1 / 3.2); 32 rows run it (1.75 / 3.4), HGMMA.64x32x16 for S^T / dP^T. dk/dv D128 (64 x 64 spilled 8-24
+# B, 64 x 128 8 B): 32 query rows, 128 keys and 2 stages run HGMMA.64x32x16 for S^T / dP^T and 64x128x16 for dk / dv
+# where the shared tiles ran 64x8x16 (3.7 / 3.7 -> 1.9 / 2.0, every tile masked).
+_TILES_SM90_WIDE_PACKED = {("fwd", 16): {128: (128, 64, 8, 3)}, ("bwd_dkdv", 16): {64: (32, 128, 8, 2),
+                                                                                  128: (32, 128, 8, 2)}}
 # float32 with allow_tf32=True, on every target: its tensor-core products hold their operands in more registers
 # than the ieee products of the float32 tiles, which spill there. Forward D16: 16 query rows (32 spilled 8 B in the
 # packed variant on sm_90 once the row max started at the lowest float instead of -inf).
@@ -960,19 +966,18 @@ def _wide_tiles_fit(kernel: str, head_dim: int, MASK_KIND: int, HAS_DROPOUT: boo
 # tiles, TMA loads, packed sequences): such launches mask every tile. bf16 stands for both 16-bit types. Report, two
 # loops, dense: dq D256 8 B (sm_90 wide tiles), dk/dv D128 448 B (sm_90 wide tiles) and D256 752 B (sm_90), float32
 # dq D64 296-328 B, float32 dk/dv D16 / D32 and tf32 dk/dv D16 / D64 / D128 8-16 B (with key padding); packed: the
-# forward D128 8 B (sm_90 wide tiles), D256 24-120 B, dq D256 680 B (sm_90), float32 D64 312-336 B, tf32 D128 8 B,
-# dk/dv D64 88 B and D128 232 B (sm_90), D256 704 B (sm_90), float32 D16 / D32 32-48 B, tf32 D128 8 B.
+# forward D256 24-120 B, dq D256 680 B (sm_90), float32 D64 312-336 B, tf32 D128 8 B,
+# dk/dv D128 328 B (sm_90), D256 704 B (sm_90), float32 D16 / D32 32-48 B, tf32 D128 8 B.
 _INTERIOR_LOOP_SPILLS = {
     ("bwd_dq", "bf16", 256, (64, 64, 4, 2), True, False), ("bwd_dkdv", "bf16", 128, (64, 64, 4, 1), True, False),
     ("bwd_dkdv", "bf16", 256, (16, 32, 8, 1), True, False), ("bwd_dq", "fp32", 64, (64, 32, 8, 2), False, False),
     ("bwd_dkdv", "fp32", 16, (32, 32, 8, 2), False, False), ("bwd_dkdv", "fp32", 32, (32, 64, 8, 2), False, False),
     ("bwd_dkdv", "tf32", 16, (16, 32, 4, 1), False, False), ("bwd_dkdv", "tf32", 64, (16, 16, 8, 1), False, False),
     ("bwd_dkdv", "tf32", 128, (16, 16, 8, 1), False, False),
-    ("fwd", "bf16", 128, (128, 128, 8, 3), True, True), ("fwd", "bf16", 256, (32, 32, 8, 1), False, True),
-    ("fwd", "bf16", 256, (128, 64, 8, 2), True, True),
+    ("fwd", "bf16", 256, (32, 32, 8, 1), False, True), ("fwd", "bf16", 256, (128, 64, 8, 2), True, True),
     ("bwd_dq", "bf16", 256, (32, 32, 8, 1), True, True), ("bwd_dq", "fp32", 64, (64, 32, 8, 2), False, True),
     ("bwd_dq", "tf32", 128, (16, 16, 8, 1), False, True),
-    ("bwd_dkdv", "bf16", 64, (64, 128, 8, 2), True, True), ("bwd_dkdv", "bf16", 128, (32, 128, 8, 2), True, True),
+    ("bwd_dkdv", "bf16", 128, (32, 128, 8, 2), True, True),
     ("bwd_dkdv", "bf16", 256, (16, 32, 8, 1), True, True), ("bwd_dkdv", "fp32", 16, (32, 32, 8, 2), False, True),
     ("bwd_dkdv", "fp32", 32, (32, 64, 8, 2), False, True), ("bwd_dkdv", "tf32", 128, (16, 16, 8, 1), False, True),
 }
@@ -1594,6 +1599,10 @@ def attention(
         ``[B, H, Lq, D]`` in q's dtype, laid out as ``[B, Lq, H, D]`` (``out.transpose(1, 2)`` is contiguous),
         and the float32 LSE ``[B, H, Lq]`` with ``return_lse``.
     """
+    # The README points users here for the two extras: the functional checks again (a few microseconds), so that a
+    # direct call with mismatched shapes gets their errors rather than out-of-bounds reads in the kernels.
+    _check_attention_args(q, k, v, attn_mask, key_padding_mask, is_causal, causal_alignment, scale, query_padding_mask)
+    window, dropout_p = _check_window(window), _check_dropout(dropout_p)
     q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         raise ValueError("triton attention: attn_mask requires grad, but masks are constants here (no gradient); "

@@ -575,6 +575,19 @@ def test_unsupported_inputs_raise_clear_errors():
     q = torch.randn(2, 1, 8, 16, device=DEVICE)
     with pytest.raises(ValueError, match="query_lengths"):
         triton_attention.attention(q, q, q, query_lengths=torch.tensor([8]))
+    # Called directly (as README suggests for query_lengths / allow_tf32) the kernel-level function checks what
+    # functional.attention checks: these shapes read out of bounds (a segfault under the interpreter) before.
+    q, k = torch.randn(1, 14, 2, 16, device=DEVICE), torch.randn(1, 10, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"q's heads \(14\) must be a multiple of k/v's heads \(10\)"):
+        triton_attention.attention(q, k, k, is_causal=True)
+    with pytest.raises(ValueError, match=r"v must have k's shape"):
+        triton_attention.attention(q, q, q[:, :, :1])
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        triton_attention.attention(q, q, q, key_padding_mask=torch.zeros(1, 3, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="window"):
+        triton_attention.attention(q, q, q, window=(-1, 0))
+    with pytest.raises(ValueError, match="dropout_p"):
+        triton_attention.attention(q, q, q, dropout_p=1.0)
 
 
 def test_float32_head_dims_above_128_are_refused_clearly():

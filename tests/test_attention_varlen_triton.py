@@ -398,3 +398,24 @@ def test_key_tiles_outside_every_window_are_not_visited(side):
         torch.testing.assert_close(got[..., clean_keys, :].double(), expected[..., clean_keys, :], atol=2e-5,
                                    rtol=0, msg=name)
         assert got[..., 32:64, :].isnan().all(), f"{name}: the NaN placement is not observable"
+
+
+def test_packed_launches_ask_for_the_packed_tiles(monkeypatch):
+    """Every kernel of an attention_varlen call asks config_for for packed tiles (_TILES_SM90_WIDE_PACKED on sm_90),
+    and of a dense call for dense ones."""
+    picks = []
+    pick = triton_attention.config_for
+
+    def record_pick(kernel_name, dtype, head_dim, device, allow_tf32=False, tma=False, wide=False, packed=False):
+        picks.append((kernel_name, packed))
+        return pick(kernel_name, dtype, head_dim, device, allow_tf32, tma, wide, packed)
+
+    monkeypatch.setattr(triton_attention, "config_for", record_pick)
+    (q, k, v, do, _), cu_q, cu_k = _packed_inputs([5, 9], [7, 3], 2, 2, 16, seed=4)
+    q, k, v = (t.float().requires_grad_() for t in (q, k, v))
+    triton_attention.attention_varlen(q, k, v, cu_q, cu_k, 9, 7, is_causal=True).backward(do.float())
+    assert picks == [("fwd", True), ("bwd_dq", True), ("bwd_dkdv", True)]
+    picks.clear()
+    dense = (t.detach().transpose(0, 1)[None].requires_grad_() for t in (q, k, v))  # [1, H, L, D]
+    triton_attention.attention(*dense, is_causal=True).sum().backward()
+    assert picks == [("fwd", False), ("bwd_dq", False), ("bwd_dkdv", False)]

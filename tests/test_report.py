@@ -394,34 +394,35 @@ def test_wide_tiles_on_hopper_run_hgmma_at_least_64_wide(results):
     assert checked == 5 * 3 + 5 * 3 + 4 * 3 - len(attention._WIDE_TILES_SPILL_PACKED) - packed_own
 
 
-def test_packed_wide_tiles_on_hopper_run_wider_hgmma_with_less_bookkeeping(results):
-    """Packed launches without an attn_mask or dropout whose wide tiles spill take _TILES_SM90_WIDE_PACKED: HGMMAs at
-    least as wide as the tile's query rows (the N of dk/dv's transposed products), wider than the shared tiles'
-    (which those launches took before), in both variants that run them (the two-loop /varlen/causal and
-    /varlen/nodropout), issuing at most 1.25x the non-MMA instructions per kMAC of the dense launches' wide tiles in
-    the matching variant (/causal, /padded)."""
+def test_packed_wide_tiles_on_hopper_run_wide_hgmma_with_little_more_bookkeeping(results):
+    """Packed launches without an attn_mask or dropout whose wide tiles spill take _TILES_SM90_WIDE_PACKED, in both
+    variants that run them (the two-loop /varlen/causal and /varlen/nodropout): HGMMAs at least as wide as the tile's
+    keys (forward; the head dim where that is less) or query rows (dk/dv, the N of its transposed products), and at
+    most 1.5x the non-MMA instructions per kMAC of the dense launches' wide tiles in the matching variant (/causal,
+    /padded). What packed launches ran before these tiles issued 2.3x (forward D128, every tile masked), 2.2x (dk/dv
+    D64, every tile masked) and 2.3x (dk/dv D128, the shared 16-row tiles). Where the tiles are the ones packed
+    launches with dropout take, the report compiles /varlen/nodropout as /varlen (with dropout): /varlen/causal only."""
     from fused_transformer.kernels import attention
-
-    def hgmma_widths(r):
-        shapes = [re.match(r"HGMMA\.64x(\d+)x16\.", opcode) for opcode, _ in r.mma_counts]
-        assert all(shapes), (r.config, r.mma_counts)
-        return [int(m.group(1)) for m in shapes]
 
     name = "bf16/D{}/BM{}_BN{}_w{}_s{}{}/tma"
     checked = 0
     for (kernel, _), by_head_dim in attention._TILES_SM90_WIDE_PACKED.items():
         for head_dim, tiles in by_head_dim.items():
-            shared = attention._tiles(kernel, 16, head_dim, False, report.SHARED_MEMORY_LIMIT[90], True, False, True)
-            shared_widths = hgmma_widths(_row(results, f"attention_{kernel}", name.format(head_dim, *shared, "/varlen"),
-                                              90))
+            block_m, block_n = tiles[:2]
+            narrowest = block_m if kernel == "bwd_dkdv" else min(block_n, head_dim)
             dense = attention._TILES_SM90_WIDE[(kernel, 16)][head_dim]
-            for variant, dense_variant in (("/varlen/causal", "/causal"), ("/varlen/nodropout", "/padded")):
+            shared = attention._tiles(kernel, 16, head_dim, False, report.SHARED_MEMORY_LIMIT[90], True, False, True)
+            variants = [("/varlen/causal", "/causal")]
+            if tiles != shared:
+                variants.append(("/varlen/nodropout", "/padded"))
+            for variant, dense_variant in variants:
                 r = _row(results, f"attention_{kernel}", name.format(head_dim, *tiles, variant), 90)
-                assert min(hgmma_widths(r)) >= tiles[0] > min(shared_widths), (r.config, r.mma_counts)
+                shapes = [re.match(r"HGMMA\.64x(\d+)x16\.", opcode) for opcode, _ in r.mma_counts]
+                assert all(shapes) and min(int(m.group(1)) for m in shapes) >= narrowest, (r.config, r.mma_counts)
                 wide = _row(results, f"attention_{kernel}", name.format(head_dim, *dense, dense_variant), 90)
-                assert r.non_mma_per_kmac <= 1.25 * wide.non_mma_per_kmac, (r.config, r.non_mma_per_kmac, wide.config)
+                assert r.non_mma_per_kmac <= 1.5 * wide.non_mma_per_kmac, (r.config, r.non_mma_per_kmac, wide.config)
                 checked += 1
-    assert checked == 2
+    assert checked == 5
 
 
 def test_plain_forward_on_hopper_runs_less_bookkeeping(results):
