@@ -390,8 +390,8 @@ def test_wide_tiles_on_hopper_run_hgmma_at_least_64_wide(results):
                 assert all(shapes) and min(int(m.group(1)) for m in shapes) >= min(64, head_dim), (
                     r.config, r.mma_counts)
                 checked += 1
-    packed_own = sum(map(len, attention._TILES_SM90_WIDE_PACKED.values()))
-    assert checked == 5 * 3 + 5 * 3 + 4 * 3 - len(attention._WIDE_TILES_SPILL_PACKED) - packed_own
+    packed_tiles = sum(map(len, attention._TILES_SM90_WIDE_PACKED.values()))
+    assert checked == 5 * 3 + 5 * 3 + 4 * 3 - len(attention._WIDE_TILES_SPILL_PACKED) - packed_tiles
 
 
 def test_packed_wide_tiles_on_hopper_run_wide_hgmma_with_little_more_bookkeeping(results):
