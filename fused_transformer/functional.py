@@ -210,6 +210,31 @@ def _check_attention_args(
     _check_common_flags(is_causal, causal_alignment, scale)
 
 
+def _check_varlen_args(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: object, cu_seqlens_k: object, max_seqlen_q: object,
+    max_seqlen_k: object, is_causal: bool, causal_alignment: str, scale: Optional[float],
+) -> None:
+    """``attention_varlen``'s arguments but the values of cu_seqlens (``_check_cu_seqlens_values`` reads them)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, rank=3)
+    _check_same("k", k, "q", q)
+    _check_same("v", v, "q", q)
+    (_, heads, dim), (_, kv_heads, kd) = q.shape, k.shape
+    if kd != dim:
+        raise ValueError(f"k must be [total_k, kv_heads, head_dim={dim}] to match q {tuple(q.shape)}, "
+                         f"got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"q's heads ({heads}) must be a multiple of k/v's heads ({kv_heads})")
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, q)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
+                         "must hold the same number of sequences")
+    _check_common_flags(is_causal, causal_alignment, scale)
+
+
 def _check_cu_seqlens(name: str, cu: object, max_seqlen: object, anchor: Tensor) -> None:
     """Type, rank and device of ``cu`` and the type of its max_seqlen; ``_check_cu_seqlens_values`` reads it."""
     max_name = "max_seqlen_" + name[-1]
@@ -355,26 +380,10 @@ def attention_varlen(
     """
     cast = _autocast_dtype(q, matmul=True)
     q, k, v = _autocast_all(cast, q, k, v)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, rank=3)
-    _check_same("k", k, "q", q)
-    _check_same("v", v, "q", q)
-    (_, heads, dim), (_, kv_heads, kd) = q.shape, k.shape
-    if kd != dim:
-        raise ValueError(f"k must be [total_k, kv_heads, head_dim={dim}] to match q {tuple(q.shape)}, "
-                         f"got {tuple(k.shape)}")
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if kv_heads == 0 or heads % kv_heads != 0:
-        raise ValueError(f"q's heads ({heads}) must be a multiple of k/v's heads ({kv_heads})")
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, q)
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
-                         "must hold the same number of sequences")
+    _check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment,
+                       scale)
     _check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     _check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
-    _check_common_flags(is_causal, causal_alignment, scale)
     window = _check_window(window)
     dropout_p = _check_dropout(dropout_p)
     return _run(

@@ -49,7 +49,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..backend import empty_heads_interleaved, heads_interleaved_strides
-from ..functional import _check_attention_args, _check_dropout, _check_window
+from ..functional import _check_attention_args, _check_dropout, _check_varlen_args, _check_window
 from ..reference import softmax_scale
 from ._common import (
     LARGE_SHARED_MEMORY, contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, has_tma,
@@ -1635,8 +1635,8 @@ def attention_varlen(
     allow_tf32: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Fused attention on packed sequences on Triton; the arguments of
-    ``fused_transformer.functional.attention_varlen`` (which checks them, the values of cu_seqlens included)
-    plus ``allow_tf32`` as in ``attention``.
+    ``fused_transformer.functional.attention_varlen`` plus ``allow_tf32`` as in ``attention``. Checked as there
+    but for the values of cu_seqlens, which only functional reads (a host sync).
 
     Args:
         q: ``[Tq, H, D]``; k, v: ``[Tk, Hkv, D]``, any strides with the last dim contiguous (copied otherwise).
@@ -1646,6 +1646,9 @@ def attention_varlen(
     Returns:
         ``[Tq, H, D]`` in q's dtype, and the float32 LSE ``[H, Tq]`` with ``return_lse``.
     """
+    _check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment,
+                       scale)
+    window, dropout_p = _check_window(window), _check_dropout(dropout_p)
     q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
     scale = softmax_scale(q.shape[-1], scale)
     o, lse = AttentionVarlenFunction.apply(

@@ -419,3 +419,18 @@ def test_packed_launches_ask_for_the_packed_tiles(monkeypatch):
     dense = (t.detach().transpose(0, 1)[None].requires_grad_() for t in (q, k, v))  # [1, H, L, D]
     triton_attention.attention(*dense, is_causal=True).sum().backward()
     assert picks == [("fwd", False), ("bwd_dq", False), ("bwd_dkdv", False)]
+
+
+def test_kernel_level_varlen_checks_shapes_as_functional_does():
+    """kernels.attention.attention_varlen checks what functional.attention_varlen checks but cu_seqlens' values:
+    mismatched heads are an error, not out-of-bounds reads."""
+    (q, k, v, _, _), cu_q, cu_k = _packed_inputs([5, 9], [7, 3], 2, 2, 16, seed=4)
+    q, k, v = q.float(), k.float(), v.float()
+    with pytest.raises(ValueError, match=r"q's heads \(2\) must be a multiple of k/v's heads \(3\)"):
+        triton_attention.attention_varlen(q, k.repeat(1, 2, 1)[:, :3], v.repeat(1, 2, 1)[:, :3], cu_q, cu_k, 9, 7)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be int32"):
+        triton_attention.attention_varlen(q, k, v, cu_q, cu_k.long(), 9, 7)
+    with pytest.raises(ValueError, match="same number of sequences"):
+        triton_attention.attention_varlen(q, k, v, cu_q, cu_k[:2], 9, 7)
+    with pytest.raises(ValueError, match="dropout_p"):
+        triton_attention.attention_varlen(q, k, v, cu_q, cu_k, 9, 7, dropout_p=-0.1)
