@@ -10,7 +10,9 @@ Backends:
 The choice comes, from strongest to weakest, from ``use_backend(name)`` (a context manager),
 ``set_backend(name)``, and the environment variable ``FUSED_TRANSFORMER_BACKEND`` read at import. Like
 ``torch.backends`` flags and ``sdpa_kernel``, the choice is process-wide (not per thread): plain module
-globals, which ``torch.compile`` reads at trace time and guards on, so changing it recompiles.
+globals, which ``torch.compile`` reads at trace time and guards on, so changing it recompiles. ``use_backend``
+blocks may overlap across threads: the innermost block still open decides, and each block's exit removes only
+its own choice, so once every block has closed ``set_backend``'s choice holds again.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ import functools
 import importlib
 import math
 import os
+import threading
 import warnings
-from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -36,11 +39,15 @@ def _check_name(name: object, source: str) -> str:
 
 
 _global_choice = _check_name(os.environ.get(ENV_VAR, "auto"), ENV_VAR)
+# The open use_backend blocks, oldest first, as (token, name); _scoped_choice is the newest one's name, the one
+# value traced code reads (a plain string, so torch.compile guards on the choice, not on the blocks).
+_open_blocks: List[Tuple[object, str]] = []
 _scoped_choice: Optional[str] = None
+_blocks_lock = threading.Lock()
 
 
 def set_backend(name: str) -> None:
-    """Choose the backend for every op from now on (overridden inside ``use_backend``)."""
+    """Choose the backend for every op from now on (overridden inside ``use_backend`` blocks while they are open)."""
     global _global_choice
     _global_choice = _check_name(name, "backend")
 
@@ -54,11 +61,16 @@ def get_backend() -> str:
 def use_backend(name: str) -> Iterator[None]:
     """Run the ops inside the ``with`` block on backend ``name``."""
     global _scoped_choice
-    previous, _scoped_choice = _scoped_choice, _check_name(name, "backend")
+    token = (object(), _check_name(name, "backend"))
+    with _blocks_lock:
+        _open_blocks.append(token)
+        _scoped_choice = token[1]
     try:
         yield
     finally:
-        _scoped_choice = previous
+        with _blocks_lock:
+            _open_blocks.remove(token)
+            _scoped_choice = _open_blocks[-1][1] if _open_blocks else None
 
 
 # What cannot change while a process runs (an import that worked, the interpreter switch read before triton is

@@ -745,8 +745,10 @@ class TransformerDecoder(_FusedTwin, nn.TransformerDecoder):
 
 
 def _padded_layer_kwargs(layer: nn.Module) -> dict:
-    """What a stack running padded tells its layer, if it is ours: run padded, write no zeros (the stack does)."""
-    ours = type(layer).forward in (TransformerEncoderLayer.forward, TransformerDecoderLayer.forward)
+    """What a stack running padded tells its layer, if it is ours: run padded, write no zeros (the stack does). Any
+    other callable (a user's module, a test's mock, which may have no ``forward`` on its type) gets torch.nn's
+    arguments only."""
+    ours = getattr(type(layer), "forward", None) in (TransformerEncoderLayer.forward, TransformerDecoderLayer.forward)
     return {"_in_padded_stack": True} if ours else {}
 
 
@@ -759,7 +761,7 @@ def _stack_packs(stack: nn.Module, layer_class: type, x: Tensor, batch_first: bo
     stack calls them on packed tokens), with one layout and modules that pack; and the final norm works on
     tokens one by one. The first layer then decides on the inputs (``_packing_causal``)."""
     return _row_wise_norm(stack.norm) and all(
-        isinstance(layer, layer_class) and type(layer).forward is layer_class.forward
+        isinstance(layer, layer_class) and getattr(type(layer), "forward", None) is layer_class.forward
         and _batch_first(layer) == batch_first and layer._fuses(x) and layer._packs_modules()
         for layer in stack.layers)
 

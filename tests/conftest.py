@@ -1,6 +1,7 @@
 """Test setup. Without a GPU the Triton kernels run on CPU tensors under the Triton interpreter, which must be
 switched on before triton is first imported: that is why this happens here, at collection."""
 import os
+import signal
 
 import torch
 
@@ -38,3 +39,12 @@ def nan_filled_outputs():
 
     with unwritten_elements_are_nan():
         yield
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt in this process for the test, as in a terminal, also when the tests were
+    started with SIGINT ignored (see tests/signals.py)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 
 import pytest
@@ -34,6 +35,39 @@ def test_context_manager_overrides_and_restores():
             assert ft.current() == "reference"
         assert backend.get_backend() == "triton"
     assert backend.get_backend() == "reference"
+
+
+def test_overlapping_blocks_in_threads_restore_the_global_choice():
+    """Thread A enters use_backend("reference"), thread B use_backend("cpu"), A exits, then B: nothing of either block
+    is left, and set_backend takes effect."""
+    ft.set_backend("auto")
+    a_entered, b_entered, a_exited = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def thread_a():
+        with ft.use_backend("reference"):
+            a_entered.set()
+            b_entered.wait(10)
+        a_exited.set()
+
+    def thread_b():
+        a_entered.wait(10)
+        with ft.use_backend("cpu"):
+            b_entered.set()
+            a_exited.wait(10)
+            seen["after A exited"] = backend.get_backend()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen == {"after A exited": "cpu"}  # B's block is still open
+    assert backend.get_backend() == "auto"
+    ft.set_backend("reference")
+    assert backend.get_backend() == "reference"
+    ft.set_backend("auto")
+    assert backend.get_backend() == "auto"
 
 
 def test_unknown_backend_names_are_rejected():

@@ -235,7 +235,7 @@ def interrupt_in_save(monkeypatch, k):
 
 @pytest.mark.parametrize("where, stop", [("after_step", 3), ("mid_step", 3), ("in_update", 3), ("in_save", 4)])
 def test_ctrl_c_saves_the_last_completed_step_and_resuming_is_bitwise(tmp_path, monkeypatch, uninterrupted, where,
-                                                                       stop):
+                                                                       stop, ctrl_c_raises):
     path = str(tmp_path / "ckpt.pt")
     on_step = None
     with monkeypatch.context() as patch:

@@ -11,6 +11,7 @@ import pytest
 
 from fused_transformer import __main__ as cli
 from fused_transformer import backend as ft_backend
+from tests.signals import sigint_as_in_a_terminal
 
 INTERRUPTED = 130
 
@@ -35,7 +36,7 @@ def interrupt(args, ready, timeout=240):
     (exit status, stdout, stderr)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "fused_transformer", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=sigint_as_in_a_terminal)
     deadline = time.monotonic() + timeout
     try:
         while not ready(proc.pid):
@@ -89,7 +90,7 @@ def test_ctrl_c_in_check_prints_the_summary_of_the_rows_done(tmp_path):
             # The interpreted Triton kernels take tens of seconds after the first row: the Ctrl-C lands mid-check
             # (the reference backend's whole check takes about a second, and a Ctrl-C could land after it).
             [sys.executable, "-m", "fused_transformer", "check", "--quick", "--backend", "triton"],
-            stdout=out, stderr=subprocess.PIPE, text=True, env=env)
+            stdout=out, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=sigint_as_in_a_terminal)
         deadline = time.monotonic() + 240
         # a row's result column: the header's "rule: pass iff ..." comes before the rows' try block
         while "  pass  " not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:

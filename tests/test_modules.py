@@ -280,6 +280,32 @@ def test_encoder_detects_a_causal_mask_like_torch():
     assert calls == [True, True, True, True, False, False]
 
 
+def test_stacks_call_a_layer_that_is_no_module_class_as_torch_does():
+    """PyTorch's test_train_with_is_causal puts a MagicMock among an encoder's layers: the stack calls it with
+    torch.nn's arguments (no private ones), is_causal detected from the mask, instead of failing on the layer's type."""
+    from unittest.mock import ANY, MagicMock
+
+    for stack_class, layer_class in ((ft.TransformerEncoder, ft.TransformerEncoderLayer),
+                                     (ft.TransformerDecoder, ft.TransformerDecoderLayer)):
+        stack = stack_class(layer_class(4, 2, 8, dropout=0.0, batch_first=True), 2)
+        x = torch.randn(1, 3, 4)
+        mock_layer = MagicMock(nn.MultiheadAttention(4, 2), return_value=x)
+        stack.layers[1] = mock_layer
+        causal = torch.ones(3, 3, dtype=torch.bool).triu(1)
+        if stack_class is ft.TransformerEncoder:
+            stack(x, mask=causal)
+            mock_layer.assert_called_with(ANY, src_mask=ANY, is_causal=True, src_key_padding_mask=ANY)
+            # A mock that passes for one of our layers (isinstance) with a padding mask to pack: it runs padded.
+            stack.layers[1] = mock_layer = MagicMock(stack.layers[0], return_value=x)
+            padding = torch.tensor([[False, False, True]])
+            stack(x, src_key_padding_mask=padding)
+            mock_layer.assert_called_with(ANY, src_mask=None, is_causal=False, src_key_padding_mask=padding)
+        else:
+            stack(x, x, tgt_mask=causal)
+            mock_layer.assert_called_with(ANY, ANY, tgt_mask=ANY, memory_mask=None, tgt_key_padding_mask=None,
+                                          memory_key_padding_mask=None, tgt_is_causal=True, memory_is_causal=False)
+
+
 def test_encoder_eval_no_grad_with_padding_matches_torch_on_real_tokens():
     """torch.nn converts padded input to a nested tensor here and writes zeros at padded positions;
     the real positions agree."""
