@@ -1,4 +1,5 @@
-"""The one place that decides which implementation an op runs on.
+"""The one place that decides which implementation an op runs on: the backend's name (``current``) and the
+function that backend runs the op with (``implementation``).
 
 Backends:
   ``"triton"``     Triton kernels (``fused_transformer.kernels``). CUDA tensors, or CPU tensors under the
@@ -17,18 +18,17 @@ its own choice, so once every block has closed ``set_backend``'s choice holds ag
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
-import math
 import os
 import threading
 import warnings
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from ._env import computed_once, constant_for_compile, triton_interpreting  # noqa: F401 (the switch's facts)
+
 BACKENDS = ("auto", "triton", "cpu", "reference")
-T = TypeVar("T")
 ENV_VAR = "FUSED_TRANSFORMER_BACKEND"
 
 
@@ -73,69 +73,7 @@ def use_backend(name: str) -> Iterator[None]:
             _scoped_choice = _open_blocks[-1][1] if _open_blocks else None
 
 
-# What cannot change while a process runs (an import that worked, the interpreter switch read before triton is
-# imported) is a constant to torch.compile: it calls these at trace time instead of tracing into them.
-
-
-def constant_for_compile(fn: Callable[..., T]) -> Callable[..., T]:
-    """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does, without its import of ``torch._dynamo``
-    (0.8 s, which would double the import time of this package and import triton before ``python -m
-    fused_transformer`` can switch the interpreter on). tests/test_drop_in.py fails if torch stops honouring it."""
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn
-
-
-def _computed_once(fn: Callable[[], T]) -> Callable[[], T]:
-    """``fn()`` computed at the first call only (``cache_clear()`` forgets it), and a constant to torch.compile.
-    Not ``functools.lru_cache``: torch.compile traces through that wrapper into ``fn``."""
-    results: Dict[str, T] = {}
-
-    @functools.wraps(fn)
-    def once() -> T:
-        if "value" not in results:
-            results["value"] = fn()
-        return results["value"]
-
-    once.cache_clear = results.clear  # type: ignore[attr-defined]
-    return constant_for_compile(once)
-
-
-@constant_for_compile
-def triton_interpreting() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def draw_dropout_seed(device: torch.device) -> torch.Tensor:
-    """A dropout (Philox) seed: one int64 element on ``device``, drawn from torch's generator for that device.
-
-    ``torch.manual_seed`` reproduces dropout on every backend. The draw is an ordinary tensor op, as in torch's
-    own fused dropout: it stays inside a ``torch.compile`` graph (no host value to specialise on, so no
-    recompile per step) and inside a CUDA graph, whose every replay draws a new seed. The kernels read it
-    themselves."""
-    return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
-
-
-def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., N]`` as ``[rows, N]`` for the row-wise kernels (a view when the strides allow); unlike
-    ``reshape(-1, N)``, also when N = 0."""
-    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-
-
-def heads_interleaved_strides(shape: Sequence[int]) -> Tuple[int, int, int, int]:
-    """The strides of a ``[B, H, L, D]`` tensor whose memory is ``[B, L, H, D]``: what the attention kernels write,
-    so that merging the heads (``out.transpose(1, 2).flatten(2)``) is a view, not a copy."""
-    _, heads, length, head_dim = shape
-    return (length * heads * head_dim, head_dim, heads * head_dim, 1)
-
-
-def empty_heads_interleaved(like: torch.Tensor) -> torch.Tensor:
-    """An empty tensor shaped as ``like`` ``[B, H, L, D]`` with ``heads_interleaved_strides``."""
-    return torch.empty_strided(like.shape, heads_interleaved_strides(like.shape), dtype=like.dtype,
-                               device=like.device)
-
-
-@_computed_once
+@computed_once
 def triton_unavailable_reason() -> Optional[str]:
     """None when the Triton kernels can be imported, else why not."""
     try:
@@ -145,7 +83,7 @@ def triton_unavailable_reason() -> Optional[str]:
     return None
 
 
-@_computed_once
+@computed_once
 def cpu_unavailable_reason() -> Optional[str]:
     """None when the C++ CPU kernels are built and load, else why not."""
     try:
@@ -155,7 +93,7 @@ def cpu_unavailable_reason() -> Optional[str]:
     return None
 
 
-@_computed_once
+@computed_once
 def _auto_cpu_backend() -> str:
     """``"cpu"`` when the C++ kernels load, else ``"reference"`` with a warning (once)."""
     reason = cpu_unavailable_reason()
@@ -200,3 +138,54 @@ def current(device: "torch.device | str | None" = None, dtype: Optional[torch.dt
         if reason is not None:
             raise RuntimeError(f"backend 'cpu' is unavailable: {reason}")
     return name
+
+
+# backend -> op -> the function it runs the op with. The attention ops take (q, k, v, masks, spec) (attention_varlen:
+# q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, spec) as contract.py describes them and return
+# (out, lse); layer_norm and feed_forward take functional's arguments. Filled on a backend's first use: importing the
+# C++ extension or triton is its first use's cost, not the package's.
+_OPS: Dict[str, Dict[str, Callable]] = {}
+
+
+def _import_ops(name: str) -> Dict[str, Callable]:
+    if name == "triton":
+        from .kernels import attention, feed_forward, layer_norm
+
+        return dict(attention=attention.run_attention, attention_varlen=attention.run_attention_varlen,
+                    attention_weights=attention.run_attention_weights, layer_norm=layer_norm.layer_norm,
+                    feed_forward=feed_forward.feed_forward)
+    if name == "cpu":
+        from . import cpu_ops
+
+        return dict(attention=cpu_ops.run_attention, attention_varlen=cpu_ops.run_attention_varlen,
+                    attention_weights=cpu_ops.run_attention_weights, layer_norm=cpu_ops.layer_norm,
+                    feed_forward=cpu_ops.feed_forward)
+    if name != "reference":
+        raise ValueError(f"backend {name!r} has no ops of its own: name one of triton, cpu, reference")
+    from . import reference
+
+    return dict(attention=reference.run_attention, attention_varlen=reference.run_attention_varlen,
+                attention_weights=reference.run_attention_weights, layer_norm=reference.layer_norm,
+                feed_forward=reference.feed_forward)
+
+
+@constant_for_compile
+def _load(name: str) -> bool:
+    """Import backend ``name``'s ops (once). torch.compile cannot trace an import: it calls this at trace time."""
+    if name not in _OPS:
+        _OPS[name] = _import_ops(name)
+    return True
+
+
+def ops(name: str) -> Dict[str, Callable]:
+    """The functions backend ``name`` (not ``"auto"``) runs each op with, imported on first use. A function replaced
+    in this dict (a test's spy, a user's patch) is the one the functional ops call."""
+    _load(_check_name(name, "backend"))
+    return _OPS[name.lower()]
+
+
+def implementation(op: str, x: torch.Tensor) -> Callable:
+    """The function that runs ``op`` for tensors like ``x``, on the backend ``current`` picks for them."""
+    name = current(x.device, x.dtype)
+    _load(name)
+    return _OPS[name][op]

@@ -30,7 +30,9 @@ import torch.nn.functional as F
 
 from . import _C  # noqa: F401  (registers torch.ops.fused_transformer_cpu)
 from . import reference
-from .backend import as_rows, draw_dropout_seed, empty_heads_interleaved
+from .contract import (
+    AttentionMasks, AttentionSpec, Window, as_rows, draw_dropout_seed, empty_heads_interleaved, stats_dtype,
+)
 
 Tensor = torch.Tensor
 _ops = torch.ops.fused_transformer_cpu
@@ -41,10 +43,6 @@ def dropout_keep_mask(seed: Union[int, Tensor], shape: Sequence[int], dropout_p:
     tensor's value), for ``reference.*(keep_mask=)``."""
     numel = math.prod(shape)
     return _ops.dropout_keep_mask(int(seed), numel, float(dropout_p)).view(tuple(shape))
-
-
-def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_cpu(name: str, anchor: Tensor) -> None:
@@ -82,8 +80,8 @@ def _attention_bias(attn_mask: Optional[Tensor], dtype: torch.dtype) -> Optional
     return attn_mask.to(dtype)
 
 
-def _window_bounds(window: Optional[Tuple[Optional[int], Optional[int]]]) -> Tuple[int, int]:
-    """``(left, right)`` as the kernels take them: -1 for no limit."""
+def _window_bounds(window: Window) -> Tuple[int, int]:
+    """``(left, right)`` as the C++ kernels take them: -1 for no limit."""
     left, right = window if window is not None else (None, None)
     return (-1 if left is None else left, -1 if right is None else right)
 
@@ -107,35 +105,17 @@ class AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    attn_mask: Optional[Tensor],
-    key_padding_mask: Optional[Tensor],
-    is_causal: bool,
-    causal_alignment: str,
-    dropout_p: float,
-    scale: Optional[float],
-    return_lse: bool,
-    query_padding_mask: Optional[Tensor] = None,
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """``fused_transformer.functional.attention`` on the C++ flash-attention kernel (arguments checked there).
-
-    q ``[B, H, Lq, D]``, k / v ``[B, Hkv, Lk, D]``. Returns the output in q's dtype and, with ``return_lse``,
-    the LSE ``[B, H, Lq]`` (float32; float64 for float64). A float ``attn_mask`` is not differentiated.
-    """
+def run_attention(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
+    """``functional.attention`` on the C++ flash-attention kernel: ``(out, lse)``, the LSE ``[B, H, Lq]`` in float32
+    (float64 for float64). A float ``attn_mask`` is not differentiated."""
     _check_cpu("q", q)
+    attn_mask = masks.attn_mask
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         raise ValueError("the cpu backend does not compute gradients for attn_mask; use backend 'reference'")
-    bias = _attention_bias(attn_mask, _stats_dtype(q.dtype))
-    options = (bool(is_causal), causal_alignment == "bottom_right", *_window_bounds(window),
-               reference.softmax_scale(q.shape[-1], scale), float(dropout_p))
-    seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
-    out, lse = _apply(AttentionFunction, q, k, v, bias, key_padding_mask, query_padding_mask, options, seed)
-    return (out, lse) if return_lse else out
+    bias = _attention_bias(attn_mask, stats_dtype(q.dtype))
+    options = (spec.is_causal, spec.bottom_right, *_window_bounds(spec.window), spec.scale, spec.dropout_p)
+    seed = draw_dropout_seed(q.device) if spec.dropout_p > 0.0 else None
+    return _apply(AttentionFunction, q, k, v, bias, masks.key_padding_mask, masks.query_padding_mask, options, seed)
 
 
 class AttentionVarlenFunction(torch.autograd.Function):
@@ -157,52 +137,21 @@ class AttentionVarlenFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def attention_varlen(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    is_causal: bool,
-    causal_alignment: str,
-    window: Optional[Tuple[Optional[int], Optional[int]]],
-    dropout_p: float,
-    scale: Optional[float],
-    return_lse: bool,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """``fused_transformer.functional.attention_varlen`` on the C++ kernels (arguments checked there): packed
-    q ``[Tq, H, D]``, k / v ``[Tk, Hkv, D]``; returns ``[Tq, H, D]`` and, with ``return_lse``, ``[H, Tq]``."""
+def run_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                         max_seqlen_k: int, spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
+    """``functional.attention_varlen`` on the C++ kernels: ``(out [Tq, H, D], lse [H, Tq])``."""
     _check_cpu("q", q)
-    options = (int(max_seqlen_q), int(max_seqlen_k), bool(is_causal), causal_alignment == "bottom_right",
-               *_window_bounds(window), reference.softmax_scale(q.shape[-1], scale), float(dropout_p))
-    seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
-    out, lse = _apply(AttentionVarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k, options, seed)
-    return (out, lse) if return_lse else out
+    options = (int(max_seqlen_q), int(max_seqlen_k), spec.is_causal, spec.bottom_right, *_window_bounds(spec.window),
+               spec.scale, spec.dropout_p)
+    seed = draw_dropout_seed(q.device) if spec.dropout_p > 0.0 else None
+    return _apply(AttentionVarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k, options, seed)
 
 
-def attention_weights(
-    q: Tensor,
-    k: Tensor,
-    lse: Tensor,
-    *,
-    attn_mask: Optional[Tensor],
-    key_padding_mask: Optional[Tensor],
-    is_causal: bool,
-    causal_alignment: str,
-    scale: Optional[float],
-    query_padding_mask: Optional[Tensor] = None,
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-) -> Tensor:
-    """``fused_transformer.functional.attention_weights``: the result is the full ``[B, H, Lq, Lk]`` matrix, so
-    there is nothing to fuse and the reference computes it."""
+def run_attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tensor:
+    """``functional.attention_weights``: the result is the full ``[B, H, Lq, Lk]`` matrix, so there is nothing to fuse
+    and the reference computes it."""
     _check_cpu("q", q)
-    return reference.attention_weights(
-        q, k, lse, attn_mask=attn_mask, key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
-        is_causal=is_causal, causal_alignment=causal_alignment, window=window, scale=scale,
-    )
+    return reference.run_attention_weights(q, k, lse, masks, spec)
 
 
 # ------------------------------------------------------------------------------------------ layer_norm
@@ -286,7 +235,7 @@ class BiasActivationFunction(torch.autograd.Function):
         grad_pre = _ops.bias_activation_bwd(grad.reshape(rows.shape), rows, bias, ctx.activation, ctx.dropout_p, seed)
         grad_bias = None
         if bias is not None and ctx.needs_input_grad[1]:
-            grad_bias = grad_pre.sum(dim=0, dtype=_stats_dtype(grad_pre.dtype)).to(bias.dtype)
+            grad_bias = grad_pre.sum(dim=0, dtype=stats_dtype(grad_pre.dtype)).to(bias.dtype)
         return grad_pre.view(grad.shape), grad_bias, None, None, None
 
 
@@ -320,7 +269,7 @@ def feed_forward(
 
 def _register_fakes() -> None:
     def stats(t: Tensor, shape: Sequence[int]) -> Tensor:
-        return t.new_empty(shape, dtype=_stats_dtype(t.dtype))
+        return t.new_empty(shape, dtype=stats_dtype(t.dtype))
 
     @torch.library.register_fake("fused_transformer_cpu::attention_fwd")
     def _(q, k, v, bias, key_padding, query_padding, *options_and_seed):

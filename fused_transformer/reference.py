@@ -12,11 +12,14 @@ normalisation statistics, in float32 (as PyTorch's fused attention does; float16
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+
+from .contract import (  # noqa: F401 (softmax_scale, stats_dtype and last_real_position are part of the reference)
+    AttentionMasks, AttentionSpec, Window, last_real_position, softmax_scale, stats_dtype,
+)
 
 Tensor = torch.Tensor
 
@@ -25,11 +28,6 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
-
-
-def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype statistics (softmax, LSE, mean/variance) are kept in for inputs of ``dtype``."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def dropout(x: Tensor, p: float, keep_mask: Optional[Tensor] = None) -> Tensor:
@@ -41,14 +39,6 @@ def dropout(x: Tensor, p: float, keep_mask: Optional[Tensor] = None) -> Tensor:
     return x * keep_mask.to(x.dtype) * (1.0 / (1.0 - p))
 
 
-def softmax_scale(head_dim: int, scale: Optional[float] = None) -> float:
-    """The factor attention scores are multiplied by: ``scale``, by default ``1 / sqrt(head_dim)``; 1 for
-    ``head_dim = 0``, whose scores are all 0 (any finite factor keeps them 0, ``1 / sqrt(0)`` makes them NaN)."""
-    if scale is not None:
-        return float(scale)
-    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-
-
 def causal_keep(lq: int, lk: int, alignment: str, device: torch.device) -> Tensor:
     """Bool ``[lq, lk]``, True where query i may see key j.
 
@@ -58,14 +48,6 @@ def causal_keep(lq: int, lk: int, alignment: str, device: torch.device) -> Tenso
     rows = torch.arange(lq, device=device)[:, None]
     cols = torch.arange(lk, device=device)[None, :]
     return cols <= rows + offset
-
-
-def last_real_position(padding_mask: Tensor) -> Tensor:
-    """``[B]`` int64: one past the last position of each row of ``padding_mask`` ``[B, L]`` (True = padding)
-    that is not padding; 0 for a row of padding only."""
-    positions = torch.arange(1, padding_mask.shape[1] + 1, device=padding_mask.device)
-    return torch.where(padding_mask, 0, positions).amax(dim=1) if padding_mask.shape[1] else positions.new_zeros(
-        padding_mask.shape[0])
 
 
 def alignment_offset(
@@ -84,7 +66,7 @@ def alignment_offset(
     return key_end - last_real_position(query_padding_mask)
 
 
-def window_keep(lq: int, lk: int, offset: Union[int, Tensor], window: Optional[Tuple[Optional[int], Optional[int]]],
+def window_keep(lq: int, lk: int, offset: Union[int, Tensor], window: Window,
                 is_causal: bool, device: torch.device) -> Optional[Tensor]:
     """Bool, broadcastable to ``[B, 1, lq, lk]``: True where query i may see key j under the causal mask and the
     window, ``i + o - left <= j <= i + o + right`` (``o`` from ``alignment_offset``, ``right`` 0 when causal;
@@ -115,7 +97,7 @@ def attention_scores(
     query_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    window: Window = None,
     scale: Optional[float] = None,
 ) -> Tensor:
     """Scaled, masked scores ``[B, H, Lq, Lk]`` in the statistics dtype; -inf where a key is masked (every key of
@@ -173,7 +155,7 @@ def attention(
     query_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    window: Window = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     return_lse: bool = False,
@@ -206,7 +188,7 @@ def attention_varlen(
     *,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    window: Window = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     return_lse: bool = False,
@@ -247,7 +229,7 @@ def attention_weights(
     query_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    window: Window = None,
     scale: Optional[float] = None,
 ) -> Tensor:
     """The normalised attention probabilities ``[B, H, Lq, Lk]`` (before dropout), from the forward's LSE."""
@@ -259,6 +241,24 @@ def attention_weights(
     # Rows with no key (lse -inf) give 0; a NaN lse (a NaN score) gives a NaN row, as torch's softmax does.
     probs = torch.exp(scores - torch.where(lse.isneginf(), torch.zeros_like(lse), lse))
     return probs.to(q.dtype)
+
+
+def run_attention(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
+    """The reference backend's entry for ``functional.attention``: ``(out, lse)``."""
+    return attention(q, k, v, **masks._asdict(), **spec._asdict(), return_lse=True)
+
+
+def run_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                         max_seqlen_k: int, spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
+    """The reference backend's entry for ``functional.attention_varlen``: ``(out, lse)``."""
+    return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **spec._asdict(),
+                            return_lse=True)
+
+
+def run_attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tensor:
+    """The reference backend's entry for ``functional.attention_weights``."""
+    return attention_weights(q, k, lse, **masks._asdict(), is_causal=spec.is_causal,
+                             causal_alignment=spec.causal_alignment, window=spec.window, scale=spec.scale)
 
 
 def layer_norm(

@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..backend import as_rows, draw_dropout_seed  # noqa: F401 (re-exported for the kernel modules)
-from ..backend import triton_interpreting as interpreting  # noqa: F401 (the kernels' name for it)
+from .._env import triton_interpreting as interpreting  # noqa: F401 (the kernels' name for it)
+from ..contract import as_rows, draw_dropout_seed  # noqa: F401 (re-exported for the kernel modules)
 
 
 # Dynamic shared memory one block may use: A100 / H100 class parts have at least this much; the sm_86 / sm_89 parts
@@ -70,7 +70,7 @@ def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- dropout keep-mask
 # Convention: element (row, col) of a [rows, cols] tensor is kept when tl.rand(seed, row * cols + col) >= p.
 # Kernels regenerate the mask from the seed in backward instead of storing it. The seed is a one-element int64
-# tensor (backend.draw_dropout_seed) that the kernels read themselves (SEED is None without dropout): the host
+# tensor (contract.draw_dropout_seed) that the kernels read themselves (SEED is None without dropout): the host
 # never syncs on it, and a CUDA graph replay or a compiled graph draws a new one each time.
 
 

@@ -48,9 +48,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..backend import empty_heads_interleaved, heads_interleaved_strides
-from ..functional import _check_attention_args, _check_dropout, _check_varlen_args, _check_window
-from ..reference import softmax_scale
+from .. import contract
+from ..contract import AttentionMasks, AttentionSpec, Window, empty_heads_interleaved, heads_interleaved_strides
 from ._common import (
     LARGE_SHARED_MEMORY, contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, has_tma,
     interpreting, shared_memory_per_block, tma_addressable, tma_descriptor,
@@ -1131,22 +1130,12 @@ def _grid(tiles: int, batch: int, heads: int) -> Tuple[int, int, int]:
     return (tiles, heads, batch)
 
 
-def _last_real_position(padding_mask: Tensor) -> Tensor:
-    """int32 ``[B]``: one past the last position of each row of ``padding_mask`` (True = padding) that is not
-    padding, computed on the device (no host sync)."""
-    length = padding_mask.shape[1]
-    if length == 0:
-        return torch.zeros(padding_mask.shape[0], dtype=torch.int32, device=padding_mask.device)
-    positions = torch.arange(1, length + 1, device=padding_mask.device, dtype=torch.int32)
-    return torch.where(padding_mask, 0, positions).amax(dim=1).to(torch.int32)
-
-
 def _key_lengths(key_padding_mask: Tensor) -> Tensor:
     """int32 ``[2, B]``, KEY_LENS as the kernels read it: one past each sequence's last key that is not padding
-    (``_last_real_position``), then how many keys come before its first padding key (Lk if none), the keys whose
+    (``contract.last_real_position``), then how many keys come before its first padding key (Lk if none), the keys whose
     tiles need no padding mask; the two are equal for a right-padded sequence. On the device (no host sync)."""
     leading = (~key_padding_mask).cumprod(dim=1).sum(dim=1)  # the run of real keys from position 0
-    return torch.stack([_last_real_position(key_padding_mask), leading.to(torch.int32)])
+    return torch.stack([contract.last_real_position(key_padding_mask), leading]).to(torch.int32)
 
 
 def _kernel_window(window_left: Optional[int], window_right: Optional[int], is_causal: bool,
@@ -1187,7 +1176,7 @@ def _mask_args(
             query_padding_mask = query_padding_mask | (
                 torch.arange(lq, device=q.device, dtype=torch.int32)[None, :] >= query_lens[:, None])
         query_padding = query_padding_mask.contiguous().view(torch.uint8)
-        query_lens = _last_real_position(query_padding_mask)
+        query_lens = contract.last_real_position(query_padding_mask).to(torch.int32)
     window = _kernel_window(window_left, window_right, is_causal, lq + lk)
     aligned = causal_alignment == "bottom_right" and (is_causal or window is not None)
     return _MaskArgs(
@@ -1564,8 +1553,45 @@ class AttentionVarlenFunction(torch.autograd.Function):
         return dq, dk, dv, *(None,) * 11
 
 
-def _window_sides(window: Optional[Tuple[Optional[int], Optional[int]]]) -> Tuple[Optional[int], Optional[int]]:
+def _window_sides(window: Window) -> Tuple[Optional[int], Optional[int]]:
     return (None, None) if window is None else (window[0], window[1])
+
+
+def run_attention(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
+                  query_lengths: Optional[Tensor] = None, allow_tf32: bool = False) -> Tuple[Tensor, Tensor]:
+    """The Triton backend's entry for ``functional.attention`` (arguments checked there): ``(out, lse)``, out laid out
+    as ``[B, Lq, H, D]``, the LSE float32 ``[B, H, Lq]``; ``query_lengths`` and ``allow_tf32`` as in ``attention``."""
+    q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
+    attn_mask = masks.attn_mask
+    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError("triton attention: attn_mask requires grad, but masks are constants here (no gradient); "
+                         "pass attn_mask.detach(), or use the reference backend to differentiate the mask")
+    return AttentionFunction.apply(
+        q, k, v, attn_mask, masks.key_padding_mask, query_lengths, masks.query_padding_mask, spec.is_causal,
+        spec.causal_alignment, *_window_sides(spec.window), spec.dropout_p, spec.scale, bool(allow_tf32),
+    )
+
+
+def run_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                         max_seqlen_k: int, spec: AttentionSpec, allow_tf32: bool = False) -> Tuple[Tensor, Tensor]:
+    """The Triton backend's entry for ``functional.attention_varlen`` (arguments checked there): ``(out, lse)``."""
+    q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
+    return AttentionVarlenFunction.apply(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), spec.is_causal,
+        spec.causal_alignment, *_window_sides(spec.window), spec.dropout_p, spec.scale, bool(allow_tf32),
+    )
+
+
+def run_attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec,
+                          query_lengths: Optional[Tensor] = None) -> Tensor:
+    """The Triton backend's entry for ``functional.attention_weights``: the probabilities ``[B, H, Lq, Lk]`` (q's
+    dtype, before dropout), recomputed from the LSE by a separate kernel; only modules asked for ``need_weights``
+    run it. Not differentiable (``torch.nn`` returns these weights for inspection)."""
+    q, k = contiguous_last_dim(q), contiguous_last_dim(k)
+    return torch.ops.fused_transformer.attention_weights(
+        q, k, lse.float(), masks.attn_mask, masks.key_padding_mask, query_lengths, masks.query_padding_mask,
+        spec.is_causal, spec.causal_alignment, *_window_sides(spec.window), spec.scale,
+    )
 
 
 def attention(
@@ -1578,42 +1604,31 @@ def attention(
     query_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    window: Window = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     return_lse: bool = False,
     query_lengths: Optional[Tensor] = None,
     allow_tf32: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """Fused attention on Triton; the arguments of ``fused_transformer.functional.attention`` (which checks
-    them) plus two kernel-level options.
+    """``fused_transformer.functional.attention`` on Triton, checked as there, plus two kernel-level options.
 
     Args:
-        q: ``[B, H, Lq, D]``; k, v: ``[B, Hkv, Lk, D]``, float16 / bfloat16 / float32, ``D`` in 0..256, any
-            strides with the last dim contiguous (copied otherwise).
         query_lengths: ``[B]`` integers; rows ``i >= query_lengths[b]`` give zeros (LSE ``-inf``). With a
             ``query_padding_mask`` too, those rows count as padding (also for ``bottom_right`` alignment).
         allow_tf32: float32 products on tensor cores in TF32 (default: full float32 precision).
 
     Returns:
         ``[B, H, Lq, D]`` in q's dtype, laid out as ``[B, Lq, H, D]`` (``out.transpose(1, 2)`` is contiguous),
-        and the float32 LSE ``[B, H, Lq]`` with ``return_lse``.
+        and the float32 LSE ``[B, H, Lq]`` with ``return_lse``. Inputs need only a contiguous last dim (copied
+        otherwise); float16 / bfloat16 / float32, head dims 0..256 (float32: 0..128).
     """
-    # The README points users here for the two extras: the functional checks again (a few microseconds), so that a
-    # direct call with mismatched shapes gets their errors rather than out-of-bounds reads in the kernels.
-    _check_attention_args(q, k, v, attn_mask, key_padding_mask, is_causal, causal_alignment, scale, query_padding_mask)
-    window, dropout_p = _check_window(window), _check_dropout(dropout_p)
-    q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
-    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
-        raise ValueError("triton attention: attn_mask requires grad, but masks are constants here (no gradient); "
-                         "pass attn_mask.detach(), or use the reference backend to differentiate the mask")
+    masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask)
+    contract.check_attention_args(q, k, v, masks)
+    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale)
     if query_lengths is not None and tuple(query_lengths.shape) != (q.shape[0],):
         raise ValueError(f"query_lengths must be [batch={q.shape[0]}], got shape {tuple(query_lengths.shape)}")
-    scale = softmax_scale(q.shape[-1], scale)
-    o, lse = AttentionFunction.apply(
-        q, k, v, attn_mask, key_padding_mask, query_lengths, query_padding_mask, bool(is_causal), causal_alignment,
-        *_window_sides(window), float(dropout_p), scale, bool(allow_tf32),
-    )
+    o, lse = run_attention(q, k, v, masks, spec, query_lengths, allow_tf32)
     return (o, lse) if return_lse else o
 
 
@@ -1628,33 +1643,17 @@ def attention_varlen(
     *,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    window: Window = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     return_lse: bool = False,
     allow_tf32: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """Fused attention on packed sequences on Triton; the arguments of
-    ``fused_transformer.functional.attention_varlen`` plus ``allow_tf32`` as in ``attention``. Checked as there
-    but for the values of cu_seqlens, which only functional reads (a host sync).
-
-    Args:
-        q: ``[Tq, H, D]``; k, v: ``[Tk, Hkv, D]``, any strides with the last dim contiguous (copied otherwise).
-        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]``, read by the kernels on the device (no host sync).
-        max_seqlen_q, max_seqlen_k: at least every sequence's length: the grids cover them.
-
-    Returns:
-        ``[Tq, H, D]`` in q's dtype, and the float32 LSE ``[H, Tq]`` with ``return_lse``.
-    """
-    _check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment,
-                       scale)
-    window, dropout_p = _check_window(window), _check_dropout(dropout_p)
-    q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
-    scale = softmax_scale(q.shape[-1], scale)
-    o, lse = AttentionVarlenFunction.apply(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(is_causal),
-        causal_alignment, *_window_sides(window), float(dropout_p), scale, bool(allow_tf32),
-    )
+    """``fused_transformer.functional.attention_varlen`` on Triton, plus ``allow_tf32`` as in ``attention``.
+    Checked as there but for the values of cu_seqlens, which the kernels read on the device (no host sync)."""
+    contract.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale)
+    o, lse = run_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, spec, allow_tf32)
     return (o, lse) if return_lse else o
 
 
@@ -1668,19 +1667,16 @@ def attention_weights(
     query_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     causal_alignment: str = "top_left",
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    window: Window = None,
     scale: Optional[float] = None,
     query_lengths: Optional[Tensor] = None,
 ) -> Tensor:
-    """The probabilities ``[B, H, Lq, Lk]`` (q's dtype, before dropout) of an ``attention`` call with the same
-    masks, recomputed from its LSE by a separate kernel; only modules asked for ``need_weights`` run it.
-    Not differentiable (``torch.nn`` returns these weights for inspection)."""
-    q, k = contiguous_last_dim(q), contiguous_last_dim(k)
-    scale = softmax_scale(q.shape[-1], scale)
-    return torch.ops.fused_transformer.attention_weights(
-        q, k, lse.float(), attn_mask, key_padding_mask, query_lengths, query_padding_mask, bool(is_causal),
-        causal_alignment, *_window_sides(window), scale,
-    )
+    """``fused_transformer.functional.attention_weights`` on Triton (``run_attention_weights``), plus
+    ``query_lengths`` as in ``attention``."""
+    masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask)
+    contract.check_attention_args(q, k, k, masks)
+    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, 0.0, scale)
+    return run_attention_weights(q, k, lse, masks, spec, query_lengths)
 
 
 def attention_keep_mask(seed: Tensor, batch: int, heads: int, n_queries: int, n_keys: int, dropout_p: float,

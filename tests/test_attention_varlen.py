@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fused_transformer as ft
-from fused_transformer import backend, reference
+from fused_transformer import backend, contract, reference
 
 from numerics import assert_close_to_reference
 
@@ -109,7 +109,7 @@ def test_varlen_dropout_replays_on_the_reference(name):
     q, k, v = packed(lengths_q, lengths_k, seed=7)
     args = (cu_seqlens(lengths_q), cu_seqlens(lengths_k), 12, 9)
     torch.manual_seed(3)
-    seed = backend.draw_dropout_seed(q.device)
+    seed = contract.draw_dropout_seed(q.device)
     torch.manual_seed(3)
     with ft.use_backend(name):
         out = ft.attention_varlen(q, k, v, *args, is_causal=True, dropout_p=0.3)

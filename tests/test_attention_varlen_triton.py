@@ -198,18 +198,18 @@ def test_varlen_dropout_replays_exactly_in_the_reference(dtype):
 def test_functional_attention_varlen_dispatches_to_the_kernel(monkeypatch):
     (q, k, v, _, _), cu_q, cu_k = _packed_inputs(LENS_Q, LENS_K, 2, 1, 16, seed=8)
     calls = []
-    original = triton_attention.attention_varlen
+    original = triton_attention.run_attention_varlen
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return original(*args, **kwargs)
+    def spy(*args):
+        calls.append(args[-1])
+        return original(*args)
 
-    monkeypatch.setattr(triton_attention, "attention_varlen", spy)
+    monkeypatch.setitem(backend.ops("triton"), "attention_varlen", spy)
     args = (cu_q, cu_k, max(LENS_Q), max(LENS_K))
     with backend.use_backend("triton"):
         out, lse = functional.attention_varlen(q.float(), k.float(), v.float(), *args, is_causal=True,
                                                window=(5, None), return_lse=True)
-    assert len(calls) == 1 and calls[0]["window"] == (5, None)
+    assert len(calls) == 1 and calls[0].window == (5, None)
     ref, ref_lse = reference.attention_varlen(q, k, v, *args, is_causal=True, window=(5, None), return_lse=True)
     assert lse.shape == (2, sum(LENS_Q)) and lse.is_contiguous()
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fused_transformer as ft
-from fused_transformer import backend, reference
+from fused_transformer import backend, contract, reference
 from numerics import assert_close_to_reference
 
 UNAVAILABLE = backend.cpu_unavailable_reason()
@@ -426,8 +426,8 @@ def test_ops_trace_under_torch_compile_and_show_in_the_profiler():
 def test_non_cpu_tensors_are_rejected_clearly():
     q = torch.empty(1, 1, 2, 4, device="meta")
     with pytest.raises(ValueError, match="q is on meta"):
-        cpu_ops().attention(q, q, q, attn_mask=None, key_padding_mask=None, is_causal=False,
-                            causal_alignment="top_left", dropout_p=0.0, scale=None, return_lse=False)
+        cpu_ops().run_attention(q, q, q, contract.AttentionMasks(), contract.attention_spec(4, False, "top_left",
+                                                                                            None, 0.0, None))
 
 
 def test_auto_backend_uses_the_cpu_kernels_for_float32_and_the_reference_for_float64():

@@ -1,0 +1,315 @@
+"""The op contract, written once: what every backend of every op accepts, how it lays out its results, and the
+checks that turn bad arguments into clear errors.
+
+``fused_transformer.functional`` runs these checks once and hands each backend (``reference``, ``cpu_ops``,
+``fused_transformer.kernels``) arguments that satisfy them; the attention ops also get one ``AttentionSpec``, the
+call's flags resolved (causal alignment, window, dropout, scale), so no backend re-derives them. Nothing here
+imports another module of the package.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+Tensor = torch.Tensor
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+
+# ``(left, right)``: query i sees keys i + o - left .. i + o + right, a side that is None is unlimited; None: no window.
+# The one encoding of "no limit" above the kernels (which take their own: see their launchers).
+Window = Optional[Tuple[Optional[int], Optional[int]]]
+
+
+class AttentionMasks(NamedTuple):
+    """The masks of an ``attention`` call, as the functional op takes them (checked)."""
+
+    attn_mask: Optional[Tensor] = None  # bool True = may attend, or float added; broadcastable to [B, H, Lq, Lk]
+    key_padding_mask: Optional[Tensor] = None  # [B, Lk] bool, True = padding
+    query_padding_mask: Optional[Tensor] = None  # [B, Lq] bool, True = padding
+
+
+class AttentionSpec(NamedTuple):
+    """Everything about an attention call that is not a tensor, checked and resolved: what a backend computes."""
+
+    is_causal: bool
+    causal_alignment: str  # one of CAUSAL_ALIGNMENTS
+    window: Window  # normalised by check_window: None when neither side limits anything
+    dropout_p: float  # in [0, 1)
+    scale: float  # the factor the scores are multiplied by (softmax_scale resolved)
+
+    @property
+    def bottom_right(self) -> bool:
+        return self.causal_alignment == "bottom_right"
+
+
+# --------------------------------------------------------------------------------------------- numerics
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics (softmax, LSE, mean/variance) are kept in for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def softmax_scale(head_dim: int, scale: Optional[float] = None) -> float:
+    """The factor attention scores are multiplied by: ``scale``, by default ``1 / sqrt(head_dim)``; 1 for
+    ``head_dim = 0``, whose scores are all 0 (any finite factor keeps them 0, ``1 / sqrt(0)`` makes them NaN)."""
+    if scale is not None:
+        return float(scale)
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
+def last_real_position(padding_mask: Tensor) -> Tensor:
+    """``[B]`` int64: one past the last position of each row of ``padding_mask`` ``[B, L]`` (True = padding) that is
+    not padding; 0 for a row of padding only. Computed on the mask's device (no host sync)."""
+    batch, length = padding_mask.shape
+    if length == 0:
+        return torch.zeros(batch, dtype=torch.int64, device=padding_mask.device)
+    positions = torch.arange(1, length + 1, device=padding_mask.device)
+    return torch.where(padding_mask, 0, positions).amax(dim=1)
+
+
+# ----------------------------------------------------------------------------------------------- layouts
+
+
+def as_rows(x: Tensor) -> Tensor:
+    """``x [..., N]`` as ``[rows, N]`` for the row-wise kernels (a view when the strides allow); unlike
+    ``reshape(-1, N)``, also when N = 0."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def heads_interleaved_strides(shape: Sequence[int]) -> Tuple[int, int, int, int]:
+    """The strides of a ``[B, H, L, D]`` tensor whose memory is ``[B, L, H, D]``: what the attention kernels write,
+    so that merging the heads (``out.transpose(1, 2).flatten(2)``) is a view, not a copy."""
+    _, heads, length, head_dim = shape
+    return (length * heads * head_dim, head_dim, heads * head_dim, 1)
+
+
+def empty_heads_interleaved(like: Tensor) -> Tensor:
+    """An empty tensor shaped as ``like`` ``[B, H, L, D]`` with ``heads_interleaved_strides``."""
+    return torch.empty_strided(like.shape, heads_interleaved_strides(like.shape), dtype=like.dtype,
+                               device=like.device)
+
+
+def draw_dropout_seed(device: torch.device) -> Tensor:
+    """A dropout (Philox) seed: one int64 element on ``device``, drawn from torch's generator for that device.
+
+    ``torch.manual_seed`` reproduces dropout on every backend. The draw is an ordinary tensor op, as in torch's
+    own fused dropout: it stays inside a ``torch.compile`` graph (no host value to specialise on, so no
+    recompile per step) and inside a CUDA graph, whose every replay draws a new seed. The kernels read it
+    themselves."""
+    return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+
+def describe(t: Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}"
+
+
+def check_tensor(name: str, t: object, rank: Optional[int] = None) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {describe(t)}")
+    if rank is not None and t.dim() != rank:
+        raise ValueError(f"{name} must have {rank} dims, got {describe(t)}")
+    return t
+
+
+def check_same(name: str, t: Tensor, ref_name: str, ref: Tensor, dtype: bool = True) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; expected one device")
+    if dtype and t.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}; expected one dtype")
+
+
+def check_dropout(p: object) -> float:
+    if type(p) is float and 0.0 <= p < 1.0:
+        return p
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= float(p) < 1.0:
+        raise ValueError(f"dropout_p={p!r} must be a number in [0, 1)")
+    return float(p)
+
+
+def check_window(window: object) -> Window:
+    """``window`` as a ``(left, right)`` tuple of non-negative ints or None, or None when no side is limited."""
+    if window is None:
+        return None
+
+    def bound(x: object) -> bool:
+        return x is None or (isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0)
+
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(bound(x) for x in window):
+        raise ValueError(f"window={window!r} must be None or (left, right), each a non-negative int or None")
+    left, right = window
+    if left is None and right is None:
+        return None
+    return (None if left is None else int(left), None if right is None else int(right))
+
+
+def check_padding_mask(name: str, mask: object, batch: int, length: int, anchor: Tensor) -> None:
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be bool (True = padding), got {mask.dtype}")
+    check_same(name, mask, "q", anchor, dtype=False)
+    if tuple(mask.shape) != (batch, length):
+        raise ValueError(f"{name} must be [batch, seq_{name[0]}] = {[batch, length]}, got {tuple(mask.shape)}")
+
+
+def _check_flags(is_causal: object, causal_alignment: object, scale: object) -> None:
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment={causal_alignment!r} must be one of {CAUSAL_ALIGNMENTS}")
+    if scale is not None and type(scale) is not float and (
+            isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+
+
+def attention_spec(head_dim: int, is_causal: object, causal_alignment: object, window: object, dropout_p: object,
+                   scale: object) -> AttentionSpec:
+    """The checked ``AttentionSpec`` of a call with these flags on inputs of ``head_dim``."""
+    _check_flags(is_causal, causal_alignment, scale)
+    return AttentionSpec(is_causal, causal_alignment, check_window(window), check_dropout(dropout_p),
+                         softmax_scale(head_dim, scale))
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, rank: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, rank=rank)
+    check_same("k", k, "q", q)
+    check_same("v", v, "q", q)
+
+
+def _check_value_and_heads(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    heads, kv_heads = q.shape[1], k.shape[1]  # [B, H, L, D] or packed [T, H, D]
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"q's heads ({heads}) must be a multiple of k/v's heads ({kv_heads})")
+
+
+def check_attention_args(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks) -> None:
+    """The tensors of an ``attention`` call: q ``[B, H, Lq, D]``, k / v ``[B, Hkv, Lk, D]`` and the masks."""
+    _check_qkv(q, k, v, rank=4)
+    (batch, heads, lq, dim), (kb, _, lk, kd) = q.shape, k.shape
+    if kb != batch or kd != dim:
+        raise ValueError(
+            f"k must be [batch={batch}, kv_heads, seq_k, head_dim={dim}] to match q {tuple(q.shape)}, "
+            f"got {tuple(k.shape)}"
+        )
+    _check_value_and_heads(q, k, v)
+    attn_mask = masks.attn_mask
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask must be bool (True = may attend) or floating (added), got {attn_mask.dtype}")
+        check_same("attn_mask", attn_mask, "q", q, dtype=False)
+        target = (batch, heads, lq, lk)
+        shape = tuple(attn_mask.shape)
+        if len(shape) > 4 or any(s not in (1, t) for s, t in zip(shape[::-1], target[::-1])):
+            raise ValueError(f"attn_mask of shape {shape} does not broadcast to [B, H, Lq, Lk] = {list(target)}")
+    check_padding_mask("key_padding_mask", masks.key_padding_mask, batch, lk, q)
+    check_padding_mask("query_padding_mask", masks.query_padding_mask, batch, lq, q)
+
+
+def check_varlen_args(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: object, cu_seqlens_k: object,
+                      max_seqlen_q: object, max_seqlen_k: object) -> None:
+    """The tensors of an ``attention_varlen`` call but the values of cu_seqlens (``check_cu_seqlens_values`` reads
+    them: a host sync)."""
+    _check_qkv(q, k, v, rank=3)
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k must be [total_k, kv_heads, head_dim={q.shape[-1]}] to match q {tuple(q.shape)}, "
+                         f"got {tuple(k.shape)}")
+    _check_value_and_heads(q, k, v)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, q)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, q)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
+                         "must hold the same number of sequences")
+
+
+def _check_cu_seqlens(name: str, cu: object, max_seqlen: object, anchor: Tensor) -> None:
+    max_name = "max_seqlen_" + name[-1]
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
+        raise TypeError(f"{name} must be int32 [batch + 1] (sequence start offsets, then the total), got "
+                        f"{describe(cu)}")
+    check_same(name, cu, "q", anchor, dtype=False)
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 0:
+        raise TypeError(f"{max_name}={max_seqlen!r} must be a non-negative int")
+
+
+def check_cu_seqlens_values(name: str, cu: Tensor, total: int, max_seqlen: int) -> None:
+    """The values of ``cu`` (one read of them, skipped under ``torch.compile``, where they are data)."""
+    max_name = "max_seqlen_" + name[-1]
+    if torch.compiler.is_compiling():
+        return
+    values = cu.tolist()
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if values[0] != 0 or values[-1] != total:
+        raise ValueError(f"{name} must start at 0 and end at the packed length {total}, got {values[0]} .. "
+                         f"{values[-1]}")
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"{name} holds a sequence of {max(lengths)} tokens, more than {max_name}={max_seqlen}")
+
+
+def check_layer_norm_args(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: object,
+                          residual: Optional[Tensor]) -> float:
+    """The arguments of ``layer_norm``; returns eps as a float."""
+    check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dim (the normalised one), got a scalar")
+    n = x.shape[-1]
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None:
+            check_tensor(name, p)
+            check_same(name, p, "x", x, dtype=False)
+            if tuple(p.shape) != (n,):
+                raise ValueError(f"{name} must be [{n}] (x's last dim), got {describe(p)}")
+    if residual is not None:
+        check_tensor("residual", residual)
+        check_same("residual", residual, "x", x)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {describe(residual)}")
+    if type(eps) is not float and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)) or eps < 0:
+        raise ValueError(f"eps={eps!r} must be a non-negative number")
+    return float(eps)
+
+
+def check_feed_forward_args(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+                            activation: object) -> None:
+    """The arguments of ``feed_forward``: x ``[..., d_model]``, weights in ``nn.Linear`` layout."""
+    check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dim (the features), got a scalar")
+    d_model = x.shape[-1]
+    for name, w in (("w1", w1), ("w2", w2)):
+        check_tensor(name, w, rank=2)
+        check_same(name, w, "x", x)
+    d_ff = w1.shape[0]
+    if w1.shape[1] != d_model:
+        raise ValueError(f"w1 must be [d_ff, d_model={d_model}], got {describe(w1)}")
+    if w2.shape[1] != d_ff:
+        raise ValueError(f"w2 must be [d_out, d_ff={d_ff}] to follow w1 {tuple(w1.shape)}, got {describe(w2)}")
+    for name, b, size in (("b1", b1, d_ff), ("b2", b2, w2.shape[0])):
+        if b is not None:
+            check_tensor(name, b)
+            check_same(name, b, "x", x)
+            if tuple(b.shape) != (size,):
+                raise ValueError(f"{name} must be [{size}], got {describe(b)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
