@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Callable, Dict, List, Optional
 
-from fused_transformer.tools import Interrupted
+from fused_transformer.interrupts import Interrupted
 
 COMMANDS: Dict[str, str] = {
     "all": "check, then bench (the default command)",
@@ -27,7 +27,7 @@ COMMANDS: Dict[str, str] = {
 # The module whose main(argv) runs each command but "all".
 COMMAND_MODULES = {
     "check": "fused_transformer.tools.check", "bench": "fused_transformer.tools.bench",
-    "report": "fused_transformer.tools.report", "demo": "fused_transformer.models.demo",
+    "report": "fused_transformer.tools.report", "demo": "fused_transformer.tools.demo",
 }
 INTERRUPTED_STATUS = 130  # 128 + SIGINT
 

@@ -1,8 +1,7 @@
-"""Small helpers shared by the kernel modules: Python utilities, the dropout keep-mask jit helper and its
-replay, and a deterministic row reduction."""
+"""Small helpers shared by the kernel modules: Python utilities, TMA descriptors, the dropout keep-mask jit helper
+and its replay, and a deterministic row reduction. What each GPU has is kernels/targets.py's."""
 from __future__ import annotations
 
-import functools
 from typing import List
 
 import torch
@@ -12,34 +11,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._env import triton_interpreting as interpreting  # noqa: F401 (the kernels' name for it)
 from ..contract import as_rows, draw_dropout_seed  # noqa: F401 (re-exported for the kernel modules)
-
-
-# Dynamic shared memory one block may use: A100 / H100 class parts have at least this much; the sm_86 / sm_89 parts
-# (A10, A40, L4, L40S, RTX 30 / 40) have 99 KB and get the smaller tile configs of the kernels that need them.
-LARGE_SHARED_MEMORY = 166912
-SMALL_SHARED_MEMORY = 101376
-
-
-@functools.lru_cache(maxsize=None)
-def shared_memory_per_block(device: torch.device) -> int:
-    """The most dynamic shared memory (bytes) a block may use on CUDA ``device`` (queried once per device)."""
-    props = torch.cuda.get_device_properties(device)
-    optin = getattr(props, "shared_memory_per_block_optin", None)
-    if optin:
-        return int(optin)
-    return SMALL_SHARED_MEMORY if (props.major, props.minor) in ((8, 6), (8, 9)) or props.major >= 12 else (
-        LARGE_SHARED_MEMORY)
-
-
-@functools.lru_cache(maxsize=None)
-def has_tma(device: torch.device) -> bool:
-    """Whether CUDA ``device`` has the Tensor Memory Accelerator (sm_90 and later; queried once per device)."""
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def has_clusters(device: torch.device) -> bool:
-    """Whether CUDA ``device`` launches thread-block clusters: sm_90 and later, as for TMA."""
-    return has_tma(device)
 
 
 # TMA's addressing rules: base and every stride but the last (which is 1) in multiples of 16 bytes.

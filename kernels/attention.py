@@ -51,9 +51,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .. import contract
 from ..contract import AttentionMasks, AttentionSpec, Window, empty_heads_interleaved, heads_interleaved_strides
 from ._common import (
-    LARGE_SHARED_MEMORY, contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, has_tma,
-    interpreting, shared_memory_per_block, tma_addressable, tma_descriptor,
+    contiguous_last_dim, draw_dropout_seed, dropout_keep, dropout_keep_mask, interpreting, tma_addressable,
+    tma_descriptor,
 )
+from .aot import AotKernel
+from .targets import HOPPER_SHARED_MEMORY, LARGE_SHARED_MEMORY, TARGETS, target_of
 
 Tensor = torch.Tensor
 
@@ -912,7 +914,7 @@ _TILES_SM90_WIDE = {
     ("bwd_dkdv", 16): {16: (64, 128, 8, 2), 32: (64, 128, 8, 2), 64: (64, 128, 8, 2), 128: (64, 64, 4, 1)},
 }
 # Shared memory per block of sm_90: the dq tiles at D128 (3 stages) take 229400 B of it.
-_SM90_SHARED_MEMORY = 232448
+_SM90_SHARED_MEMORY = HOPPER_SHARED_MEMORY
 # Where the wide tiles spill for packed sequences, which zero a q / do tile's rows past their sequence in registers
 # (_tma_tile): such launches keep the other tiles (report: 256 B at dq D256) ...
 _WIDE_TILES_SPILL_PACKED = {("bwd_dq", 256)}
@@ -1022,7 +1024,7 @@ def config_for(kernel: str, dtype: torch.dtype, head_dim: int, device: torch.dev
         return INTERPRETER_CONFIG
     bits = 32 if dtype == torch.float32 else 16
     return AttentionConfig(*_tiles(kernel, bits, _head_dim_bucket(head_dim), allow_tf32 and bits == 32,
-                                   shared_memory_per_block(device), tma, wide, packed))
+                                   target_of(device).shared_memory, tma, wide, packed))
 
 
 # ------------------------------------------------------------------------------------------- launchers
@@ -1228,7 +1230,7 @@ def _loads_through_tma(*inputs: Tensor, kernel: str = "", allow_tf32: bool = Fal
     if interpreting():
         enabled = TMA_UNDER_INTERPRETER
     else:
-        enabled = inputs[0].is_cuda and has_tma(inputs[0].device)
+        enabled = inputs[0].is_cuda and target_of(inputs[0].device).tma
     return enabled and all(map(tma_addressable, inputs))
 
 
@@ -1733,7 +1735,7 @@ _AOT_TMA_INPUTS = {"fwd": ("Q", "K", "V"), "bwd_dq": ("Q", "K", "V", "O", "DO"),
 _QUERY_TILE_INPUTS = ("Q", "O", "DO")
 
 
-def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.report imports this module lazily)
+def aot_configs() -> List[AotKernel]:
     """Every attention kernel × tile config the launchers pick on a GPU, in bfloat16 (16-bit tiles), float32 and
     float32 with tf32 products, for the targets that pick it, in each feature set of ``_AOT_VARIANTS`` (dense
     with every feature on: float mask, key and query padding, query lengths, causal, window, per-sequence
@@ -1742,7 +1744,6 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     (``_AOT_TILE_VARIANTS``), the most a launch that ``_wide_tiles_fit`` takes, dense and packed), each with TMA
     loads for ``_AOT_TMA_TARGETS`` and the pointer path for the other targets and the precisions
     ``_precision_takes_tma`` keeps off TMA. Each variant gets the tiles its launches pick."""
-    from fused_transformer.tools.report import SHARED_MEMORY_LIMIT, TARGETS, AotKernel
 
     kernels = {
         "fwd": _attention_fwd_kernel, "bwd_dq": _attention_bwd_dq_kernel, "bwd_dkdv": _attention_bwd_dkdv_kernel,
@@ -1760,14 +1761,14 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
                     wide = _wide_tiles_fit(kernel, head_dim, **{"HAS_DROPOUT": True, **features})
                     picked = {}  # (tiles, TMA loads) -> the targets that pick them, as the launcher does on each
                     for target in TARGETS:
-                        use_tma = target in _AOT_TMA_TARGETS and _precision_takes_tma(
+                        use_tma = target.capability in _AOT_TMA_TARGETS and _precision_takes_tma(
                             kernel, torch.bfloat16 if bits == 16 else torch.float32, tf32, head_dim)
-                        tiles = _tiles(kernel, bits, head_dim, tf32, SHARED_MEMORY_LIMIT[target], use_tma, wide,
+                        tiles = _tiles(kernel, bits, head_dim, tf32, target.shared_memory, use_tma, wide,
                                        features["VARLEN"])
                         if variant in _AOT_TILE_VARIANTS and tiles == _tiles(
-                                kernel, bits, head_dim, tf32, SHARED_MEMORY_LIMIT[target], use_tma, False):
+                                kernel, bits, head_dim, tf32, target.shared_memory, use_tma, False):
                             continue
-                        picked.setdefault((tiles, use_tma), []).append(target)
+                        picked.setdefault((tiles, use_tma), []).append(target.capability)
                     shipped.extend((kernel, bits, head_dim, tiles, tuple(targets), "tf32" if tf32 else "ieee",
                                     variant, features, use_tma) for (tiles, use_tma), targets in picked.items())
     configs = []

@@ -20,7 +20,6 @@ token * d_ff + unit, p)``; ``fused_transformer.kernels._common.dropout_keep_mask
 replays it.
 """
 import dataclasses
-import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -30,6 +29,8 @@ import triton.language as tl
 from ._common import (
     as_rows, contiguous_last_dim, draw_dropout_seed, dropout_keep, interpreting, sum_rows,
 )
+from .aot import AotKernel
+from .targets import TARGETS, Target, target_of
 
 Tensor = torch.Tensor
 
@@ -155,8 +156,8 @@ class MatmulConfig:
     num_stages: int
 
 
-# (GPU generation, dtype, fused epilogue) -> tile config. Hopper (sm_90) has the larger shared memory; every
-# other GPU gets the Ampere (sm_80) configs. float32 tiles are smaller: ieee float32 runs on the CUDA cores.
+# (GPU generation, dtype, fused epilogue) -> tile config. Hopper (sm_90) has the larger shared memory; the other
+# targets (sm_80 / 86 / 89) get the Ampere configs (``_generation``). float32 tiles are smaller: ieee float32 runs on the CUDA cores.
 # The fused epilogue (activation, its derivative, Philox dropout on 64-bit offsets) needs many registers per
 # output element, so those products take half-width tiles: full ones spill (python -m fused_transformer report).
 MATMUL_CONFIGS = {
@@ -176,9 +177,9 @@ MATMUL_CONFIGS = {
 INTERPRETER_CONFIG = MatmulConfig(64, 64, 64, 8, 1, 1)
 
 
-@functools.lru_cache(maxsize=None)
-def _generation(device: torch.device) -> str:
-    return "sm_90" if torch.cuda.get_device_capability(device)[0] == 9 else "sm_80"
+def _generation(target: Target) -> str:
+    """The MATMUL_CONFIGS generation ``target`` runs (a newer GPU runs its closest target's: ``target_of``)."""
+    return "sm_90" if target.capability >= 90 else "sm_80"
 
 
 def _describe(cfg: MatmulConfig) -> str:
@@ -189,7 +190,7 @@ def _describe(cfg: MatmulConfig) -> str:
 def _config(device: torch.device, dtype: torch.dtype, fused_epilogue: bool) -> MatmulConfig:
     if interpreting():
         return INTERPRETER_CONFIG
-    return MATMUL_CONFIGS[(_generation(device), dtype, fused_epilogue)]
+    return MATMUL_CONFIGS[(_generation(target_of(device)), dtype, fused_epilogue)]
 
 
 def _matmul(
@@ -353,14 +354,9 @@ def feed_forward(
 # ------------------------------------------------------------------------------------------------------ AOT
 
 
-_TARGETS = {"sm_80": (80, 86, 89), "sm_90": (90,)}
-
-
-def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.report imports this module lazily)
+def aot_configs() -> List[AotKernel]:
     """Every matmul variant the op launches on a GPU, for each (generation, dtype) config, with the memory
     layouts of the real calls (unit strides as constants) and GELU, the costliest activation."""
-    from fused_transformer.tools.report import AotKernel
-
     # (variant, fused epilogue, epilogue constexprs, A's unit stride, B's unit stride)
     variants = (
         ("linear1_fwd", True, {"HAS_BIAS": True, "ACTIVATION": "gelu", "ACTIVATION_GRAD": False, "STORE_PRE": True,
@@ -395,7 +391,8 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
                     "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "DOT_PRECISION": "ieee",
                     "UPCAST_OPERANDS": False, **epilogue,
                 },
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, targets=_TARGETS[generation],
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                targets=tuple(t.capability for t in TARGETS if _generation(t) == generation),
                 expect_tensor_cores=dtype != torch.float32,
             ))
     return configs

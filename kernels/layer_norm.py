@@ -38,8 +38,10 @@ import triton.language as tl
 
 from ._common import (
     SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, as_rows, contiguous_last_dim, draw_dropout_seed,
-    dropout_keep, has_clusters, interpreting, sum_rows,
+    dropout_keep, interpreting, sum_rows,
 )
+from .aot import AotKernel
+from .targets import TARGETS, target_of
 
 Tensor = torch.Tensor
 
@@ -263,7 +265,7 @@ def _has_clusters(device: torch.device) -> bool:
     blocks as one: when CLUSTERS_UNDER_INTERPRETER, for the tests)."""
     if interpreting():
         return CLUSTERS_UNDER_INTERPRETER
-    return device.type == "cuda" and has_clusters(device)
+    return device.type == "cuda" and target_of(device).clusters
 
 
 CLUSTERS_UNDER_INTERPRETER = False
@@ -444,11 +446,9 @@ AOT_BLOCK_SIZES = tuple(2**i for i in range(4, 15))  # 16 .. 16384, every bucket
 
 
 
-def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.report imports this module lazily)
+def aot_configs() -> List[AotKernel]:
     """Every LayerNorm kernel this module launches on a GPU, one per block-size bucket, in bfloat16 with all
     features on (the largest register footprint), plus the partial-sum reduction."""
-    from fused_transformer.tools.report import TARGETS, AotKernel
-
     fwd_signature = {
         "X": "*bf16", "RESIDUAL": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "Z": "*bf16",
         "MEAN": "*fp32", "RSTD": "*fp32", "stride_x_row": "i32", "stride_res_row": "i32", "stride_y_row": "i32",
@@ -474,7 +474,7 @@ def aot_configs() -> List["AotKernel"]:  # noqa: F821 (fused_transformer.tools.r
     targets_of = {}
     for block_n in AOT_BLOCK_SIZES:
         for target in TARGETS:
-            targets_of.setdefault(_bwd_launch(block_n, clusters=target >= 90), []).append(target)
+            targets_of.setdefault(_bwd_launch(block_n, target.clusters), []).append(target.capability)
     for launch, targets in targets_of.items():
         config = f"BLOCK_N={launch.block_n}" + (",SPLIT_COLS" if launch.col_blocks > 1 else "") + (
             f",CTAS={launch.num_ctas}" if launch.num_ctas > 1 else "")

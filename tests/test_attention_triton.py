@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fused_transformer
 from fused_transformer import backend, functional, reference
 from fused_transformer.kernels import attention as triton_attention
-from fused_transformer.kernels._common import draw_dropout_seed, has_tma, interpreting
+from fused_transformer.kernels._common import draw_dropout_seed, interpreting
+from fused_transformer.kernels.targets import target_of
 from tests.numerics import DEVICE, assert_close_to_reference
 
 pytestmark = pytest.mark.usefixtures("interpreter_rounds_to_nearest", "nan_filled_outputs")
@@ -688,7 +689,7 @@ def _take_tma_path(monkeypatch) -> list:
 def tma_available() -> bool:
     """Whether inputs TMA can address take the TMA path here: under the interpreter once switched on, on a GPU from
     sm_90."""
-    return interpreting() or has_tma(torch.device(DEVICE))
+    return interpreting() or target_of(torch.device(DEVICE)).tma
 
 
 def _assert_same(tma, pointer, names):

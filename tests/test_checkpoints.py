@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import fused_transformer as ft
-from fused_transformer.models import Seq2SeqTransformer, demo
+from fused_transformer.models import Seq2SeqTransformer
 from fused_transformer.models.checkpoint import CheckpointMismatch, atomic_write, read_checkpoint
 from fused_transformer.models.synthetic import SequenceTask, TrainConfig, train
-from fused_transformer.tools import Interrupted
+from fused_transformer.interrupts import Interrupted
+from fused_transformer.tools import demo
 
 
 @pytest.fixture(scope="module", autouse=True)

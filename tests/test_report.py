@@ -13,6 +13,7 @@ import torch
 
 from fused_transformer.tools import report
 from fused_transformer.kernels import feed_forward, layer_norm
+from fused_transformer.kernels.targets import BY_CAPABILITY, TARGETS
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +53,9 @@ def test_attention_on_99_kb_parts_picks_tiles_that_fit(monkeypatch):
 
     monkeypatch.setattr(attention, "interpreting", lambda: False)
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(attention, "shared_memory_per_block", lambda device: 101376)
+    monkeypatch.setattr(attention, "target_of", lambda device: BY_CAPABILITY[86])
     small = attention.config_for("fwd", torch.bfloat16, 64, cuda)
-    monkeypatch.setattr(attention, "shared_memory_per_block", lambda device: 166912)
+    monkeypatch.setattr(attention, "target_of", lambda device: BY_CAPABILITY[80])
     large = attention.config_for("fwd", torch.bfloat16, 64, cuda)
     assert (small.num_stages, large.num_stages) == (2, 3)  # the report compiles both for their targets
 
@@ -70,7 +71,7 @@ def test_16_bit_attention_on_sm_90_picks_its_own_tiles(monkeypatch, kernel):
     cuda = torch.device("cuda", 0)
 
     def picked(target, dtype, kernel=kernel, addressable=True):
-        monkeypatch.setattr(attention, "shared_memory_per_block", lambda device: report.SHARED_MEMORY_LIMIT[target])
+        monkeypatch.setattr(attention, "target_of", lambda device: BY_CAPABILITY[target])
         tma = addressable and target >= 90 and dtype in attention.TMA_DTYPES
         return {d: attention.config_for(kernel, dtype, d, cuda, tma=tma) for d in (16, 32, 64, 128, 256)
                 if dtype != torch.float32 or d <= attention.MAX_HEAD_DIM_FLOAT32}
@@ -100,7 +101,7 @@ def test_wide_launches_on_sm_90_pick_their_own_tiles(monkeypatch, kernel):
     cuda = torch.device("cuda", 0)
 
     def picked(target, dtype, wide, addressable=True, packed=False):
-        monkeypatch.setattr(attention, "shared_memory_per_block", lambda device: report.SHARED_MEMORY_LIMIT[target])
+        monkeypatch.setattr(attention, "target_of", lambda device: BY_CAPABILITY[target])
         tma = addressable and target >= 90 and dtype in attention.TMA_DTYPES
         return {d: attention.config_for(kernel, dtype, d, cuda, tma=tma, wide=wide, packed=packed)
                 for d in (16, 32, 64, 128, 256) if dtype != torch.float32 or d <= attention.MAX_HEAD_DIM_FLOAT32}
@@ -192,7 +193,7 @@ def test_feed_forward_configs_cover_every_matmul_config():
     for (generation, dtype, fused), cfg in feed_forward.MATMUL_CONFIGS.items():
         described = feed_forward._describe(cfg)
         matching = [k for k in configs if k.config.endswith(described) and k.config.startswith(generation)
-                    and k.targets == feed_forward._TARGETS[generation]]
+                    and k.targets == tuple(t.capability for t in TARGETS if feed_forward._generation(t) == generation)]
         variants = {k.name for k in matching}
         if fused:
             assert {"ffn_matmul_linear1_fwd", "ffn_matmul_dpre_bwd"} <= variants, (generation, dtype)
@@ -255,8 +256,7 @@ def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
     checked = 0
     for target in report.TARGETS:
         targets = (target,)
-        monkeypatch.setattr(attention, "shared_memory_per_block",
-                            lambda device, size=report.SHARED_MEMORY_LIMIT[target]: size)
+        monkeypatch.setattr(attention, "target_of", lambda device, target=target: BY_CAPABILITY[target])
         for kernel in ("fwd", "bwd_dq", "bwd_dkdv", "weights"):
             for name, dtype, tf32 in (("bf16", torch.bfloat16, False), ("fp32", torch.float32, False),
                                       ("tf32", torch.float32, True)):
@@ -459,7 +459,7 @@ def test_every_kernel_with_mmas_has_a_main_loop(results):
 def test_every_config_fits_on_an_sm(results):
     for r in results:
         assert 1 <= r.blocks_per_sm and r.warps_per_sm == r.blocks_per_sm * r.num_warps, (r.name, r.config, r.target)
-        assert r.warps_per_sm <= report.SM_LIMITS[r.target].max_warps
+        assert r.warps_per_sm <= report.SM_LIMITS[r.target].max_warps_per_sm
 
 
 def test_pipelined_attention_copies_with_cp_async_before_hopper(results):

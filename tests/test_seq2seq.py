@@ -14,7 +14,7 @@ from fused_transformer.models import (
     src_mask_to_key_padding,
     tgt_mask_to_torch,
 )
-from fused_transformer.models import demo
+from fused_transformer.tools import demo
 from fused_transformer.models.synthetic import (
     BOS,
     EOS,

@@ -1,6 +1,6 @@
 """Models built on the fused modules: the classic Seq2Seq Transformer, a synthetic task and training loop for
-it, its checkpoints (written atomically), and the ``python -m fused_transformer demo`` that trains it and
-compares it with its torch.nn twin."""
+it and its checkpoints (written atomically); ``python -m fused_transformer demo`` (``tools/demo.py``) trains it
+against its torch.nn twin."""
 from .checkpoint import (
     CheckpointMismatch,
     atomic_write,

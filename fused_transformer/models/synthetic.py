@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from ..tools import Interrupted, interrupts_held_back
+from ..interrupts import Interrupted, interrupts_held_back
 from .checkpoint import load_checkpoint, model_from_checkpoint, rng_states, save_checkpoint
 from .seq2seq import Seq2SeqTransformer
 

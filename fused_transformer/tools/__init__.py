@@ -4,18 +4,10 @@
   backend against float64.
 - ``bench`` (with ``bench_cases``, ``bench_timing``, ``bench_plots``): throughput and memory against torch.
 - ``report``: the ahead-of-time resource report of every shipped Triton kernel config.
+- ``demo``: trains the study notes' Seq2Seq model (``fused_transformer.models``), fused against torch.nn.
 """
 import argparse
-import contextlib
 import os
-import signal
-import threading
-from typing import Iterator, List
-
-
-class Interrupted(KeyboardInterrupt):
-    """A command stopped by Ctrl-C after keeping what it had finished; ``str()`` says what was kept and where.
-    ``python -m fused_transformer`` prints it on one line and exits with status 130."""
 
 
 def make_folder(parser: argparse.ArgumentParser, option: str, folder: str) -> None:
@@ -33,24 +25,3 @@ def make_folder(parser: argparse.ArgumentParser, option: str, folder: str) -> No
         parser.error(f"{option}: cannot make its folder {folder} ({exc.strerror})")
     if not os.access(folder, os.W_OK | os.X_OK):
         parser.error(f"{option}: cannot write in the folder {folder}")
-
-
-@contextlib.contextmanager
-def interrupts_held_back() -> Iterator[None]:
-    """Hold back SIGINT (Ctrl-C) until the block has run, then deliver it to the handler that was in place: for
-    work that must not be cut in half (a training step's parameter, optimizer and step update; a checkpoint
-    write, which torch.save turns into a RuntimeError when interrupted; a worker pool spawning its processes).
-    Only the main thread receives signals, and a handler not installed from Python cannot be put back: both run
-    the block as it is. (Blocking the signal would not do: torch's threads do not block it and take it.)"""
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or previous is None:
-        yield
-        return
-    received: List[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            signal.raise_signal(signal.SIGINT)

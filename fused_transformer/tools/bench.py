@@ -43,7 +43,8 @@ import torch
 from tqdm import tqdm
 
 import fused_transformer as ft
-from fused_transformer.tools import Interrupted, make_folder
+from fused_transformer.interrupts import Interrupted
+from fused_transformer.tools import make_folder
 from fused_transformer.tools import bench_cases as suites
 from fused_transformer.tools.bench_cases import Case, Setup
 from fused_transformer.tools.bench_plots import plot_suite

@@ -13,7 +13,7 @@ from typing import Callable, Dict, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from fused_transformer.tools import interrupts_held_back
+from fused_transformer.interrupts import interrupts_held_back
 
 
 def reset_grads(tensors: Sequence[Tensor]) -> None:

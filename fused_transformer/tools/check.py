@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 import fused_transformer as ft
 from fused_transformer import backend
-from fused_transformer.tools import Interrupted
+from fused_transformer.interrupts import Interrupted
 from fused_transformer.tools.check_cases import CHECKS, DTYPES, QUICK_DTYPES, Case, Results, build_cases
 from fused_transformer.tools.numerics import (
     ATOL_FLOOR, FACTOR, Verdict, interpreter_rounds_to_nearest, judge, unwritten_elements_are_nan,

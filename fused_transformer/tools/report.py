@@ -35,9 +35,12 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from fused_transformer.tools import Interrupted, interrupts_held_back
+from fused_transformer.kernels.aot import AotKernel
+from fused_transformer.kernels.targets import BY_CAPABILITY, CAPABILITIES
+from fused_transformer.kernels.targets import TARGETS as KNOWN_TARGETS
+from fused_transformer.interrupts import Interrupted, interrupts_held_back
 
 # Modules whose ``aot_configs()`` are compiled; a new kernel module adds its name here.
 KERNEL_MODULES = (
@@ -46,29 +49,11 @@ KERNEL_MODULES = (
     "fused_transformer.kernels.feed_forward",
 )
 
-# Largest dynamic shared memory one block may use, in bytes, per compute capability: A100 (sm_80); the A10, A40
-# and RTX 30 (sm_86) and L4, L40S and RTX 40 (sm_89) have 99 KB; H100 / H200 (sm_90).
-SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
-TARGETS = (80, 86, 89, 90)
+# The targets every config is compiled for (kernels/targets.py describes them), and the limits read here.
+TARGETS = CAPABILITIES
+SHARED_MEMORY_LIMIT = {t.capability: t.shared_memory for t in KNOWN_TARGETS}
+SM_LIMITS = BY_CAPABILITY
 WARP_SIZE = 32
-
-
-@dataclasses.dataclass(frozen=True)
-class SmLimits:
-    """Per-SM limits that bound occupancy, from the CUDA C++ Programming Guide's "Technical Specifications per
-    Compute Capability" table (and ``cuda_occupancy.h`` for the allocation rules used in ``occupancy``)."""
-
-    max_warps: int
-    max_blocks: int
-    shared_memory: int  # bytes per SM with the largest shared-memory carveout
-
-
-SM_LIMITS = {
-    80: SmLimits(max_warps=64, max_blocks=32, shared_memory=164 * 1024),
-    86: SmLimits(max_warps=48, max_blocks=16, shared_memory=100 * 1024),
-    89: SmLimits(max_warps=48, max_blocks=24, shared_memory=100 * 1024),
-    90: SmLimits(max_warps=64, max_blocks=32, shared_memory=228 * 1024),
-}
 REGISTERS_PER_SM = 65536  # also the most one block may hold, on every target here
 REGISTER_ALLOCATION_UNIT = 256  # registers are allocated per warp, in units of 256
 SUB_PARTITIONS_PER_SM = 4  # a warp's registers come from the register file of one of the SM's 4 schedulers
@@ -85,33 +70,6 @@ _HMMA_SHAPE = re.compile(r"HMMA\.(16|8)(8)(16|8|4)\b")  # HMMA.16816: m16 n8 k16
 _HGMMA_SHAPE = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\b")  # HGMMA.64x128x16: m64 n128 k16, per warpgroup
 # Global-to-shared copies, fastest kind first: TMA tensor and bulk copies (sm_90), cp.async (sm_80 and later).
 ASYNC_COPY_KINDS = ("UTMALDG", "UBLKCP", "LDGSTS")
-
-
-@dataclasses.dataclass(frozen=True)
-class AotKernel:
-    """One kernel variant and config to compile.
-
-    ``signature`` maps every runtime argument to its Triton type (``"*bf16"``, ``"i32"``, ``"fp32"``, ...; a host-side
-    TMA descriptor, as ``triton.tools.tensor_descriptor.TensorDescriptor`` passes one, is
-    ``"tensordesc<bf16[1,1,64,128]>"``: element type and block shape);
-    ``constexprs`` maps constexpr arguments (and runtime arguments specialised to a constant, e.g. unit
-    strides) to their values; they need not appear in ``signature``. ``targets`` are the compute
-    capabilities the config is shipped for (a Hopper-only tile config lists only 90).
-    """
-
-    name: str
-    config: str
-    fn: Any  # triton JITFunction
-    signature: Dict[str, str]
-    constexprs: Dict[str, Any]
-    num_warps: int  # per CTA
-    num_stages: int
-    targets: Tuple[int, ...] = TARGETS
-    expect_tensor_cores: bool = False
-    # Arguments compiled as multiples of 16 (None: every pointer and integer argument, as the JIT specialises
-    # a launch whose sizes and strides are multiples of 16). Odd sizes compile another, unchecked variant.
-    divisible_by_16: Optional[Tuple[str, ...]] = None
-    num_ctas: int = 1  # CTAs per program: a thread-block cluster when > 1 (sm_90 and later)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,15 +311,15 @@ def _round_up(value: int, unit: int) -> int:
 def occupancy(target: int, num_warps: int, registers: int, shared_bytes: int) -> Tuple[int, int]:
     """``(blocks, warps)`` resident per SM of sm_<target> for blocks of ``num_warps`` warps using ``registers``
     per thread and ``shared_bytes`` of shared memory, as NVIDIA's occupancy calculator counts them."""
-    limits = SM_LIMITS[target]
+    limits = BY_CAPABILITY[target]
     registers_per_warp = _round_up(max(registers, 1) * WARP_SIZE, REGISTER_ALLOCATION_UNIT)
     # The launch check assumes a block's warps are spread over all sub-partitions at once.
     if registers_per_warp * _round_up(num_warps, SUB_PARTITIONS_PER_SM) > REGISTERS_PER_SM:
         return 0, 0
     warps_by_registers = REGISTERS_PER_SM // SUB_PARTITIONS_PER_SM // registers_per_warp * SUB_PARTITIONS_PER_SM
     shared_per_block = _round_up(shared_bytes + SHARED_MEMORY_RESERVED_PER_BLOCK, SHARED_MEMORY_ALLOCATION_UNIT)
-    blocks = min(warps_by_registers // num_warps, limits.max_warps // num_warps, limits.max_blocks,
-                 limits.shared_memory // shared_per_block)
+    blocks = min(warps_by_registers // num_warps, limits.max_warps_per_sm // num_warps, limits.max_blocks_per_sm,
+                 limits.shared_memory_per_sm // shared_per_block)
     return blocks, blocks * num_warps
 
 

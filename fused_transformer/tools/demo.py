@@ -24,10 +24,11 @@ import torch
 
 import fused_transformer as ft
 
-from ..tools import Interrupted, make_folder
-from .checkpoint import CheckpointMismatch, check_same_run, read_checkpoint
-from .seq2seq import Seq2SeqTransformer
-from .synthetic import SequenceTask, TrainConfig, exact_match_accuracy, run_config, train
+from ..interrupts import Interrupted
+from ..models.checkpoint import CheckpointMismatch, check_same_run, read_checkpoint
+from ..models.seq2seq import Seq2SeqTransformer
+from ..models.synthetic import SequenceTask, TrainConfig, exact_match_accuracy, run_config, train
+from . import make_folder
 
 # Model size, task and schedule of the demo and of --quick. The demo's model has the study notes' default sizes;
 # both learn their task within the planned steps (seed 0: 100% held-out exact match after 500 of 600 steps,
