@@ -4,6 +4,8 @@ combination, odd lengths, head dims, grouped-query heads, dtypes and dropout.
 Runs on CUDA when present, else on CPU tensors under the Triton interpreter (set up in conftest.py), which is
 slow: shapes stay small, but every one crosses several 32 x 32 interpreter tiles.
 """
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -11,9 +13,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fused_transformer
 from fused_transformer import backend, functional, reference
 from fused_transformer.kernels import attention as triton_attention
-from fused_transformer.kernels._common import draw_dropout_seed, interpreting
+from fused_transformer.kernels._common import draw_dropout_seed, interpreting, tma_addressable
+from fused_transformer.kernels.attention import bwd, configs, fwd, launch
+from fused_transformer.kernels.attention import weights as weights_kernel
 from fused_transformer.kernels.targets import target_of
 from tests.numerics import DEVICE, assert_close_to_reference
+
+# The four kernels, where their launchers find them.
+KERNELS = [(fwd, "attention_fwd_kernel"), (bwd, "attention_dq_kernel"), (bwd, "attention_dkdv_kernel"),
+           (weights_kernel, "attention_weights_kernel")]
 
 pytestmark = pytest.mark.usefixtures("interpreter_rounds_to_nearest", "nan_filled_outputs")
 
@@ -192,10 +200,10 @@ def _padding_with_holes(lk: int) -> torch.Tensor:
 
 def test_key_lengths_give_the_keys_before_the_first_padding_key():
     padding = _padding_with_holes(100)
-    assert triton_attention._key_lengths(padding).tolist() == [[70, 100, 100, 100], [70, 70, 0, 100]]
+    assert launch.key_lengths(padding).tolist() == [[70, 100, 100, 100], [70, 70, 0, 100]]
     everything = torch.ones(2, 5, dtype=torch.bool, device=DEVICE)
-    assert triton_attention._key_lengths(everything).tolist() == [[0, 0], [0, 0]]
-    assert triton_attention._key_lengths(everything[:, :0]).tolist() == [[0, 0], [0, 0]]
+    assert launch.key_lengths(everything).tolist() == [[0, 0], [0, 0]]
+    assert launch.key_lengths(everything[:, :0]).tolist() == [[0, 0], [0, 0]]
 
 
 @pytest.mark.parametrize("masks", [{}, {"is_causal": True}, {"is_causal": True, "causal_alignment": "bottom_right"}],
@@ -221,8 +229,8 @@ def test_kernels_read_where_the_padding_mask_starts(monkeypatch):
     (q, k, v, do, _), _ = _random_inputs(1, 2, 2, lq, lk, 16, seed=12)
     padding = torch.zeros(1, lk, dtype=torch.bool, device=DEVICE)
     padding[0, 3] = True
-    true_lengths = triton_attention._key_lengths
-    monkeypatch.setattr(triton_attention, "_key_lengths", lambda mask: true_lengths(torch.zeros_like(mask)))
+    true_lengths = launch.key_lengths
+    monkeypatch.setattr(launch, "key_lengths", lambda mask: true_lengths(torch.zeros_like(mask)))
     got = _run(triton_attention.attention, q, k, v, do, None, torch.float32, {"key_padding_mask": padding})
     unmasked = _run(reference.attention, q, k, v, do, None, torch.float64, {})
     for name, out, expected in zip(("out", "lse", "dq", "dk", "dv"), got, unmasked):
@@ -231,21 +239,27 @@ def test_kernels_read_where_the_padding_mask_starts(monkeypatch):
 
 @pytest.mark.parametrize("fits", [False, True])
 def test_kernels_take_the_interior_loop_where_the_launcher_says_it_fits(monkeypatch, fits):
-    """The forward, dq and dk/dv get INTERIOR_LOOP from _interior_loop_fits (off for the tiles whose two loops
-    spill), and either way give the reference's results for causal attention with query lengths."""
+    """The forward, dq and dk/dv get INTERIOR_LOOP from their plan (off for the tiles whose two loops spill), and
+    either way give the reference's results for causal attention with query lengths."""
     asked, launched = [], []
-    monkeypatch.setattr(triton_attention, "_interior_loop_fits", lambda *args: asked.append(args[0]) or fits)
-    for attr in ("_attention_fwd_kernel", "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"):
-        kernel = getattr(triton_attention, attr)
+    plan = configs.plan
+
+    def planned(kernel, *args, **kwargs):
+        asked.append(kernel)
+        return dataclasses.replace(plan(kernel, *args, **kwargs), interior_loop=fits)
+
+    monkeypatch.setattr(configs, "plan", planned)
+    for module, attr in KERNELS[:3]:
+        kernel = getattr(module, attr)
 
         class RecordLaunch:
             def __getitem__(self, grid, kernel=kernel):
-                def launch(*args, **constexprs):
+                def run(*args, **constexprs):
                     launched.append(constexprs["INTERIOR_LOOP"])
                     return kernel[grid](*args, **constexprs)
-                return launch
+                return run
 
-        monkeypatch.setattr(triton_attention, attr, RecordLaunch())
+        monkeypatch.setattr(module, attr, RecordLaunch())
     (q, k, v, do, _), _ = _random_inputs(2, 2, 2, 100, 77, 16, seed=9)
     masks = {"is_causal": True, "causal_alignment": "bottom_right"}
     query_lengths = torch.tensor([100, 61], device=DEVICE)
@@ -342,32 +356,31 @@ def _launch_options(name: str) -> dict:
     ("window", True), ("dropout", False), ("bool_mask", False),
 ])
 def test_kernels_take_the_wide_tiles_exactly_without_an_attn_mask_or_dropout(monkeypatch, name, wide):
-    """config_for gets wide=True (on sm_90 with TMA: _TILES_SM90_WIDE, compiled as the report's /causal, /padded and
-    /varlen/nodropout variants) for the forward, dq and dk/dv launches exactly when their constexprs carry no
-    attn_mask and no dropout, as _wide_tiles_fit says of the constexprs each kernel is launched with."""
+    """The plan is asked for a light launch (on sm_90 with TMA: the wide tiles, compiled as the report's /causal,
+    /padded and /varlen/nodropout variants) for the forward, dq and dk/dv exactly when the constexprs each kernel is
+    launched with carry no attn_mask and no dropout."""
     (q, k, v, do, _), _ = _random_inputs(2, 1, 1, 20, 20, 16, seed=15)
     picks, launches = [], []
-    pick = triton_attention.config_for
+    plan = configs.plan
 
-    def record_pick(kernel_name, dtype, head_dim, device, allow_tf32=False, tma=False, wide=False, packed=False):
-        picks.append((kernel_name, wide))
-        return pick(kernel_name, dtype, head_dim, device, allow_tf32, tma, wide, packed)
+    def record_pick(kernel_name, *args, light=False, **kwargs):
+        picks.append((kernel_name, light))
+        return plan(kernel_name, *args, light=light, **kwargs)
 
     class RecordLaunch:
         def __init__(self, kernel_name, kernel):
             self.kernel_name, self.kernel = kernel_name, kernel
 
         def __getitem__(self, grid):
-            def launch(*args, **constexprs):
-                launches.append((self.kernel_name, triton_attention._wide_tiles_fit(
-                    self.kernel_name, constexprs["HEAD_DIM"], **constexprs)))
+            def run(*args, **constexprs):
+                light = constexprs["MASK_KIND"] == launch.MASK_NONE and not constexprs["HAS_DROPOUT"]
+                launches.append((self.kernel_name, light))
                 return self.kernel[grid](*args, **constexprs)
-            return launch
+            return run
 
-    monkeypatch.setattr(triton_attention, "config_for", record_pick)
-    for kernel_name, attr in (("fwd", "_attention_fwd_kernel"), ("bwd_dq", "_attention_bwd_dq_kernel"),
-                              ("bwd_dkdv", "_attention_bwd_dkdv_kernel")):
-        monkeypatch.setattr(triton_attention, attr, RecordLaunch(kernel_name, getattr(triton_attention, attr)))
+    monkeypatch.setattr(configs, "plan", record_pick)
+    for kernel_name, (module, attr) in zip(("fwd", "bwd_dq", "bwd_dkdv"), KERNELS):
+        monkeypatch.setattr(module, attr, RecordLaunch(kernel_name, getattr(module, attr)))
     q, k, v = (t.bfloat16().requires_grad_() for t in (q, k, v))
     triton_attention.attention(q, k, v, **_launch_options(name)).backward(do.bfloat16())
     expected = [("fwd", wide), ("bwd_dq", wide), ("bwd_dkdv", wide)]
@@ -445,7 +458,7 @@ def test_outputs_and_gradients_are_written_heads_interleaved():
 
 
 def test_rows_of_o_past_int32_are_refused_clearly(monkeypatch):
-    monkeypatch.setattr(triton_attention, "MAX_DENSE_OUTPUT_ROWS", 100)
+    monkeypatch.setattr(launch, "MAX_DENSE_OUTPUT_ROWS", 100)
     q = torch.randn(1, 4, 26, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"q \(1, 4, 26, 16\) has Lq x heads = 104"):
         triton_attention.attention(q, q, q)
@@ -500,14 +513,14 @@ def test_multihead_attention_on_triton_copies_no_head_layout_and_fills_no_gradie
     backward reads o and do where they are); the fused q/k/v projection's gradient is one stack of the three, not
     three zero-filled full-width slices summed; the LSE, which the module does not use, gets no zero gradient."""
     read_in_place = []
-    output_layout = triton_attention._output_layout
+    output_layout = bwd.output_layout
 
     def spy(t):
         laid_out = output_layout(t)
         read_in_place.append(laid_out is t)
         return laid_out
 
-    monkeypatch.setattr(triton_attention, "_output_layout", spy)
+    monkeypatch.setattr(bwd, "output_layout", spy)
     module = fused_transformer.MultiheadAttention(32, 4, batch_first=True, device=DEVICE)
     x = torch.randn(2, 10, 32, device=DEVICE, requires_grad=True)
     with backend.use_backend("triton"):
@@ -625,46 +638,45 @@ def test_grids_keep_batch_and_heads_on_separate_axes(monkeypatch):
     """CUDA caps grid axes 1 and 2 at 65535: batch x heads on one of them (8192 x 8, say) would not launch. Each
     kernel's grid is (tiles, heads, batch)."""
     grids = []
-    for name in ("_attention_fwd_kernel", "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel",
-                 "_attention_weights_kernel"):
-        monkeypatch.setattr(triton_attention, name, _GridRecorder(getattr(triton_attention, name), grids))
+    for module, name in KERNELS:
+        monkeypatch.setattr(module, name, _GridRecorder(getattr(module, name), grids))
     ratios = _check(batch=3, heads=4, kv_heads=2, lq=37, lk=70, head_dim=16, mask_kind="padding_causal_float_mask")
     (q, k, _, _, _), _ = _random_inputs(3, 4, 2, 37, 70, 16, seed=1)
     _, lse = triton_attention.attention(q.float(), k.float(), k.float(), return_lse=True)
     triton_attention.attention_weights(q.float(), k.float(), lse)
-    tile = triton_attention.INTERPRETER_CONFIG.block_m  # block_m == block_n under the interpreter
+    tile = configs.INTERPRETER_TILE.block_m  # block_m == block_n under the interpreter
     rows, cols = -(-37 // tile), -(-70 // tile)
     assert grids == [
-        ("_attention_fwd_kernel", (rows, 4, 3)),
-        ("_attention_bwd_dq_kernel", (rows, 4, 3)),
-        ("_attention_bwd_dkdv_kernel", (cols, 2, 3)),
-        ("_attention_fwd_kernel", (rows, 4, 3)),
-        ("_attention_weights_kernel", (rows * cols, 4, 3)),
+        ("attention_fwd_kernel", (rows, 4, 3)),
+        ("attention_dq_kernel", (rows, 4, 3)),
+        ("attention_dkdv_kernel", (cols, 2, 3)),
+        ("attention_fwd_kernel", (rows, 4, 3)),
+        ("attention_weights_kernel", (rows * cols, 4, 3)),
     ], grids
     assert set(ratios) == {"out", "lse", "dq", "dk", "dv"}
-    assert triton_attention._grid(4, 8192, 8) == (4, 8, 8192)  # the shape issue 17 found unlaunchable
+    assert launch.grid(4, 8192, 8) == (4, 8, 8192)  # the shape issue 17 found unlaunchable
 
 
 def test_a_grid_past_cuda_limits_is_refused_clearly():
     with pytest.raises(ValueError, match="batch=65536 is more than a CUDA grid axis holds"):
-        triton_attention._grid(1, 65536, 1)
+        launch.grid(1, 65536, 1)
 
 
 def test_masks_spanning_2_31_elements_get_int64_offsets():
     big = torch.empty((1, 1, 2**16 + 1, 2**15), device="meta")  # its last element is 2**31 + 2**15 - 1 away
-    assert triton_attention.mask_offsets_need_int64(big)
-    assert not triton_attention.mask_offsets_need_int64(big[:, :, : 2**16])  # 2**31 - 1 still fits in int32
+    assert launch.mask_offsets_need_int64(big)
+    assert not launch.mask_offsets_need_int64(big[:, :, : 2**16])  # 2**31 - 1 still fits in int32
     # broadcast rows (stride 0) never step past one row
     broadcast_rows = torch.empty((1, 2**15), device="meta").expand(1, 1, 2**20, 2**15)
-    assert not triton_attention.mask_offsets_need_int64(broadcast_rows)
+    assert not launch.mask_offsets_need_int64(broadcast_rows)
     transposed = torch.empty((2**15, 2**16 + 1), device="meta").t()[None, None]  # column stride 2**16 + 1
-    assert triton_attention.mask_offsets_need_int64(transposed)
+    assert launch.mask_offsets_need_int64(transposed)
 
 
 @pytest.mark.parametrize("mask_kind", ["float_mask", "scattered_padding_bool_mask_causal"])
 def test_int64_mask_offsets_match_the_reference(monkeypatch, mask_kind):
     """The int64 path a 2**31-element mask takes, run on small shapes by lowering the threshold."""
-    monkeypatch.setattr(triton_attention, "INT32_OFFSET_LIMIT", 1)
+    monkeypatch.setattr(launch, "INT32_OFFSET_LIMIT", 1)
     _check(mask_kind=mask_kind, dtype=torch.bfloat16)
 
 
@@ -673,17 +685,29 @@ def test_int64_mask_offsets_match_the_reference(monkeypatch, mask_kind):
 
 def _take_tma_path(monkeypatch) -> list:
     """Switch the interpreter's TMA loads on (on a GPU the hardware decides) and return the list that records, per
-    launch, whether the launcher chose TMA."""
+    forward, backward and weights launch, whether its plan chose TMA (the backward's dk/dv kernel loads as its dq
+    kernel does)."""
     decisions = []
-    decide = triton_attention._loads_through_tma
+    plan = configs.plan
 
-    def record(*inputs, **options):
-        decisions.append(decide(*inputs, **options))
-        return decisions[-1]
+    def record(kernel, *args, **kwargs):
+        chosen = plan(kernel, *args, **kwargs)
+        if kernel == "bwd_dkdv":
+            assert chosen.use_tma == decisions[-1], "the backward's two kernels load differently"
+        else:
+            decisions.append(chosen.use_tma)
+        return chosen
 
-    monkeypatch.setattr(triton_attention, "_loads_through_tma", record)
-    monkeypatch.setattr(triton_attention, "TMA_UNDER_INTERPRETER", True)
+    monkeypatch.setattr(configs, "plan", record)
+    monkeypatch.setattr(configs, "TMA_UNDER_INTERPRETER", True)
     return decisions
+
+
+def _loads_through_tma(*inputs, kernel="bwd_dq", allow_tf32=False) -> bool:
+    """What the plan decides for a ``kernel`` launch that loads ``inputs`` (the backward's kernels by default, which
+    take TMA for 16-bit inputs only)."""
+    return configs.plan(kernel, inputs[0].dtype, inputs[0].shape[-1], launch.launch_target(inputs[0].device),
+                        allow_tf32=allow_tf32, tma_addressable=all(map(tma_addressable, inputs))).use_tma
 
 
 def tma_available() -> bool:
@@ -725,7 +749,7 @@ def test_tma_loads_match_the_pointer_path_and_reference(monkeypatch, batch, lq, 
 
 @pytest.mark.parametrize("head_dim,mask_kind", [(40, "padding_causal_float_mask"), (64, "causal"), (72, "none")])
 def test_tf32_loads_through_tma_at_its_head_dims(monkeypatch, head_dim, mask_kind):
-    """The forward in float32 with allow_tf32 takes the TMA path at head dims 33..128 (_TILES_SM90_TF32_FWD; the
+    """The forward in float32 with allow_tf32 takes the TMA path at head dims 33..128 (configs.TF32_TMA_HEAD_DIMS; the
     interpreter computes its products in float32, so it gives the pointer path's values); the backward, exact float32
     and other head dims keep the pointer path."""
     (q, k, v, do, dlse), g = _random_inputs(2, 2, 1, 37, 50, head_dim, seed=head_dim)
@@ -739,9 +763,9 @@ def test_tf32_loads_through_tma_at_its_head_dims(monkeypatch, head_dim, mask_kin
     _run(triton_attention.attention, q, k, v, do, dlse, torch.float32, masks)
     assert decisions == [False] * 2
     q16, k16, v16 = (t[..., :16].float().contiguous() for t in (q, k, v))
-    assert not triton_attention._loads_through_tma(q16, k16, v16, kernel="fwd", allow_tf32=True)
+    assert not _loads_through_tma(q16, k16, v16, kernel="fwd", allow_tf32=True)
     head_dim_256 = [t.float().repeat(1, 1, 1, -(-256 // head_dim))[..., :256].contiguous() for t in (q, k, v)]
-    assert not triton_attention._loads_through_tma(*head_dim_256, kernel="fwd", allow_tf32=True)
+    assert not _loads_through_tma(*head_dim_256, kernel="fwd", allow_tf32=True)
 
 
 def test_tma_loads_strided_views_of_a_fused_projection_in_place(monkeypatch):
@@ -792,16 +816,15 @@ def test_tma_is_refused_for_inputs_it_cannot_address(monkeypatch):
     odd_base = torch.zeros(q.numel() + 1, dtype=torch.bfloat16, device=DEVICE)[1:].view(q.shape)  # base + 2 bytes
     odd_base.copy_(q)
     head_dim_7 = q[..., :7].contiguous()  # row stride 14 bytes
-    assert not triton_attention._loads_through_tma(odd_rows, k, v)
-    assert not triton_attention._loads_through_tma(q, odd_base, v)
-    assert not triton_attention._loads_through_tma(head_dim_7, head_dim_7, head_dim_7)
-    assert not triton_attention._loads_through_tma(q.float(), k.float(), v.float())
-    assert not triton_attention._loads_through_tma(q.float(), k.float(), v.float(), kernel="fwd",
-                                                   allow_tf32=True)  # head dim 16
-    assert triton_attention._loads_through_tma(q, k, v) == tma_available()
+    assert not _loads_through_tma(odd_rows, k, v)
+    assert not _loads_through_tma(q, odd_base, v)
+    assert not _loads_through_tma(head_dim_7, head_dim_7, head_dim_7)
+    assert not _loads_through_tma(q.float(), k.float(), v.float())
+    assert not _loads_through_tma(q.float(), k.float(), v.float(), kernel="fwd", allow_tf32=True)  # head dim 16
+    assert _loads_through_tma(q, k, v) == tma_available()
     # A size-1 dim's stride is never used: any value passes (one query row, its row stride 3 elements).
     one_row = torch.empty_strided((1, 2, 1, 16), (32, 16, 3, 1), dtype=torch.bfloat16, device=DEVICE)
-    assert triton_attention._loads_through_tma(one_row, k, v) == tma_available()
+    assert _loads_through_tma(one_row, k, v) == tma_available()
     del decisions[:]
     out = triton_attention.attention(odd_rows, k, v, is_causal=True)
     assert decisions == [False]

@@ -10,6 +10,7 @@ import torch
 
 from fused_transformer import backend, functional, reference
 from fused_transformer.kernels import attention as triton_attention
+from fused_transformer.kernels.attention import configs
 from fused_transformer.kernels._common import draw_dropout_seed, interpreting
 from tests.numerics import DEVICE, assert_close_to_reference
 from tests.test_attention_triton import _assert_same, _take_tma_path, tma_available
@@ -376,7 +377,7 @@ def test_key_tiles_outside_every_window_are_not_visited(side):
     that key masked. A NaN in v there is visible only where the tile is visited (p = 0 times NaN is NaN in the
     tile's product): the skipped query tile's output and dq stay exact, the visiting one's are NaN. The same for
     a NaN in do, seen from the dk/dv kernel's query loop."""
-    assert triton_attention.INTERPRETER_CONFIG.block_m == triton_attention.INTERPRETER_CONFIG.block_n == 32
+    assert triton_attention.INTERPRETER_TILE.block_m == triton_attention.INTERPRETER_TILE.block_n == 32
     masks = {"window": (8, 8)}
     (q, k, v, do), _ = _dense_inputs(1, 1, 1, 96, 96, 16, seed=4)
     key, clean_rows = (10, slice(64, 96)) if side == "left" else (90, slice(0, 32))
@@ -401,16 +402,16 @@ def test_key_tiles_outside_every_window_are_not_visited(side):
 
 
 def test_packed_launches_ask_for_the_packed_tiles(monkeypatch):
-    """Every kernel of an attention_varlen call asks config_for for packed tiles (_TILES_SM90_WIDE_PACKED on sm_90),
-    and of a dense call for dense ones."""
+    """Every kernel of an attention_varlen call plans for packed sequences (the packed rows on sm_90), and of a dense
+    call for dense ones."""
     picks = []
-    pick = triton_attention.config_for
+    plan = configs.plan
 
-    def record_pick(kernel_name, dtype, head_dim, device, allow_tf32=False, tma=False, wide=False, packed=False):
+    def record_pick(kernel_name, *args, packed=False, **kwargs):
         picks.append((kernel_name, packed))
-        return pick(kernel_name, dtype, head_dim, device, allow_tf32, tma, wide, packed)
+        return plan(kernel_name, *args, packed=packed, **kwargs)
 
-    monkeypatch.setattr(triton_attention, "config_for", record_pick)
+    monkeypatch.setattr(configs, "plan", record_pick)
     (q, k, v, do, _), cu_q, cu_k = _packed_inputs([5, 9], [7, 3], 2, 2, 16, seed=4)
     q, k, v = (t.float().requires_grad_() for t in (q, k, v))
     triton_attention.attention_varlen(q, k, v, cu_q, cu_k, 9, 7, is_causal=True).backward(do.float())

@@ -13,6 +13,7 @@ import torch
 
 from fused_transformer.tools import report
 from fused_transformer.kernels import feed_forward, layer_norm
+from fused_transformer.kernels.attention import TILE_ROWS, configs, plan
 from fused_transformer.kernels.targets import BY_CAPABILITY, TARGETS
 
 
@@ -46,101 +47,6 @@ def test_every_target_users_have_is_compiled(results):
     for r in results:
         by_kernel.setdefault(r.name, set()).add(r.target)
     assert all(targets == {80, 86, 89, 90} for targets in by_kernel.values()), by_kernel
-
-
-def test_attention_on_99_kb_parts_picks_tiles_that_fit(monkeypatch):
-    from fused_transformer.kernels import attention
-
-    monkeypatch.setattr(attention, "interpreting", lambda: False)
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(attention, "target_of", lambda device: BY_CAPABILITY[86])
-    small = attention.config_for("fwd", torch.bfloat16, 64, cuda)
-    monkeypatch.setattr(attention, "target_of", lambda device: BY_CAPABILITY[80])
-    large = attention.config_for("fwd", torch.bfloat16, 64, cuda)
-    assert (small.num_stages, large.num_stages) == (2, 3)  # the report compiles both for their targets
-
-
-@pytest.mark.parametrize("kernel", ["fwd", "bwd_dq", "bwd_dkdv"])
-def test_16_bit_attention_on_sm_90_picks_its_own_tiles(monkeypatch, kernel):
-    """16-bit launches (that do not _wide_tiles_fit) take _TILES_SM90 on sm_90 when they load through TMA (as the
-    launcher decides there for inputs TMA can address) only; sm_80 / 86 / 89, sm_90's pointer path and float32 keep
-    the shared tables."""
-    from fused_transformer.kernels import attention
-
-    monkeypatch.setattr(attention, "interpreting", lambda: False)
-    cuda = torch.device("cuda", 0)
-
-    def picked(target, dtype, kernel=kernel, addressable=True):
-        monkeypatch.setattr(attention, "target_of", lambda device: BY_CAPABILITY[target])
-        tma = addressable and target >= 90 and dtype in attention.TMA_DTYPES
-        return {d: attention.config_for(kernel, dtype, d, cuda, tma=tma) for d in (16, 32, 64, 128, 256)
-                if dtype != torch.float32 or d <= attention.MAX_HEAD_DIM_FLOAT32}
-
-    for dtype in (torch.float16, torch.bfloat16):
-        sm90 = attention._TILES_SM90[(kernel, 16)]
-        assert {d: attention.AttentionConfig(*sm90[d]) for d in sm90} == {
-            d: cfg for d, cfg in picked(90, dtype).items() if d in sm90}
-        shared = attention._TILES[(kernel, 16)]
-        assert picked(80, dtype) == {d: attention.AttentionConfig(*shared[d]) for d in shared}
-        assert picked(80, dtype) == picked(90, dtype, addressable=False)
-        small = attention._TILES_SMALL_SHARED_MEMORY.get((kernel, 16), {})
-        assert picked(86, dtype) == picked(89, dtype) == {
-            d: attention.AttentionConfig(*small[d]) if d in small else cfg for d, cfg in picked(80, dtype).items()}
-    assert picked(90, torch.float32) == picked(80, torch.float32)
-    assert picked(90, torch.bfloat16, "weights") == picked(80, torch.bfloat16, "weights")
-
-
-@pytest.mark.parametrize("kernel", ["fwd", "bwd_dq", "bwd_dkdv"])
-def test_wide_launches_on_sm_90_pick_their_own_tiles(monkeypatch, kernel):
-    """16-bit launches that _wide_tiles_fit take _TILES_SM90_WIDE on sm_90 when they load through TMA only (the other
-    head dims _TILES_SM90 or the shared tiles, as other launches); sm_80 / 86 / 89, sm_90's pointer path and float32
-    pick the same tiles wide or not."""
-    from fused_transformer.kernels import attention
-
-    monkeypatch.setattr(attention, "interpreting", lambda: False)
-    cuda = torch.device("cuda", 0)
-
-    def picked(target, dtype, wide, addressable=True, packed=False):
-        monkeypatch.setattr(attention, "target_of", lambda device: BY_CAPABILITY[target])
-        tma = addressable and target >= 90 and dtype in attention.TMA_DTYPES
-        return {d: attention.config_for(kernel, dtype, d, cuda, tma=tma, wide=wide, packed=packed)
-                for d in (16, 32, 64, 128, 256) if dtype != torch.float32 or d <= attention.MAX_HEAD_DIM_FLOAT32}
-
-    wide_tiles = attention._TILES_SM90_WIDE[(kernel, 16)]
-    packed_tiles = {**wide_tiles, **attention._TILES_SM90_WIDE_PACKED.get((kernel, 16), {})}
-    for dtype in (torch.float16, torch.bfloat16):
-        on_sm90 = picked(90, dtype, True)
-        assert {d: on_sm90[d] for d in wide_tiles} == {d: attention.AttentionConfig(*t) for d, t in wide_tiles.items()}
-        assert all(on_sm90[d] == picked(90, dtype, False)[d] for d in on_sm90 if d not in wide_tiles)
-        packed_on_sm90 = picked(90, dtype, True, packed=True)
-        assert {d: packed_on_sm90[d] for d in packed_tiles} == {
-            d: attention.AttentionConfig(*t) for d, t in packed_tiles.items()}
-        assert picked(90, dtype, False, packed=True) == picked(90, dtype, False)
-        assert picked(90, dtype, True, addressable=False) == picked(90, dtype, False, addressable=False)
-        for target in (80, 86, 89):
-            assert picked(target, dtype, True) == picked(target, dtype, False)
-            assert picked(target, dtype, True, packed=True) == picked(target, dtype, False)
-    assert picked(90, torch.float32, True) == picked(80, torch.float32, True) == picked(80, torch.float32, False)
-
-
-def test_wide_tiles_fit_without_an_attn_mask_or_dropout():
-    """The wide tiles are for launches whose scores read no attn_mask element and draw no dropout number: the masks
-    computed per row or column (key / query padding, lengths, causal, window, packing) keep them, but for the
-    kernels and head dims _WIDE_TILES_SPILL_PACKED lists, which packed sequences take without."""
-    from fused_transformer.kernels import attention
-
-    every_other = dict(MASK_KIND=attention.MASK_NONE, HAS_PADDING=True, HAS_QUERY_LENS=True, HAS_QUERY_PADDING=True,
-                       IS_CAUSAL=True, HAS_WINDOW=True, PER_SEQUENCE_OFFSET=True, VARLEN=False, HAS_DROPOUT=False)
-    for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
-        for head_dim in (1, 16, 40, 64, 100, 128, 256):
-            assert attention._wide_tiles_fit(kernel, head_dim, **every_other)
-            none_other = {name: False for name in every_other if name != "MASK_KIND"}
-            assert attention._wide_tiles_fit(kernel, head_dim, MASK_KIND=attention.MASK_NONE, **none_other)
-            packed = (kernel, attention._head_dim_bucket(head_dim)) not in attention._WIDE_TILES_SPILL_PACKED
-            assert attention._wide_tiles_fit(kernel, head_dim, **{**every_other, "VARLEN": True}) == packed
-            for name, value in (("MASK_KIND", attention.MASK_BOOL), ("MASK_KIND", attention.MASK_FLOAT),
-                                ("HAS_DROPOUT", True)):
-                assert not attention._wide_tiles_fit(kernel, head_dim, **{**every_other, name: value}), name
 
 
 @pytest.mark.parametrize("module", report.KERNEL_MODULES)
@@ -242,81 +148,6 @@ def test_report_command_exits_1_when_a_compilation_fails(results, monkeypatch, c
     assert "1 failed" in capsys.readouterr().out
 
 
-def test_attention_configs_cover_every_tile_the_launchers_pick(monkeypatch):
-    """Whatever tiles config_for picks (dtype, head dim, each target's shared memory and TMA, allow_tf32, wide tiles
-    or not) is compiled by the report for the targets that pick it, with the loads the launcher picks there (16-bit
-    inputs through TMA on sm_90), in the variant that launch runs: a launch that _wide_tiles_fit in /causal (the
-    two-loop path), /padded or /varlen/nodropout, the last two listed only where their tiles are not the ones the
-    dense or /varlen variant compiles with more features on."""
-    from fused_transformer.kernels import attention
-
-    monkeypatch.setattr(attention, "interpreting", lambda: False)
-    listed = {(k.name, k.config, target) for k in attention.aot_configs() for target in k.targets}
-    cuda = torch.device("cuda", 0)
-    checked = 0
-    for target in report.TARGETS:
-        targets = (target,)
-        monkeypatch.setattr(attention, "target_of", lambda device, target=target: BY_CAPABILITY[target])
-        for kernel in ("fwd", "bwd_dq", "bwd_dkdv", "weights"):
-            for name, dtype, tf32 in (("bf16", torch.bfloat16, False), ("fp32", torch.float32, False),
-                                      ("tf32", torch.float32, True)):
-                if kernel == "weights" and tf32:  # the weights kernel never runs in tf32
-                    continue
-                for head_dim in (16, 32, 64, 128, 256):
-                    if dtype == torch.float32 and head_dim > attention.MAX_HEAD_DIM_FLOAT32:
-                        continue
-                    # what the launcher takes there
-                    tma = attention._precision_takes_tma(kernel, dtype, tf32, head_dim) and target >= 90
-                    variants = (("", False),)
-                    if kernel != "weights":
-                        variants += (("/varlen", False), ("/padded", True), ("/varlen/nodropout", True),
-                                     ("/causal", True))
-                    for variant, wide in variants:
-                        # What the launcher asks for: packed launches without dropout, as _wide_tiles_fit says.
-                        wide = wide and attention._wide_tiles_fit(kernel, head_dim, MASK_KIND=attention.MASK_NONE,
-                                                                  HAS_DROPOUT=False, VARLEN="/varlen" in variant)
-                        cfg = attention.config_for(kernel, dtype, head_dim, cuda, tf32, tma, wide,
-                                                   "/varlen" in variant)
-                        if variant in attention._AOT_TILE_VARIANTS and cfg == attention.config_for(
-                                kernel, dtype, head_dim, cuda, tf32, tma, False):
-                            variant = attention._AOT_TILE_VARIANTS[variant]
-                        config = (f"{name}/D{head_dim}/BM{cfg.block_m}_BN{cfg.block_n}_w{cfg.num_warps}"
-                                  f"_s{cfg.num_stages}{variant}{'/tma' if tma else ''}")
-                        for target in targets:
-                            assert (f"attention_{kernel}", config, target) in listed
-                            checked += 1
-    assert checked == len(report.TARGETS) * ((5 + 4 * 2) * (5 + 5 + 5) + (5 + 4))
-
-
-def test_interior_loop_is_off_only_for_tiles_a_launcher_picks():
-    """_INTERIOR_LOOP_SPILLS names tiles (with their kernel, precision and loads) that some target really picks, so
-    no entry outlives a change of tiles; the report compiles exactly those with INTERIOR_LOOP off, dense and packed."""
-    from fused_transformer.kernels import attention
-
-    picked = set()
-    for target in report.TARGETS:
-        for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
-            for precision, bits, tf32 in (("bf16", 16, False), ("fp32", 32, False), ("tf32", 32, True)):
-                for bucket in (16, 32, 64, 128, 256):
-                    if bits == 32 and bucket > attention.MAX_HEAD_DIM_FLOAT32:
-                        continue
-                    tma = bits == 16 and target in attention._AOT_TMA_TARGETS
-                    for wide in (False, True):
-                        for packed in (False, True):
-                            tiles = attention._tiles(kernel, bits, bucket, tf32, report.SHARED_MEMORY_LIMIT[target],
-                                                     tma, wide, packed)
-                            picked.add((kernel, precision, bucket, tiles, tma, packed))
-    assert attention._INTERIOR_LOOP_SPILLS <= picked
-    off = set()
-    for k in attention.aot_configs():
-        if k.name in ("attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv") and not k.constexprs["INTERIOR_LOOP"]:
-            precision = k.config.split("/")[0]
-            tiles = (k.constexprs["BLOCK_M"], k.constexprs["BLOCK_N"], k.num_warps, k.num_stages)
-            off.add((k.name.removeprefix("attention_"), precision, k.constexprs["BLOCK_D"], tiles,
-                     k.constexprs["USE_TMA"], k.constexprs["VARLEN"]))
-    assert off == attention._INTERIOR_LOOP_SPILLS
-
-
 # ------------------------------------------------------------------------------------ SASS figures, real kernels
 
 
@@ -340,24 +171,33 @@ def test_16_bit_attention_runs_hgmma_on_hopper_and_hmma_before(results):
             assert all(opcode.startswith("HMMA.16816.F32.BF16") for opcode, _ in r.mma_counts), r.mma_counts
 
 
-def test_16_bit_attention_on_hopper_is_pipelined_with_wider_hgmma(results):
-    """The sm_90 tiles (_TILES_SM90) are pipelined, and their HGMMAs are at least 64 wide (forward and dq: 64 keys per
-    warpgroup, or the head dim) or BLOCK_M wide (dk/dv: the query tile is the N of its transposed products)."""
-    from fused_transformer.kernels import attention
+def _hopper_rows(light: bool, layout: str = "dense"):
+    """The plan's sm_90 rows (through TMA) for light launches or any launch, serving ``layout``: ``(kernel, head_dim,
+    tile)``."""
+    return [(row.kernel, head_dim, row.tile) for row in TILE_ROWS if row.targets == (90,) and row.loads == "tma"
+            and row.precision == "bf16" and row.light == light and layout in row.layouts for head_dim in row.head_dims]
 
+
+def _hgmma_widths(r):
+    shapes = [re.match(r"HGMMA\.64x(\d+)x16\.", opcode) for opcode, _ in r.mma_counts]
+    assert all(shapes), (r.config, r.mma_counts)
+    return [int(m.group(1)) for m in shapes]
+
+
+def test_16_bit_attention_on_hopper_is_pipelined_with_wider_hgmma(results):
+    """The sm_90 rows for any launch are pipelined, and their HGMMAs are at least 64 wide (forward and dq: 64 keys per
+    warpgroup, or the head dim) or BLOCK_M wide (dk/dv: the query tile is the N of its transposed products)."""
     checked = 0
-    for (kernel, _), by_head_dim in attention._TILES_SM90.items():
-        for head_dim, (block_m, block_n, num_warps, num_stages) in by_head_dim.items():
-            config = f"bf16/D{head_dim}/BM{block_m}_BN{block_n}_w{num_warps}_s{num_stages}"
-            rows = [r for r in results if r.name == f"attention_{kernel}" and r.target == 90
-                    and r.config in (config + "/tma", config + "/varlen/tma")]
-            assert len(rows) == 2 and num_stages >= 2, (kernel, config)
-            narrowest = min(block_m, head_dim) if kernel == "bwd_dkdv" else min(64, head_dim)
-            for r in rows:
-                shapes = [re.match(r"HGMMA\.64x(\d+)x16\.", opcode) for opcode, _ in r.mma_counts]
-                assert all(shapes) and min(int(m.group(1)) for m in shapes) >= narrowest, (r.config, r.mma_counts)
-                checked += 1
-    assert checked == 2 * sum(map(len, attention._TILES_SM90.values()))
+    for kernel, head_dim, tile in _hopper_rows(light=False):
+        config = f"bf16/D{head_dim}/{tile}"
+        rows = [r for r in results if r.name == f"attention_{kernel}" and r.target == 90
+                and r.config in (config + "/tma", config + "/varlen/tma")]
+        assert len(rows) == 2 and tile.num_stages >= 2, (kernel, config)
+        narrowest = min(tile.block_m, head_dim) if kernel == "bwd_dkdv" else min(64, head_dim)
+        for r in rows:
+            assert min(_hgmma_widths(r)) >= narrowest, (r.config, r.mma_counts)
+            checked += 1
+    assert checked == 2 * 7
 
 
 def _row(results, name, config, target):
@@ -367,76 +207,63 @@ def _row(results, name, config, target):
 
 
 def test_wide_tiles_on_hopper_run_hgmma_at_least_64_wide(results):
-    """Launches that _wide_tiles_fit run HGMMAs of N >= 64 on sm_90, or the head dim where it is the N (p @ v, dq, dk,
-    dv): 64 keys per warpgroup in the forward and dq, 64 query rows in the dk/dv tile (the N of its transposed
-    products), in every variant such a launch runs."""
-    from fused_transformer.kernels import attention
-
+    """Light launches run HGMMAs of N >= 64 on sm_90, or the head dim where it is the N (p @ v, dq, dk, dv): 64 keys
+    per warpgroup in the forward and dq, 64 query rows in the dk/dv tile (the N of its transposed products), in
+    every variant such a launch runs: dense (/padded, /causal) and, where these rows serve packed sequences without a
+    light row of their own (test_packed_wide_tiles_on_hopper_...), /varlen/nodropout."""
+    hopper = BY_CAPABILITY[90]
     checked = 0
-    for (kernel, _), by_head_dim in attention._TILES_SM90_WIDE.items():
-        variants = ("/padded", "/varlen/nodropout", "/causal")
-        for head_dim, (block_m, block_n, num_warps, num_stages) in by_head_dim.items():
-            shared = attention._tiles(kernel, 16, head_dim, False, report.SHARED_MEMORY_LIMIT[90], True, False)
-            for variant in variants:
-                packed_own = attention._TILES_SM90_WIDE_PACKED.get((kernel, 16), {})
-                if variant == "/varlen/nodropout" and (
-                        (kernel, head_dim) in attention._WIDE_TILES_SPILL_PACKED or head_dim in packed_own):
-                    continue  # runs the /varlen tiles, or its own (test_packed_wide_tiles_on_hopper_...)
-                if variant in attention._AOT_TILE_VARIANTS and shared == (block_m, block_n, num_warps, num_stages):
-                    variant = attention._AOT_TILE_VARIANTS[variant]
-                r = _row(results, f"attention_{kernel}",
-                         f"bf16/D{head_dim}/BM{block_m}_BN{block_n}_w{num_warps}_s{num_stages}{variant}/tma", 90)
-                shapes = [re.match(r"HGMMA\.64x(\d+)x16\.", opcode) for opcode, _ in r.mma_counts]
-                assert all(shapes) and min(int(m.group(1)) for m in shapes) >= min(64, head_dim), (
-                    r.config, r.mma_counts)
-                checked += 1
-    packed_tiles = sum(map(len, attention._TILES_SM90_WIDE_PACKED.values()))
-    assert checked == 5 * 3 + 5 * 3 + 4 * 3 - len(attention._WIDE_TILES_SPILL_PACKED) - packed_tiles
+    for kernel, head_dim, tile in _hopper_rows(light=True):
+        general = plan(kernel, torch.bfloat16, head_dim, hopper).tile
+        for variant, packed in (("/padded", False), ("/varlen/nodropout", True), ("/causal", False)):
+            if plan(kernel, torch.bfloat16, head_dim, hopper, light=True, packed=packed).tile != tile:
+                continue  # packed launches with rows of their own (test_packed_wide_tiles_on_hopper_...) or none
+            if variant != "/causal" and tile == general:
+                variant = "/varlen" if packed else ""
+            r = _row(results, f"attention_{kernel}", f"bf16/D{head_dim}/{tile}{variant}/tma", 90)
+            assert min(_hgmma_widths(r)) >= min(64, head_dim), (r.config, r.mma_counts)
+            checked += 1
+    assert checked == 5 * 3 + 5 * 3 + 4 * 3 - 1 - 3
 
 
 def test_packed_wide_tiles_on_hopper_run_wide_hgmma_with_little_more_bookkeeping(results):
-    """Packed launches without an attn_mask or dropout whose wide tiles spill take _TILES_SM90_WIDE_PACKED, in both
-    variants that run them (the two-loop /varlen/causal and /varlen/nodropout): HGMMAs at least as wide as the tile's
-    keys (forward; the head dim where that is less) or query rows (dk/dv, the N of its transposed products), and at
-    most 1.5x the non-MMA instructions per kMAC of the dense launches' wide tiles in the matching variant (/causal,
-    /padded). What packed launches ran before these tiles issued 2.3x (forward D128, every tile masked), 2.2x (dk/dv
-    D64, every tile masked) and 2.3x (dk/dv D128, the shared 16-row tiles). Where the tiles are the ones packed
-    launches with dropout take, the report compiles /varlen/nodropout as /varlen (with dropout): /varlen/causal only."""
-    from fused_transformer.kernels import attention
-
-    name = "bf16/D{}/BM{}_BN{}_w{}_s{}{}/tma"
+    """Light packed launches whose wide tiles spill take rows of their own, in both variants that run them (the
+    two-loop /varlen/causal and /varlen/nodropout): HGMMAs at least as wide as the tile's keys (forward; the head dim
+    where that is less) or query rows (dk/dv, the N of its transposed products), and at most 1.5x the non-MMA
+    instructions per kMAC of the dense launches' wide tiles in the matching variant (/causal, /padded). What packed
+    launches ran before these tiles issued 2.3x (forward D128, every tile masked), 2.2x (dk/dv D64, every tile
+    masked) and 2.3x (dk/dv D128, the general 16-row tiles). Where the tiles are the ones packed launches with dropout
+    take, the report compiles /varlen/nodropout as /varlen (with dropout): /varlen/causal only."""
+    hopper = BY_CAPABILITY[90]
     checked = 0
-    for (kernel, _), by_head_dim in attention._TILES_SM90_WIDE_PACKED.items():
-        for head_dim, tiles in by_head_dim.items():
-            block_m, block_n = tiles[:2]
-            narrowest = block_m if kernel == "bwd_dkdv" else min(block_n, head_dim)
-            dense = attention._TILES_SM90_WIDE[(kernel, 16)][head_dim]
-            shared = attention._tiles(kernel, 16, head_dim, False, report.SHARED_MEMORY_LIMIT[90], True, False, True)
-            variants = [("/varlen/causal", "/causal")]
-            if tiles != shared:
-                variants.append(("/varlen/nodropout", "/padded"))
-            for variant, dense_variant in variants:
-                r = _row(results, f"attention_{kernel}", name.format(head_dim, *tiles, variant), 90)
-                shapes = [re.match(r"HGMMA\.64x(\d+)x16\.", opcode) for opcode, _ in r.mma_counts]
-                assert all(shapes) and min(int(m.group(1)) for m in shapes) >= narrowest, (r.config, r.mma_counts)
-                wide = _row(results, f"attention_{kernel}", name.format(head_dim, *dense, dense_variant), 90)
-                assert r.non_mma_per_kmac <= 1.5 * wide.non_mma_per_kmac, (r.config, r.non_mma_per_kmac, wide.config)
-                checked += 1
+    for kernel, head_dim, tile in _hopper_rows(light=True, layout="packed"):
+        if (kernel, head_dim, tile) in _hopper_rows(light=True):
+            continue  # serves dense launches too: test_wide_tiles_on_hopper_run_hgmma_at_least_64_wide
+        narrowest = tile.block_m if kernel == "bwd_dkdv" else min(tile.block_n, head_dim)
+        dense = plan(kernel, torch.bfloat16, head_dim, hopper, light=True).tile
+        general = plan(kernel, torch.bfloat16, head_dim, hopper, packed=True).tile
+        variants = [("/varlen/causal", "/causal")]
+        if tile != general:
+            variants.append(("/varlen/nodropout", "/padded"))
+        for variant, dense_variant in variants:
+            r = _row(results, f"attention_{kernel}", f"bf16/D{head_dim}/{tile}{variant}/tma", 90)
+            assert min(_hgmma_widths(r)) >= narrowest, (r.config, r.mma_counts)
+            wide = _row(results, f"attention_{kernel}", f"bf16/D{head_dim}/{dense}{dense_variant}/tma", 90)
+            assert r.non_mma_per_kmac <= 1.5 * wide.non_mma_per_kmac, (r.config, r.non_mma_per_kmac, wide.config)
+            checked += 1
     assert checked == 5
 
 
 def test_plain_forward_on_hopper_runs_less_bookkeeping(results):
-    """The plain forward's sm_90 tiles (_TILES_SM90_WIDE, the /causal variant) are pipelined, and their main loop
-    issues fewer non-MMA instructions per kMAC than the shared tiles' on sm_80 (the figure that compares the two)."""
-    from fused_transformer.kernels import attention
-
-    for head_dim, (block_m, block_n, num_warps, num_stages) in attention._TILES_SM90_WIDE[("fwd", 16)].items():
-        r = _row(results, "attention_fwd",
-                 f"bf16/D{head_dim}/BM{block_m}_BN{block_n}_w{num_warps}_s{num_stages}/causal/tma", 90)
-        assert num_stages >= 2
-        shared = attention.AttentionConfig(*attention._TILES[("fwd", 16)][head_dim])
-        sm80 = _row(results, "attention_fwd", f"bf16/D{head_dim}/BM{shared.block_m}_BN{shared.block_n}"
-                    f"_w{shared.num_warps}_s{shared.num_stages}/causal", 80)
+    """The plain forward's sm_90 tiles (light launches, the /causal variant) are pipelined, and their main loop
+    issues fewer non-MMA instructions per kMAC than the general tiles' on sm_80 (the figure that compares the two)."""
+    for kernel, head_dim, tile in _hopper_rows(light=True):
+        if kernel != "fwd":
+            continue
+        r = _row(results, "attention_fwd", f"bf16/D{head_dim}/{tile}/causal/tma", 90)
+        assert tile.num_stages >= 2
+        general = plan("fwd", torch.bfloat16, head_dim, BY_CAPABILITY[80], light=True).tile
+        sm80 = _row(results, "attention_fwd", f"bf16/D{head_dim}/{general}/causal", 80)
         assert r.non_mma_per_kmac < sm80.non_mma_per_kmac, (r.config, r.non_mma_per_kmac, sm80.non_mma_per_kmac)
 
 
@@ -483,15 +310,13 @@ def test_16_bit_attention_loads_through_tma_on_hopper_only(results):
 
 
 def test_tf32_forward_on_sm_90_runs_wgmma_through_tma_at_its_head_dims(results):
-    """The forward in tf32 at _TILES_SM90_TF32_FWD's head dims on sm_90 loads through TMA and runs its products as wgmma
+    """The forward in tf32 at configs.TF32_TMA_HEAD_DIMS on sm_90 loads through TMA and runs its products as wgmma
     (HGMMA...TF32), every variant; the other head dims and targets, and the backward, keep the pointer path."""
-    from fused_transformer.kernels import attention
-
     tf32 = [r for r in results if r.name.startswith("attention_") and r.config.startswith("tf32/")]
     assert {r.name for r in tf32 if r.config.endswith("/tma")} == {"attention_fwd"}
     for r in tf32:
         head_dim = int(re.search(r"/D(\d+)/", r.config).group(1))
-        takes_tma = r.name == "attention_fwd" and r.target == 90 and head_dim in attention._TILES_SM90_TF32_FWD
+        takes_tma = r.name == "attention_fwd" and r.target == 90 and head_dim in configs.TF32_TMA_HEAD_DIMS
         assert takes_tma == r.config.endswith("/tma") == ("UTMALDG" in r.async_copy), (r.name, r.config, r.target)
         if takes_tma:
             shapes = [opcode for opcode, _ in r.mma_counts]

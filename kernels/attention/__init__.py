@@ -1,0 +1,112 @@
+"""Fused scaled-dot-product attention on Triton (FlashAttention-2 style), forward and backward, every mask in the
+kernel: ``attention``, ``attention_varlen`` and ``attention_weights`` check their arguments as
+``fused_transformer.functional`` does and add kernel-level options.
+
+The package reads top-down, one pass a file: ``jit.py`` (the helpers the kernels share: masks, sequence bounds),
+``fwd.py`` (forward kernel and launcher), ``bwd.py`` (dq and dk/dv kernels and launcher), ``weights.py`` (the
+probabilities for ``need_weights``), ``launch.py`` (masks, sizes and grids in kernel form), ``configs.py`` (the tile
+plan every launch and the AOT report read), ``ops.py`` (custom ops, autograd, the backend's entries) and ``aot.py``
+(what the report compiles).
+"""
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ... import contract
+from ...contract import AttentionMasks, Window
+from .aot import aot_configs
+from .configs import INTERPRETER_TILE, TILE_ROWS, Plan, Tile, TileRow, head_dim_bucket, plan
+from .ops import attention_keep_mask, run_attention, run_attention_varlen, run_attention_weights
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "attention", "attention_varlen", "attention_weights", "attention_keep_mask", "run_attention",
+    "run_attention_varlen", "run_attention_weights", "plan", "Plan", "Tile", "TileRow", "TILE_ROWS",
+    "INTERPRETER_TILE", "head_dim_bucket", "aot_configs",
+]
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    query_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: Window = None,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    query_lengths: Optional[Tensor] = None,
+    allow_tf32: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``fused_transformer.functional.attention`` on Triton, checked as there, plus two kernel-level options.
+
+    Args:
+        query_lengths: ``[B]`` integers; rows ``i >= query_lengths[b]`` give zeros (LSE ``-inf``). With a
+            ``query_padding_mask`` too, those rows count as padding (also for ``bottom_right`` alignment).
+        allow_tf32: float32 products on tensor cores in TF32 (default: full float32 precision).
+
+    Returns:
+        ``[B, H, Lq, D]`` in q's dtype, laid out as ``[B, Lq, H, D]`` (``out.transpose(1, 2)`` is contiguous),
+        and the float32 LSE ``[B, H, Lq]`` with ``return_lse``. Inputs need only a contiguous last dim (copied
+        otherwise); float16 / bfloat16 / float32, head dims 0..256 (float32: 0..128).
+    """
+    masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask)
+    contract.check_attention_args(q, k, v, masks)
+    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale)
+    if query_lengths is not None and tuple(query_lengths.shape) != (q.shape[0],):
+        raise ValueError(f"query_lengths must be [batch={q.shape[0]}], got shape {tuple(query_lengths.shape)}")
+    o, lse = run_attention(q, k, v, masks, spec, query_lengths, allow_tf32)
+    return (o, lse) if return_lse else o
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: Window = None,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    allow_tf32: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``fused_transformer.functional.attention_varlen`` on Triton, plus ``allow_tf32`` as in ``attention``.
+    Checked as there but for the values of cu_seqlens, which the kernels read on the device (no host sync)."""
+    contract.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale)
+    o, lse = run_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, spec, allow_tf32)
+    return (o, lse) if return_lse else o
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    query_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: Window = None,
+    scale: Optional[float] = None,
+    query_lengths: Optional[Tensor] = None,
+) -> Tensor:
+    """``fused_transformer.functional.attention_weights`` on Triton (``run_attention_weights``), plus
+    ``query_lengths`` as in ``attention``."""
+    masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask)
+    contract.check_attention_args(q, k, k, masks)
+    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, 0.0, scale)
+    return run_attention_weights(q, k, lse, masks, spec, query_lengths)

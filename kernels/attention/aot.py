@@ -1,0 +1,135 @@
+"""What the AOT report compiles of the attention kernels: every tile ``configs.plan`` picks for each target, in
+each feature set a launch runs with (``VARIANTS``), with the loads the plan picks there."""
+from typing import Dict, List, NamedTuple, Tuple
+
+import torch
+
+from ..aot import AotKernel
+from ..targets import TARGETS
+from . import configs
+from .bwd import attention_dkdv_kernel, attention_dq_kernel
+from .fwd import attention_fwd_kernel
+from .launch import MASK_FLOAT, MASK_NONE
+from .weights import attention_weights_kernel
+
+KERNELS = {"fwd": attention_fwd_kernel, "bwd_dq": attention_dq_kernel, "bwd_dkdv": attention_dkdv_kernel,
+           "weights": attention_weights_kernel}
+TRAINING_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")
+
+
+class Variant(NamedTuple):
+    """A feature set the report compiles a tile config in (its config-name suffix is ``name``)."""
+
+    name: str
+    features: Dict[str, object]  # the kernels' mask constexprs, and HAS_DROPOUT when it is off
+    kernels: Tuple[str, ...]  # the kernels that have it
+    # Compiled only for the targets where it picks other tiles than this variant does (elsewhere it runs that
+    # variant's tiles with fewer features); None: everywhere.
+    unless_tiles_of: object = None
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.features["VARLEN"])
+
+    @property
+    def light(self) -> bool:
+        return self.features["MASK_KIND"] == MASK_NONE and not self.features.get("HAS_DROPOUT", True)
+
+
+def _features(mask_kind: int, padding: bool, query_padding: bool, window: bool, varlen: bool, **extra) -> dict:
+    return dict(MASK_KIND=mask_kind, HAS_PADDING=padding, HAS_QUERY_LENS=padding, HAS_QUERY_PADDING=query_padding,
+                IS_CAUSAL=True, HAS_WINDOW=window, PER_SEQUENCE_OFFSET=True, VARLEN=varlen, **extra)
+
+
+# Dense with every mask on (the largest register footprint), and packed sequences, which take no attn_mask or
+# padding but compute their bounds and alignment per sequence; the two-loop path (unmasked interior tiles), causal
+# with the most it takes and no dropout; and the most a light launch takes, dense and packed.
+VARIANTS = (
+    Variant("", _features(MASK_FLOAT, True, True, True, False), tuple(KERNELS)),
+    Variant("/varlen", _features(MASK_NONE, False, False, True, True), TRAINING_KERNELS),
+    Variant("/causal", _features(MASK_NONE, True, False, False, False, HAS_DROPOUT=False), TRAINING_KERNELS),
+    Variant("/varlen/causal", _features(MASK_NONE, False, False, False, True, HAS_DROPOUT=False), TRAINING_KERNELS),
+    Variant("/padded", _features(MASK_NONE, True, True, True, False, HAS_DROPOUT=False), TRAINING_KERNELS, ""),
+    Variant("/varlen/nodropout", _features(MASK_NONE, False, False, True, True, HAS_DROPOUT=False), TRAINING_KERNELS,
+            "/varlen"),
+)
+# Pointers whose type does not follow the inputs' dtype (the float mask as a float32 additive bias).
+POINTER_TYPES = {"LSE": "*fp32", "DLSE": "*fp32", "DELTA": "*fp32", "MASK": "*fp32", "PAD": "*u8", "KEY_LENS": "*i32",
+                 "QUERY_LENS": "*i32", "QUERY_PAD": "*u8", "CU_SEQLENS_Q": "*i32", "CU_SEQLENS_K": "*i32",
+                 "SEED": "*i64"}
+# The inputs each kernel loads through TMA, in BLOCK_M-row (query) or BLOCK_N-row (key) tiles (and dk / dv, which
+# dense launches store through TMA).
+TMA_INPUTS = {"fwd": ("Q", "K", "V"), "bwd_dq": ("Q", "K", "V", "O", "DO"),
+              "bwd_dkdv": ("Q", "K", "V", "DO", "DK", "DV"), "weights": ("Q", "K")}
+QUERY_TILE_INPUTS = ("Q", "O", "DO")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
+
+
+def config_name(precision: str, head_dim: int, tile: configs.Tile, variant: str, use_tma: bool) -> str:
+    """The report's name of a config: ``bf16/D64/BM128_BN64_w8_s3/causal/tma``."""
+    return f"{precision}/D{head_dim}/{tile}{variant}{'/tma' if use_tma else ''}"
+
+
+def _plans(kernel: str, precision: str, head_dim: int, variant: Variant) -> Dict[tuple, List[int]]:
+    """(plan, targets picking it) for a launch of ``variant``'s features, as each target's launcher plans it."""
+    picked: Dict[configs.Plan, List[int]] = {}
+    for target in TARGETS:
+        def plan(light: bool) -> configs.Plan:
+            return configs.plan(kernel, DTYPES[precision], head_dim, target, allow_tf32=precision == "tf32",
+                                light=light, packed=variant.packed)
+
+        chosen = plan(variant.light)
+        if variant.unless_tiles_of is not None and chosen.tile == plan(False).tile:
+            continue
+        picked.setdefault(chosen, []).append(target.capability)
+    return picked
+
+
+def aot_configs() -> List[AotKernel]:
+    """Every attention kernel x tile config the launchers pick on a GPU, in bfloat16 (16-bit tiles), float32 and
+    float32 with tf32 products, for the targets that pick it, in each variant of ``VARIANTS``."""
+    shipped = []
+    for kernel in configs.KERNELS:
+        for bits_precision in ("bf16", "fp32"):
+            # float32 with allow_tf32=True too (never taken by the weights kernel).
+            precisions = ("fp32", "tf32") if bits_precision == "fp32" and kernel != "weights" else (bits_precision,)
+            for head_dim in configs.HEAD_DIM_BUCKETS:
+                if head_dim > configs.MAX_HEAD_DIM[bits_precision]:
+                    continue
+                for precision in precisions:
+                    for variant in VARIANTS:
+                        if kernel not in variant.kernels:
+                            continue
+                        for plan, targets in _plans(kernel, precision, head_dim, variant).items():
+                            shipped.append(_aot_kernel(kernel, precision, head_dim, variant, plan, tuple(targets)))
+    return shipped
+
+
+def _aot_kernel(kernel: str, precision: str, head_dim: int, variant: Variant, plan: configs.Plan,
+                targets: Tuple[int, ...]) -> AotKernel:
+    fn, tile = KERNELS[kernel], plan.tile
+    elem = "*bf16" if precision == "bf16" else "*fp32"
+    signature = {}
+    for name in fn.arg_names:
+        if plan.use_tma and name in TMA_INPUTS[kernel] and not (variant.packed and name in ("DK", "DV")):
+            rows = tile.block_m if name in QUERY_TILE_INPUTS else tile.block_n
+            signature[name] = f"tensordesc<{elem[1:]}[1,1,{rows},{head_dim}]>"
+        elif name in POINTER_TYPES:
+            signature[name] = POINTER_TYPES[name]
+        elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "W"):
+            signature[name] = elem
+        elif name in ("qk_scale", "dropout_p"):
+            signature[name] = "fp32"
+        elif name.islower():
+            signature[name] = "i32"
+    constexprs = dict(BLOCK_D=head_dim, HEAD_DIM=head_dim, MASK_OFFSETS_64=False, HAS_DROPOUT=True, HAS_DLSE=True,
+                      **plan.constexprs())
+    constexprs.update(variant.features)
+    return AotKernel(
+        name=f"attention_{kernel}", config=config_name(precision, head_dim, tile, variant.name, plan.use_tma), fn=fn,
+        signature=signature, constexprs={name: value for name, value in constexprs.items() if name in fn.arg_names},
+        num_warps=tile.num_warps, num_stages=tile.num_stages, expect_tensor_cores=precision == "bf16",
+        targets=targets,
+        # What the JIT specialises for inputs from torch: aligned pointers and strides, odd lengths.
+        divisible_by_16=tuple(n for n, t in signature.items() if t.startswith("*") or n.startswith("stride_")),
+    )

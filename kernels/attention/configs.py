@@ -1,0 +1,217 @@
+"""The tile plan of the attention kernels: one table of tile rows and one ``plan()`` that the launchers and the AOT
+report both call, so what a GPU runs is what the report compiled.
+
+A launch is described by its kernel (``"fwd"``, ``"bwd_dq"``, ``"bwd_dkdv"``, ``"weights"``), its precision
+(``"bf16"`` for either 16-bit dtype, ``"fp32"``, ``"tf32"``: float32 with ``allow_tf32``), its head-dim bucket
+(the next power of two, at least 16), its target (``kernels/targets.py``), whether it loads through TMA, whether it
+is *light* (its scores read no attn_mask element and draw no dropout number: the registers the every-feature
+tiles keep for those buy wider tiles) and its layout (dense or packed sequences). ``plan()`` returns the first row
+of ``TILE_ROWS`` that matches it; failing every row in float32 with tf32 products, it looks again as exact float32.
+So the rows run from the most specific to the most general, and the order is the fallback order:
+
+1. tf32: sm_90's forward through TMA, then the tf32 tiles of every target (tensor-core operands hold more
+   registers than the float32 tiles' CUDA-core ones);
+2. sm_86 / sm_89 (99 KB of shared memory) where the general tiles do not fit there or spill;
+3. sm_90 through TMA: light packed launches, light launches, then any launch;
+4. the general tiles, for every target and load path.
+
+Each row also says where its tiles run the two-loop path (``interior_loop``: unmasked interior tiles, for launches
+with no attn_mask, query padding, window or dropout) without spilling, per layout: the report compiles both paths
+and checks. The rows were chosen as the largest tiles that compile without spills on their targets in every
+variant that picks them; ``python -m fused_transformer report`` prints what each runs (registers, HGMMA widths,
+instructions per kMAC) and ``docs/attention.md`` tells how they were found.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from ..targets import Target
+
+KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", "weights")
+PRECISIONS = ("bf16", "fp32", "tf32")
+HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
+# float32 stops at head_dim 128: its dq kernel spills at every tile size tried for 256.
+MAX_HEAD_DIM = {"bf16": 256, "fp32": 128, "tf32": 128}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """What a launch's grid and compilation take: query rows and keys per program, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return f"BM{self.block_m}_BN{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+
+
+ALL, SMALL_SHARED_MEMORY, HOPPER = (80, 86, 89, 90), (86, 89), (90,)
+BOTH = ("dense", "packed")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileRow:
+    """One row of the plan: the tile ``kernel`` runs in ``precision`` at these head-dim buckets on these targets."""
+
+    kernel: str
+    precision: str
+    head_dims: Tuple[int, ...]
+    tile: Tile
+    targets: Tuple[int, ...] = ALL
+    loads: str = "any"  # "tma": only launches that load through TMA
+    light: bool = False  # only light launches (no attn_mask tile, no dropout)
+    layouts: Tuple[str, ...] = BOTH  # the layouts the row serves
+    interior_loop: Tuple[str, ...] = BOTH  # the layouts whose two-loop path compiles without spills
+    interior_loop_tma: Optional[Tuple[str, ...]] = None  # the same through TMA, where it differs (loads="any" rows)
+
+    def interior_loop_for(self, tma: bool, packed: bool) -> bool:
+        """Whether a launch with these loads and layout may run the two-loop path with this row's tile."""
+        layouts = self.interior_loop_tma if tma and self.interior_loop_tma is not None else self.interior_loop
+        return ("packed" if packed else "dense") in layouts
+
+    def serves(self, kernel: str, precision: str, head_dim: int, target: int, tma: bool, light: bool,
+               layout: str) -> bool:
+        return (self.kernel == kernel and self.precision == precision and head_dim in self.head_dims
+                and target in self.targets and self.loads in ("any", "tma" if tma else "pointer")
+                and (light or not self.light) and layout in self.layouts)
+
+
+def _rows(kernel: str, precision: str, tiles: dict, **options) -> Tuple[TileRow, ...]:
+    """Rows of one kernel and precision: ``tiles`` maps head dims to ``(block_m, block_n, warps, stages)``."""
+    return tuple(TileRow(kernel, precision, (head_dim,), Tile(*tile), **options) for head_dim, tile in tiles.items())
+
+
+TILE_ROWS: Tuple[TileRow, ...] = (
+    # 1. float32 with tf32 products. sm_90's forward through TMA runs 128 query rows as wgmma (HGMMA...TF32).
+    *_rows("fwd", "tf32", {64: (128, 64, 8, 2), 128: (128, 32, 8, 2)}, targets=HOPPER, loads="tma"),
+    *_rows("fwd", "tf32", {16: (16, 32, 4, 1), 32: (32, 32, 4, 1)}),
+    *_rows("bwd_dq", "tf32", {16: (16, 32, 4, 1), 64: (16, 32, 8, 1)}),
+    TileRow("bwd_dq", "tf32", (128,), Tile(16, 16, 8, 1), interior_loop=("dense",)),  # packed: 8 B
+    TileRow("bwd_dkdv", "tf32", (16,), Tile(16, 32, 4, 1), interior_loop=("packed",)),  # dense: 8-16 B
+    TileRow("bwd_dkdv", "tf32", (32,), Tile(16, 32, 8, 1)),
+    TileRow("bwd_dkdv", "tf32", (64,), Tile(16, 16, 8, 1), interior_loop=("packed",)),  # dense: 8-16 B
+    TileRow("bwd_dkdv", "tf32", (128,), Tile(16, 16, 8, 1), interior_loop=()),  # 8-16 B
+    # 2. 99 KB parts.
+    *_rows("fwd", "bf16", {32: (128, 64, 8, 2), 64: (128, 64, 8, 2)}, targets=SMALL_SHARED_MEMORY),
+    TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 2), targets=SMALL_SHARED_MEMORY, interior_loop=()),  # 32-48 B
+    # 3. sm_90 through TMA. Light packed launches, where the light tiles below spill for packed sequences (which
+    # zero a q / do tile's rows past their sequence in registers).
+    TileRow("fwd", "bf16", (128,), Tile(128, 64, 8, 3), targets=HOPPER, loads="tma", light=True, layouts=("packed",)),
+    TileRow("bwd_dkdv", "bf16", (64,), Tile(32, 128, 8, 2), targets=HOPPER, loads="tma", light=True,
+            layouts=("packed",)),
+    TileRow("bwd_dkdv", "bf16", (128,), Tile(32, 128, 8, 2), targets=HOPPER, loads="tma", light=True,
+            layouts=("packed",), interior_loop=()),  # 328 B
+    # Light launches: every HGMMA N >= 64 or the head dim.
+    *_rows("fwd", "bf16", {16: (128, 128, 8, 3), 32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 128, 8, 3)},
+           targets=HOPPER, loads="tma", light=True),
+    TileRow("fwd", "bf16", (256,), Tile(128, 64, 8, 2), targets=HOPPER, loads="tma", light=True,
+            interior_loop=("dense",)),  # packed: 24-120 B
+    *_rows("bwd_dq", "bf16", {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 3)},
+           targets=HOPPER, loads="tma", light=True),
+    TileRow("bwd_dq", "bf16", (256,), Tile(64, 64, 4, 2), targets=HOPPER, loads="tma", light=True,
+            layouts=("dense",), interior_loop=()),  # 8 B; packed, these tiles spill 256 B
+    *_rows("bwd_dkdv", "bf16", {16: (64, 128, 8, 2), 32: (64, 128, 8, 2), 64: (64, 128, 8, 2)}, targets=HOPPER,
+           loads="tma", light=True),
+    TileRow("bwd_dkdv", "bf16", (128,), Tile(64, 64, 4, 1), targets=HOPPER, loads="tma", light=True,
+            interior_loop=()),  # 448 B
+    # Any launch: pipelined, with every HGMMA as wide as an attn_mask tile and dropout leave registers for.
+    *_rows("fwd", "bf16", {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 128: (128, 64, 8, 2)}, targets=HOPPER,
+           loads="tma"),
+    *_rows("bwd_dq", "bf16", {16: (128, 32, 4, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 3)}, targets=HOPPER,
+           loads="tma"),
+    TileRow("bwd_dkdv", "bf16", (64,), Tile(32, 128, 8, 2), targets=HOPPER, loads="tma"),
+    # 4. Every target: the largest tiles that compile without spills with every feature on (float mask, key and
+    # query padding, causal, window, dropout) and for packed sequences.
+    *_rows("fwd", "bf16", {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 64, 8, 3), 128: (128, 32, 8, 2)}),
+    TileRow("fwd", "bf16", (256,), Tile(32, 32, 8, 1), interior_loop=("dense",), interior_loop_tma=BOTH),  # 24-120 B
+    *_rows("fwd", "fp32", {16: (64, 32, 8, 2), 32: (64, 32, 8, 2), 64: (32, 32, 8, 1), 128: (32, 16, 8, 1)}),
+    *_rows("bwd_dq", "bf16", {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 32, 8, 1), 128: (64, 32, 8, 2)}),
+    TileRow("bwd_dq", "bf16", (256,), Tile(32, 32, 8, 1), interior_loop_tma=("dense",)),  # packed through TMA: 680 B
+    *_rows("bwd_dq", "fp32", {16: (32, 32, 4, 1), 32: (32, 32, 8, 2)}),
+    TileRow("bwd_dq", "fp32", (64,), Tile(64, 32, 8, 2), interior_loop=()),  # 296-336 B
+    TileRow("bwd_dq", "fp32", (128,), Tile(16, 16, 8, 1)),
+    *_rows("bwd_dkdv", "bf16", {16: (32, 128, 8, 1), 32: (32, 128, 8, 1), 64: (16, 64, 4, 1), 128: (16, 64, 8, 1)}),
+    TileRow("bwd_dkdv", "bf16", (256,), Tile(16, 32, 8, 1), interior_loop_tma=()),  # through TMA: 704-752 B
+    TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 64, 8, 1)),
+    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 2), interior_loop=()),  # 8-48 B
+    *_rows("bwd_dkdv", "fp32", {64: (16, 32, 8, 1), 128: (16, 64, 8, 1)}),
+    *_rows("weights", "bf16", {16: (64, 64, 4, 1), 32: (64, 64, 4, 1), 64: (64, 64, 4, 1), 128: (64, 64, 4, 1),
+                               256: (32, 32, 4, 1)}),
+    *_rows("weights", "fp32", {16: (64, 64, 4, 1), 32: (64, 64, 4, 1), 64: (64, 64, 8, 1), 128: (32, 32, 8, 1)}),
+)
+# Small tiles under the interpreter, so short test sequences still cross several tiles.
+INTERPRETER_TILE = Tile(32, 32, 1, 1)
+# Whether the interpreter takes the TMA path (tests switch it on to check it against the pointer path; the
+# interpreter reads descriptors as a GPU does, out-of-bounds blocks zero-filled).
+TMA_UNDER_INTERPRETER = False
+# float32 loads through TMA only in the tf32 forwards that have rows for it: exact float32 products run on the CUDA
+# cores from registers, where staging the tiles in shared memory gains nothing (13 of those configs spilled with TMA
+# on sm_90), and the tf32 backward's 64-row tiles spill.
+TF32_TMA_HEAD_DIMS = tuple(sorted({d for row in TILE_ROWS if row.precision == "tf32" and row.loads == "tma"
+                                   for d in row.head_dims}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything a launch needs beyond its arguments."""
+
+    kernel: str
+    tile: Tile
+    use_tma: bool  # q/k/v/o/do (and dense dk/dv) through host-side TMA descriptors
+    interior_loop: bool  # the kernel may run its unmasked interior tiles in a loop of their own
+    dot_precision: str  # tl.dot's input_precision: "ieee" or "tf32"
+    upcast: bool  # bfloat16 dots in float32 (the interpreter computes bfloat16 dots wrongly)
+
+    def constexprs(self) -> dict:
+        constexprs = dict(BLOCK_M=self.tile.block_m, BLOCK_N=self.tile.block_n, USE_TMA=self.use_tma,
+                          DOT_PRECISION=self.dot_precision, UPCAST=self.upcast)
+        if self.kernel != "weights":
+            constexprs["INTERIOR_LOOP"] = self.interior_loop
+        return constexprs
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def precision_of(dtype: torch.dtype, allow_tf32: bool = False) -> str:
+    """The plan's name for a launch's precision: "bf16" for 16-bit inputs, else "tf32" or "fp32"."""
+    return "bf16" if dtype != torch.float32 else "tf32" if allow_tf32 else "fp32"
+
+
+def takes_tma(kernel: str, precision: str, head_dim: int) -> bool:
+    """Whether ``kernel`` in ``precision`` at ``head_dim`` loads through TMA where the target has it and TMA can
+    address every input (the backward's two kernels load alike)."""
+    if precision == "bf16":
+        return True
+    return precision == "tf32" and kernel == "fwd" and head_dim_bucket(head_dim) in TF32_TMA_HEAD_DIMS
+
+
+def find_row(kernel: str, precision: str, head_dim: int, target: int, tma: bool, light: bool, packed: bool) -> TileRow:
+    """The first row of ``TILE_ROWS`` that serves this launch (tf32 falls back to exact float32's rows)."""
+    bucket, layout = head_dim_bucket(head_dim), "packed" if packed else "dense"
+    for asked in (precision, "fp32") if precision == "tf32" else (precision,):
+        for row in TILE_ROWS:
+            if row.serves(kernel, asked, bucket, target, tma, light, layout):
+                return row
+    raise ValueError(f"attention: no tile for {kernel} in {precision} at head_dim={head_dim} on sm_{target}")
+
+
+def plan(kernel: str, dtype: torch.dtype, head_dim: int, target: Optional[Target], *, allow_tf32: bool = False,
+         tma_addressable: bool = True, light: bool = False, packed: bool = False) -> Plan:
+    """The plan of a ``kernel`` launch on ``dtype`` inputs of ``head_dim`` on ``target`` (None: the interpreter),
+    with products in tf32 or not, inputs that TMA can address or not (``_common.tma_addressable``), light or not
+    (no attn_mask tile, no dropout) and on packed sequences or not."""
+    precision = precision_of(dtype, allow_tf32)
+    tma = takes_tma(kernel, precision, head_dim) and tma_addressable
+    if target is None:
+        return Plan(kernel, INTERPRETER_TILE, tma and TMA_UNDER_INTERPRETER, True, "ieee", dtype == torch.bfloat16)
+    tma = tma and target.tma
+    row = find_row(kernel, precision, head_dim, target.capability, tma, light, packed)
+    return Plan(kernel, row.tile, tma, row.interior_loop_for(tma, packed), "tf32" if allow_tf32 else "ieee", False)

@@ -1,0 +1,256 @@
+"""The launch plumbing the attention kernels share: the masks and sequence bounds in kernel form (``MaskArgs``),
+sizes and strides (``Layout``), grids, TMA descriptors, the input checks of the hardware path, and the output
+layout. Dense outputs (o, dq, dk, dv) are [B, H, L, D] laid out as [B, L, H, D] (``empty_heads_interleaved``, the
+packed layout with sequence b starting at row b L), so that a module merges the heads with a view and hands back
+do in o's layout, which the backward reads without a copy."""
+import dataclasses
+from typing import Optional, Tuple, Union
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ... import contract
+from ..._env import triton_interpreting
+from ...contract import empty_heads_interleaved, heads_interleaved_strides
+from .._common import tma_addressable, tma_descriptor
+from ..targets import Target, target_of
+from . import configs
+
+Tensor = torch.Tensor
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = 1.4426950408889634
+
+# What kind of attn_mask a kernel reads (a constexpr): none, bool (True = may attend) or float (added).
+MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
+
+
+@dataclasses.dataclass
+class MaskArgs:
+    """Everything the kernels need to know about the masks and where each sequence lies, in kernel form."""
+
+    mask: Optional[Tensor]  # attn_mask viewed as [B, H, Lq, Lk] with stride 0 on broadcast dims
+    mask_kind: int
+    padding: Optional[Tensor]  # [B, Lk] uint8
+    key_lens: Optional[Tensor]  # [2, B] int32 (key_lengths)
+    query_lens: Optional[Tensor]  # [B] int32
+    query_padding: Optional[Tensor]  # [B, Lq] uint8
+    cu_seqlens_q: Optional[Tensor]  # [B + 1] int32, packed sequences only
+    cu_seqlens_k: Optional[Tensor]
+    is_causal: bool
+    causal_offset: int  # the alignment offset, when it is one for every sequence
+    per_sequence_offset: bool  # bottom_right aligned per sequence (computed in the kernel)
+    window: Optional[Tuple[int, int]]  # (left, right) as the kernels take it, see kernel_window
+
+    def pointer_args(self) -> tuple:
+        return (self.mask, self.padding, self.key_lens, self.query_lens, self.query_padding, self.cu_seqlens_q,
+                self.cu_seqlens_k)
+
+    def stride_args(self) -> tuple:
+        mask_strides = self.mask.stride() if self.mask is not None else (0, 0, 0, 0)
+        return (*mask_strides, self.padding.stride(0) if self.padding is not None else 0,
+                self.query_padding.stride(0) if self.query_padding is not None else 0)
+
+    def offset_args(self) -> tuple:
+        return (self.causal_offset, *(self.window if self.window is not None else (0, 0)))
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    def light(self, dropout_p: float) -> bool:
+        """Whether the scores read no attn_mask element and draw no dropout number (``configs``' light launches)."""
+        return self.mask_kind == MASK_NONE and dropout_p == 0.0
+
+    def constexprs(self) -> dict:
+        return dict(
+            MASK_KIND=self.mask_kind, HAS_PADDING=self.padding is not None,
+            HAS_QUERY_LENS=self.query_lens is not None, HAS_QUERY_PADDING=self.query_padding is not None,
+            IS_CAUSAL=self.is_causal, HAS_WINDOW=self.window is not None,
+            PER_SEQUENCE_OFFSET=self.per_sequence_offset, VARLEN=self.packed,
+            MASK_OFFSETS_64=self.mask is not None and mask_offsets_need_int64(self.mask),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Sizes and (batch, head, row) strides of q, k and v as the kernels take them: dense ``[B, H, L, D]``, or
+    packed ``[T, H, D]`` (batch stride 0: the kernels find each sequence's rows through cu_seqlens)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    n_queries: int  # Lq; packed: max_seqlen_q
+    n_keys: int  # Lk; packed: max_seqlen_k
+    head_dim: int
+    q_strides: Tuple[int, int, int]
+    k_strides: Tuple[int, int, int]
+    v_strides: Tuple[int, int, int]
+
+    @staticmethod
+    def dense(q: Tensor, k: Tensor, v: Tensor) -> "Layout":
+        (batch, heads, lq, head_dim), (_, kv_heads, lk, _) = q.shape, k.shape
+        if lq * heads > MAX_DENSE_OUTPUT_ROWS:
+            raise ValueError(f"triton attention: q {tuple(q.shape)} has Lq x heads = {lq * heads} rows of o per "
+                             f"batch element; at most {MAX_DENSE_OUTPUT_ROWS} are supported")
+        return Layout(batch, heads, kv_heads, lq, lk, head_dim, *(tuple(t.stride()[:3]) for t in (q, k, v)))
+
+    @staticmethod
+    def packed(q: Tensor, k: Tensor, v: Tensor, batch: int, max_seqlen_q: int, max_seqlen_k: int) -> "Layout":
+        (_, heads, head_dim), kv_heads = q.shape, k.shape[1]
+        return Layout(batch, heads, kv_heads, max_seqlen_q, max_seqlen_k, head_dim,
+                       *((0, t.stride(1), t.stride(0)) for t in (q, k, v)))
+
+    @property
+    def kv_group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+# Offsets at or past this need int64 arithmetic in the kernels.
+INT32_OFFSET_LIMIT = 2**31
+# Lq x heads of one batch element: _row_index indexes those rows of o / do / dq in int32.
+MAX_DENSE_OUTPUT_ROWS = 2**31 - 1
+# CUDA's limits on grid axis 0 and on axes 1 and 2.
+MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535
+
+
+def mask_offsets_need_int64(mask: Tensor) -> bool:
+    """Whether an element of one (batch, head) slice of ``mask`` ``[B, H, Lq, Lk]`` lies 2**31 elements or more
+    from the slice's first: its row and column offsets must then be computed in int64."""
+    rows, cols = mask.shape[2:]
+    return max(rows - 1, 0) * abs(mask.stride(2)) + max(cols - 1, 0) * abs(mask.stride(3)) >= INT32_OFFSET_LIMIT
+
+
+def grid(tiles: int, batch: int, heads: int) -> Tuple[int, int, int]:
+    """(tiles, heads, batch), the order ``jit._batch_head`` reads, within CUDA's limits or a clear error."""
+    axes = (("tiles", tiles, MAX_GRID_X), ("heads", heads, MAX_GRID_YZ), ("batch", batch, MAX_GRID_YZ))
+    for name, size, limit in axes:
+        if size > limit:
+            raise ValueError(f"triton attention: {name}={size} is more than a CUDA grid axis holds ({limit}); "
+                             "split the batch or the sequence")
+    return (tiles, heads, batch)
+
+
+def key_lengths(key_padding_mask: Tensor) -> Tensor:
+    """int32 ``[2, B]``, KEY_LENS as the kernels read it: one past each sequence's last key that is not padding
+    (``contract.last_real_position``), then how many keys come before its first padding key (Lk if none), the keys whose
+    tiles need no padding mask; the two are equal for a right-padded sequence. On the device (no host sync)."""
+    leading = (~key_padding_mask).cumprod(dim=1).sum(dim=1)  # the run of real keys from position 0
+    return torch.stack([contract.last_real_position(key_padding_mask), leading]).to(torch.int32)
+
+
+def kernel_window(window_left: Optional[int], window_right: Optional[int], is_causal: bool,
+                   unlimited: int) -> Optional[Tuple[int, int]]:
+    """``(left, right)`` as the kernels take it, None without a window. A side that is None, or wider than
+    ``unlimited`` (Lq + Lk, beyond which no alignment offset reaches a key), becomes ``unlimited``, so the
+    kernels' int32 sums stay in range; causal caps right at 0 (key j <= i + o)."""
+    if window_left is None and window_right is None:
+        return None
+    left = unlimited if window_left is None else min(int(window_left), unlimited)
+    right = unlimited if window_right is None else min(int(window_right), unlimited)
+    return (left, min(right, 0) if is_causal else right)
+
+
+def mask_args(
+    q: Tensor, k: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
+    query_lengths: Optional[Tensor], is_causal: bool, causal_alignment: str,
+    query_padding_mask: Optional[Tensor] = None, window_left: Optional[int] = None,
+    window_right: Optional[int] = None,
+) -> MaskArgs:
+    (batch, heads, lq, _), lk = q.shape, k.shape[2]
+    mask, mask_kind = None, MASK_NONE
+    if attn_mask is not None:
+        mask = attn_mask.expand(batch, heads, lq, lk)
+        if attn_mask.dtype == torch.bool:
+            mask, mask_kind = mask.view(torch.uint8), MASK_BOOL
+        else:
+            mask_kind = MASK_FLOAT
+    padding = key_lens = None
+    if key_padding_mask is not None:
+        padding = key_padding_mask.contiguous().view(torch.uint8)
+        key_lens = key_lengths(key_padding_mask)
+    query_lens = query_padding = None
+    if query_lengths is not None:
+        query_lens = query_lengths.to(device=q.device, dtype=torch.int32).clamp(0, lq).contiguous()
+    if query_padding_mask is not None:
+        if query_lens is not None:  # one query mask: rows past query_lengths are padding too
+            query_padding_mask = query_padding_mask | (
+                torch.arange(lq, device=q.device, dtype=torch.int32)[None, :] >= query_lens[:, None])
+        query_padding = query_padding_mask.contiguous().view(torch.uint8)
+        query_lens = contract.last_real_position(query_padding_mask).to(torch.int32)
+    window = kernel_window(window_left, window_right, is_causal, lq + lk)
+    aligned = causal_alignment == "bottom_right" and (is_causal or window is not None)
+    return MaskArgs(
+        mask, mask_kind, padding, key_lens, query_lens, query_padding, None, None, is_causal,
+        causal_offset=lk - lq if aligned else 0, per_sequence_offset=aligned and query_padding is not None,
+        window=window,
+    )
+
+
+def varlen_mask_args(
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+    causal_alignment: str, window_left: Optional[int], window_right: Optional[int],
+) -> MaskArgs:
+    window = kernel_window(window_left, window_right, is_causal, max_seqlen_q + max_seqlen_k)
+    aligned = causal_alignment == "bottom_right" and (is_causal or window is not None)
+    return MaskArgs(
+        None, MASK_NONE, None, None, None, None, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), is_causal,
+        causal_offset=0, per_sequence_offset=aligned, window=window,
+    )
+
+
+def tiles_of(x: Tensor, rows: int, block_d: int, use_tma: bool) -> Union[Tensor, TensorDescriptor]:
+    """What a kernel takes for an input it loads in [rows, block_d] tiles: ``x`` itself, or with ``use_tma`` a
+    descriptor over ``x`` seen as [B, H, L, D] (packed [T, H, D] as [1, H, T, D]), as ``_tma_tile`` reads it."""
+    if not use_tma:
+        return x
+    if x.dim() == 3:
+        x = x.transpose(0, 1).unsqueeze(0)
+    return tma_descriptor(x, [1, 1, rows, block_d])
+
+
+def check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"triton attention: {name} must be float16, bfloat16 or float32, got {t.dtype}")
+    head_dim = q.shape[-1]
+    if not 0 <= head_dim <= configs.MAX_HEAD_DIM["bf16"]:
+        raise ValueError(f"triton attention: head_dim={head_dim} is not supported (0..{configs.MAX_HEAD_DIM['bf16']})")
+    if q.dtype == torch.float32 and head_dim > configs.MAX_HEAD_DIM["fp32"]:
+        raise ValueError(
+            f"triton attention: float32 supports head_dim up to {configs.MAX_HEAD_DIM['fp32']}, got {head_dim}; "
+            "use float16/bfloat16 inputs (any head_dim up to 256) or the reference backend"
+        )
+
+
+def empty_output(like: Tensor) -> Tensor:
+    """An empty output shaped as ``like`` in the layout the kernels write: dense ``[B, H, L, D]`` laid out as
+    ``[B, L, H, D]``, packed ``[T, H, D]`` contiguous."""
+    if like.dim() == 4:
+        return empty_heads_interleaved(like)
+    return torch.empty_like(like, memory_format=torch.contiguous_format)
+
+
+def output_layout(t: Tensor) -> Tensor:
+    """``t`` (o, or its gradient) in the kernels' output layout, which the backward reads it in: copied unless it
+    already is (as the gradient of a module's head merge is)."""
+    if t.dim() != 4:
+        return t.contiguous()
+    if all(size <= 1 or stride == want for size, stride, want in zip(t.shape, t.stride(),
+                                                                      heads_interleaved_strides(t.shape))):
+        return t
+    return empty_output(t).copy_(t)
+
+
+def launch_target(device: torch.device) -> Optional[Target]:
+    """The target a launch on ``device`` plans for: None under the interpreter."""
+    return None if triton_interpreting() else target_of(device)
+
+
+def plan_launch(kernel: str, inputs: Tuple[Tensor, ...], head_dim: int, masks: MaskArgs, dropout_p: float,
+                allow_tf32: bool) -> configs.Plan:
+    """``configs.plan`` for a ``kernel`` launch on ``inputs`` (those it would load through TMA: TMA must be able to
+    address every one of them)."""
+    return configs.plan(kernel, inputs[0].dtype, head_dim, launch_target(inputs[0].device), allow_tf32=allow_tf32,
+                        tma_addressable=all(map(tma_addressable, inputs)), light=masks.light(dropout_p),
+                        packed=masks.packed)
