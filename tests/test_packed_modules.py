@@ -1,6 +1,6 @@
 """Packed modules: given a bool key padding mask, the encoder / decoder layers and stacks run on the real tokens
 only (``attention_varlen``) and write zeros at padded positions. Each case runs the same module packed and
-forced padded (``modules._PACK_PADDING = False``, which zeroes padding too) and compares the whole output and
+forced padded (``modules.packing.PACK_PADDING = False``, which zeroes padding too) and compares the whole output and
 every input and parameter gradient (float64: to 1e-12), and compares torch.nn on the real tokens, on every
 backend that implements ``attention_varlen``."""
 import copy
@@ -90,11 +90,11 @@ def forward_backward(module, inputs, run, grad_mask=None, batch_first=True):
 def assert_packed_equals_padded(module, inputs, run, dtype=torch.float64):
     """Packed against forced padded, both with zeros at padding: the whole output, every gradient."""
     packed = forward_backward(module, inputs, run)
-    modules._PACK_PADDING = False
+    modules.packing.PACK_PADDING = False
     try:
         padded = forward_backward(module, inputs, run)
     finally:
-        modules._PACK_PADDING = True
+        modules.packing.PACK_PADDING = True
     torch.testing.assert_close(packed[0], padded[0], **TOL[dtype])
     for a, b in zip(packed[1], padded[1]):
         torch.testing.assert_close(a, b, **TOL[dtype])
@@ -220,8 +220,8 @@ def test_encoder_stack_packs_once_for_every_layer_and_the_final_norm(backend, ca
         nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, batch_first=batch_first, norm_first=norm_first), 3,
         norm=nn.LayerNorm(D), enable_nested_tensor=False))
     packs = []
-    original = modules._pack
-    monkeypatch.setattr(modules, "_pack", lambda *args: packs.append(1) or original(*args))
+    original = modules.stacks.pack
+    monkeypatch.setattr(modules.stacks, "pack", lambda *args: packs.append(1) or original(*args))
     batch, length = 4, 9
     mask = padding(kind, batch, length)
     x = layout(torch.randn(batch, length, D, dtype=torch.float64), batch_first)

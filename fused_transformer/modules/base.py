@@ -1,0 +1,112 @@
+"""What every fused module shares: the base class, the checks that send an input back to torch.nn's own forward,
+and the registry ``fuse`` swaps classes by (each fused class registers as the twin of its torch.nn class)."""
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Callable, Dict, Optional, Type
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# torch.nn class -> its fused twin (twin_of registers them).
+_FUSED_TWINS: Dict[Type[nn.Module], Type[nn.Module]] = {}
+
+
+def twin_of(torch_class: Type[nn.Module]) -> Callable[[type], type]:
+    """Class decorator: the decorated class is ``torch_class``'s fused twin, the class ``fuse`` gives its instances."""
+    def register(cls: type) -> type:
+        _FUSED_TWINS[torch_class] = cls
+        return cls
+
+    return register
+
+
+class InputShapeError(ValueError, AssertionError):
+    """Input shapes a module cannot take: a ``ValueError``, and an ``AssertionError`` as torch.nn raises there."""
+
+
+def active_p(dropout: nn.Dropout) -> float:
+    return dropout.p if dropout.training else 0.0
+
+
+def mixed_dtypes(*modules: nn.Module) -> bool:
+    """Whether the parameters the given modules hold themselves (not their children's) differ in dtype. Read
+    from each ``_parameters`` dict: ``parameters()`` or an attribute per parameter costs tens of microseconds
+    per call, as much as a decoding step's kernels."""
+    dtype = None
+    for module in modules:
+        for p in module._parameters.values():
+            if p is not None:
+                if dtype is None:
+                    dtype = p.dtype
+                elif p.dtype != dtype:
+                    return True
+    return False
+
+
+def any_nested(*tensors: Optional[Tensor]) -> bool:
+    return any(isinstance(t, Tensor) and t.is_nested for t in tensors)
+
+
+class FusedTwin:
+    """What every fused module shares: ``torch.jit.script`` gets the torch.nn module holding the same
+    parameters (the fused ``forward`` is plain Python, not TorchScript)."""
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        torch_class = next(c for c in type(self).__mro__ if c.__module__.startswith("torch.nn"))
+        twin = torch_class.__new__(torch_class)
+        # Fresh containers (scripting swaps the children of the twin, not of this module), same tensors.
+        twin.__dict__.update({k: copy.copy(v) if isinstance(v, dict) else v for k, v in self.__dict__.items()})
+        return twin
+
+
+def fused_activation(fn: Callable) -> Optional[str]:
+    """The name ``feed_forward`` knows ``fn`` by, or None for an activation it does not fuse."""
+    if fn in (F.relu, torch.relu) or type(fn) is nn.ReLU:
+        return "relu"
+    if fn is F.gelu:
+        return "gelu"
+    if type(fn) is nn.GELU:
+        return "gelu_tanh" if fn.approximate == "tanh" else "gelu"
+    return None
+
+
+def is_causal_mask(mask: Optional[Tensor], is_causal: Optional[bool], size: int) -> bool:
+    """``is_causal`` if given, else whether ``mask`` is exactly the square causal mask of ``size``
+    (bool True = masked above the diagonal, or float -inf above and 0 elsewhere), as torch.nn detects it."""
+    if is_causal is not None or mask is None or torch.compiler.is_compiling():
+        return bool(is_causal)
+    if tuple(mask.shape) != (size, size):
+        return False
+    above = torch.ones(size, size, dtype=torch.bool, device=mask.device).triu(1)
+    if mask.dtype == torch.bool:
+        return bool(torch.equal(mask, above))
+    return bool(((mask == float("-inf")) == above).all() and (mask[~above] == 0).all())
+
+
+def with_fused_children(torch_init: Callable) -> Callable:
+    """Wrap a torch.nn ``__init__`` so the sub-modules it builds are swapped for their fused twins."""
+
+    @functools.wraps(torch_init)
+    def __init__(self, *args, **kwargs) -> None:
+        torch_init(self, *args, **kwargs)
+        for child in self.children():
+            fuse(child)
+
+    return __init__
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """Make every ``torch.nn`` Transformer module in ``model`` (itself included) its fused twin, in place.
+
+    The fused classes add no state, so each module keeps its identity: only its class changes. Parameters,
+    buffers, hooks, optimizers and every reference the caller holds stay valid. Only exact ``torch.nn`` types
+    change: user subclasses keep their own ``forward``. Returns ``model``.
+    """
+    for module in model.modules():
+        twin_class = _FUSED_TWINS.get(type(module))
+        if twin_class is not None:
+            module.__class__ = twin_class
+    return model

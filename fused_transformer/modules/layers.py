@@ -1,0 +1,263 @@
+"""The encoder and decoder layers (and ``LayerNorm``): fused attention, feed-forward and add & LayerNorm, post-LN
+and pre-LN, padded or on packed tokens."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import functional as ops
+from .attention import MultiheadAttention
+from .base import (
+    FusedTwin, InputShapeError, active_p, any_nested, fused_activation, mixed_dtypes, twin_of, with_fused_children,
+)
+from .packing import (
+    Packing, causal_or_none, fits_padding, pack, packing_allowed, row_wise_norm, seq_len, unpack, zero_padding,
+)
+
+
+@twin_of(nn.LayerNorm)
+class LayerNorm(FusedTwin, nn.LayerNorm):
+    """``torch.nn.LayerNorm`` computed by the fused ``layer_norm`` op (statistics in float32)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        weight, bias = self.weight, self.bias
+        if input.is_nested or (weight is not None and bias is not None and weight.dtype != bias.dtype):
+            return super().forward(input)
+        shape = self.normalized_shape
+        dims = len(shape)
+        if input.shape[input.dim() - dims:] != shape:
+            raise InputShapeError(
+                f"input of shape {tuple(input.shape)} does not end in normalized_shape {list(shape)}"
+            )
+        if dims == 1:
+            return ops.layer_norm(input, weight, bias, self.eps)
+        weight = None if weight is None else weight.flatten()
+        bias = None if bias is None else bias.flatten()
+        return ops.layer_norm(input.flatten(input.dim() - dims), weight, bias, self.eps).view(input.shape)
+
+
+def _add_and_norm(
+    norm: nn.Module, x: Tensor, residual: Optional[Tensor] = None, dropout_p: float = 0.0, prenorm: bool = False,
+):
+    """``norm(dropout(x) + residual)`` (and the sum, with ``prenorm``), fused when ``norm`` is a LayerNorm
+    over the last dim; any other norm module is called on the sum."""
+    if isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1:
+        return ops.layer_norm(x, norm.weight, norm.bias, norm.eps, residual=residual, dropout_p=dropout_p,
+                              prenorm=prenorm)
+    total = F.dropout(x, dropout_p) if dropout_p else x
+    if residual is not None:
+        total = total + residual
+    return (norm(total), total) if prenorm else norm(total)
+
+
+class _FusedLayerMixin(FusedTwin):
+    """The residual wiring shared by the encoder and decoder layers, post-LN and pre-LN."""
+
+    _DROPOUTS: Tuple[str, ...]  # the layer's dropout modules, by attribute name
+    _NORMS: Tuple[str, ...]
+    _ATTENTIONS: Tuple[str, ...]
+
+    def _fuses(self, *inputs: Optional[Tensor]) -> bool:
+        """Whether the fused path takes these inputs and this layer's modules; else torch.nn's forward runs.
+        (The attention modules check their own parameters.)"""
+        if any_nested(*inputs) or any(type(getattr(self, name)) is not nn.Dropout for name in self._DROPOUTS):
+            return False
+        linear1, linear2 = self.linear1, self.linear2
+        if type(linear1) is not nn.Linear or type(linear2) is not nn.Linear:
+            return False
+        return not mixed_dtypes(linear1, linear2, *(getattr(self, name) for name in self._NORMS))
+
+    def _packs_modules(self) -> bool:
+        """Whether, past ``_fuses``, this layer's modules give on packed tokens what they give padded: norms
+        over the last dim only, attention modules that pack (``MultiheadAttention._packs``)."""
+        return all(row_wise_norm(getattr(self, name)) for name in self._NORMS) and all(
+            isinstance(attn, MultiheadAttention) and attn._packs()
+            for attn in (getattr(self, name) for name in self._ATTENTIONS))
+
+    def _packs_input(self, x: Tensor) -> bool:
+        """Whether ``x`` (a layer's or stack's input) can be packed for this layer."""
+        return (x.dim() in (2, 3) and x.shape[-1] == self.self_attn.embed_dim and packing_allowed()
+                and self._packs_modules())
+
+    def _feed_forward(self, x: Tensor) -> Tensor:
+        activation = fused_activation(self.activation)
+        if activation is None:
+            return self.linear2(self.dropout(self.activation(self.linear1(x))))
+        return ops.feed_forward(
+            x, self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias,
+            activation=activation, dropout_p=active_p(self.dropout),
+        )
+
+    def _residual_blocks(
+        self, x: Tensor, blocks: Sequence[Callable[[Tensor], Tensor]], norms: Sequence[nn.Module],
+        dropouts: Sequence[nn.Dropout],
+    ) -> Tensor:
+        """Post-LN: ``x = norm_i(x + dropout_i(block_i(x)))``. Pre-LN: ``x = x + dropout_i(block_i(norm_i(x)))``,
+        where each norm also adds the previous block's output to the residual stream in the same pass."""
+        if not self.norm_first:
+            for block, norm, dropout in zip(blocks, norms, dropouts):
+                x = _add_and_norm(norm, block(x), residual=x, dropout_p=active_p(dropout))
+            return x
+        normed = _add_and_norm(norms[0], x)
+        for i, block in enumerate(blocks):
+            out = block(normed)
+            if i + 1 < len(blocks):
+                normed, x = _add_and_norm(norms[i + 1], out, residual=x, dropout_p=active_p(dropouts[i]), prenorm=True)
+            else:
+                x = x + F.dropout(out, active_p(dropouts[i]))
+        return x
+
+
+@twin_of(nn.TransformerEncoderLayer)
+class TransformerEncoderLayer(_FusedLayerMixin, nn.TransformerEncoderLayer):
+    """``torch.nn.TransformerEncoderLayer`` on fused attention, feed-forward and add & LayerNorm.
+
+    With a bool ``src_key_padding_mask`` it runs on the real tokens only and its output is zero at padded
+    positions (see the module's docstring); ``src_mask`` may then be None or the causal mask to be packed.
+    """
+
+    __init__ = with_fused_children(nn.TransformerEncoderLayer.__init__)
+    _DROPOUTS, _NORMS, _ATTENTIONS = ("dropout", "dropout1", "dropout2"), ("norm1", "norm2"), ("self_attn",)
+
+    def forward(
+        self, src: Tensor, src_mask: Optional[Tensor] = None, src_key_padding_mask: Optional[Tensor] = None,
+        is_causal: bool = False, *, _packing: Optional[Packing] = None, _in_padded_stack: bool = False,
+    ) -> Tensor:
+        # Private arguments, from the stacks: _packing, packed tokens [T, d_model] in src and where they sit (the
+        # masks are in it); _in_padded_stack, from a stack running padded: run padded and write no zeros (the
+        # stack writes them once at its end), so that every layer computes what torch.nn's does everywhere.
+        if _packing is not None:
+            return self._packed_forward(src, _packing, is_causal)
+        if not self._fuses(src, src_mask, src_key_padding_mask):
+            return super().forward(src, src_mask, src_key_padding_mask, is_causal)
+        batch_first = self.self_attn.batch_first
+        padding = src_key_padding_mask if fits_padding(src_key_padding_mask, src, batch_first) else None
+        causal = None if _in_padded_stack else self._packing_causal(src, src_mask, padding, is_causal)
+        if causal is not None:
+            tokens, packing = pack(src, padding, batch_first)
+            return unpack(self._packed_forward(tokens, packing, causal), packing)
+
+        def self_attention(x: Tensor) -> Tensor:
+            return self.self_attn(
+                x, x, x, attn_mask=src_mask, key_padding_mask=src_key_padding_mask, need_weights=False,
+                is_causal=is_causal,
+            )[0]
+
+        out = self._residual_blocks(
+            src, [self_attention, self._feed_forward], [self.norm1, self.norm2], [self.dropout1, self.dropout2]
+        )
+        return zero_padding(out, None if _in_padded_stack else padding, batch_first)
+
+    def _packing_causal(
+        self, src: Tensor, src_mask: Optional[Tensor], padding: Optional[Tensor], is_causal: bool,
+    ) -> Optional[bool]:
+        """None when the padded path runs (no bool padding to pack away, or inputs packing cannot take), else
+        whether the packed self-attention is causal."""
+        if padding is None or not self._packs_input(src):
+            return None
+        return causal_or_none(src_mask, is_causal, seq_len(self, src))
+
+    def _packed_forward(self, x: Tensor, packing: Packing, causal: bool) -> Tensor:
+        """The layer on packed tokens ``[T, d_model]``."""
+
+        def self_attention(x: Tensor) -> Tensor:
+            return self.self_attn._packed_forward(x, x, packing, packing, causal)
+
+        return self._residual_blocks(
+            x, [self_attention, self._feed_forward], [self.norm1, self.norm2], [self.dropout1, self.dropout2]
+        )
+
+
+@twin_of(nn.TransformerDecoderLayer)
+class TransformerDecoderLayer(_FusedLayerMixin, nn.TransformerDecoderLayer):
+    """``torch.nn.TransformerDecoderLayer`` on fused attention, feed-forward and add & LayerNorm.
+
+    With a bool ``tgt_key_padding_mask`` and/or ``memory_key_padding_mask`` it runs on the real target and
+    memory tokens only, when ``tgt_mask`` is None or the causal mask and ``memory_mask`` is None; the output is
+    zero at padded target positions (see the module's docstring).
+    """
+
+    __init__ = with_fused_children(nn.TransformerDecoderLayer.__init__)
+    _DROPOUTS, _NORMS = ("dropout", "dropout1", "dropout2", "dropout3"), ("norm1", "norm2", "norm3")
+    _ATTENTIONS = ("self_attn", "multihead_attn")
+
+    def forward(
+        self, tgt: Tensor, memory: Tensor, tgt_mask: Optional[Tensor] = None, memory_mask: Optional[Tensor] = None,
+        tgt_key_padding_mask: Optional[Tensor] = None, memory_key_padding_mask: Optional[Tensor] = None,
+        tgt_is_causal: bool = False, memory_is_causal: bool = False, *,
+        _packing: Optional[Tuple[Packing, Packing]] = None, _in_padded_stack: bool = False,
+    ) -> Tensor:
+        # Private arguments as in TransformerEncoderLayer.forward: _packing holds the target's and the memory's.
+        if _packing is not None:
+            return self._packed_forward(tgt, memory, *_packing, tgt_is_causal)
+        if not self._fuses(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask):
+            return super().forward(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
+                                   tgt_is_causal, memory_is_causal)
+        batch_first = self.self_attn.batch_first
+        causal = None if _in_padded_stack else self._packing_causal(
+            tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal,
+            memory_is_causal)
+        if causal is not None:
+            tokens, tgt_packing = pack(tgt, tgt_key_padding_mask, batch_first)
+            memory_tokens, memory_packing = pack(memory, memory_key_padding_mask, batch_first)
+            out = self._packed_forward(tokens, memory_tokens, tgt_packing, memory_packing, causal)
+            return unpack(out, tgt_packing)
+
+        def self_attention(x: Tensor) -> Tensor:
+            return self.self_attn(
+                x, x, x, attn_mask=tgt_mask, key_padding_mask=tgt_key_padding_mask, need_weights=False,
+                is_causal=tgt_is_causal,
+            )[0]
+
+        def cross_attention(x: Tensor) -> Tensor:
+            return self.multihead_attn(
+                x, memory, memory, attn_mask=memory_mask, key_padding_mask=memory_key_padding_mask,
+                need_weights=False, is_causal=memory_is_causal,
+            )[0]
+
+        out = self._residual_blocks(
+            tgt, [self_attention, cross_attention, self._feed_forward], [self.norm1, self.norm2, self.norm3],
+            [self.dropout1, self.dropout2, self.dropout3],
+        )
+        zeroed = not _in_padded_stack and fits_padding(tgt_key_padding_mask, tgt, batch_first)
+        return zero_padding(out, tgt_key_padding_mask if zeroed else None, batch_first)
+
+    def _packing_causal(
+        self, tgt: Tensor, memory: Tensor, tgt_mask: Optional[Tensor], memory_mask: Optional[Tensor],
+        tgt_key_padding_mask: Optional[Tensor], memory_key_padding_mask: Optional[Tensor], tgt_is_causal: bool,
+        memory_is_causal: bool,
+    ) -> Optional[bool]:
+        """None when the padded path runs (no bool padding to pack away, or inputs packing cannot take), else
+        whether the packed self-attention is causal."""
+        batch_first = self.self_attn.batch_first
+        if tgt_key_padding_mask is None and memory_key_padding_mask is None:
+            return None
+        if not (fits_padding(tgt_key_padding_mask, tgt, batch_first)
+                and fits_padding(memory_key_padding_mask, memory, batch_first)):
+            return None
+        if memory_mask is not None or memory_is_causal or memory.dim() != tgt.dim() or not self._packs_input(tgt):
+            return None
+        attn = self.multihead_attn
+        batch_dim = 0 if batch_first else 1
+        if memory.shape[-1] != attn.kdim or attn.kdim != attn.vdim or (
+                tgt.dim() == 3 and memory.shape[batch_dim] != tgt.shape[batch_dim]):
+            return None
+        return causal_or_none(tgt_mask, tgt_is_causal, seq_len(self, tgt))
+
+    def _packed_forward(
+        self, x: Tensor, memory: Tensor, tgt_packing: Packing, memory_packing: Packing, causal: bool,
+    ) -> Tensor:
+        """The layer on packed target tokens ``[Tt, d_model]`` and memory tokens ``[Tm, d_model]``."""
+
+        def self_attention(x: Tensor) -> Tensor:
+            return self.self_attn._packed_forward(x, x, tgt_packing, tgt_packing, causal)
+
+        def cross_attention(x: Tensor) -> Tensor:
+            return self.multihead_attn._packed_forward(x, memory, tgt_packing, memory_packing, False)
+
+        return self._residual_blocks(
+            x, [self_attention, cross_attention, self._feed_forward], [self.norm1, self.norm2, self.norm3],
+            [self.dropout1, self.dropout2, self.dropout3],
+        )
