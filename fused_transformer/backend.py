@@ -140,10 +140,11 @@ def current(device: "torch.device | str | None" = None, dtype: Optional[torch.dt
     return name
 
 
-# backend -> op -> the function it runs the op with. The attention ops take (q, k, v, masks, spec) (attention_varlen:
-# q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, spec) as contract.py describes them and return
-# (out, lse); layer_norm and feed_forward take functional's arguments. Filled on a backend's first use: importing the
-# C++ extension or triton is its first use's cost, not the package's.
+# backend -> op -> the function it runs the op with, on the tensors of the call and its spec (contract.py):
+#   attention (q, k, v, masks, spec) and attention_varlen (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+#   max_seqlen_k, spec) -> (out, lse); attention_weights (q, k, lse, masks, spec); layer_norm (x, weight, bias,
+#   residual, spec) -> y or (y, z); feed_forward (x, w1, b1, w2, b2, spec).
+# Filled on a backend's first use: importing the C++ extension or triton is its first use's cost, not the package's.
 _OPS: Dict[str, Dict[str, Callable]] = {}
 
 
@@ -152,21 +153,21 @@ def _import_ops(name: str) -> Dict[str, Callable]:
         from .kernels import attention, feed_forward, layer_norm
 
         return dict(attention=attention.run_attention, attention_varlen=attention.run_attention_varlen,
-                    attention_weights=attention.run_attention_weights, layer_norm=layer_norm.layer_norm,
-                    feed_forward=feed_forward.feed_forward)
+                    attention_weights=attention.run_attention_weights, layer_norm=layer_norm.run_layer_norm,
+                    feed_forward=feed_forward.run_feed_forward)
     if name == "cpu":
         from . import cpu_ops
 
         return dict(attention=cpu_ops.run_attention, attention_varlen=cpu_ops.run_attention_varlen,
-                    attention_weights=cpu_ops.run_attention_weights, layer_norm=cpu_ops.layer_norm,
-                    feed_forward=cpu_ops.feed_forward)
+                    attention_weights=cpu_ops.run_attention_weights, layer_norm=cpu_ops.run_layer_norm,
+                    feed_forward=cpu_ops.run_feed_forward)
     if name != "reference":
         raise ValueError(f"backend {name!r} has no ops of its own: name one of triton, cpu, reference")
     from . import reference
 
     return dict(attention=reference.run_attention, attention_varlen=reference.run_attention_varlen,
-                attention_weights=reference.run_attention_weights, layer_norm=reference.layer_norm,
-                feed_forward=reference.feed_forward)
+                attention_weights=reference.run_attention_weights, layer_norm=reference.run_layer_norm,
+                feed_forward=reference.run_feed_forward)
 
 
 @constant_for_compile

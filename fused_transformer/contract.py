@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,6 +45,42 @@ class AttentionSpec(NamedTuple):
     @property
     def bottom_right(self) -> bool:
         return self.causal_alignment == "bottom_right"
+
+
+class LayerNormSpec(NamedTuple):
+    """A ``layer_norm`` call's options, checked: ``y = LN(dropout(x) + residual)``, and the sum with ``prenorm``."""
+
+    eps: float
+    dropout_p: float
+    prenorm: bool
+
+
+class FeedForwardSpec(NamedTuple):
+    """A ``feed_forward`` call's options, checked."""
+
+    activation: str  # one of ACTIVATIONS
+    dropout_p: float
+
+
+# The keyword arguments of functional's ops and their defaults, for the kernel-level entries that take them as
+# ``**options`` beside options of their own (``options_of`` checks the names).
+ATTENTION_OPTIONS = dict(attn_mask=None, key_padding_mask=None, query_padding_mask=None, is_causal=False,
+                         causal_alignment="top_left", window=None, dropout_p=0.0, scale=None, return_lse=False)
+ATTENTION_WEIGHTS_OPTIONS = dict(attn_mask=None, key_padding_mask=None, query_padding_mask=None, is_causal=False,
+                                 causal_alignment="top_left", window=None, scale=None)
+ATTENTION_VARLEN_OPTIONS = dict(is_causal=False, causal_alignment="top_left", window=None, dropout_p=0.0, scale=None,
+                                return_lse=False)
+LAYER_NORM_OPTIONS = dict(residual=None, dropout_p=0.0, prenorm=False)
+FEED_FORWARD_OPTIONS = dict(activation="gelu", dropout_p=0.0)
+
+
+def options_of(op: str, given: Dict[str, object], defaults: Dict[str, object]) -> Dict[str, object]:
+    """``defaults`` updated with ``given``, the keyword arguments a kernel-level entry of ``op`` got beside its own;
+    a name ``op`` does not take is a TypeError, as Python raises it for an unexpected keyword argument."""
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise TypeError(f"{op}() got unexpected keyword arguments {unknown}; it takes {sorted(defaults)}")
+    return {**defaults, **given}
 
 
 # --------------------------------------------------------------------------------------------- numerics
@@ -267,9 +303,9 @@ def check_cu_seqlens_values(name: str, cu: Tensor, total: int, max_seqlen: int) 
         raise ValueError(f"{name} holds a sequence of {max(lengths)} tokens, more than {max_name}={max_seqlen}")
 
 
-def check_layer_norm_args(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: object,
-                          residual: Optional[Tensor]) -> float:
-    """The arguments of ``layer_norm``; returns eps as a float."""
+def layer_norm_spec(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: object,
+                    residual: Optional[Tensor], dropout_p: object, prenorm: object) -> LayerNormSpec:
+    """The checked ``LayerNormSpec`` of a ``layer_norm`` call on these tensors."""
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dim (the normalised one), got a scalar")
@@ -287,12 +323,13 @@ def check_layer_norm_args(x: Tensor, weight: Optional[Tensor], bias: Optional[Te
             raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {describe(residual)}")
     if type(eps) is not float and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)) or eps < 0:
         raise ValueError(f"eps={eps!r} must be a non-negative number")
-    return float(eps)
+    return LayerNormSpec(float(eps), check_dropout(dropout_p), bool(prenorm))
 
 
-def check_feed_forward_args(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-                            activation: object) -> None:
-    """The arguments of ``feed_forward``: x ``[..., d_model]``, weights in ``nn.Linear`` layout."""
+def feed_forward_spec(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+                      activation: object, dropout_p: object) -> FeedForwardSpec:
+    """The checked ``FeedForwardSpec`` of a ``feed_forward`` call: x ``[..., d_model]``, weights in ``nn.Linear``
+    layout."""
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dim (the features), got a scalar")
@@ -313,3 +350,4 @@ def check_feed_forward_args(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Ten
                 raise ValueError(f"{name} must be [{size}], got {describe(b)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
+    return FeedForwardSpec(activation, check_dropout(dropout_p))

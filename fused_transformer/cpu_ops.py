@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from . import _C  # noqa: F401  (registers torch.ops.fused_transformer_cpu)
 from . import reference
 from .contract import (
-    AttentionMasks, AttentionSpec, Window, as_rows, draw_dropout_seed, empty_heads_interleaved, stats_dtype,
+    AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, Window, as_rows, draw_dropout_seed,
+    empty_heads_interleaved, stats_dtype,
 )
 
 Tensor = torch.Tensor
@@ -183,18 +184,11 @@ class LayerNormFunction(torch.autograd.Function):
         )
 
 
-def layer_norm(
-    x: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    eps: float,
-    *,
-    residual: Optional[Tensor],
-    dropout_p: float,
-    prenorm: bool,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """``fused_transformer.functional.layer_norm`` on the C++ kernel: ``y = LayerNorm(dropout(x) + residual)``
-    over the last dim, and ``z = dropout(x) + residual`` with ``prenorm``; statistics in float32."""
+def run_layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                   spec: LayerNormSpec) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``functional.layer_norm`` on the C++ kernel: ``y = LayerNorm(dropout(x) + residual)`` over the last dim, and
+    ``z = dropout(x) + residual`` with ``prenorm``; statistics in float32."""
+    eps, dropout_p, prenorm = spec
     _check_cpu("x", x)
     if (dropout_p == 0.0 and x.dtype == torch.float32 and x.shape[-1] > 1
             and (weight is None or weight.dtype == x.dtype) and (bias is None or bias.dtype == x.dtype)):
@@ -239,18 +233,11 @@ class BiasActivationFunction(torch.autograd.Function):
         return grad_pre.view(grad.shape), grad_bias, None, None, None
 
 
-def feed_forward(
-    x: Tensor,
-    w1: Tensor,
-    b1: Optional[Tensor],
-    w2: Tensor,
-    b2: Optional[Tensor],
-    *,
-    activation: str,
-    dropout_p: float,
-) -> Tensor:
-    """``fused_transformer.functional.feed_forward``: ``linear(dropout(act(linear(x, w1, b1))), w2, b2)`` with the
-    matmuls on ATen and the bias, activation and dropout in one C++ pass in between (and one in backward)."""
+def run_feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+                     spec: FeedForwardSpec) -> Tensor:
+    """``functional.feed_forward``: ``linear(dropout(act(linear(x, w1, b1))), w2, b2)`` with the matmuls on ATen and
+    the bias, activation and dropout in one C++ pass in between (and one in backward)."""
+    activation, dropout_p = spec
     _check_cpu("x", x)
     if dropout_p == 0.0:  # ATen's, as the reference composes it, is at least as fast here (module docstring)
         return reference.feed_forward(x, w1, b1, w2, b2, activation=activation)

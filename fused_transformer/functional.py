@@ -46,14 +46,14 @@ def _autocast_all(dtype: Optional[torch.dtype], *args: object) -> Tuple[object, 
     return tuple(t.to(dtype) if isinstance(t, Tensor) and t.dtype in _AUTOCAST_ELIGIBLE else t for t in args)
 
 
-def _run(op: str, anchor: Tensor, autocast_dtype: Optional[torch.dtype], *args: object, **kwargs: object) -> object:
+def _run(op: str, anchor: Tensor, autocast_dtype: Optional[torch.dtype], *args: object) -> object:
     """``op`` on the backend for ``anchor``; with autocast switched off inside when it was on (the arguments
     are already in the dtype it chose)."""
     implementation = backend.implementation(op, anchor)
     if autocast_dtype is None:
-        return implementation(*args, **kwargs)
+        return implementation(*args)
     with torch.autocast(anchor.device.type, enabled=False):
-        return implementation(*args, **kwargs)
+        return implementation(*args)
 
 
 # -------------------------------------------------------------------------------------------------- ops
@@ -227,10 +227,8 @@ def layer_norm(
     """
     cast = _autocast_dtype(x, matmul=False)
     x, weight, bias, residual = _autocast_all(cast, x, weight, bias, residual)
-    eps = contract.check_layer_norm_args(x, weight, bias, eps, residual)
-    dropout_p = contract.check_dropout(dropout_p)
-    return _run("layer_norm", x, cast, x, weight, bias, eps, residual=residual, dropout_p=dropout_p,
-                prenorm=bool(prenorm))
+    spec = contract.layer_norm_spec(x, weight, bias, eps, residual, dropout_p, prenorm)
+    return _run("layer_norm", x, cast, x, weight, bias, residual, spec)
 
 
 def feed_forward(
@@ -258,6 +256,5 @@ def feed_forward(
     """
     cast = _autocast_dtype(x, matmul=True)
     x, w1, b1, w2, b2 = _autocast_all(cast, x, w1, b1, w2, b2)
-    contract.check_feed_forward_args(x, w1, b1, w2, b2, activation)
-    dropout_p = contract.check_dropout(dropout_p)
-    return _run("feed_forward", x, cast, x, w1, b1, w2, b2, activation=activation, dropout_p=dropout_p)
+    spec = contract.feed_forward_spec(x, w1, b1, w2, b2, activation, dropout_p)
+    return _run("feed_forward", x, cast, x, w1, b1, w2, b2, spec)

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from .contract import (  # noqa: F401 (softmax_scale, stats_dtype and last_real_position are part of the reference)
-    AttentionMasks, AttentionSpec, Window, last_real_position, softmax_scale, stats_dtype,
+    AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, Window, last_real_position, softmax_scale,
+    stats_dtype,
 )
 
 Tensor = torch.Tensor
@@ -306,3 +307,15 @@ def feed_forward(
     """
     hidden = ACTIVATIONS[activation](F.linear(x, w1, b1))
     return F.linear(dropout(hidden, dropout_p, keep_mask), w2, b2)
+
+
+def run_layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                   spec: LayerNormSpec) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """The reference backend's entry for ``functional.layer_norm``."""
+    return layer_norm(x, weight, bias, spec.eps, residual=residual, dropout_p=spec.dropout_p, prenorm=spec.prenorm)
+
+
+def run_feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+                     spec: FeedForwardSpec) -> Tensor:
+    """The reference backend's entry for ``functional.feed_forward``."""
+    return feed_forward(x, w1, b1, w2, b2, activation=spec.activation, dropout_p=spec.dropout_p)

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import contract
+from ..contract import FeedForwardSpec
 from ._common import (
     as_rows, contiguous_last_dim, draw_dropout_seed, dropout_keep, interpreting, sum_rows,
 )
@@ -157,7 +159,8 @@ class MatmulConfig:
 
 
 # (GPU generation, dtype, fused epilogue) -> tile config. Hopper (sm_90) has the larger shared memory; the other
-# targets (sm_80 / 86 / 89) get the Ampere configs (``_generation``). float32 tiles are smaller: ieee float32 runs on the CUDA cores.
+# targets (sm_80 / 86 / 89) get the Ampere configs (``_generation``). float32 tiles are smaller: ieee float32 runs
+# on the CUDA cores.
 # The fused epilogue (activation, its derivative, Philox dropout on 64-bit offsets) needs many registers per
 # output element, so those products take half-width tiles: full ones spill (python -m fused_transformer report).
 MATMUL_CONFIGS = {
@@ -315,40 +318,33 @@ class FeedForwardFunction(torch.autograd.Function):
         )
 
 
-def feed_forward(
-    x: Tensor,
-    w1: Tensor,
-    b1: Optional[Tensor],
-    w2: Tensor,
-    b2: Optional[Tensor],
-    *,
-    activation: str = "gelu",
-    dropout_p: float = 0.0,
-    recompute: bool = False,
-    allow_tf32: bool = False,
-) -> Tensor:
-    """``linear(dropout(act(linear(x, w1, b1))), w2, b2)`` on fused Triton matmuls.
+def run_feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+                     spec: FeedForwardSpec, recompute: bool = False, allow_tf32: bool = False) -> Tensor:
+    """The Triton backend's entry for ``functional.feed_forward`` (arguments checked there); ``recompute`` and
+    ``allow_tf32`` as in ``feed_forward``."""
+    _check_dtypes(x=x)
+    x_rows = as_rows(contiguous_last_dim(x))
+    y = FeedForwardFunction.apply(x_rows, w1, b1, w2, b2, spec.activation, spec.dropout_p, bool(recompute),
+                                  bool(allow_tf32))
+    return y.reshape(*x.shape[:-1], w2.shape[0])
+
+
+def feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], *,
+                 recompute: bool = False, allow_tf32: bool = False, **options: object) -> Tensor:
+    """``fused_transformer.functional.feed_forward`` on fused Triton matmuls, checked as there (``options``:
+    ``activation``, ``dropout_p``), plus two kernel-level options.
 
     Args:
-        x: ``[..., d_model]``, float16 / bfloat16 / float32 (weights and biases in the same dtype).
-        w1: ``[d_ff, d_model]``, b1 ``[d_ff]`` or None; w2: ``[d_out, d_ff]``, b2 ``[d_out]`` or None.
-        activation: ``"relu"``, ``"gelu"`` (exact, erf) or ``"gelu_tanh"``.
-        dropout_p: dropout on the activation (always applied when > 0); the mask comes from a Philox seed
-            drawn with ``draw_dropout_seed``, so ``torch.manual_seed`` reproduces it.
         recompute: keep nothing but the inputs for the backward, which recomputes the pre-activation
             ``[tokens, d_ff]`` with one more matmul (saves that much memory between forward and backward).
         allow_tf32: float32 products on tensor cores in TF32 (default: exact float32).
 
-    Returns:
-        ``[..., d_out]`` in x's dtype.
+    Inputs in float16 / bfloat16 / float32; dropout's mask comes from a Philox seed drawn from torch's generator,
+    so ``torch.manual_seed`` reproduces it.
     """
-    _check_dtypes(x=x)
-    lead = x.shape[:-1]
-    x_rows = as_rows(contiguous_last_dim(x))
-    y = FeedForwardFunction.apply(
-        x_rows, w1, b1, w2, b2, activation, float(dropout_p), bool(recompute), bool(allow_tf32)
-    )
-    return y.reshape(*lead, w2.shape[0])
+    options = contract.options_of("feed_forward", options, contract.FEED_FORWARD_OPTIONS)
+    spec = contract.feed_forward_spec(x, w1, b1, w2, b2, options["activation"], options["dropout_p"])
+    return run_feed_forward(x, w1, b1, w2, b2, spec, recompute, allow_tf32)
 
 
 # ------------------------------------------------------------------------------------------------------ AOT

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import contract
+from ..contract import LayerNormSpec
 from ._common import (
     SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, as_rows, contiguous_last_dim, draw_dropout_seed,
     dropout_keep, interpreting, sum_rows,
@@ -400,44 +402,35 @@ class LayerNormFunction(torch.autograd.Function):
         )
 
 
-def layer_norm(
-    x: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    eps: float = 1e-5,
-    *,
-    residual: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    prenorm: bool = False,
-    rms_norm: bool = False,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """``y = Norm(dropout(x) + residual) * weight + bias`` over the last dim, in one pass per row.
-
-    Args:
-        x: ``[..., N]``, float16 / bfloat16 / float32, ``N <= 16384``; rows may be strided, the last dim is
-            copied only if it is not contiguous.
-        weight, bias: ``[N]`` or None, any of the three dtypes (may differ from x's).
-        eps: added to the variance.
-        residual: x's shape and dtype, or None.
-        dropout_p: dropout on x before the residual add (always applied when > 0); the mask comes from a
-            Philox seed drawn with ``draw_dropout_seed``, so ``torch.manual_seed`` reproduces it.
-        prenorm: also return ``z = dropout(x) + residual`` (x's dtype).
-        rms_norm: RMSNorm (no mean subtraction) instead of LayerNorm.
-
-    Returns:
-        ``y`` in x's shape and dtype, or ``(y, z)`` with ``prenorm``. Statistics are float32.
-    """
+def run_layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                   spec: LayerNormSpec, rms_norm: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """The Triton backend's entry for ``functional.layer_norm`` (arguments checked there); ``rms_norm`` as in
+    ``layer_norm``."""
     _check_dtype("x", x)
     shape = x.shape
     x_rows = as_rows(contiguous_last_dim(x))
     residual_rows = as_rows(contiguous_last_dim(residual)) if residual is not None else None
-    out = LayerNormFunction.apply(
-        x_rows, weight, bias, residual_rows, float(eps), float(dropout_p), bool(prenorm), bool(rms_norm)
-    )
-    if prenorm:
+    out = LayerNormFunction.apply(x_rows, weight, bias, residual_rows, spec.eps, spec.dropout_p, spec.prenorm,
+                                  bool(rms_norm))
+    if spec.prenorm:
         y, z = out
         return y.reshape(shape), z.reshape(shape)
     return out.reshape(shape)
+
+
+def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float = 1e-5, *,
+               rms_norm: bool = False, **options: object) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``fused_transformer.functional.layer_norm`` on Triton, one pass per row, checked as there (``options``:
+    ``residual``, ``dropout_p``, ``prenorm``), plus ``rms_norm``: RMSNorm (no mean subtraction) instead of LayerNorm.
+
+    x ``[..., N]`` in float16 / bfloat16 / float32 with ``N <= 16384``, rows of any stride (the last dim is copied
+    only if it is not contiguous); weight and bias in any of the three dtypes. Statistics are float32; dropout's
+    mask comes from a Philox seed drawn from torch's generator, so ``torch.manual_seed`` reproduces it.
+    """
+    options = contract.options_of("layer_norm", options, contract.LAYER_NORM_OPTIONS)
+    spec = contract.layer_norm_spec(x, weight, bias, eps, options["residual"], options["dropout_p"],
+                                    options["prenorm"])
+    return run_layer_norm(x, weight, bias, options["residual"], spec, rms_norm)
 
 
 # ------------------------------------------------------------------------------------------------------ AOT

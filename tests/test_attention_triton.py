@@ -598,6 +598,11 @@ def test_unsupported_inputs_raise_clear_errors():
         triton_attention.attention(q, q, q[:, :, :1])
     with pytest.raises(ValueError, match="key_padding_mask"):
         triton_attention.attention(q, q, q, key_padding_mask=torch.zeros(1, 3, dtype=torch.bool, device=DEVICE))
+    # functional's keyword arguments only, by name: a misspelt one is a TypeError, not silently ignored
+    with pytest.raises(TypeError, match=r"attention\(\) got unexpected keyword arguments \['casual'\]"):
+        triton_attention.attention(q, q, q, casual=True)
+    with pytest.raises(TypeError, match=r"attention_weights\(\) got unexpected keyword arguments \['dropout_p'\]"):
+        triton_attention.attention_weights(q, q, q[..., 0], dropout_p=0.1)
     with pytest.raises(ValueError, match="window"):
         triton_attention.attention(q, q, q, window=(-1, 0))
     with pytest.raises(ValueError, match="dropout_p"):

@@ -13,7 +13,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ... import contract
-from ...contract import AttentionMasks, Window
+from ...contract import AttentionMasks
 from .aot import aot_configs
 from .configs import INTERPRETER_TILE, TILE_ROWS, Plan, Tile, TileRow, head_dim_bucket, plan
 from .ops import attention_keep_mask, run_attention, run_attention_varlen, run_attention_weights
@@ -27,24 +27,10 @@ __all__ = [
 ]
 
 
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    attn_mask: Optional[Tensor] = None,
-    key_padding_mask: Optional[Tensor] = None,
-    query_padding_mask: Optional[Tensor] = None,
-    is_causal: bool = False,
-    causal_alignment: str = "top_left",
-    window: Window = None,
-    dropout_p: float = 0.0,
-    scale: Optional[float] = None,
-    return_lse: bool = False,
-    query_lengths: Optional[Tensor] = None,
-    allow_tf32: bool = False,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """``fused_transformer.functional.attention`` on Triton, checked as there, plus two kernel-level options.
+def attention(q: Tensor, k: Tensor, v: Tensor, *, query_lengths: Optional[Tensor] = None, allow_tf32: bool = False,
+              **options: object) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``fused_transformer.functional.attention`` on Triton, checked as there (``options``: its keyword arguments),
+    plus two kernel-level options.
 
     Args:
         query_lengths: ``[B]`` integers; rows ``i >= query_lengths[b]`` give zeros (LSE ``-inf``). With a
@@ -56,57 +42,38 @@ def attention(
         and the float32 LSE ``[B, H, Lq]`` with ``return_lse``. Inputs need only a contiguous last dim (copied
         otherwise); float16 / bfloat16 / float32, head dims 0..256 (float32: 0..128).
     """
-    masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask)
+    options = contract.options_of("attention", options, contract.ATTENTION_OPTIONS)
+    masks = AttentionMasks(options["attn_mask"], options["key_padding_mask"], options["query_padding_mask"])
     contract.check_attention_args(q, k, v, masks)
-    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale)
+    spec = _spec(q, options)
     if query_lengths is not None and tuple(query_lengths.shape) != (q.shape[0],):
         raise ValueError(f"query_lengths must be [batch={q.shape[0]}], got shape {tuple(query_lengths.shape)}")
     o, lse = run_attention(q, k, v, masks, spec, query_lengths, allow_tf32)
-    return (o, lse) if return_lse else o
+    return (o, lse) if options["return_lse"] else o
 
 
-def attention_varlen(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    is_causal: bool = False,
-    causal_alignment: str = "top_left",
-    window: Window = None,
-    dropout_p: float = 0.0,
-    scale: Optional[float] = None,
-    return_lse: bool = False,
-    allow_tf32: bool = False,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, *, allow_tf32: bool = False, **options: object
+                     ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``fused_transformer.functional.attention_varlen`` on Triton, plus ``allow_tf32`` as in ``attention``.
     Checked as there but for the values of cu_seqlens, which the kernels read on the device (no host sync)."""
+    options = contract.options_of("attention_varlen", options, contract.ATTENTION_VARLEN_OPTIONS)
     contract.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale)
+    spec = _spec(q, options)
     o, lse = run_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, spec, allow_tf32)
-    return (o, lse) if return_lse else o
+    return (o, lse) if options["return_lse"] else o
 
 
-def attention_weights(
-    q: Tensor,
-    k: Tensor,
-    lse: Tensor,
-    *,
-    attn_mask: Optional[Tensor] = None,
-    key_padding_mask: Optional[Tensor] = None,
-    query_padding_mask: Optional[Tensor] = None,
-    is_causal: bool = False,
-    causal_alignment: str = "top_left",
-    window: Window = None,
-    scale: Optional[float] = None,
-    query_lengths: Optional[Tensor] = None,
-) -> Tensor:
+def attention_weights(q: Tensor, k: Tensor, lse: Tensor, *, query_lengths: Optional[Tensor] = None,
+                      **options: object) -> Tensor:
     """``fused_transformer.functional.attention_weights`` on Triton (``run_attention_weights``), plus
     ``query_lengths`` as in ``attention``."""
-    masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask)
+    options = contract.options_of("attention_weights", options, contract.ATTENTION_WEIGHTS_OPTIONS)
+    masks = AttentionMasks(options["attn_mask"], options["key_padding_mask"], options["query_padding_mask"])
     contract.check_attention_args(q, k, k, masks)
-    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, 0.0, scale)
-    return run_attention_weights(q, k, lse, masks, spec, query_lengths)
+    return run_attention_weights(q, k, lse, masks, _spec(q, options), query_lengths)
+
+
+def _spec(q: Tensor, options: dict) -> contract.AttentionSpec:
+    return contract.attention_spec(q.shape[-1], options["is_causal"], options["causal_alignment"], options["window"],
+                                   options.get("dropout_p", 0.0), options["scale"])
