@@ -13,8 +13,8 @@ def pytest_addoption(parser):
     group = parser.getgroup("fused_transformer benchmarks")
     group.addoption("--bench-device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu or cuda (default: cuda when there is one)")
-    group.addoption("--bench-dtype", choices=("fp32", "fp16", "bf16"), default=None,
-                    help="default fp32 on CPU, bf16 on CUDA")
+    group.addoption("--bench-dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                    help="default float32 on CPU, bfloat16 on CUDA (bench --dtype's spelling)")
     group.addoption("--bench-grid", choices=("small", "quick", "full"), default="small",
                     help="sequence lengths per suite: small = the shortest of --quick (default), quick = those of "
                          "bench --quick, full = those of bench")
@@ -25,7 +25,7 @@ def pytest_addoption(parser):
 
 def bench_setup(config) -> bench_cases.Setup:
     device = torch.device(config.getoption("--bench-device"))
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: None}[
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, None: None}[
         config.getoption("--bench-dtype")]
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from fused_transformer.tools import bench_cases, bench_timing
+from fused_transformer.tools import bench_cases, bench_timing, bench_work
 
 
 def test_bench(benchmark, setup, case, impl):  # parametrized by conftest.pytest_generate_tests
@@ -27,8 +27,8 @@ def test_bench(benchmark, setup, case, impl):  # parametrized by conftest.pytest
     stats = getattr(benchmark, "stats", None)
     if stats is not None:  # None under --benchmark-disable
         ms = stats.stats.median * 1e3
-        benchmark.extra_info["tokens_per_s"] = bench_cases.tokens_per_s(case, ms)
+        benchmark.extra_info["tokens_per_s"] = bench_work.tokens_per_s(case, ms)
         if case.flops is not None:
-            benchmark.extra_info["tflops"] = bench_cases.tflops_of(case, ms)
+            benchmark.extra_info["tflops"] = bench_work.tflops_of(case, ms)
         if case.nbytes is not None:
-            benchmark.extra_info["gb_per_s"] = bench_cases.gbps_of(case, ms)
+            benchmark.extra_info["gb_per_s"] = bench_work.gbps_of(case, ms)

@@ -41,22 +41,24 @@ def _interpret_triton_without_gpu() -> None:
 
 def _check_then_bench(argv: List[str]) -> int:
     """``all``: the self-check, then the benchmark (also when a check failed: its figures still say something),
-    with the options the two share; exit status 1 if either failed."""
+    with the options the two share, and a recap of both at the end; exit status 1 if either failed."""
     import torch
 
     parser = argparse.ArgumentParser(prog="python -m fused_transformer [all]",
                                      description="check, then bench; see the commands for more options")
     parser.add_argument("--quick", action="store_true", help="the quick check and the quick benchmark")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=None, help="where the benchmark writes its CSV and plots")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="the device both run on (default: %(default)s)")
+    parser.add_argument("--out", default=None, help="where the benchmark writes its CSV, plots and summary")
     args = parser.parse_args(argv)
     shared = ["--device", args.device] + (["--quick"] if args.quick else [])
 
-    from fused_transformer.tools.bench import main as bench_main
-    from fused_transformer.tools.check import main as check_main
+    from fused_transformer.tools import bench, check
 
-    check_status = check_main(shared)
-    bench_status = bench_main(shared + (["--out", args.out] if args.out else []))
+    recap: List[str] = []
+    check_status = check.main(shared, recap=recap)
+    bench_status = bench.main(shared + (["--out", args.out] if args.out else []), recap=recap)
+    print("\nrecap:\n" + "\n".join("  " + line for line in recap))
     return check_status or bench_status
 
 

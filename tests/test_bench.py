@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fused_transformer import backend
-from fused_transformer.tools import bench, bench_cases
+from fused_transformer.tools import bench, bench_cases, bench_plots, bench_summary, bench_work, provenance
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -99,6 +99,42 @@ def test_plots_are_written(bench_run):
             assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
 
 
+def test_summary_says_where_its_figures_come_from(bench_run):
+    _, out, _, rows = bench_run
+    text = (out / "bench_cpu.md").read_text()
+    assert text.startswith("# Benchmark on cpu, float32\n")
+    assert provenance.recorded_fingerprint(text.splitlines()) == provenance.fingerprint("bench")
+    assert "python -m fused_transformer bench --quick --device cpu" in text and "torch " in text
+    for suite in bench_cases.SUITES:
+        assert f"\n## {suite}\n" in text and f"![{suite}_cpu_throughput.png]({suite}_cpu_throughput.png)" in text
+    ours = [row for row in rows if row["impl"] == "ours" and row["speedup"]]
+    assert text.count("x |") == len(ours)
+
+
+def test_a_suite_measured_at_one_length_is_drawn_as_bars(bench_run):
+    from matplotlib.container import BarContainer
+
+    _, _, _, rows = bench_run
+    setup = bench_cases.Setup(torch.device("cpu"), torch.float32, "auto")
+    def parsed(value):
+        try:
+            return float(value)
+        except ValueError:
+            return value or None
+
+    measured = [{key: parsed(value) if key != "seq_len" else int(value) for key, value in row.items()} for row in rows]
+    for kind, fig in bench_plots.suite_figures(measured, "module_call", setup):
+        for ax in fig.axes:
+            assert ax.containers and all(isinstance(c, BarContainer) for c in ax.containers), kind
+            assert not ax.get_lines(), kind
+
+
+def test_recap_lists_each_suite_with_ours_median_speedup():
+    rows = [dict(suite="layer_norm", impl=impl, speedup=speedup, baseline="torch")
+            for impl, speedup in (("ours", 1.5), ("torch", 1.0), ("ours", 0.5), ("ours", 2.0))]
+    assert bench_summary.recap(rows) == ["layer_norm: ours / torch 1.50x median (0.50x - 2.00x) over 3 cases"]
+
+
 def test_table_is_printed_as_it_goes(tmp_path, capsys):
     argv = ["--suite", "layer_norm", "--lengths", "16", "--min-time", "0.01", "--threads", "1", "--out", str(tmp_path),
             "--no-plots"]
@@ -110,27 +146,27 @@ def test_table_is_printed_as_it_goes(tmp_path, capsys):
 
 
 def test_attention_flops_count_the_attended_pairs():
-    full = bench_cases.attention_flops(2, 3, 128, 64)
+    full = bench_work.attention_flops(2, 3, 128, 64)
     assert full == 4 * 64 * 3 * 2 * 128 * 128
-    causal = bench_cases.attention_flops(2, 3, 128, 64, causal=True)
+    causal = bench_work.attention_flops(2, 3, 128, 64, causal=True)
     assert causal / full == pytest.approx(0.5, abs=0.01) and causal == 4 * 64 * 3 * 2 * 128 * 129 // 2
-    padded = bench_cases.attention_flops(2, 3, 128, 64, kept=[32, 96])
+    padded = bench_work.attention_flops(2, 3, 128, 64, kept=[32, 96])
     assert padded / full == 0.5
     # causal and padding: query i sees min(i + 1, kept) keys
-    both = bench_cases.attention_flops(1, 1, 4, 1, causal=True, kept=[2])
+    both = bench_work.attention_flops(1, 1, 4, 1, causal=True, kept=[2])
     assert both == 4 * (1 + 2 + 2 + 2)
-    assert bench_cases.attention_flops(2, 3, 128, 64, backward=True) == 3.5 * full
+    assert bench_work.attention_flops(2, 3, 128, 64, backward=True) == 3.5 * full
     with pytest.raises(ValueError):
-        bench_cases.attention_flops(2, 3, 128, 64, kept=[128])
+        bench_work.attention_flops(2, 3, 128, 64, kept=[128])
 
 
 def test_padding_ratio_and_other_counts():
-    kept = bench_cases.kept_lengths(8, 128, 0.5)
-    assert kept[:2] == [32, 96] and bench_cases.padding_ratio(kept, 128) == 0.5
-    assert bench_cases.kept_lengths(3, 10, 0.0) == [10, 10, 10]
-    assert bench_cases.feed_forward_flops(10, 4, 8) == 2 * 2 * 10 * 4 * 8
-    assert bench_cases.feed_forward_flops(10, 4, 8, backward=True) == 3 * 2 * 2 * 10 * 4 * 8
-    assert bench_cases.layer_norm_bytes(10, 4, 2) == 2 * (3 * 10 * 4 + 2 * 4)
+    kept = bench_work.kept_lengths(8, 128, 0.5)
+    assert kept[:2] == [32, 96] and bench_work.padding_ratio(kept, 128) == 0.5
+    assert bench_work.kept_lengths(3, 10, 0.0) == [10, 10, 10]
+    assert bench_work.feed_forward_flops(10, 4, 8) == 2 * 2 * 10 * 4 * 8
+    assert bench_work.feed_forward_flops(10, 4, 8, backward=True) == 3 * 2 * 2 * 10 * 4 * 8
+    assert bench_work.layer_norm_bytes(10, 4, 2) == 2 * (3 * 10 * 4 + 2 * 4)
 
 
 @pytest.mark.parametrize("argv", [
@@ -138,6 +174,7 @@ def test_padding_ratio_and_other_counts():
     ["--lengths", "abc"],
     ["--lengths", "0,128"],
     ["--dtype", "fp8"],
+    ["--dtype", "fp32"],  # check's spelling, float32, is the one
     ["--device", "tpu"],
     ["--device", "not a device"],
     ["--min-time", "-1"],

@@ -201,19 +201,28 @@ def test_progress_bar_goes_to_a_terminal_only_and_never_into_the_table(monkeypat
         assert re.search(r"^summary: 2 checks, 0 failed;", table.getvalue(), re.M)
 
 
-def test_main_job_runs_check_then_bench_with_the_shared_options(monkeypatch):
+def test_main_job_runs_check_then_bench_with_the_shared_options(monkeypatch, capsys):
     from fused_transformer import __main__ as cli
     from fused_transformer.tools import bench
 
     calls = []
-    monkeypatch.setattr(check, "main", lambda argv: calls.append(("check", argv)) or 1)
-    monkeypatch.setattr(bench, "main", lambda argv: calls.append(("bench", argv)) or 0)
+
+    def fake(name, status):
+        def run(argv, recap):
+            calls.append((name, argv))
+            recap.append(f"{name} said")
+            return status
+        return run
+
+    monkeypatch.setattr(check, "main", fake("check", 1))
+    monkeypatch.setattr(bench, "main", fake("bench", 0))
     assert cli.main(["--quick", "--out", "somewhere"]) == 1  # a failed check fails the job, after the bench
+    assert capsys.readouterr().out.endswith("recap:\n  check said\n  bench said\n")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert calls == [("check", ["--device", device, "--quick"]),
                      ("bench", ["--device", device, "--quick", "--out", "somewhere"])]
     calls.clear()
-    monkeypatch.setattr(check, "main", lambda argv: calls.append(("check", argv)) or 0)
+    monkeypatch.setattr(check, "main", fake("check", 0))
     assert cli.main(["all"]) == 0
     assert [name for name, _ in calls] == ["check", "bench"]
     with pytest.raises(SystemExit):

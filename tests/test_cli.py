@@ -1,5 +1,6 @@
-"""``python -m fused_transformer``: argparse help, unknown commands, and Ctrl-C in every long command: one line on
+"""``python -m fused_transformer``: argparse help, one spelling per option, unknown commands, and Ctrl-C in every long command: one line on
 stderr saying what was kept, no traceback, exit status 130, and nothing finished is lost."""
+import argparse
 import csv
 import os
 import signal
@@ -29,6 +30,37 @@ def test_unknown_command_is_an_argparse_error(capsys):
         cli.main(["chek"])
     assert exc.value.code == 2
     assert "unknown command 'chek': choose from all, check, bench, report, demo" in capsys.readouterr().err
+
+
+def _parsers(monkeypatch):
+    """The argument parser of every command, as each builds it (parse_args stopped before it parses)."""
+    parsers = {}
+
+    def capture(self, args=None, namespace=None):
+        parsers[self.prog] = self
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    for command in cli.COMMANDS:
+        with pytest.raises(SystemExit):
+            cli.main([command])
+    return parsers
+
+
+def test_every_option_has_help_and_one_spelling_across_commands(monkeypatch):
+    parsers = _parsers(monkeypatch)
+    assert len(parsers) == len(cli.COMMANDS)
+    spellings = {}
+    for prog, parser in parsers.items():
+        for action in parser._actions:
+            for option in action.option_strings:
+                if option.startswith("--") and option != "--help":
+                    assert action.help, f"{prog} {option} has no help text"
+                    spellings.setdefault(option, set()).add(tuple(action.choices) if action.choices else None)
+    assert "--quiet" not in spellings  # --no-progress, as check and bench spell it
+    assert len(spellings["--dtype"]) == 1, spellings["--dtype"]  # float32 / float16 / bfloat16 everywhere
+    # check --backend names the backends it compares, bench --backend also takes "auto" (its default): the same names
+    assert all(len(choices) == 1 for option, choices in spellings.items() if option != "--backend"), spellings
 
 
 def interrupt(args, ready, timeout=240):

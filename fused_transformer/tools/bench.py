@@ -1,8 +1,8 @@
 """``python -m fused_transformer bench``: throughput of the fused ops and layers against their torch equivalents.
 
     python -m fused_transformer bench [--quick] [--device cpu|cuda] [--suite NAME ...] [--lengths 128,256]
-                                      [--dtype fp32|fp16|bf16] [--out DIR] [--min-time S] [--threads N]
-                                      [--backend NAME] [--no-plots]
+                                      [--dtype float32|float16|bfloat16] [--out DIR] [--min-time S]
+                                      [--threads N] [--backend NAME] [--no-plots] [--no-progress]
 
 Runs the suites of ``fused_transformer.tools.bench_cases`` (attention, layer_norm, feed_forward, encoder_layer,
 decoder_layer; all by default), prints one table row per measurement as it goes, and writes to ``--out``
@@ -22,7 +22,10 @@ decoder_layer; all by default), prints one table row per measurement as it goes,
   default dispatch picked).
 - ``<suite>_<device>_throughput.png``: TFLOP/s (attention, feed-forward) or tokens/s (layer_norm, layers) against
   the sequence length, one line per implementation, one panel per case and mode;
-- ``<suite>_<device>_memory.png``: peak memory against the sequence length, same panels.
+- ``<suite>_<device>_memory.png``: peak memory against the sequence length, same panels (a suite measured at one
+  length only, as ``module_call``, gets bars per case instead);
+- ``bench_<device>.md``: each case of ours against its baseline as markdown tables, headed by the command, date,
+  machine, versions and a fingerprint of the sources measured (``bench_summary``).
 
 Work counted, timing and memory measurement are described in ``fused_transformer.tools.bench_cases``. Exit code 0,
 or 1 if one of our implementations or a baseline failed on a case (the other cases are still measured).
@@ -44,7 +47,7 @@ from tqdm import tqdm
 
 import fused_transformer as ft
 from fused_transformer.interrupts import Interrupted
-from fused_transformer.tools import make_folder
+from fused_transformer.tools import bench_summary, bench_work, make_folder
 from fused_transformer.tools import bench_cases as suites
 from fused_transformer.tools.bench_cases import Case, Setup
 from fused_transformer.tools.bench_plots import plot_suite
@@ -55,7 +58,7 @@ COLUMNS = (
     "d_ff", "causal", "padding", "ms", "tflops", "tokens_per_s", "gb_per_s", "bw_of_peak", "peak_mem_mb",
     "mem_measure", "baseline", "speedup", "note",
 )
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # as check spells them
 Row = Dict[str, object]
 
 
@@ -113,15 +116,15 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str]) -> I
 def _row(case: Case, setup: Setup, impl: str, ms: Optional[float], mem: Optional[float], note: str,
          baseline_ms: Optional[float] = None) -> Row:
     measured = ms is not None
-    bandwidth = suites.gbps_of(case, ms) if measured else None
-    peak = suites.peak_bandwidth_gbps(setup.device)
+    bandwidth = bench_work.gbps_of(case, ms) if measured else None
+    peak = bench_work.peak_bandwidth_gbps(setup.device)
     return {
         "suite": case.suite, "case": case.case, "mode": case.mode, "impl": impl, "device": setup.device.type,
         "dtype": str(setup.dtype).replace("torch.", ""), "batch": case.batch, "heads": case.heads,
         "seq_len": case.seq_len, "head_dim": case.head_dim, "d_model": case.d_model, "d_ff": case.d_ff,
         "causal": case.causal, "padding": round(case.padding, 4), "ms": ms,
-        "tflops": suites.tflops_of(case, ms) if measured else None,
-        "tokens_per_s": suites.tokens_per_s(case, ms) if measured else None,
+        "tflops": bench_work.tflops_of(case, ms) if measured else None,
+        "tokens_per_s": bench_work.tokens_per_s(case, ms) if measured else None,
         "gb_per_s": bandwidth, "bw_of_peak": bandwidth / peak if bandwidth is not None and peak else None,
         "peak_mem_mb": mem, "mem_measure": _mem_measure(setup.device) if measured else None,
         "baseline": case.baseline,
@@ -242,7 +245,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help=f"a suite to run, one of {', '.join(suites.SUITES)}; repeat for several (default: all)")
     parser.add_argument("--lengths", type=_lengths, metavar="L,L,...",
                         help="sequence lengths, e.g. 128,256 (default: per suite and device)")
-    parser.add_argument("--dtype", choices=DTYPES, help="default fp32 on CPU, bf16 on CUDA")
+    parser.add_argument("--dtype", choices=DTYPES, help="default float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--out", default="bench-results", metavar="DIR",
                         help="folder for the CSV and the plots (default: %(default)s)")
     parser.add_argument("--min-time", type=_positive, metavar="SECONDS",
@@ -277,17 +280,19 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, recap: Optional[List[str]] = None) -> int:
+    """The command; with ``recap`` (``python -m fused_transformer``), the files written are not listed one by one,
+    and a few lines summing the run up are appended to it instead."""
     args = parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or threads)
     try:
-        return run(args)
+        return run(args, ["bench", *(argv if argv is not None else sys.argv[1:])], recap)
     finally:
         torch.set_num_threads(threads)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, command: Optional[List[str]] = None, recap: Optional[List[str]] = None) -> int:
     setup = Setup(args.device, args.dtype, args.backend)
     names = list(dict.fromkeys(args.suite or suites.SUITES))
     if setup.device.type == "cuda":
@@ -338,18 +343,28 @@ def run(args: argparse.Namespace) -> int:
         raise Interrupted(f"{len(rows)} rows measured are in {partial_path}; {kept}") from None
     bar.close()
     os.replace(partial_path, csv_path)
-    print(f"\nwrote {csv_path} ({len(rows)} rows) in {time.perf_counter() - started:.0f} s")
+    written = [csv_path]
     if not args.no_plots:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             print("matplotlib is NOT INSTALLED: no plots written (pip install matplotlib, or the [bench] extra)")
         else:
-            for name in names:
-                for path in plot_suite(rows, name, setup, args.out):
-                    print(f"wrote {path}")
+            written += [path for name in names for path in plot_suite(rows, name, setup, args.out)]
+    summary_path = os.path.join(args.out, f"bench_{setup.device.type}.md")
+    with open(summary_path, "w") as f:
+        f.write(bench_summary.markdown(rows, setup, command or ["bench"], written[1:]))
+    written.append(summary_path)
+    seconds = time.perf_counter() - started
+    if recap is None:
+        print(f"\n{len(rows)} rows in {seconds:.0f} s; wrote " + ", ".join(written))
+    else:
+        recap += [f"bench: {len(rows)} rows in {seconds:.0f} s, written to {args.out}"] + [
+            "  " + line for line in bench_summary.recap(rows)]
     if failures:
         print(f"\n{len(failures)} failure(s):\n  " + "\n  ".join(failures))
+        if recap is not None:
+            recap.append(f"  {len(failures)} failure(s), listed above")
     return 1 if failures else 0
 
 

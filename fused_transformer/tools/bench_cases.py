@@ -35,17 +35,12 @@ still use every thread.
 Padding: sequences alternately keep ``1 - 3p/2`` and ``1 - p/2`` of their keys (p = 0.5: a quarter and three
 quarters), right-padded, so a padding ratio p removes the fraction p of the keys of a batch.
 
-Work counted (``attention_flops``, ``feed_forward_flops``, ``layer_norm_bytes``) is the work actually needed:
-attention counts ``4 * D`` FLOPs per (query, key) pair a query may attend, so causal (top-left) counts
-``L (L + 1) / 2`` pairs per head (about half) and padding counts only the kept keys; forward+backward is 3.5x the
-forward (the backward does five matmuls to the forward's two). The feed-forward counts its two matmuls,
-``4 * tokens * d_model * d_ff`` forward, 3x that forward+backward. LayerNorm counts the bytes it must move (see
-``layer_norm_bytes``). Every implementation of a case divides the same count by its own time.
+Work counted: ``bench_work`` (FLOPs and bytes a case needs, whatever the implementation).
 
 Time (``bench_timing.time_ms``): on CUDA the median of ``triton.testing.do_bench`` (gradients reset to None
-outside the timed region); on CPU ``torch.utils.benchmark.Timer`` over ``reset gradients; call``, the implementations of a case
-taking turns in blocks so that a noisy machine slows them alike, and the median over the blocks. Peak memory:
-on CUDA ``torch.cuda.max_memory_allocated`` over one call, above what was allocated before it; on CPU torch has
+outside the timed region); on CPU ``torch.utils.benchmark.Timer`` over ``reset gradients; call``, the
+implementations of a case taking turns in blocks so that a noisy machine slows them alike, and the median over
+the blocks. Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over one call, above what was allocated before it; on CPU torch has
 no allocator statistics, so it is the peak of the bytes allocated through torch's CPU allocator during one call
 (on the calling thread), above the start, read from the profiler's memory events (``profile_memory=True``).
 ``python -m fused_transformer bench`` measures it on the first call of each implementation of a case on CPU (the
@@ -55,7 +50,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -64,6 +58,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fused_transformer as ft
+from fused_transformer.tools.bench_work import (
+    attention_flops, feed_forward_flops, kept_lengths, layer_norm_bytes, padding_ratio,
+)
 
 SUITES = ("attention", "layer_norm", "feed_forward", "encoder_layer", "decoder_layer", "decode_step", "module_call")
 DROPOUT = 0.1
@@ -86,13 +83,6 @@ LENGTHS = {
     ("cuda", "decode_step"): ((64, 256, 1024), (256,)),
     ("cuda", "module_call"): ((4,), (4,)),
 }
-
-# Peak DRAM bandwidth in GB/s, by a substring of torch.cuda.get_device_name() (first match wins).
-PEAK_BANDWIDTH_GBPS = {
-    "H100 PCIe": 2000.0, "H100": 3350.0, "H200": 4800.0, "A100-SXM4-80GB": 2039.0, "A100": 1555.0,
-    "L40S": 864.0, "RTX 4090": 1008.0, "A10G": 600.0,
-}
-
 
 @dataclass(frozen=True)
 class Setup:
@@ -146,64 +136,6 @@ class Case:
     def id(self) -> str:
         head_dim = f"-D{self.head_dim}" if self.suite == "attention" else ""
         return f"{self.suite}-{self.case.replace(' ', '_')}-{self.mode}-L{self.seq_len}{head_dim}"
-
-
-# ------------------------------------------------------------------------------------------ work counted
-
-
-def kept_lengths(batch: int, length: int, padding: float) -> List[int]:
-    """Keys kept per sequence for a padding ratio p: alternately ``1 - p - s`` and ``1 - p + s`` of ``length``,
-    ``s = min(p, 1 - p) / 2``."""
-    if not 0.0 <= padding < 1.0:
-        raise ValueError(f"padding={padding} must be in [0, 1)")
-    spread = min(padding, 1.0 - padding) / 2
-    fractions = (1.0 - padding - spread, 1.0 - padding + spread)
-    return [max(1, round(length * fractions[b % 2])) for b in range(batch)]
-
-
-def padding_ratio(kept: Sequence[int], length: int) -> float:
-    return 1.0 - sum(kept) / (len(kept) * length)
-
-
-def attention_pairs(q_len: int, kept: int, causal: bool) -> int:
-    """(query, key) pairs one head attends: every query sees ``kept`` keys, or with a top-left causal mask
-    query ``i`` sees ``min(i + 1, kept)``."""
-    if not causal:
-        return q_len * kept
-    if kept >= q_len:
-        return q_len * (q_len + 1) // 2
-    return kept * (kept + 1) // 2 + (q_len - kept) * kept
-
-
-def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int, *, causal: bool = False,
-                    kept: Optional[Sequence[int]] = None, backward: bool = False) -> float:
-    """FLOPs attention needs: ``4 * head_dim`` per attended (query, key) pair (``q kᵀ`` and ``p v``), summed over
-    the batch's key lengths ``kept`` (default: no padding); 3.5x that with the backward."""
-    kept = [seq_len] * batch if kept is None else kept
-    if len(kept) != batch:
-        raise ValueError(f"kept has {len(kept)} entries for batch {batch}")
-    pairs = sum(attention_pairs(seq_len, k, causal) for k in kept)
-    return 4.0 * head_dim * heads * pairs * (3.5 if backward else 1.0)
-
-
-def feed_forward_flops(tokens: int, d_model: int, d_ff: int, *, backward: bool = False) -> float:
-    """The two matmuls: ``2 * 2 * tokens * d_model * d_ff`` forward; the backward does twice that."""
-    return 4.0 * tokens * d_model * d_ff * (3.0 if backward else 1.0)
-
-
-def layer_norm_bytes(tokens: int, hidden: int, element_size: int, *, backward: bool = False) -> float:
-    """Bytes residual + LayerNorm must move: forward reads x, residual and writes y (3 rows) plus weight and
-    bias; the backward reads dy and the saved sum and writes dx and dresidual (4 rows) plus weight, dweight,
-    dbias. The dropout mask is not counted."""
-    forward = 3 * tokens * hidden + 2 * hidden
-    return float(element_size * (forward + (4 * tokens * hidden + 3 * hidden if backward else 0)))
-
-
-def peak_bandwidth_gbps(device: torch.device) -> Optional[float]:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((gbps for key, gbps in PEAK_BANDWIDTH_GBPS.items() if key in name), None)
 
 
 # ------------------------------------------------------------------------------------------- competitors
@@ -616,19 +548,3 @@ def cases(suite: str, setup: Setup, lengths: Optional[Sequence[int]] = None, qui
 def is_competitor(impl: str) -> bool:
     """Implementations allowed to refuse a case (left out of it with a note) rather than fail the run."""
     return impl.startswith("sdpa:") or impl in ("flash_attn", "xformers")
-
-
-def tflops_of(case: Case, ms: float) -> Optional[float]:
-    return case.flops / ms / 1e9 if case.flops is not None else None
-
-
-def gbps_of(case: Case, ms: float) -> Optional[float]:
-    return case.nbytes / ms / 1e6 if case.nbytes is not None else None
-
-
-def tokens_per_s(case: Case, ms: float) -> float:
-    return case.tokens / ms * 1e3
-
-
-def finite(x: Optional[float]) -> bool:
-    return x is not None and math.isfinite(x)

@@ -1,11 +1,13 @@
 """The figures ``python -m fused_transformer bench`` writes: throughput and peak memory against the sequence
-length, one panel per case and mode, one line per implementation."""
+length, one panel per case and mode, one line per implementation; for a suite measured at one length (as
+``module_call``, which times calls of small modules), bars per case instead, one panel per mode."""
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
-from fused_transformer.tools.bench_cases import Setup, finite
+from fused_transformer.tools.bench_cases import Setup
+from fused_transformer.tools.bench_work import finite
 
 Row = Dict[str, object]
 
@@ -26,24 +28,34 @@ MEMORY_AXIS = {
 
 def plot_suite(rows: Sequence[Row], suite: str, setup: Setup, out_dir: str) -> List[str]:
     """Write the throughput and memory figures of one suite; return their paths."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    paths = []
+    for kind, fig in suite_figures(rows, suite, setup):
+        path = os.path.join(out_dir, f"{suite}_{setup.device.type}_{kind}.png")
+        _save_png(fig, path)
+        paths.append(path)
+    return paths
+
+
+def suite_figures(rows: Sequence[Row], suite: str, setup: Setup) -> List[Tuple[str, object]]:
+    """``(kind, matplotlib Figure)`` for the throughput and memory figures of one suite."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     rows = [r for r in rows if r["suite"] == suite and r["ms"] is not None]
     if not rows:
         return []
+    lengths = sorted({r["seq_len"] for r in rows})
+    if len(lengths) == 1:
+        return _bar_figures(rows, suite, setup)
     head_dims = {r["head_dim"] for r in rows}
     row_keys = list(dict.fromkeys(_panel_row(r, len(head_dims) > 1 and suite == "attention") for r in rows))
     col_keys = list(dict.fromkeys(r["case"] for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     colors = {impl: "black" if impl == "ours" else f"C{i}" for i, impl in enumerate(impls)}
-    lengths = sorted({r["seq_len"] for r in rows})
     device, dtype = setup.device.type, str(setup.dtype)[6:]
-    paths = []
+    figures = []
     for kind, (column, label) in (("throughput", THROUGHPUT[suite]), ("memory", ("peak_mem_mb", MEMORY_AXIS[device]))):
         fig = Figure(figsize=(3.6 * len(col_keys) + 0.4, 2.7 * len(row_keys) + 0.8), dpi=100)
-        canvas = FigureCanvasAgg(fig)
         axes = fig.subplots(len(row_keys), len(col_keys), squeeze=False, sharex=True)
         for i, row_key in enumerate(row_keys):
             for j, col_key in enumerate(col_keys):
@@ -81,16 +93,51 @@ def plot_suite(rows: Sequence[Row], suite: str, setup: Setup, out_dir: str) -> L
         fig.suptitle(f"{suite} on {device}, {dtype}: {kind} ({better} is better)", fontsize=10)
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), fontsize=8, frameon=False)
         fig.tight_layout(rect=(0, 0.06 if len(row_keys) > 1 else 0.1, 1, 0.96))
-        path = os.path.join(out_dir, f"{suite}_{device}_{kind}.png")
-        _save_png(canvas, path)
-        paths.append(path)
-    return paths
+        figures.append((kind, fig))
+    return figures
 
 
-def _save_png(canvas: object, path: str) -> None:
+def _bar_figures(rows: Sequence[Row], suite: str, setup: Setup) -> List[Tuple[str, object]]:
+    """One length only: per mode a panel of grouped bars, a group per case and a bar per implementation."""
+    from matplotlib.figure import Figure
+
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    colors = {impl: "black" if impl == "ours" else f"C{i}" for i, impl in enumerate(impls)}
+    width = 0.8 / len(impls)
+    figures = []
+    for kind, (column, label) in (("throughput", THROUGHPUT[suite]),
+                                  ("memory", ("peak_mem_mb", MEMORY_AXIS[setup.device.type]))):
+        fig = Figure(figsize=(1.2 * len(cases) * len(modes) + 1.5, 3.4), dpi=100)
+        axes = fig.subplots(1, len(modes), squeeze=False)[0]
+        for ax, mode in zip(axes, modes):
+            for i, impl in enumerate(impls):
+                values = [next((float(r[column]) for r in rows if r["mode"] == mode and r["case"] == case
+                                and r["impl"] == impl and finite(r[column])), 0.0) for case in cases]
+                ax.bar([c + (i - (len(impls) - 1) / 2) * width for c in range(len(cases))], values, width,
+                       color=colors[impl], label=impl)
+            ax.set_xticks(range(len(cases)), cases, fontsize=7)
+            ax.tick_params(axis="y", labelsize=7)
+            ax.set_title(f"{mode}, L={rows[0]['seq_len']}", fontsize=9)
+            ax.grid(True, axis="y", alpha=0.3)
+        axes[0].set_ylabel(label, fontsize=8)
+        better = "higher" if kind == "throughput" else "lower"
+        fig.suptitle(f"{suite} on {setup.device.type}, {str(setup.dtype)[6:]}: {kind} ({better} is better)",
+                     fontsize=10)
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(impls), fontsize=8,
+                   frameon=False)
+        fig.tight_layout(rect=(0, 0.1, 1, 0.94))
+        figures.append((kind, fig))
+    return figures
+
+
+def _save_png(fig: object, path: str) -> None:
     """A 64-colour palette PNG: line plots need no more, and the file is a third of the size."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from PIL import Image  # matplotlib's own dependency
 
+    canvas = FigureCanvasAgg(fig)
     canvas.draw()
     image = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
     image.convert("RGB").quantize(colors=64).save(path, optimize=True)

@@ -180,9 +180,11 @@ def _summary(rows: List[Row], failures: int, dtype_names: Sequence[str], uncheck
 def check(
     device: torch.device, quick: bool = False, *, ops: Sequence[str] = CHECKS, backends: Optional[Sequence[str]] = None,
     dtypes: Optional[Sequence[str]] = None, progress: bool = True, out: Optional[TextIO] = None,
+    recap: Optional[List[str]] = None,
 ) -> int:
-    """Print the header, the table and the summary to ``out`` (stdout); return the number of failed checks.
-    ``backends`` None: every backend usable here; a named one that is not usable counts as a failure."""
+    """Print the header, the table and the summary to ``out`` (stdout), and append the summary to ``recap``; return
+    the number of failed checks. ``backends`` None: every backend usable here; a named one that is not usable
+    counts as a failure."""
     out = out or sys.stdout
     started = time.perf_counter()
     status = backend_status(device)
@@ -256,11 +258,15 @@ def check(
     say()
     for note in notes:
         say(note)
-    say(_summary(rows, failures, dtype_names, unchecked, time.perf_counter() - started))
+    summary = _summary(rows, failures, dtype_names, unchecked, time.perf_counter() - started)
+    say(summary)
+    if recap is not None:
+        recap.append("check " + summary.removeprefix("summary: "))
     return failures
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, recap: Optional[List[str]] = None) -> int:
+    """The command; with ``recap`` (``python -m fused_transformer``), its summary line is appended to it."""
     parser = argparse.ArgumentParser(
         prog="python -m fused_transformer check", description=__doc__.splitlines()[0],
         epilog="Exit code 1 when any check fails. See fused_transformer.tools.numerics for the rule.",
@@ -288,7 +294,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(str(exc))
     dedup = lambda names: list(dict.fromkeys(names)) if names else None  # noqa: E731
     failures = check(device, args.quick, ops=dedup(args.op) or CHECKS, backends=dedup(args.backend),
-                     dtypes=dedup(args.dtype), progress=not args.no_progress)
+                     dtypes=dedup(args.dtype), progress=not args.no_progress, recap=recap)
     return 1 if failures else 0
 
 

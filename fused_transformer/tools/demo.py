@@ -114,11 +114,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help=f"training steps (default {FULL['steps']}, or {QUICK['steps']} with --quick)")
     parser.add_argument("--minutes", type=_positive(float, "number"), default=None,
                         help="train for this long instead, the step count planned from the measured speed")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda[:N] (default: %(default)s)")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--batch-size", type=positive_int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="sequences per step (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the weights, the task's data and dropout (default %(default)s)")
     parser.add_argument("--checkpoint", metavar="PATH", default=None,
                         help="save the training state here: every --save-every steps, at the end, and on Ctrl-C. It is "
                              "the fused model's (the torch.nn twin is not trained: it takes the trained weights); an "
@@ -127,7 +129,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help=f"steps between checkpoints (default {SAVE_EVERY}); needs --checkpoint")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run saved in --checkpoint (same options; with --minutes, its step count)")
-    parser.add_argument("--quiet", action="store_true",
+    parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (there is none unless stderr is a terminal)")
     args = parser.parse_args(argv)
     if args.minutes is not None and args.steps is not None:
@@ -194,7 +196,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     save_every = None if args.checkpoint is None else args.save_every or SAVE_EVERY
     try:
         result = train(model, task, config, checkpoint_path=args.checkpoint, resume=args.resume,
-                       time_limit=time_limit, progress=None if args.quiet else sys.stderr, save_every=save_every)
+                       time_limit=time_limit, progress=None if args.no_progress else sys.stderr, save_every=save_every)
     except Interrupted as exc:
         raise Interrupted(f"{exc}; the same command with --resume continues it") from None
     earlier = result.step - len(result.losses)
@@ -219,8 +221,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     same = torch.equal(outputs[0], outputs[1])
 
     print(f"\nspeed (same weights, alternated timing, median){'':<4}{'torch.nn':>12}{'fused':>12}{'fused/nn':>10}")
-    print(f"{'training fwd+bwd, target tokens/s':<50}{torch_tps:>12.0f}{fused_tps:>12.0f}{fused_tps / torch_tps:>9.2f}x")
-    print(f"{'greedy decoding with KV cache, tokens/s':<50}{nn_cached:>12.0f}{cached:>12.0f}{cached / nn_cached:>9.2f}x")
+    rows = (("training fwd+bwd, target tokens/s", torch_tps, fused_tps),
+            ("greedy decoding with KV cache, tokens/s", nn_cached, cached))
+    for label, theirs, ours in rows:
+        print(f"{label:<50}{theirs:>12.0f}{ours:>12.0f}{ours / theirs:>9.2f}x")
     print(f"{'greedy decoding without cache, tokens/s':<50}{'':>12}{uncached:>12.0f}")
     print(f"KV cache speed-up for greedy decoding: {cached / uncached:.2f}x on {source.shape[0]} sequences of up to "
           f"{max_len} tokens; cached and full re-decoding give {'identical' if same else 'DIFFERENT'} tokens")

@@ -41,6 +41,7 @@ from fused_transformer.kernels.aot import AotKernel
 from fused_transformer.kernels.targets import BY_CAPABILITY, CAPABILITIES
 from fused_transformer.kernels.targets import TARGETS as KNOWN_TARGETS
 from fused_transformer.interrupts import Interrupted, interrupts_held_back
+from fused_transformer.tools import provenance
 
 # Modules whose ``aot_configs()`` are compiled; a new kernel module adds its name here.
 KERNEL_MODULES = (
@@ -458,6 +459,36 @@ def format_table(results: Sequence[AotResult]) -> str:
     return "\n".join(lines)
 
 
+# The rows docs/report.md shows of each module (the full table is the command's output): attention in bfloat16 at
+# head dims 64 and 128, every feature on and the plain (causal, two-loop) launch; LayerNorm's row widths around
+# each launch change; feed-forward in bfloat16.
+MARKDOWN_ROWS = {
+    "fused_transformer.kernels.attention": re.compile(r"^bf16/D(64|128)/[^/]+(/causal)?(/tma)?$"),
+    "fused_transformer.kernels.layer_norm": re.compile(r"^BLOCK_N=(1024|8192|16384)\b"),
+    "fused_transformer.kernels.feed_forward": re.compile(r"^sm_\d+/bf16/"),
+}
+
+
+def format_markdown(results: Sequence[AotResult], command: Sequence[str]) -> str:
+    """docs/report.md: where the figures come from, the count of compilations and failures per module, and the
+    ``MARKDOWN_ROWS`` of each module as markdown tables."""
+    lines = provenance.header("AOT resource report", "report", command)
+    lines += ["| module | compilations | failed |", "| --- | --- | --- |"]
+    for module in dict.fromkeys(r.module for r in results):
+        mine = [r for r in results if r.module == module]
+        lines.append(f"| {module} | {len(mine)} | {sum(not r.ok for r in mine)} |")
+    lines += ["", f"{len(results)} compilations, {sum(not r.ok for r in results)} failed. The columns are explained in "
+              "[report-guide.md](report-guide.md); `python -m fused_transformer report` prints every row.", ""]
+    for module, pattern in MARKDOWN_ROWS.items():
+        rows = [_row(r) for r in results if r.module == module and pattern.search(r.config)]
+        if rows:
+            lines += [f"## {module.rsplit('.', 1)[-1]}", "", "| " + " | ".join(TABLE_HEADER) + " |",
+                      "|" + " --- |" * len(TABLE_HEADER)]
+            lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+            lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fused_transformer report",
@@ -465,12 +496,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "spills, shared memory and tensor-core use, and print occupancy and SASS figures (MMA shapes, "
                     "copy kind, main-loop instructions per MMA).",
     )
-    parser.add_argument("--jobs", type=int, default=2, help="compiler processes (default 2)")
+    parser.add_argument("--jobs", type=int, default=2, help="compiler processes (default %(default)s)")
+    parser.add_argument("--markdown", metavar="PATH",
+                        help="also write the summary and a selection of rows as markdown, with where they come from "
+                             "(docs/report.md is written so)")
     parser.add_argument("--module", action="append", choices=KERNEL_MODULES,
                         help="only this kernel module (repeatable; default all)")
     args = parser.parse_args(argv)
+    if args.markdown is not None and args.module:
+        parser.error("--markdown writes the report of every module: leave --module out")
     results = compile_all(jobs=args.jobs, modules=tuple(args.module or KERNEL_MODULES))
     print(format_table(results))
+    if args.markdown is not None:
+        with open(args.markdown, "w") as f:
+            f.write(format_markdown(results, ["report", *(argv if argv is not None else sys.argv[1:])]))
     failed = [r for r in results if not r.ok]
     print(f"\n{len(results)} compilations, {len(failed)} failed "
           f"(limits: no spills; shared memory per target: "
