@@ -159,7 +159,7 @@ class MatmulConfig:
 
 
 # (GPU generation, dtype, fused epilogue) -> tile config. Hopper (sm_90) has the larger shared memory; the other
-# targets (sm_80 / 86 / 89) get the Ampere configs (``_generation``). float32 tiles are smaller: ieee float32 runs
+# targets (sm_80 / 86 / 89) get the Ampere configs (``generation_of``). float32 tiles are smaller: ieee float32 runs
 # on the CUDA cores.
 # The fused epilogue (activation, its derivative, Philox dropout on 64-bit offsets) needs many registers per
 # output element, so those products take half-width tiles: full ones spill (python -m fused_transformer report).
@@ -180,20 +180,20 @@ MATMUL_CONFIGS = {
 INTERPRETER_CONFIG = MatmulConfig(64, 64, 64, 8, 1, 1)
 
 
-def _generation(target: Target) -> str:
+def generation_of(target: Target) -> str:
     """The MATMUL_CONFIGS generation ``target`` runs (a newer GPU runs its closest target's: ``target_of``)."""
     return "sm_90" if target.capability >= 90 else "sm_80"
 
 
-def _describe(cfg: MatmulConfig) -> str:
+def config_name(cfg: MatmulConfig) -> str:
     return (f"BM{cfg.block_m}_BN{cfg.block_n}_BK{cfg.block_k}_G{cfg.group_m}"
             f"_w{cfg.num_warps}_s{cfg.num_stages}")
 
 
-def _config(device: torch.device, dtype: torch.dtype, fused_epilogue: bool) -> MatmulConfig:
+def matmul_config(device: torch.device, dtype: torch.dtype, fused_epilogue: bool) -> MatmulConfig:
     if interpreting():
         return INTERPRETER_CONFIG
-    return MATMUL_CONFIGS[(_generation(target_of(device)), dtype, fused_epilogue)]
+    return MATMUL_CONFIGS[(generation_of(target_of(device)), dtype, fused_epilogue)]
 
 
 def _matmul(
@@ -210,7 +210,7 @@ def _matmul(
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    cfg = _config(a.device, a.dtype, fused_epilogue=activation != "none")
+    cfg = matmul_config(a.device, a.dtype, fused_epilogue=activation != "none")
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _matmul_kernel[grid](
         a, b, out, bias, pre, hidden, m, n, k,
@@ -380,7 +380,7 @@ def aot_configs() -> List[AotKernel]:
             }
             signature[unit_a] = signature[unit_b] = "constexpr"
             configs.append(AotKernel(
-                name=f"ffn_matmul_{variant}", config=f"{generation}/{type_names[dtype]}/{_describe(cfg)}",
+                name=f"ffn_matmul_{variant}", config=f"{generation}/{type_names[dtype]}/{config_name(cfg)}",
                 fn=_matmul_kernel, signature=signature,
                 constexprs={
                     unit_a: 1, unit_b: 1, "stride_cn": 1, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
@@ -388,7 +388,7 @@ def aot_configs() -> List[AotKernel]:
                     "UPCAST_OPERANDS": False, **epilogue,
                 },
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                targets=tuple(t.capability for t in TARGETS if _generation(t) == generation),
+                targets=tuple(t.capability for t in TARGETS if generation_of(t) == generation),
                 expect_tensor_cores=dtype != torch.float32,
             ))
     return configs

@@ -14,7 +14,7 @@ Backward, with xhat = (z - mean) * rstd (or z * rstd) and g = dy * weight:
 Each backward program walks a contiguous block of rows and writes one float32 partial row of dweight/dbias;
 a second small kernel (``sum_rows``) adds the partials in a fixed order: deterministic, no atomics. A whole
 16384-wide row and its dweight / dbias sums need more than the 64 registers a thread of a 1024-thread block may
-have (stack frames of 100..270 bytes), so rows wider than 8192 (``_bwd_launch``) are held by a cluster of two
+have (stack frames of 100..270 bytes), so rows wider than 8192 (``bwd_launch``) are held by a cluster of two
 blocks on sm_90 and later, each holding half the row with 128 registers a thread, the row sums reduced across the
 pair through distributed shared memory (Triton's ``num_ctas``; one program as the kernel sees it). Before sm_90
 (no clusters) they are split over programs of 8192 columns (SPLIT_COLS), each of which also reads the row's other
@@ -201,11 +201,11 @@ def _layer_norm_bwd_kernel(
 # --------------------------------------------------------------------------------------------- launchers
 
 
-def _block_n(n_cols: int) -> int:
+def block_width(n_cols: int) -> int:
     return max(triton.next_power_of_2(n_cols), 16)
 
 
-def _num_warps(block_n: int) -> int:
+def warps_for(block_n: int) -> int:
     """GPU warps for a row block: enough that each thread holds at most ~16-32 float32 values of the row."""
     if block_n <= 1024:
         return 4
@@ -213,7 +213,7 @@ def _num_warps(block_n: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_programs(device: torch.device) -> int:
+def backward_programs(device: torch.device) -> int:
     """Backward grid size: a few programs per SM keep the GPU busy while the partial sums stay small."""
     if device.type != "cuda":
         return 4
@@ -225,8 +225,8 @@ def _backward_programs(device: torch.device) -> int:
 MIN_ROWS_PER_PROGRAM = 8
 
 
-def _backward_rows_per_program(n_rows: int, device: torch.device) -> int:
-    return max(triton.cdiv(n_rows, _backward_programs(device)), MIN_ROWS_PER_PROGRAM)
+def backward_rows_per_program(n_rows: int, device: torch.device) -> int:
+    return max(triton.cdiv(n_rows, backward_programs(device)), MIN_ROWS_PER_PROGRAM)
 
 
 def _check_dtype(name: str, t: Optional[Tensor]) -> None:
@@ -252,17 +252,17 @@ class BwdLaunch:
     num_warps: int  # per block
 
 
-def _bwd_launch(n_cols: int, clusters: bool) -> BwdLaunch:
+def bwd_launch(n_cols: int, clusters: bool) -> BwdLaunch:
     """The backward's launch for rows of ``n_cols`` on a GPU with thread-block ``clusters`` or not."""
-    block_n = _block_n(n_cols)
+    block_n = block_width(n_cols)
     if block_n <= MAX_BWD_BLOCK:
-        return BwdLaunch(block_n, 1, 1, _num_warps(block_n))
+        return BwdLaunch(block_n, 1, 1, warps_for(block_n))
     if clusters:
-        return BwdLaunch(block_n, 1, BWD_CLUSTER_CTAS, _num_warps(block_n) // BWD_CLUSTER_CTAS)
-    return BwdLaunch(MAX_BWD_BLOCK, triton.cdiv(n_cols, MAX_BWD_BLOCK), 1, _num_warps(MAX_BWD_BLOCK))
+        return BwdLaunch(block_n, 1, BWD_CLUSTER_CTAS, warps_for(block_n) // BWD_CLUSTER_CTAS)
+    return BwdLaunch(MAX_BWD_BLOCK, triton.cdiv(n_cols, MAX_BWD_BLOCK), 1, warps_for(MAX_BWD_BLOCK))
 
 
-def _has_clusters(device: torch.device) -> bool:
+def launches_clusters(device: torch.device) -> bool:
     """Whether the backward may launch clusters on ``device`` (under the interpreter, which runs a program's
     blocks as one: when CLUSTERS_UNDER_INTERPRETER, for the tests)."""
     if interpreting():
@@ -274,7 +274,7 @@ CLUSTERS_UNDER_INTERPRETER = False
 
 
 def _launch_warps(block_n: int) -> int:
-    return 1 if interpreting() else _num_warps(block_n)
+    return 1 if interpreting() else warps_for(block_n)
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -302,7 +302,7 @@ def layer_norm_fwd(
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
     if y.numel() == 0:  # nothing to normalise; the statistics of an empty row are NaN (0 / 0)
         return y, z, mean.fill_(float("nan")), rstd.fill_(float("nan"))
-    block_n = _block_n(n_cols)
+    block_n = block_width(n_cols)
     _layer_norm_fwd_kernel[(n_rows,)](
         x, residual, weight, bias, y, z if store_z else None, mean if not rms_norm else None, rstd,
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), z.stride(0) if store_z else 0,
@@ -337,12 +337,12 @@ def layer_norm_bwd(
     dresidual = torch.empty_like(dx) if has_residual else _empty(dx)
     if n_cols == 0:  # every result is empty: no column block to launch
         return dx, dresidual, *(torch.empty_like(p) if p is not None else _empty(dx) for p in (weight, bias))
-    rows_per_program = _backward_rows_per_program(n_rows, z.device)
+    rows_per_program = backward_rows_per_program(n_rows, z.device)
     programs = max(triton.cdiv(n_rows, rows_per_program), 1)
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if weight is not None else None
     db_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if bias is not None else None
     # Launched even for zero rows: every program writes its (possibly zero) partial sums.
-    launch = _bwd_launch(n_cols, _has_clusters(z.device))
+    launch = bwd_launch(n_cols, launches_clusters(z.device))
     _layer_norm_bwd_kernel[(programs, launch.col_blocks)](
         z, dy, dz, weight, mean if not rms_norm else None, rstd, dx, dresidual if has_residual else None,
         dw_partial, db_partial,
@@ -435,7 +435,7 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps:
 
 # ------------------------------------------------------------------------------------------------------ AOT
 
-AOT_BLOCK_SIZES = tuple(2**i for i in range(4, 15))  # 16 .. 16384, every bucket _block_n can pick
+AOT_BLOCK_SIZES = tuple(2**i for i in range(4, 15))  # 16 .. 16384, every bucket block_width can pick
 
 
 
@@ -459,15 +459,15 @@ def aot_configs() -> List[AotKernel]:
     for block_n in AOT_BLOCK_SIZES:
         configs.append(AotKernel(
             name="layer_norm_fwd", config=f"BLOCK_N={block_n}", fn=_layer_norm_fwd_kernel, signature=fwd_signature,
-            constexprs={"BLOCK_N": block_n, "STORE_Z": True, **features}, num_warps=_num_warps(block_n),
+            constexprs={"BLOCK_N": block_n, "STORE_Z": True, **features}, num_warps=warps_for(block_n),
             num_stages=1,
         ))
-    # Every launch _bwd_launch gives, for the targets that take it: whole rows up to MAX_BWD_BLOCK everywhere, wider
+    # Every launch bwd_launch gives, for the targets that take it: whole rows up to MAX_BWD_BLOCK everywhere, wider
     # ones on a cluster from sm_90 (clusters) and split before.
     targets_of = {}
     for block_n in AOT_BLOCK_SIZES:
         for target in TARGETS:
-            targets_of.setdefault(_bwd_launch(block_n, target.clusters), []).append(target.capability)
+            targets_of.setdefault(bwd_launch(block_n, target.clusters), []).append(target.capability)
     for launch, targets in targets_of.items():
         config = f"BLOCK_N={launch.block_n}" + (",SPLIT_COLS" if launch.col_blocks > 1 else "") + (
             f",CTAS={launch.num_ctas}" if launch.num_ctas > 1 else "")

@@ -96,8 +96,8 @@ def test_widest_rows_backward(monkeypatch, rms_norm, clusters):
     a cluster) from sm_90, dropout and prenorm included."""
     monkeypatch.setattr(triton_layer_norm, "CLUSTERS_UNDER_INTERPRETER", clusters)
     launches = []
-    launch = triton_layer_norm._bwd_launch
-    monkeypatch.setattr(triton_layer_norm, "_bwd_launch", lambda *args: launches.append(launch(*args)) or launches[-1])
+    launch = triton_layer_norm.bwd_launch
+    monkeypatch.setattr(triton_layer_norm, "bwd_launch", lambda *args: launches.append(launch(*args)) or launches[-1])
     torch.manual_seed(3)
     inputs = _random_inputs((5, 9000), torch.bfloat16, residual=True)
     keep = _replayed_keep_mask(7, inputs["x"], 0.2)
@@ -198,8 +198,8 @@ def _bwd_bytes_per_element(n_rows, n_cols, itemsize, *, clusters, has_dz=False, 
     ``parameters`` (dweight, dbias) each program writes. Weight and bias reads (one [N] vector shared by every row)
     and the per-row mean / rstd are left out."""
     cuda = torch.device("cuda", 0)
-    reads = triton_layer_norm._bwd_launch(n_cols, clusters).col_blocks
-    programs = -(-n_rows // triton_layer_norm._backward_rows_per_program(n_rows, cuda))
+    reads = triton_layer_norm.bwd_launch(n_cols, clusters).col_blocks
+    programs = -(-n_rows // triton_layer_norm.backward_rows_per_program(n_rows, cuda))
     row_bytes = itemsize * (2 * reads + 1 + has_dz + has_residual)
     return row_bytes + 4 * parameters * programs / n_rows
 
@@ -209,7 +209,7 @@ def test_backward_bytes_per_element(monkeypatch, sms):
     """Whole rows read dy and z once (up to 8192 columns everywhere, up to 16384 on a cluster from sm_90); the partial
     sums add at most 1 byte per element (plus 8 / rows for the last, partly filled program; fewer rows than
     MIN_ROWS_PER_PROGRAM share one program)."""
-    monkeypatch.setattr(triton_layer_norm, "_backward_programs", lambda device: 4 * sms)
+    monkeypatch.setattr(triton_layer_norm, "backward_programs", lambda device: 4 * sms)
     for n_rows in (8, 100, 4096, 4097, 100_000):
         last_program = 8 / n_rows
         for clusters in (False, True):

@@ -69,10 +69,10 @@ def test_layer_norm_configs_cover_every_block_the_launcher_picks():
     bwd = {(k.constexprs["BLOCK_N"], k.constexprs["SPLIT_COLS"], k.num_warps, k.num_ctas, target) for k in configs
            if k.name == "layer_norm_bwd" for target in k.targets}
     for n in _hidden_sizes():
-        block_n = layer_norm._block_n(n)
-        assert (block_n, layer_norm._num_warps(block_n)) in fwd, n
+        block_n = layer_norm.block_width(n)
+        assert (block_n, layer_norm.warps_for(block_n)) in fwd, n
         for target in report.TARGETS:
-            launch = layer_norm._bwd_launch(n, clusters=target >= 90)
+            launch = layer_norm.bwd_launch(n, clusters=target >= 90)
             picked = (launch.block_n, launch.col_blocks > 1, launch.num_warps, launch.num_ctas, target)
             assert picked in bwd, (n, target)
     assert any(k.name == "sum_rows" for k in configs)
@@ -91,15 +91,16 @@ def test_layer_norm_backward_holds_the_widest_rows_on_a_cluster_on_hopper_only(r
 def test_layer_norm_configs_do_not_depend_on_the_interpreter():
     # This process interprets Triton (one warp per launch); the AOT list must hold the GPU's warps.
     warps = {k.constexprs["BLOCK_N"]: k.num_warps for k in layer_norm.aot_configs() if k.name == "layer_norm_fwd"}
-    assert warps[16384] == layer_norm._num_warps(16384) > 1
+    assert warps[16384] == layer_norm.warps_for(16384) > 1
 
 
 def test_feed_forward_configs_cover_every_matmul_config():
     configs = feed_forward.aot_configs()
     for (generation, dtype, fused), cfg in feed_forward.MATMUL_CONFIGS.items():
-        described = feed_forward._describe(cfg)
+        described = feed_forward.config_name(cfg)
+        targets = tuple(t.capability for t in TARGETS if feed_forward.generation_of(t) == generation)
         matching = [k for k in configs if k.config.endswith(described) and k.config.startswith(generation)
-                    and k.targets == tuple(t.capability for t in TARGETS if feed_forward._generation(t) == generation)]
+                    and k.targets == targets]
         variants = {k.name for k in matching}
         if fused:
             assert {"ffn_matmul_linear1_fwd", "ffn_matmul_dpre_bwd"} <= variants, (generation, dtype)

@@ -30,7 +30,7 @@ def test_feed_forward_on_a_newer_gpu_takes_its_closest_targets_tiles(monkeypatch
     for capability, shared_memory, generation in ((100, 232448, "sm_90"), (90, 232448, "sm_90"), (89, 101376, "sm_80"),
                                                   (120, 101376, "sm_80")):
         monkeypatch.setattr(feed_forward, "target_of", lambda device: closest_target(capability, shared_memory))
-        cfg = feed_forward._config(torch.device("cuda", 0), torch.bfloat16, fused_epilogue=True)
+        cfg = feed_forward.matmul_config(torch.device("cuda", 0), torch.bfloat16, fused_epilogue=True)
         assert cfg == feed_forward.MATMUL_CONFIGS[(generation, torch.bfloat16, True)], capability
 
 
@@ -39,4 +39,4 @@ def test_layer_norm_clusters_follow_the_target(monkeypatch):
     for capability, clusters in ((80, False), (89, False), (90, True), (100, True)):
         target = closest_target(capability, 232448 if capability >= 90 else 101376)
         monkeypatch.setattr(layer_norm, "target_of", lambda device: target)
-        assert layer_norm._has_clusters(torch.device("cuda", 0)) is clusters
+        assert layer_norm.launches_clusters(torch.device("cuda", 0)) is clusters

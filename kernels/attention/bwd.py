@@ -17,7 +17,7 @@ from .jit import (
     _batch_head, _dot, _leading_real_keys, _mask_scores, _real_rows, _row_index, _sequence, _stat_base, _tile_mask,
     _tma_tile, _unmasked_keys_end, _visible_keys, _visible_queries,
 )
-from .launch import LOG2E, Layout, MaskArgs, grid, output_layout, plan_launch, tiles_of
+from .launch import LOG2E, Layout, MaskArgs, grid, output_layout, plan_launch, tiles_of, tma_can_load
 
 Tensor = torch.Tensor
 
@@ -136,8 +136,8 @@ def attention_dq_kernel(
         first_row, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
     # As in the forward: with no attn_mask, query padding, window or dropout, the key tiles that no bound,
     # diagonal or padding key crosses skip _mask_scores (rows past q_len have lse = -inf, so p = 0 there; their dq
-    # is dropped below), the edge tiles first; unless the launcher's _interior_loop_fits says the two loops spill
-    # with these tiles (INTERIOR_LOOP False).
+    # is dropped below), the edge tiles first; unless the plan says the two loops spill with these tiles
+    # (INTERIOR_LOOP False).
     split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT)
     if split:
         inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING),
@@ -381,8 +381,8 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
     common_constexprs = dict(BLOCK_D=block_d, HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0,
                              **masks.constexprs())
     # Both kernels load alike: through TMA only if it can address every input and output.
-    loaded = (q, k, v, o, do, dk, dv)
-    plan = plan_launch("bwd_dq", loaded, layout.head_dim, masks, dropout_p, allow_tf32)
+    addressable = tma_can_load((q, k, v, o, do, dk, dv))
+    plan = plan_launch("bwd_dq", q.dtype, q.device, layout.head_dim, masks, dropout_p, allow_tf32, addressable)
     tile, use_tma = plan.tile, plan.use_tma
     q_in, o_in, do_in = (tiles_of(x, tile.block_m, block_d, use_tma) for x in (q, o, do))
     k_in, v_in = (tiles_of(x, tile.block_n, block_d, use_tma) for x in (k, v))
@@ -391,7 +391,7 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
         *common_args, HAS_DLSE=dlse is not None, **common_constexprs, **plan.constexprs(),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
-    plan = plan_launch("bwd_dkdv", loaded, layout.head_dim, masks, dropout_p, allow_tf32)
+    plan = plan_launch("bwd_dkdv", q.dtype, q.device, layout.head_dim, masks, dropout_p, allow_tf32, addressable)
     tile, use_tma = plan.tile, plan.use_tma
     attention_dkdv_kernel[grid(triton.cdiv(layout.n_keys, tile.block_n), layout.batch, layout.kv_heads)](
         tiles_of(q, tile.block_m, block_d, use_tma), tiles_of(k, tile.block_n, block_d, use_tma),

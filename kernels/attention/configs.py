@@ -24,12 +24,13 @@ instructions per kMAC) and ``docs/attention.md`` tells how they were found.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Tuple
 
 import torch
 import triton
 
-from ..targets import Target
+from ..targets import LARGE_SHARED_MEMORY, TARGETS, Target
 
 KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", "weights")
 PRECISIONS = ("bf16", "fp32", "tf32")
@@ -51,7 +52,10 @@ class Tile:
         return f"BM{self.block_m}_BN{self.block_n}_w{self.num_warps}_s{self.num_stages}"
 
 
-ALL, SMALL_SHARED_MEMORY, HOPPER = (80, 86, 89, 90), (86, 89), (90,)
+# The targets a row is for (kernels/targets.py): all of them, the 99 KB parts, the TMA ones.
+ALL = tuple(t.capability for t in TARGETS)
+SMALL_SHARED_MEMORY = tuple(t.capability for t in TARGETS if t.shared_memory < LARGE_SHARED_MEMORY)
+HOPPER = tuple(t.capability for t in TARGETS if t.tma)
 BOTH = ("dense", "packed")
 
 
@@ -193,6 +197,7 @@ def takes_tma(kernel: str, precision: str, head_dim: int) -> bool:
     return precision == "tf32" and kernel == "fwd" and head_dim_bucket(head_dim) in TF32_TMA_HEAD_DIMS
 
 
+@functools.lru_cache(maxsize=None)  # launches ask again and again; TILE_ROWS is fixed
 def find_row(kernel: str, precision: str, head_dim: int, target: int, tma: bool, light: bool, packed: bool) -> TileRow:
     """The first row of ``TILE_ROWS`` that serves this launch (tf32 falls back to exact float32's rows)."""
     bucket, layout = head_dim_bucket(head_dim), "packed" if packed else "dense"

@@ -21,7 +21,7 @@ from .jit import (
     _tma_tile, _unmasked_keys_end, _visible_keys,
 )
 from .configs import head_dim_bucket
-from .launch import LOG2E, Layout, MaskArgs, grid, plan_launch, tiles_of
+from .launch import LOG2E, Layout, MaskArgs, grid, plan_launch, tiles_of, tma_can_load
 
 Tensor = torch.Tensor
 
@@ -85,7 +85,7 @@ def attention_fwd_kernel(
     MASK,  # attn_mask, read through strides (MASK_KIND != 0)
     PAD,  # [B, Lk] uint8, 1 = padding (HAS_PADDING)
     KEY_LENS,  # [2, B] int32: one past each sequence's last key that is not padding, then its keys before the first
-    # padding key (HAS_PADDING; _key_lengths)
+    # padding key (HAS_PADDING; launch.key_lengths)
     QUERY_LENS,  # [B] int32: one past each sequence's last query row to compute (HAS_QUERY_LENS)
     QUERY_PAD,  # [B, Lq] uint8, 1 = padding (HAS_QUERY_PADDING)
     CU_SEQLENS_Q, CU_SEQLENS_K,  # [B + 1] int32: each packed sequence's first row, then the total (VARLEN)
@@ -144,7 +144,7 @@ def attention_fwd_kernel(
     # dropout): the key tiles that no bound, diagonal or padding key crosses skip _mask_scores, after the edge tiles
     # (the other way round, or with the few edge tiles pipelined too, spilled). Rows past q_len are dropped at the
     # end. With any of those features on, two loops spilled in some tile configs of the AOT report: one loop masks
-    # every tile there, as it does where the launcher's _interior_loop_fits says the two spill with these tiles.
+    # every tile there, as it does where the plan says the two spill with these tiles (INTERIOR_LOOP off).
     split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT)
     if split:
         inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING),
@@ -197,7 +197,7 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout: 
     """The forward kernel, dense or packed (``layout``), writing ``o`` and ``lse``."""
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
     block_d = head_dim_bucket(layout.head_dim)
-    plan = plan_launch("fwd", (q, k, v), layout.head_dim, masks, dropout_p, allow_tf32)
+    plan = plan_launch("fwd", q.dtype, q.device, layout.head_dim, masks, dropout_p, allow_tf32, tma_can_load((q, k, v)))
     tile, use_tma = plan.tile, plan.use_tma
     attention_fwd_kernel[grid(triton.cdiv(layout.n_queries, tile.block_m), layout.batch, layout.heads)](
         tiles_of(q, tile.block_m, block_d, use_tma), tiles_of(k, tile.block_n, block_d, use_tma),

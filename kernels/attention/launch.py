@@ -247,10 +247,16 @@ def launch_target(device: torch.device) -> Optional[Target]:
     return None if triton_interpreting() else target_of(device)
 
 
-def plan_launch(kernel: str, inputs: Tuple[Tensor, ...], head_dim: int, masks: MaskArgs, dropout_p: float,
-                allow_tf32: bool) -> configs.Plan:
-    """``configs.plan`` for a ``kernel`` launch on ``inputs`` (those it would load through TMA: TMA must be able to
-    address every one of them)."""
-    return configs.plan(kernel, inputs[0].dtype, head_dim, launch_target(inputs[0].device), allow_tf32=allow_tf32,
-                        tma_addressable=all(map(tma_addressable, inputs)), light=masks.light(dropout_p),
-                        packed=masks.packed)
+def tma_can_load(inputs: Tuple[Tensor, ...]) -> bool:
+    """Whether TMA can load (and store) every one of ``inputs`` here: the target has it (under the interpreter, when
+    ``configs.TMA_UNDER_INTERPRETER``) and can address each (``_common.tma_addressable``)."""
+    has_tma = configs.TMA_UNDER_INTERPRETER if triton_interpreting() else target_of(inputs[0].device).tma
+    return has_tma and all(map(tma_addressable, inputs))
+
+
+def plan_launch(kernel: str, dtype: torch.dtype, device: torch.device, head_dim: int, masks: MaskArgs,
+                dropout_p: float, allow_tf32: bool, tma_loadable: bool) -> configs.Plan:
+    """``configs.plan`` for a ``kernel`` launch with these masks and dropout, on inputs TMA can load or not
+    (``tma_can_load``)."""
+    return configs.plan(kernel, dtype, head_dim, launch_target(device), allow_tf32=allow_tf32,
+                        tma_addressable=tma_loadable, light=masks.light(dropout_p), packed=masks.packed)

@@ -7,7 +7,7 @@ import triton.language as tl
 
 from .configs import head_dim_bucket
 from .jit import _batch_head, _dot, _mask_scores, _real_rows, _sequence, _tile_mask, _tma_tile
-from .launch import LOG2E, Layout, MaskArgs, grid, plan_launch, tiles_of
+from .launch import LOG2E, Layout, MaskArgs, grid, plan_launch, tiles_of, tma_can_load
 
 Tensor = torch.Tensor
 
@@ -75,7 +75,7 @@ def launch_weights(q: Tensor, k: Tensor, lse: Tensor, weights: Tensor, layout: L
                    scale: float) -> None:
     """The probabilities kernel, writing ``weights`` ``[B, H, Lq, Lk]`` (dense inputs only)."""
     block_d = head_dim_bucket(layout.head_dim)
-    plan = plan_launch("weights", (q, k), layout.head_dim, masks, 0.0, allow_tf32=False)
+    plan = plan_launch("weights", q.dtype, q.device, layout.head_dim, masks, 0.0, False, tma_can_load((q, k)))
     tile, use_tma = plan.tile, plan.use_tma
     tiles = triton.cdiv(layout.n_queries, tile.block_m) * triton.cdiv(layout.n_keys, tile.block_n)
     attention_weights_kernel[grid(tiles, layout.batch, layout.heads)](
