@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ._env import computed_once, constant_for_compile, triton_interpreting  # noqa: F401 (the switch's facts)
+from ._env import computed_once, constant_for_compile, triton_interpreting
 
 BACKENDS = ("auto", "triton", "cpu", "reference")
 ENV_VAR = "FUSED_TRANSFORMER_BACKEND"

@@ -2,8 +2,9 @@
 
 Every backend implements the same contract (``fused_transformer.contract``), so the checks run here are the only
 ones a user meets for shapes, dtypes and devices; the kernels' launchers add only the limits of their own
-hardware path. After them each attention op hands its backend one ``AttentionSpec`` (causal alignment, window,
-dropout, scale resolved) and returns what was asked of the ``(out, lse)`` it gets back.
+hardware path. After them each op hands its backend the call's tensors and one spec of everything else, checked
+and resolved (``AttentionSpec``: causal alignment, window, dropout, scale; ``LayerNormSpec``, ``FeedForwardSpec``);
+the attention ops return what was asked of the ``(out, lse)`` they get back.
 
 Under ``torch.autocast`` the ops follow autocast's own policy for what they replace: ``attention``,
 ``attention_weights`` and ``feed_forward`` (matrix products) run in the autocast dtype, ``layer_norm`` in

@@ -1,4 +1,6 @@
 """Bad input gets a clear ValueError/TypeError naming the argument, from every public op, on every backend."""
+import inspect
+
 import pytest
 import torch
 
@@ -90,3 +92,18 @@ def test_feed_forward_rejects_bad_input():
         ft.feed_forward(x, w1, b1, w2, b2, activation="swish")
     with pytest.raises(ValueError, match="dropout_p=1"):
         ft.feed_forward(x, w1, b1, w2, b2, dropout_p=1)
+
+
+@pytest.mark.parametrize("op, options", [
+    (ft.functional.attention, ft.contract.ATTENTION_OPTIONS),
+    (ft.functional.attention_varlen, ft.contract.ATTENTION_VARLEN_OPTIONS),
+    (ft.functional.attention_weights, ft.contract.ATTENTION_WEIGHTS_OPTIONS),
+    (ft.functional.layer_norm, ft.contract.LAYER_NORM_OPTIONS),
+    (ft.functional.feed_forward, ft.contract.FEED_FORWARD_OPTIONS),
+], ids=lambda x: getattr(x, "__name__", ""))
+def test_kernel_level_options_are_functionals_keyword_arguments(op, options):
+    """The kernel-level entries take functional's keyword arguments as **options, with the defaults the contract
+    lists: the two must name the same arguments with the same defaults."""
+    keyword_only = {name: p.default for name, p in inspect.signature(op).parameters.items()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert keyword_only == options

@@ -21,7 +21,6 @@ would; the header says so. Nothing else uses them.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import math
 import os
 import platform
@@ -37,6 +36,7 @@ import fused_transformer as ft
 from fused_transformer import backend
 from fused_transformer.interrupts import Interrupted
 from fused_transformer.tools.check_cases import CHECKS, DTYPES, QUICK_DTYPES, Case, Results, build_cases
+from fused_transformer.tools.provenance import package_version
 from fused_transformer.tools.numerics import (
     ATOL_FLOOR, FACTOR, Verdict, interpreter_rounds_to_nearest, judge, unwritten_elements_are_nan,
 )
@@ -97,13 +97,6 @@ def _describe_backend(name: str, device: torch.device) -> str:
     return "reference (plain PyTorch, the baseline)"
 
 
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 @dataclass
 class Row:
     """One check: an op or module, on one backend, in one dtype, on one case of the grid."""
@@ -146,7 +139,7 @@ def _header(device: torch.device, quick: bool, status: Dict[str, Optional[str]],
     threads = f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else ""
     lines = [
         f"fused_transformer {ft.__version__} check ({'quick' if quick else 'full'} grid): torch {torch.__version__}, "
-        f"triton {_version('triton')}, python {platform.python_version()}, device {device}{threads}",
+        f"triton {package_version('triton')}, python {platform.python_version()}, device {device}{threads}",
         "backends: " + "; ".join(_describe_backend(n, device) for n in requested if status[n] is None),
     ]
     for name in BACKENDS:

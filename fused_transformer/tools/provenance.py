@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import importlib.metadata
 import os
 import platform
 import re
@@ -79,14 +80,16 @@ def machine(device: Optional[torch.device] = None) -> str:
     return f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
 
 
-def versions() -> str:
+def package_version(package: str) -> str:
+    """An installed package's version, without importing it (importing triton would fix the interpreter switch)."""
     try:
-        import triton
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    return f"torch {torch.__version__}, triton {triton_version}, python {platform.python_version()}"
+
+def versions() -> str:
+    return f"torch {torch.__version__}, triton {package_version('triton')}, python {platform.python_version()}"
 
 
 def header(title: str, what: str, command: Sequence[str], device: Optional[torch.device] = None) -> List[str]:
