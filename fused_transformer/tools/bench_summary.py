@@ -27,7 +27,7 @@ def recap(rows: Sequence[Row]) -> List[str]:
             speedups = [float(r["speedup"]) for r in ours]
             baseline = ours[0]["baseline"]
             lines.append(f"{suite}: ours / {baseline} {statistics.median(speedups):.2f}x median "
-                         f"({min(speedups):.2f}x - {max(speedups):.2f}x) over {len(ours)} cases")
+                         f"({min(speedups):.2f}x - {max(speedups):.2f}x) over {len(ours)} case{'s' if len(ours) > 1 else ''}")
     return lines
 
 
