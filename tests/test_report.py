@@ -149,6 +149,23 @@ def test_report_command_exits_1_when_a_compilation_fails(results, monkeypatch, c
     assert "1 failed" in capsys.readouterr().out
 
 
+def test_report_writes_its_markdown_with_where_it_comes_from(results, monkeypatch, tmp_path, capsys):
+    from fused_transformer.__main__ import main
+    from fused_transformer.tools import provenance
+
+    monkeypatch.setattr(report, "compile_all", lambda jobs, modules: results)
+    path = tmp_path / "report.md"
+    assert main(["report", "--markdown", str(path)]) == 0
+    text = path.read_text()
+    assert text.startswith("# AOT resource report\n") and f"report --markdown {path}" in text
+    assert provenance.recorded_fingerprint(text.splitlines()) == provenance.fingerprint("report")
+    assert f"{len(results)} compilations, 0 failed" in text
+    assert "| attention_fwd | bf16/D64/" in text and "| layer_norm_bwd | BLOCK_N=16384,CTAS=2 | sm_90 |" in text
+    with pytest.raises(SystemExit) as exc:  # the markdown covers every module
+        main(["report", "--markdown", str(path), "--module", report.KERNEL_MODULES[0]])
+    assert exc.value.code == 2 and "--markdown writes the report of every module" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------ SASS figures, real kernels
 
 
