@@ -1,17 +1,24 @@
 """Install fused_transformer; the Triton code in kernels/ ships as fused_transformer.kernels, and the C++ CPU
 kernels in csrc/ build into fused_transformer._C when torch and a C++ compiler are present at build time.
 
-torch is deliberately not pinned: GPU users bring the build that matches their CUDA. Building the extension
-against the installed torch needs ``pip install --no-build-isolation`` (pip's isolated build environment
-would fetch a separate, possibly CUDA, torch). Without torch or a compiler the package installs without the
-extension and falls back to the PyTorch reference on CPU.
+torch is deliberately not pinned: GPU users bring the build that matches their CUDA, and with it the Triton that
+build pins. The floors are the oldest pair CI tests (torch 2.11 with its Triton 3.6; kernels/toolchain.py).
+Building the extension against the installed torch needs ``pip install --no-build-isolation`` (pip's isolated
+build environment would fetch a separate, possibly CUDA, torch). Without torch or a compiler the package installs
+without the extension and falls back to the PyTorch reference on CPU.
 """
 import glob
 import os
 import shutil
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
+
+TORCH_FLOOR = "torch>=2.11"
+TRITON_FLOOR = "triton>=3.6"
+# Every package under fused_transformer/, and the Triton code under kernels/ as fused_transformer.kernels.
+PACKAGES = (["fused_transformer", *(f"fused_transformer.{p}" for p in find_packages("fused_transformer")),
+             "fused_transformer.kernels", *(f"fused_transformer.kernels.{p}" for p in find_packages("kernels"))])
 
 
 def _cpu_extension():
@@ -66,15 +73,15 @@ setup(
     description="Fused attention, LayerNorm and feed-forward kernels with drop-in torch.nn Transformer modules",
     long_description=open("README.md", encoding="utf-8").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    python_requires=">=3.9",
-    packages=["fused_transformer", "fused_transformer.kernels", "fused_transformer.models", "fused_transformer.tools"],
+    python_requires=">=3.10",
+    packages=PACKAGES,
     package_dir={"fused_transformer": "fused_transformer", "fused_transformer.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    install_requires=["torch>=2.1", "numpy", "tqdm"],
+    install_requires=[TORCH_FLOOR, "numpy", "tqdm"],
     extras_require={
-        "triton": ["triton>=3.0"],
-        "test": ["pytest>=7", "triton>=3.0", "numpy", "matplotlib"],
+        "triton": [TRITON_FLOOR],
+        "test": ["pytest>=7", TRITON_FLOOR, "numpy", "matplotlib"],
         "bench": ["pytest-benchmark", "matplotlib"],
     },
 )

@@ -77,10 +77,12 @@ def use_backend(name: str) -> Iterator[None]:
 def triton_unavailable_reason() -> Optional[str]:
     """None when the Triton kernels can be imported, else why not."""
     try:
-        importlib.import_module("triton")
+        triton = importlib.import_module("triton")
     except ImportError as exc:
         return f"triton is not installed ({exc}); pip install triton"
-    return None
+    from .kernels.toolchain import unsupported_reason
+
+    return unsupported_reason(triton.__version__)
 
 
 @computed_once

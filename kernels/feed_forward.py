@@ -33,6 +33,7 @@ from ._common import (
 )
 from .aot import AotKernel
 from .targets import TARGETS, Target, target_of
+from .toolchain import TRITON_3_7, Version, installed
 
 Tensor = torch.Tensor
 
@@ -177,6 +178,12 @@ MATMUL_CONFIGS = {
     ("sm_80", torch.bfloat16, True): MatmulConfig(128, 64, 32, 8, 8, 4),
     ("sm_80", torch.float32, True): MatmulConfig(64, 64, 32, 8, 4, 3),
 }
+# (Triton releases, generation, dtype, fused epilogue) -> the config that replaces MATMUL_CONFIGS' there: an older
+# register allocator spills some of the tiles tuned under 3.9 (kernels/toolchain.py). sm_90's float32 weight-gradient
+# product stacks 8 B under 3.7 with 32-wide K steps; 16-wide ones keep its output tile and compile clean.
+RELEASE_CONFIGS = {
+    (TRITON_3_7, "sm_90", torch.float32, False): MatmulConfig(128, 64, 16, 8, 8, 3),
+}
 INTERPRETER_CONFIG = MatmulConfig(64, 64, 64, 8, 1, 1)
 
 
@@ -190,10 +197,21 @@ def config_name(cfg: MatmulConfig) -> str:
             f"_w{cfg.num_warps}_s{cfg.num_stages}")
 
 
+def matmul_config_for(generation: str, dtype: torch.dtype, fused_epilogue: bool,
+                      triton: Optional[Version] = None) -> MatmulConfig:
+    """The tile config of a ``generation`` GPU's product in ``dtype`` under Triton release ``triton`` (default: the
+    installed one): ``RELEASE_CONFIGS``' where one holds for that release, else ``MATMUL_CONFIGS``'."""
+    version = installed() if triton is None else triton
+    for (releases, *key), cfg in RELEASE_CONFIGS.items():
+        if tuple(key) == (generation, dtype, fused_epilogue) and version in releases:
+            return cfg
+    return MATMUL_CONFIGS[(generation, dtype, fused_epilogue)]
+
+
 def matmul_config(device: torch.device, dtype: torch.dtype, fused_epilogue: bool) -> MatmulConfig:
     if interpreting():
         return INTERPRETER_CONFIG
-    return MATMUL_CONFIGS[(generation_of(target_of(device)), dtype, fused_epilogue)]
+    return matmul_config_for(generation_of(target_of(device)), dtype, fused_epilogue)
 
 
 def _matmul(
@@ -350,9 +368,10 @@ def feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Op
 # ------------------------------------------------------------------------------------------------------ AOT
 
 
-def aot_configs() -> List[AotKernel]:
-    """Every matmul variant the op launches on a GPU, for each (generation, dtype) config, with the memory
-    layouts of the real calls (unit strides as constants) and GELU, the costliest activation."""
+def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
+    """Every matmul variant the op launches on a GPU with Triton release ``triton`` (default: the installed one),
+    for each (generation, dtype) config, with the memory layouts of the real calls (unit strides as constants) and
+    GELU, the costliest activation."""
     # (variant, fused epilogue, epilogue constexprs, A's unit stride, B's unit stride)
     variants = (
         ("linear1_fwd", True, {"HAS_BIAS": True, "ACTIVATION": "gelu", "ACTIVATION_GRAD": False, "STORE_PRE": True,
@@ -368,7 +387,8 @@ def aot_configs() -> List[AotKernel]:
     )
     type_names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
     configs = []
-    for (generation, dtype, fused), cfg in MATMUL_CONFIGS.items():
+    for generation, dtype, fused in MATMUL_CONFIGS:
+        cfg = matmul_config_for(generation, dtype, fused, triton)
         ptr = "*" + type_names[dtype]
         for variant, variant_fused, epilogue, unit_a, unit_b in variants:
             if variant_fused != fused:

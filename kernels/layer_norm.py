@@ -17,8 +17,9 @@ a second small kernel (``sum_rows``) adds the partials in a fixed order: determi
 have (stack frames of 100..270 bytes), so rows wider than 8192 (``bwd_launch``) are held by a cluster of two
 blocks on sm_90 and later, each holding half the row with 128 registers a thread, the row sums reduced across the
 pair through distributed shared memory (Triton's ``num_ctas``; one program as the kernel sees it). Before sm_90
-(no clusters) they are split over programs of 8192 columns (SPLIT_COLS), each of which also reads the row's other
-block to get the row sums. ``python -m fused_transformer report`` checks the shipped configs.
+(no clusters), and where the installed Triton cannot build the cluster launch (``toolchain.cluster_launches``),
+they are split over programs of 8192 columns (SPLIT_COLS), each of which also reads the row's other block to get
+the row sums. ``python -m fused_transformer report`` checks the shipped configs.
 
 Bytes moved per element of z (element size s: 2 for bf16, 4 for fp32): read dy and z, write dx (3s), plus dz (s)
 and dresidual (s) when present; with SPLIT_COLS over C column blocks dy and z are read C times (+2s(C - 1)).
@@ -43,7 +44,8 @@ from ._common import (
     dropout_keep, interpreting, sum_rows,
 )
 from .aot import AotKernel
-from .targets import TARGETS, target_of
+from .targets import TARGETS, Target, target_of
+from .toolchain import Version, cluster_launches, installed
 
 Tensor = torch.Tensor
 
@@ -262,12 +264,18 @@ def bwd_launch(n_cols: int, clusters: bool) -> BwdLaunch:
     return BwdLaunch(MAX_BWD_BLOCK, triton.cdiv(n_cols, MAX_BWD_BLOCK), 1, warps_for(MAX_BWD_BLOCK))
 
 
+def clusters_on(target: Target, triton: Optional[Version] = None) -> bool:
+    """Whether the backward launches clusters on ``target`` when compiled by Triton release ``triton`` (default:
+    the installed one): the GPU must have them and that Triton must build the launch."""
+    return target.clusters and cluster_launches(installed() if triton is None else triton)
+
+
 def launches_clusters(device: torch.device) -> bool:
     """Whether the backward may launch clusters on ``device`` (under the interpreter, which runs a program's
     blocks as one: when CLUSTERS_UNDER_INTERPRETER, for the tests)."""
     if interpreting():
         return CLUSTERS_UNDER_INTERPRETER
-    return device.type == "cuda" and target_of(device).clusters
+    return device.type == "cuda" and clusters_on(target_of(device))
 
 
 CLUSTERS_UNDER_INTERPRETER = False
@@ -439,9 +447,10 @@ AOT_BLOCK_SIZES = tuple(2**i for i in range(4, 15))  # 16 .. 16384, every bucket
 
 
 
-def aot_configs() -> List[AotKernel]:
-    """Every LayerNorm kernel this module launches on a GPU, one per block-size bucket, in bfloat16 with all
-    features on (the largest register footprint), plus the partial-sum reduction."""
+def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
+    """Every LayerNorm kernel this module launches on a GPU with Triton release ``triton`` (default: the installed
+    one), one per block-size bucket, in bfloat16 with all features on (the largest register footprint), plus the
+    partial-sum reduction."""
     fwd_signature = {
         "X": "*bf16", "RESIDUAL": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "Z": "*bf16",
         "MEAN": "*fp32", "RSTD": "*fp32", "stride_x_row": "i32", "stride_res_row": "i32", "stride_y_row": "i32",
@@ -463,11 +472,11 @@ def aot_configs() -> List[AotKernel]:
             num_stages=1,
         ))
     # Every launch bwd_launch gives, for the targets that take it: whole rows up to MAX_BWD_BLOCK everywhere, wider
-    # ones on a cluster from sm_90 (clusters) and split before.
+    # ones on a cluster from sm_90 (clusters, where this Triton builds them) and split elsewhere.
     targets_of = {}
     for block_n in AOT_BLOCK_SIZES:
         for target in TARGETS:
-            targets_of.setdefault(bwd_launch(block_n, target.clusters), []).append(target.capability)
+            targets_of.setdefault(bwd_launch(block_n, clusters_on(target, triton)), []).append(target.capability)
     for launch, targets in targets_of.items():
         config = f"BLOCK_N={launch.block_n}" + (",SPLIT_COLS" if launch.col_blocks > 1 else "") + (
             f",CTAS={launch.num_ctas}" if launch.num_ctas > 1 else "")

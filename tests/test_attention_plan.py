@@ -6,6 +6,7 @@ import itertools
 import pytest
 import torch
 
+from fused_transformer.kernels import toolchain
 from fused_transformer.kernels.attention import TILE_ROWS, aot, configs, plan
 from fused_transformer.kernels.targets import BY_CAPABILITY, TARGETS, closest_target
 
@@ -34,13 +35,15 @@ def plan_of(kernel, precision, head_dim, target, addressable=True, light=False, 
                 tma_addressable=addressable, light=light, packed=packed)
 
 
-def row_of(kernel, precision, head_dim, target, addressable=True, light=False, packed=False):
+def row_of(kernel, precision, head_dim, target, addressable=True, light=False, packed=False, triton=None):
     tma = configs.takes_tma(kernel, precision, head_dim) and addressable and target.tma
-    return configs.find_row(kernel, precision, head_dim, target.capability, tma, light, packed)
+    return configs.find_row(kernel, precision, head_dim, target.capability, tma, light, packed,
+                            triton or toolchain.installed())
 
 
 def test_every_launch_finds_a_row_and_every_row_is_picked():
-    picked = {row_of(*launch) for launch in launches()}
+    """Under every tested Triton release (kernels/toolchain.py), and some release picks each row."""
+    picked = {row_of(*launch, triton=version) for launch in launches() for version in toolchain.TESTED}
     assert picked == set(TILE_ROWS), [row for row in TILE_ROWS if row not in picked]
     assert len(set(TILE_ROWS)) == len(TILE_ROWS)
 
@@ -100,7 +103,7 @@ def test_tf32_falls_back_to_float32_rows_where_it_has_none():
         if row.precision == "fp32":
             assert not any(r.serves(kernel, "tf32", configs.head_dim_bucket(head_dim), target.capability,
                                     plan_of(kernel, "tf32", head_dim, target, addressable).use_tma, light,
-                                    "packed" if packed else "dense") for r in TILE_ROWS)
+                                    "packed" if packed else "dense", toolchain.installed()) for r in TILE_ROWS)
         assert plan_of(kernel, precision, head_dim, target, addressable, light, packed).dot_precision == "tf32"
 
 
@@ -184,7 +187,10 @@ def test_the_report_compiles_the_two_loop_path_off_exactly_where_the_plan_turns_
 
 @pytest.mark.parametrize("kernel", configs.KERNELS)
 def test_every_row_is_compiled(kernel):
-    compiled = {(k.config.split("/")[0], int(k.config.split("/")[1][1:]), k.config.split("/")[2], target)
-                for k in aot.aot_configs() if k.name == f"attention_{kernel}" for target in k.targets}
+    """Each row is compiled by the report of some tested Triton release it holds for."""
+    compiled = {(version, k.config.split("/")[0], int(k.config.split("/")[1][1:]), k.config.split("/")[2], target)
+                for version in toolchain.TESTED for k in aot.aot_configs(triton=version)
+                if k.name == f"attention_{kernel}" for target in k.targets}
     for row in (row for row in TILE_ROWS if row.kernel == kernel):
-        assert any((row.precision, d, str(row.tile), t) in compiled for d in row.head_dims for t in row.targets), row
+        assert any((version, row.precision, d, str(row.tile), t) in compiled for version in toolchain.TESTED
+                   if version in row.tritons for d in row.head_dims for t in row.targets), row

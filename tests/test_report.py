@@ -96,7 +96,8 @@ def test_layer_norm_configs_do_not_depend_on_the_interpreter():
 
 def test_feed_forward_configs_cover_every_matmul_config():
     configs = feed_forward.aot_configs()
-    for (generation, dtype, fused), cfg in feed_forward.MATMUL_CONFIGS.items():
+    for generation, dtype, fused in feed_forward.MATMUL_CONFIGS:
+        cfg = feed_forward.matmul_config_for(generation, dtype, fused)
         described = feed_forward.config_name(cfg)
         targets = tuple(t.capability for t in TARGETS if feed_forward.generation_of(t) == generation)
         matching = [k for k in configs if k.config.endswith(described) and k.config.startswith(generation)

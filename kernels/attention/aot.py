@@ -1,11 +1,12 @@
 """What the AOT report compiles of the attention kernels: every tile ``configs.plan`` picks for each target, in
 each feature set a launch runs with (``VARIANTS``), with the loads the plan picks there."""
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..aot import AotKernel
 from ..targets import TARGETS
+from ..toolchain import Version
 from . import configs
 from .bwd import attention_dkdv_kernel, attention_dq_kernel
 from .fwd import attention_fwd_kernel
@@ -70,13 +71,15 @@ def config_name(precision: str, head_dim: int, tile: configs.Tile, variant: str,
     return f"{precision}/D{head_dim}/{tile}{variant}{'/tma' if use_tma else ''}"
 
 
-def _plans(kernel: str, precision: str, head_dim: int, variant: Variant) -> Dict[tuple, List[int]]:
-    """(plan, targets picking it) for a launch of ``variant``'s features, as each target's launcher plans it."""
+def _plans(kernel: str, precision: str, head_dim: int, variant: Variant,
+           triton: Optional[Version]) -> Dict[tuple, List[int]]:
+    """(plan, targets picking it) for a launch of ``variant``'s features, as each target's launcher plans it under
+    Triton release ``triton``."""
     picked: Dict[configs.Plan, List[int]] = {}
     for target in TARGETS:
         def plan(light: bool) -> configs.Plan:
             return configs.plan(kernel, DTYPES[precision], head_dim, target, allow_tf32=precision == "tf32",
-                                light=light, packed=variant.packed)
+                                light=light, packed=variant.packed, triton=triton)
 
         chosen = plan(variant.light)
         if variant.unless_tiles_of is not None and chosen.tile == plan(False).tile:
@@ -85,9 +88,10 @@ def _plans(kernel: str, precision: str, head_dim: int, variant: Variant) -> Dict
     return picked
 
 
-def aot_configs() -> List[AotKernel]:
-    """Every attention kernel x tile config the launchers pick on a GPU, in bfloat16 (16-bit tiles), float32 and
-    float32 with tf32 products, for the targets that pick it, in each variant of ``VARIANTS``."""
+def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
+    """Every attention kernel x tile config the launchers pick on a GPU with Triton release ``triton`` (default: the
+    installed one), in bfloat16 (16-bit tiles), float32 and float32 with tf32 products, for the targets that pick it,
+    in each variant of ``VARIANTS``."""
     shipped = []
     for kernel in configs.KERNELS:
         for bits_precision in ("bf16", "fp32"):
@@ -100,7 +104,7 @@ def aot_configs() -> List[AotKernel]:
                     for variant in VARIANTS:
                         if kernel not in variant.kernels:
                             continue
-                        for plan, targets in _plans(kernel, precision, head_dim, variant).items():
+                        for plan, targets in _plans(kernel, precision, head_dim, variant, triton).items():
                             shipped.append(_aot_kernel(kernel, precision, head_dim, variant, plan, tuple(targets)))
     return shipped
 

@@ -31,6 +31,7 @@ import torch
 import triton
 
 from ..targets import LARGE_SHARED_MEMORY, TARGETS, Target
+from ..toolchain import BEFORE_3_9, EVERY_RELEASE, TRITON_3_6, Version, VersionRange, installed
 
 KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", "weights")
 PRECISIONS = ("bf16", "fp32", "tf32")
@@ -73,6 +74,7 @@ class TileRow:
     layouts: Tuple[str, ...] = BOTH  # the layouts the row serves
     interior_loop: Tuple[str, ...] = BOTH  # the layouts whose two-loop path compiles without spills
     interior_loop_tma: Optional[Tuple[str, ...]] = None  # the same through TMA, where it differs (loads="any" rows)
+    tritons: VersionRange = EVERY_RELEASE  # the Triton releases the row holds for (kernels/toolchain.py)
 
     def interior_loop_for(self, tma: bool, packed: bool) -> bool:
         """Whether a launch with these loads and layout may run the two-loop path with this row's tile."""
@@ -80,10 +82,10 @@ class TileRow:
         return ("packed" if packed else "dense") in layouts
 
     def serves(self, kernel: str, precision: str, head_dim: int, target: int, tma: bool, light: bool,
-               layout: str) -> bool:
+               layout: str, triton: Version) -> bool:
         return (self.kernel == kernel and self.precision == precision and head_dim in self.head_dims
                 and target in self.targets and self.loads in ("any", "tma" if tma else "pointer")
-                and (light or not self.light) and layout in self.layouts)
+                and (light or not self.light) and layout in self.layouts and triton in self.tritons)
 
 
 def _rows(kernel: str, precision: str, tiles: dict, **options) -> Tuple[TileRow, ...]:
@@ -91,60 +93,111 @@ def _rows(kernel: str, precision: str, tiles: dict, **options) -> Tuple[TileRow,
     return tuple(TileRow(kernel, precision, (head_dim,), Tile(*tile), **options) for head_dim, tile in tiles.items())
 
 
+def _older(kernel: str, precision: str, head_dim: int, tile: Tuple[int, int, int, int], **options) -> TileRow:
+    """A row for Triton 3.6-3.8 only, standing before the row tuned under 3.9 that spills there (its comment says
+    what spilled): the first row that matches is the plan, so older releases take this one and 3.9 the next."""
+    return TileRow(kernel, precision, (head_dim,), Tile(*tile), tritons=BEFORE_3_9, **options)
+
+
 TILE_ROWS: Tuple[TileRow, ...] = (
     # 1. float32 with tf32 products. sm_90's forward through TMA runs 128 query rows as wgmma (HGMMA...TF32).
+    _older("fwd", "tf32", 64, (128, 64, 8, 1), targets=HOPPER, loads="tma"),  # BM128_BN64_w8_s2 spills 16 B under 3.7
     *_rows("fwd", "tf32", {64: (128, 64, 8, 2), 128: (128, 32, 8, 2)}, targets=HOPPER, loads="tma"),
     *_rows("fwd", "tf32", {16: (16, 32, 4, 1), 32: (32, 32, 4, 1)}),
+    # BM16_BN32_w4_s1 spills 8-16 B under 3.6, 3.7, 3.8:
+    _older("bwd_dq", "tf32", 16, (16, 32, 4, 1), targets=(86, 89, 90), interior_loop=()),
     *_rows("bwd_dq", "tf32", {16: (16, 32, 4, 1), 64: (16, 32, 8, 1)}),
     TileRow("bwd_dq", "tf32", (128,), Tile(16, 16, 8, 1), interior_loop=("dense",)),  # packed: 8 B
+    # BM16_BN32_w4_s1 spills 8-16 B under 3.6, 3.7, 3.8:
+    _older("bwd_dkdv", "tf32", 16, (16, 32, 8, 1), targets=(86, 89, 90), interior_loop=("packed",)),
     TileRow("bwd_dkdv", "tf32", (16,), Tile(16, 32, 4, 1), interior_loop=("packed",)),  # dense: 8-16 B
     TileRow("bwd_dkdv", "tf32", (32,), Tile(16, 32, 8, 1)),
+    # BM16_BN16_w8_s1 spills 8 B under 3.6, 3.7, 3.8:
+    _older("bwd_dkdv", "tf32", 64, (16, 16, 4, 1), targets=SMALL_SHARED_MEMORY, interior_loop=("packed",)),
     TileRow("bwd_dkdv", "tf32", (64,), Tile(16, 16, 8, 1), interior_loop=("packed",)),  # dense: 8-16 B
+    _older("bwd_dkdv", "tf32", 128, (32, 32, 8, 2), interior_loop=()),  # BM16_BN16_w8_s1 spills 8-16 B under 3.6, 3.7
     TileRow("bwd_dkdv", "tf32", (128,), Tile(16, 16, 8, 1), interior_loop=()),  # 8-16 B
     # 2. 99 KB parts.
+    _older("fwd", "bf16", 64, (128, 32, 8, 2), targets=SMALL_SHARED_MEMORY),  # BM128_BN64_w8_s2 spills 208 B under 3.6
     *_rows("fwd", "bf16", {32: (128, 64, 8, 2), 64: (128, 64, 8, 2)}, targets=SMALL_SHARED_MEMORY),
+    # BM32_BN32_w8_s2 spills 8 B under 3.6:
+    _older("bwd_dkdv", "fp32", 16, (32, 64, 8, 1), targets=SMALL_SHARED_MEMORY, interior_loop=()),
     TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 2), targets=SMALL_SHARED_MEMORY, interior_loop=()),  # 32-48 B
     # 3. sm_90 through TMA. Light packed launches, where the light tiles below spill for packed sequences (which
     # zero a q / do tile's rows past their sequence in registers).
     TileRow("fwd", "bf16", (128,), Tile(128, 64, 8, 3), targets=HOPPER, loads="tma", light=True, layouts=("packed",)),
     TileRow("bwd_dkdv", "bf16", (64,), Tile(32, 128, 8, 2), targets=HOPPER, loads="tma", light=True,
             layouts=("packed",)),
+    # BM32_BN128_w8_s2 spills 8 B under 3.6:
+    _older("bwd_dkdv", "bf16", 128, (32, 128, 8, 1), targets=HOPPER, loads="tma", light=True, layouts=("packed",),
+           interior_loop=()),
     TileRow("bwd_dkdv", "bf16", (128,), Tile(32, 128, 8, 2), targets=HOPPER, loads="tma", light=True,
             layouts=("packed",), interior_loop=()),  # 328 B
     # Light launches: every HGMMA N >= 64 or the head dim.
+    # BM128_BN128_w8_s3 spills 16-24 B under 3.6, 3.7:
+    _older("fwd", "bf16", 128, (128, 64, 8, 3), targets=HOPPER, loads="tma", light=True),
     *_rows("fwd", "bf16", {16: (128, 128, 8, 3), 32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 128, 8, 3)},
            targets=HOPPER, loads="tma", light=True),
+    # BM128_BN64_w8_s2 spills 24-120 B under 3.6, 3.7, 3.8:
+    _older("fwd", "bf16", 256, (128, 32, 8, 1), targets=HOPPER, loads="tma", light=True, interior_loop=("dense",)),
     TileRow("fwd", "bf16", (256,), Tile(128, 64, 8, 2), targets=HOPPER, loads="tma", light=True,
             interior_loop=("dense",)),  # packed: 24-120 B
     *_rows("bwd_dq", "bf16", {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 3)},
            targets=HOPPER, loads="tma", light=True),
     TileRow("bwd_dq", "bf16", (256,), Tile(64, 64, 4, 2), targets=HOPPER, loads="tma", light=True,
             layouts=("dense",), interior_loop=()),  # 8 B; packed, these tiles spill 256 B
+    # BM64_BN128_w8_s2 spills 8 B under 3.7:
+    _older("bwd_dkdv", "bf16", 32, (64, 128, 8, 2), targets=HOPPER, loads="tma", light=True, interior_loop=()),
     *_rows("bwd_dkdv", "bf16", {16: (64, 128, 8, 2), 32: (64, 128, 8, 2), 64: (64, 128, 8, 2)}, targets=HOPPER,
            loads="tma", light=True),
     TileRow("bwd_dkdv", "bf16", (128,), Tile(64, 64, 4, 1), targets=HOPPER, loads="tma", light=True,
             interior_loop=()),  # 448 B
     # Any launch: pipelined, with every HGMMA as wide as an attn_mask tile and dropout leave registers for.
+    # BM128_BN64_w8_s2 spills 8-160 B under 3.6, 3.7, 3.8:
+    _older("fwd", "bf16", 128, (128, 32, 8, 2), targets=HOPPER, loads="tma"),
     *_rows("fwd", "bf16", {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 128: (128, 64, 8, 2)}, targets=HOPPER,
            loads="tma"),
+    _older("bwd_dq", "bf16", 16, (128, 32, 4, 1), targets=HOPPER, loads="tma"),  # BM128_BN32_w4_s2 spills 8 B under 3.7
+    # BM128_BN64_w8_s3 spills 8-112 B under 3.6, 3.7, 3.8:
+    _older("bwd_dq", "bf16", 128, (128, 32, 8, 3), targets=HOPPER, loads="tma"),
     *_rows("bwd_dq", "bf16", {16: (128, 32, 4, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 3)}, targets=HOPPER,
            loads="tma"),
+    # BM32_BN128_w8_s2 spills 8-80 B under 3.6, 3.8:
+    _older("bwd_dkdv", "bf16", 64, (32, 128, 8, 1), targets=HOPPER, loads="tma"),
     TileRow("bwd_dkdv", "bf16", (64,), Tile(32, 128, 8, 2), targets=HOPPER, loads="tma"),
     # 4. Every target: the largest tiles that compile without spills with every feature on (float mask, key and
     # query padding, causal, window, dropout) and for packed sequences.
+    _older("fwd", "bf16", 128, (128, 16, 8, 2), targets=SMALL_SHARED_MEMORY),  # BM128_BN32_w8_s2 spills 16 B under 3.6
     *_rows("fwd", "bf16", {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 64, 8, 3), 128: (128, 32, 8, 2)}),
+    # BM32_BN32_w8_s1 spills 16 B under 3.7:
+    _older("fwd", "bf16", 256, (32, 16, 8, 1), targets=HOPPER, interior_loop=("dense",), interior_loop_tma=BOTH),
     TileRow("fwd", "bf16", (256,), Tile(32, 32, 8, 1), interior_loop=("dense",), interior_loop_tma=BOTH),  # 24-120 B
+    _older("fwd", "fp32", 64, (32, 16, 8, 1), targets=HOPPER),  # BM32_BN32_w8_s1 spills 8-16 B under 3.6, 3.8
+    _older("fwd", "fp32", 128, (16, 64, 8, 2)),  # BM32_BN16_w8_s1 spills 8 B under 3.6, 3.8
     *_rows("fwd", "fp32", {16: (64, 32, 8, 2), 32: (64, 32, 8, 2), 64: (32, 32, 8, 1), 128: (32, 16, 8, 1)}),
+    _older("bwd_dq", "bf16", 32, (128, 16, 8, 1), targets=(80, 86, 89)),  # BM128_BN32_w8_s2 spills 8 B under 3.6, 3.7
     *_rows("bwd_dq", "bf16", {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 32, 8, 1), 128: (64, 32, 8, 2)}),
     TileRow("bwd_dq", "bf16", (256,), Tile(32, 32, 8, 1), interior_loop_tma=("dense",)),  # packed through TMA: 680 B
+    _older("bwd_dq", "fp32", 32, (32, 16, 8, 2)),  # BM32_BN32_w8_s2 spills 16 B under 3.6, 3.7, 3.8
     *_rows("bwd_dq", "fp32", {16: (32, 32, 4, 1), 32: (32, 32, 8, 2)}),
+    # BM64_BN32_w8_s2 spills 16-40 B under 3.6:
+    _older("bwd_dq", "fp32", 64, (64, 16, 8, 1), targets=(80, 90), interior_loop=()),
     TileRow("bwd_dq", "fp32", (64,), Tile(64, 32, 8, 2), interior_loop=()),  # 296-336 B
     TileRow("bwd_dq", "fp32", (128,), Tile(16, 16, 8, 1)),
+    _older("bwd_dkdv", "bf16", 16, (32, 64, 8, 1), targets=(80, 86, 89)),  # BM32_BN128_w8_s1 spills 8 B under 3.6, 3.7
+    # BM16_BN64_w8_s1 spills 16-32 B under 3.6, 3.7, 3.8:
+    _older("bwd_dkdv", "bf16", 128, (16, 64, 4, 1), targets=HOPPER),
     *_rows("bwd_dkdv", "bf16", {16: (32, 128, 8, 1), 32: (32, 128, 8, 1), 64: (16, 64, 4, 1), 128: (16, 64, 8, 1)}),
     TileRow("bwd_dkdv", "bf16", (256,), Tile(16, 32, 8, 1), interior_loop_tma=()),  # through TMA: 704-752 B
+    _older("bwd_dkdv", "fp32", 16, (32, 16, 8, 2), interior_loop=()),  # BM32_BN64_w8_s1 spills 8-48 B under 3.6-3.8
     TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 64, 8, 1)),
+    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 1), targets=(80,), interior_loop=(),
+            tritons=TRITON_3_6),  # BM32_BN64_w8_s2 spills 8-40 B under 3.6 (only) on sm_80
     TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 2), interior_loop=()),  # 8-48 B
+    _older("bwd_dkdv", "fp32", 64, (16, 16, 8, 1), targets=(80, 90)),  # BM16_BN32_w8_s1 spills 8-16 B under 3.6, 3.7
+    _older("bwd_dkdv", "fp32", 128, (16, 64, 16, 1), interior_loop=()),  # BM16_BN64_w8_s1 spills 8-24 B under 3.8
     *_rows("bwd_dkdv", "fp32", {64: (16, 32, 8, 1), 128: (16, 64, 8, 1)}),
+    _older("weights", "bf16", 256, (32, 16, 4, 1), targets=SMALL_SHARED_MEMORY),  # BM32_BN32_w4_s1 spills 8 B under 3.6
     *_rows("weights", "bf16", {16: (64, 64, 4, 1), 32: (64, 64, 4, 1), 64: (64, 64, 4, 1), 128: (64, 64, 4, 1),
                                256: (32, 32, 4, 1)}),
     *_rows("weights", "fp32", {16: (64, 64, 4, 1), 32: (64, 64, 4, 1), 64: (64, 64, 8, 1), 128: (32, 32, 8, 1)}),
@@ -198,25 +251,30 @@ def takes_tma(kernel: str, precision: str, head_dim: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)  # launches ask again and again; TILE_ROWS is fixed
-def find_row(kernel: str, precision: str, head_dim: int, target: int, tma: bool, light: bool, packed: bool) -> TileRow:
-    """The first row of ``TILE_ROWS`` that serves this launch (tf32 falls back to exact float32's rows)."""
+def find_row(kernel: str, precision: str, head_dim: int, target: int, tma: bool, light: bool, packed: bool,
+             triton: Version) -> TileRow:
+    """The first row of ``TILE_ROWS`` that serves this launch under Triton release ``triton`` (tf32 falls back to
+    exact float32's rows)."""
     bucket, layout = head_dim_bucket(head_dim), "packed" if packed else "dense"
     for asked in (precision, "fp32") if precision == "tf32" else (precision,):
         for row in TILE_ROWS:
-            if row.serves(kernel, asked, bucket, target, tma, light, layout):
+            if row.serves(kernel, asked, bucket, target, tma, light, layout, triton):
                 return row
     raise ValueError(f"attention: no tile for {kernel} in {precision} at head_dim={head_dim} on sm_{target}")
 
 
 def plan(kernel: str, dtype: torch.dtype, head_dim: int, target: Optional[Target], *, allow_tf32: bool = False,
-         tma_addressable: bool = True, light: bool = False, packed: bool = False) -> Plan:
+         tma_addressable: bool = True, light: bool = False, packed: bool = False,
+         triton: Optional[Version] = None) -> Plan:
     """The plan of a ``kernel`` launch on ``dtype`` inputs of ``head_dim`` on ``target`` (None: the interpreter),
     with products in tf32 or not, inputs that TMA can address or not (``_common.tma_addressable``), light or not
-    (no attn_mask tile, no dropout) and on packed sequences or not."""
+    (no attn_mask tile, no dropout), on packed sequences or not, compiled by Triton release ``triton`` (default:
+    the installed one)."""
     precision = precision_of(dtype, allow_tf32)
     tma = takes_tma(kernel, precision, head_dim) and tma_addressable
     if target is None:
         return Plan(kernel, INTERPRETER_TILE, tma and TMA_UNDER_INTERPRETER, True, "ieee", dtype == torch.bfloat16)
     tma = tma and target.tma
-    row = find_row(kernel, precision, head_dim, target.capability, tma, light, packed)
+    row = find_row(kernel, precision, head_dim, target.capability, tma, light, packed,
+                   installed() if triton is None else triton)
     return Plan(kernel, row.tile, tma, row.interior_loop_for(tma, packed), "tf32" if allow_tf32 else "ieee", False)
