@@ -23,11 +23,13 @@ COMMANDS: Dict[str, str] = {
     "bench": "throughput and memory against torch: a table, a CSV, plots",
     "report": "compile every shipped Triton kernel config without a GPU: registers, spills, shared memory",
     "demo": "train the study notes' Seq2Seq model, fused against torch.nn",
+    "gpu-check": "on a CUDA machine: GPU tests, check, bench, CUDA graphs, determinism, memory; a verdict in --out",
 }
 # The module whose main(argv) runs each command but "all".
 COMMAND_MODULES = {
     "check": "fused_transformer.tools.check", "bench": "fused_transformer.tools.bench",
     "report": "fused_transformer.tools.report", "demo": "fused_transformer.tools.demo",
+    "gpu-check": "fused_transformer.tools.gpu_check",
 }
 INTERRUPTED_STATUS = 130  # 128 + SIGINT
 
@@ -65,7 +67,7 @@ def _check_then_bench(argv: List[str]) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fused_transformer", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="fused_transformer's main job: self-check, benchmark, resource report, Seq2Seq demo.",
+        description="fused_transformer's main job: self-check, benchmark, resource report, Seq2Seq demo, GPU check.",
         epilog="With no command, 'all' runs with the options given (e.g. python -m fused_transformer --quick).\n"
                "Ctrl-C stops any command with one line and exit status 130, keeping what had finished.",
     )

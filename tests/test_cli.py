@@ -1,8 +1,9 @@
-"""``python -m fused_transformer``: argparse help, one spelling per option, unknown commands, and Ctrl-C in every long command: one line on
-stderr saying what was kept, no traceback, exit status 130, and nothing finished is lost."""
+"""``python -m fused_transformer``: argparse help, one spelling per option, unknown commands, and Ctrl-C in every long
+command: one line on stderr saying what was kept, no traceback, exit status 130, and nothing finished is lost."""
 import argparse
 import csv
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,15 +22,15 @@ def test_help_lists_every_command(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m fused_transformer")
-    for command in ("all", "check", "bench", "report", "demo"):
-        assert f"\n    {command} " in out
+    for command in ("all", "check", "bench", "report", "demo", "gpu-check"):
+        assert re.search(rf"^    {command}\s", out, re.M), command  # a long name gets its help on the next line
 
 
 def test_unknown_command_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["chek"])
     assert exc.value.code == 2
-    assert "unknown command 'chek': choose from all, check, bench, report, demo" in capsys.readouterr().err
+    assert "unknown command 'chek': choose from all, check, bench, report, demo, gpu-check" in capsys.readouterr().err
 
 
 def _parsers(monkeypatch):

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Set, TextIO, Tuple
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
+from fused_transformer._progress import tqdm
 
 from ..interrupts import Interrupted, interrupts_held_back
 from .checkpoint import load_checkpoint, model_from_checkpoint, rng_states, save_checkpoint

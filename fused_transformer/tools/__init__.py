@@ -5,6 +5,9 @@
 - ``bench`` (with ``bench_cases``, ``bench_timing``, ``bench_plots``): throughput and memory against torch.
 - ``report``: the ahead-of-time resource report of every shipped Triton kernel config.
 - ``demo``: trains the study notes' Seq2Seq model (``fused_transformer.models``), fused against torch.nn.
+- ``gpu_check`` (with ``gpu_check_parts``, ``gpu_check_graphs``, ``gpu_check_summary``): on a CUDA machine, the
+  GPU tests, ``check``, ``bench``, CUDA graphs, backward determinism and peak memory, each part in a process of
+  its own under a time limit, merged into one verdict.
 """
 import argparse
 import os

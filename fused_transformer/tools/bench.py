@@ -43,7 +43,7 @@ import warnings
 from typing import Dict, Iterator, List, Optional
 
 import torch
-from tqdm import tqdm
+from fused_transformer._progress import tqdm
 
 import fused_transformer as ft
 from fused_transformer.interrupts import Interrupted

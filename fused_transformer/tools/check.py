@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, TextIO, Tuple
 
 import torch
-from tqdm import tqdm
+from fused_transformer._progress import tqdm
 
 import fused_transformer as ft
 from fused_transformer import backend

@@ -1,0 +1,454 @@
+"""The parts of ``python -m fused_transformer gpu-check``, each run in a process of its own by ``gpu_check``:
+
+    python -m fused_transformer.tools.gpu_check_parts --part NAME --out DIR --time-limit SECONDS [--all-tests]
+
+runs one part and writes its record to ``DIR/<part>.json``: ``status`` (passed / failed / timed out / not run),
+``reason``, ``figures`` (what the summary shows), ``command`` and ``output_tail``. What the part runs goes to
+``DIR/<part>.log``.
+
+- ``tests``: pytest on the GPU subset ``GPU_TEST_FILES`` (or the whole suite) of the source checkout beside the
+  package, on the GPU itself (``TRITON_INTERPRET`` removed); its junit XML gives the counts and the failures.
+- ``check``: ``python -m fused_transformer check --device cuda --quick --no-progress``: its summary line and the
+  rows that failed.
+- ``bench``: ``python -m fused_transformer bench --device cuda --quick`` on ``BENCH_SUITES`` into ``DIR/bench``:
+  per shape our time and TFLOP/s (tokens/s) and our speed-up over every other implementation measured.
+- ``graphs``: ``gpu_check_graphs``, in this process: CUDA-graph replay of a training step, backward determinism,
+  peak memory against the sequence length.
+
+An inner command gets the part's limit less ``INNER_MARGIN_S``, so that a part that runs out of time still writes
+what it has (pytest's output, the benchmark rows measured so far) as "timed out".
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ElementTree
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+from fused_transformer.tools.provenance import PACKAGE_ROOT
+
+PARTS = ("tests", "check", "bench", "graphs")
+PASSED, FAILED, TIMED_OUT, NOT_RUN, RUNNING = "passed", "failed", "timed out", "not run", "running"
+FINAL_STATUSES = (PASSED, FAILED, TIMED_OUT, NOT_RUN)
+
+REPO_ROOT = os.path.dirname(PACKAGE_ROOT)
+# The test files that run our kernels and modules on CUDA tensors when there is a GPU (tests/numerics.py's DEVICE,
+# test_edges' device_for, the CUDA-graph test of test_drop_in), plus the two that ask the GPU which target it is.
+GPU_TEST_FILES = (
+    "tests/test_attention_triton.py", "tests/test_attention_varlen_triton.py", "tests/test_layer_norm_triton.py",
+    "tests/test_feed_forward_triton.py", "tests/test_drop_in.py", "tests/test_modules.py", "tests/test_edges.py",
+    "tests/test_backend.py", "tests/test_targets.py",
+)
+BENCH_SUITES = ("attention", "layer_norm", "feed_forward", "encoder_layer")
+COMPETITORS = ("flash_attn", "xformers")
+INNER_MARGIN_S = 30.0
+TAIL_CHARS = 4000
+
+
+# ------------------------------------------------------------------------------------------ records, processes
+
+
+def record_path(out: str, part: str) -> str:
+    return os.path.join(out, f"{part}.json")
+
+
+def log_path(out: str, part: str) -> str:
+    return os.path.join(out, f"{part}.log")
+
+
+def part_record(part: str, status: str, reason: Optional[str] = None, figures: Optional[dict] = None,
+                command: Optional[Sequence[str]] = None, output: str = "") -> dict:
+    """What a part leaves in ``DIR/<part>.json``; ``gpu_check`` adds its duration, limit and environment."""
+    return {"part": part, "status": status, "reason": reason, "figures": figures or {},
+            "command": " ".join(command) if command else None, "output_tail": output[-TAIL_CHARS:]}
+
+
+def write_record(out: str, record: dict) -> None:
+    """Write ``record`` to ``DIR/<part>.json`` whole or not at all (a part killed mid-write leaves the old one)."""
+    path = record_path(out, record["part"])
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def read_record(path: str) -> Optional[dict]:
+    """The record at ``path``, or None when there is none or it is not a record."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "status" in record else None
+
+
+def gpu_environment() -> Dict[str, str]:
+    """The environment the parts run in: the Triton kernels compiled for the GPU, never interpreted."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONUNBUFFERED"] = "1"  # the log shows progress as it happens
+    return env
+
+
+@dataclass
+class Finished:
+    """How a command ended: its exit status (None when stopped at its limit), and what it wrote."""
+
+    returncode: Optional[int]
+    timed_out: bool
+    seconds: float
+    output: str
+
+
+def run_with_limit(command: Sequence[str], limit_s: float, log: str, *, cwd: Optional[str] = None,
+                   env: Optional[Mapping[str, str]] = None, grace_s: float = 5.0) -> Finished:
+    """Run ``command`` in a session of its own, its stdout and stderr appended to the file ``log``. Past ``limit_s``
+    seconds (or when this process is stopped) the whole session, children included, gets SIGTERM, then SIGKILL
+    ``grace_s`` later."""
+    with open(log, "ab") as sink:
+        start = os.fstat(sink.fileno()).st_size
+        started = time.monotonic()
+        proc = subprocess.Popen(list(command), stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=cwd, env=None if env is None else dict(env), start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            if proc.poll() is None:
+                _end_session(proc, grace_s)
+        seconds = time.monotonic() - started
+    with open(log, "rb") as f:
+        f.seek(start)
+        output = f.read().decode(errors="replace")
+    return Finished(None if timed_out else proc.returncode, timed_out, seconds, output)
+
+
+def _end_session(proc: subprocess.Popen, grace_s: float) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:  # what is left of the session: children that outlived or ignored SIGTERM
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+
+
+def parse_junit(path: str, root: Optional[str] = None) -> dict:
+    """Counts (tests, passed, failed, errors, skipped), the failures and errors ({name, kind, message}) and the
+    commonest skip reasons of a pytest junit XML file; names read as pytest's node ids when ``root`` holds them."""
+    counts = Counter()
+    failures: List[dict] = []
+    skips: Counter = Counter()
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        name = _node_id(case.get("classname", ""), case.get("name", ""), root)
+        outcomes = {child.tag: child for child in case if child.tag in ("failure", "error", "skipped")}
+        counts["tests"] += 1
+        for tag, kind in (("failure", "failed"), ("error", "errors")):
+            if tag in outcomes:
+                counts[kind] += 1
+                message = (outcomes[tag].get("message") or outcomes[tag].text or "").strip().splitlines()
+                failures.append({"name": name, "kind": "error" if tag == "error" else "failed",
+                                 "message": (message[0] if message else "")[:300]})
+                break
+        else:
+            if "skipped" in outcomes:
+                counts["skipped"] += 1
+                skips[(outcomes["skipped"].get("message") or "").strip()[:200]] += 1
+            else:
+                counts["passed"] += 1
+    figures = {key: counts[key] for key in ("tests", "passed", "failed", "errors", "skipped")}
+    figures["failures"] = failures
+    figures["skip_reasons"] = [{"reason": reason, "count": n} for reason, n in skips.most_common(10)]
+    return figures
+
+
+def _node_id(classname: str, name: str, root: Optional[str]) -> str:
+    """``tests.test_edges.TestX`` + ``test_y[a]`` -> ``tests/test_edges.py::TestX::test_y[a]``, when that file is
+    in ``root``; else ``classname::name``."""
+    parts = classname.split(".") if classname else []
+    for cut in range(len(parts), 0, -1):
+        path = "/".join(parts[:cut]) + ".py"
+        if root is not None and os.path.isfile(os.path.join(root, path)):
+            return "::".join([path, *parts[cut:], name])
+    return f"{classname}::{name}" if classname else name
+
+
+PROGRESS_LINE = re.compile(r"^(?P<marks>[.FEsxX]+)\s*(\[\s*\d+%\])?\s*$")
+
+
+def pytest_progress(output: str) -> dict:
+    """Counts from ``pytest -q``'s progress lines (one mark per test: . passed, F failed, E error, s skipped,
+    x xfailed, X xpassed): what a run stopped before its junit XML still tells."""
+    marks = "".join(match["marks"] for line in output.splitlines() for match in [PROGRESS_LINE.match(line)] if match)
+    counts = Counter(marks)
+    return {"tests": len(marks), "passed": counts["."] + counts["X"], "failed": counts["F"], "errors": counts["E"],
+            "skipped": counts["s"] + counts["x"], "failures": [], "skip_reasons": []}
+
+
+def tests_part(out: str, limit_s: float, whole_suite: bool = False, root: str = REPO_ROOT) -> dict:
+    """Run the GPU test files (or the whole suite) from ``root`` and judge them by their junit XML."""
+    tests_dir = os.path.join(root, "tests")
+    if not os.path.isfile(os.path.join(tests_dir, "conftest.py")):
+        return part_record("tests", NOT_RUN, f"no tests folder beside the package ({tests_dir}): an installed wheel "
+                           "carries no tests; run gpu-check from a source checkout installed with pip install -e .")
+    if importlib.util.find_spec("pytest") is None:
+        return part_record("tests", NOT_RUN, "pytest is not installed here (gpu-check installs nothing)")
+    files = ["tests"] if whole_suite else [f for f in GPU_TEST_FILES if os.path.isfile(os.path.join(root, f))]
+    missing = [] if whole_suite else [f for f in GPU_TEST_FILES if f not in files]
+    if not files:
+        return part_record("tests", NOT_RUN, f"none of the GPU test files is in {tests_dir}")
+    junit = os.path.join(out, "tests.xml")
+    if os.path.exists(junit):
+        os.remove(junit)
+    command = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "--junitxml", junit]
+    finished = run_with_limit(command, max(limit_s - INNER_MARGIN_S, 1.0), log_path(out, "tests"), cwd=root,
+                              env=gpu_environment())
+    figures: dict = {"files": files, "missing_files": missing, "exit_status": finished.returncode}
+    if os.path.exists(junit):
+        figures.update(parse_junit(junit, root))
+    elif finished.timed_out:  # pytest writes its XML at the end: count its progress lines instead
+        figures.update(pytest_progress(finished.output), partial=True)
+    if finished.timed_out:
+        status, reason = TIMED_OUT, f"pytest ran past {finished.seconds:.0f} s and was stopped"
+    elif "tests" not in figures:
+        status, reason = FAILED, f"pytest wrote no junit XML (exit status {finished.returncode})"
+    elif figures["failed"] or figures["errors"]:
+        status, reason = FAILED, f"{figures['failed']} failed, {figures['errors']} errors"
+    elif finished.returncode != 0 or not figures["tests"]:
+        status, reason = FAILED, f"pytest exit status {finished.returncode} with {figures['tests']} tests"
+    else:
+        status, reason = PASSED, None
+    return part_record("tests", status, reason, figures, command, finished.output)
+
+
+# ------------------------------------------------------------------------------------------------------ check
+
+
+CHECK_SUMMARY = re.compile(r"^summary: (?P<checks>\d+) checks, (?P<failed>\d+) failed.*$", re.M)
+CHECK_ROW = re.compile(r"^\w+\s+(triton|cpu|reference)\s+(float32|float16|bfloat16)\s+.*?\s(?P<result>pass|FAIL|ERROR)"
+                       r"(\s|$)")
+
+
+def parse_check_output(text: str) -> dict:
+    """The counts of a ``check`` run's output, its failing rows and notes; counted from the rows when the summary
+    line is missing (a run stopped midway)."""
+    rows = [(match["result"], line) for line in text.splitlines() for match in [CHECK_ROW.match(line)] if match]
+    failing = [line.rstrip() for result, line in rows if result != "pass"]
+    summary = CHECK_SUMMARY.search(text)
+    checks = int(summary["checks"]) if summary else len(rows)
+    failed = int(summary["failed"]) if summary else len(failing)
+    return {"checks": checks, "passed": checks - failed, "failed": failed, "summary": summary[0] if summary else None,
+            "failing": failing[:50], "notes": [line for line in text.splitlines() if re.match(r"^\[\d+\] ", line)][:20],
+            "backends": next((line for line in text.splitlines() if line.startswith("backends: ")), None)}
+
+
+def check_part(out: str, limit_s: float) -> dict:
+    command = [sys.executable, "-m", "fused_transformer", "check", "--device", "cuda", "--quick", "--no-progress"]
+    finished = run_with_limit(command, max(limit_s - INNER_MARGIN_S, 1.0), log_path(out, "check"),
+                              env=gpu_environment())
+    figures = parse_check_output(finished.output)
+    figures["exit_status"] = finished.returncode
+    if finished.timed_out:
+        status, reason = TIMED_OUT, f"check ran past {finished.seconds:.0f} s and was stopped"
+    elif finished.returncode == 0 and figures["summary"]:
+        status, reason = PASSED, None
+    elif figures["summary"]:
+        status, reason = FAILED, f"{figures['failed']} of {figures['checks']} checks failed"
+    else:
+        status, reason = FAILED, f"check exited with status {finished.returncode} before its summary"
+    return part_record("check", status, reason, figures, command, finished.output)
+
+
+# ------------------------------------------------------------------------------------------------------ bench
+
+
+SHAPE_KEYS = ("suite", "case", "mode", "dtype", "batch", "heads", "seq_len", "head_dim", "d_model", "d_ff")
+
+
+def read_bench_csv(path: str) -> List[Dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _number(text: Optional[str]) -> Optional[float]:
+    try:
+        return float(text) if text not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def bench_shapes(rows: Sequence[Mapping[str, str]]) -> List[dict]:
+    """One entry per measured shape (suite, case, mode, dtype and sizes) of ``bench``'s CSV rows: our ms, TFLOP/s and
+    tokens/s, ``impls`` (the others, in the CSV's order), ``ratios`` {impl: its ms / our ms} (> 1: ours is faster)
+    for every other implementation timed, and ``left_out`` {impl: why} for those that refused or failed the shape."""
+    groups: Dict[tuple, List[Mapping[str, str]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row.get(key, "") for key in SHAPE_KEYS), []).append(row)
+    shapes = []
+    for key, members in groups.items():
+        shape: dict = {k: (int(v) if k in ("batch", "heads", "seq_len", "head_dim", "d_model", "d_ff") and v else v)
+                       for k, v in zip(SHAPE_KEYS, key)}
+        ours = next((row for row in members if row["impl"] == "ours"), None)
+        ours_ms = _number(ours["ms"]) if ours else None
+        shape.update(baseline=members[0].get("baseline", ""), ours_ms=ours_ms, ratios={}, left_out={},
+                     impls=[row["impl"] for row in members if row["impl"] != "ours"],
+                     tflops=_number(ours["tflops"]) if ours else None,
+                     tokens_per_s=_number(ours["tokens_per_s"]) if ours else None)
+        if ours_ms is None:
+            shape["ours_note"] = ours["note"] if ours else "no row for ours"
+        for row in members:
+            ms = _number(row["ms"])
+            if row["impl"] == "ours":
+                continue
+            if ms is None:
+                shape["left_out"][row["impl"]] = row.get("note", "")
+            elif ours_ms:
+                shape["ratios"][row["impl"]] = ms / ours_ms
+        shapes.append(shape)
+    return shapes
+
+
+def ratio_medians(shapes: Sequence[dict]) -> List[dict]:
+    """Per suite and implementation: the median, lowest and highest of our speed-up over it, and over how many
+    shapes."""
+    by_pair: Dict[tuple, List[float]] = {}
+    for shape in shapes:
+        for impl, ratio in shape["ratios"].items():
+            by_pair.setdefault((shape["suite"], impl), []).append(ratio)
+    return [{"suite": suite, "impl": impl, "median": statistics.median(values), "low": min(values),
+             "high": max(values), "shapes": len(values)} for (suite, impl), values in by_pair.items()]
+
+
+def competitor_status(rows: Sequence[Mapping[str, str]], installed: Mapping[str, bool]) -> Dict[str, str]:
+    """flash_attn / xformers: measured, refused, or why there are no rows (said, not silently left out)."""
+    if not any(row["suite"] == "attention" for row in rows):
+        return {}
+    status = {}
+    for name in COMPETITORS:
+        mine = [row for row in rows if row["impl"] == name]
+        if any(_number(row["ms"]) is not None for row in mine):
+            status[name] = f"measured on {sum(_number(row['ms']) is not None for row in mine)} shapes"
+        elif mine:
+            status[name] = f"refused every shape it was offered ({mine[0].get('note', '')})"
+        elif not installed.get(name, False):
+            status[name] = "not installed here, not measured (gpu-check installs nothing)"
+        else:
+            status[name] = "installed, but bench measured no shape with it"
+    return status
+
+
+def bench_figures(rows: Sequence[Mapping[str, str]], installed: Mapping[str, bool]) -> dict:
+    shapes = bench_shapes(rows)
+    return {"shapes": shapes, "medians": ratio_medians(shapes), "competitors": competitor_status(rows, installed)}
+
+
+def _bench_failures(output: str) -> List[str]:
+    """The lines under bench's closing "N failure(s):"."""
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"^\d+ failure\(s\):$", line):
+            return [item.strip() for item in lines[i + 1:] if item.startswith("  ")][:30]
+    return []
+
+
+def bench_part(out: str, limit_s: float) -> dict:
+    folder = os.path.join(out, "bench")
+    command = [sys.executable, "-m", "fused_transformer", "bench", "--device", "cuda", "--quick",
+               *[arg for suite in BENCH_SUITES for arg in ("--suite", suite)], "--out", folder, "--no-progress"]
+    csv_path = os.path.join(folder, "bench_cuda.csv")
+    for stale in (csv_path, csv_path + ".partial"):  # an earlier run's rows must not pass for this one's
+        if os.path.exists(stale):
+            os.remove(stale)
+    finished = run_with_limit(command, max(limit_s - INNER_MARGIN_S, 1.0), log_path(out, "bench"),
+                              env=gpu_environment())
+    installed = {name: importlib.util.find_spec(name) is not None for name in COMPETITORS}
+    figures: dict = {"exit_status": finished.returncode, "failures": _bench_failures(finished.output)}
+    if os.path.exists(csv_path):
+        figures.update(bench_figures(read_bench_csv(csv_path), installed), csv=csv_path)
+    elif os.path.exists(csv_path + ".partial"):
+        partial = csv_path + ".partial"
+        figures.update(bench_figures(read_bench_csv(partial), installed), csv=partial, partial=True)
+    if finished.timed_out:
+        status, reason = TIMED_OUT, f"bench ran past {finished.seconds:.0f} s and was stopped (rows so far kept)"
+    elif "shapes" not in figures:
+        status, reason = FAILED, f"bench wrote no CSV (exit status {finished.returncode})"
+    elif finished.returncode != 0:
+        failed = len(figures["failures"])
+        status, reason = FAILED, (f"{failed} implementation(s) failed on a case" if failed
+                                  else f"bench exit status {finished.returncode}")
+    else:
+        status, reason = PASSED, None
+    return part_record("bench", status, reason, figures, command, finished.output)
+
+
+# ----------------------------------------------------------------------------------------------------- graphs
+
+
+def graphs_part(out: str, limit_s: float) -> dict:
+    """The three GPU checks of ``gpu_check_graphs``, in this process; the record is rewritten (status "running")
+    after each, so that a part stopped at its limit keeps the checks it finished."""
+    from fused_transformer.tools import gpu_check_graphs
+
+    def save(figures: dict) -> None:
+        write_record(out, part_record("graphs", RUNNING, "stopped before its checks finished", figures))
+
+    figures, problems = gpu_check_graphs.run_all(save)
+    return part_record("graphs", FAILED if problems else PASSED, "; ".join(problems) or None, figures)
+
+
+# ---------------------------------------------------------------------------------------------------- the part
+
+
+RUNNERS: Dict[str, Callable[..., dict]] = {"tests": tests_part, "check": check_part, "bench": bench_part,
+                                           "graphs": graphs_part}
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_with_limit, which ends the inner command's session
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run one part and write its record; exit status 0 once written (the record holds the verdict)."""
+    parser = argparse.ArgumentParser(prog="python -m fused_transformer.tools.gpu_check_parts",
+                                     description="one part of gpu-check (which runs this), its record to DIR/PART.json")
+    parser.add_argument("--part", required=True, choices=PARTS, help="the part to run")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the gpu-check folder")
+    parser.add_argument("--time-limit", type=float, default=600.0, metavar="SECONDS",
+                        help="the part's wall-clock limit (default: %(default)s)")
+    parser.add_argument("--all-tests", action="store_true", help="tests: the whole suite, not the GPU subset")
+    args = parser.parse_args(argv)
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        if args.part == "tests":
+            record = tests_part(out, args.time_limit, args.all_tests)
+        else:
+            record = RUNNERS[args.part](out, args.time_limit)
+    except Exception as exc:  # noqa: BLE001 (the record says what broke; the other parts still run)
+        record = part_record(args.part, FAILED, f"{type(exc).__name__}: {str(exc).strip()[:300]}",
+                             output=traceback.format_exc())
+    write_record(out, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
