@@ -10,6 +10,7 @@
   its own under a time limit, merged into one verdict.
 """
 import argparse
+import math
 import os
 
 
@@ -28,3 +29,14 @@ def make_folder(parser: argparse.ArgumentParser, option: str, folder: str) -> No
         parser.error(f"{option}: cannot make its folder {folder} ({exc.strerror})")
     if not os.access(folder, os.W_OK | os.X_OK):
         parser.error(f"{option}: cannot write in the folder {folder}")
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse ``type`` for a number of seconds: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+    return value

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import math
 import os
 import sys
 import time
@@ -47,7 +46,7 @@ from fused_transformer._progress import tqdm
 
 import fused_transformer as ft
 from fused_transformer.interrupts import Interrupted
-from fused_transformer.tools import bench_summary, bench_work, make_folder
+from fused_transformer.tools import bench_summary, bench_work, make_folder, positive_seconds
 from fused_transformer.tools import bench_cases as suites
 from fused_transformer.tools.bench_cases import Case, Setup
 from fused_transformer.tools.bench_plots import plot_suite
@@ -225,16 +224,6 @@ def _lengths(text: str) -> List[int]:
     return values
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
-    return value
-
-
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m fused_transformer bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -248,7 +237,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES, help="default float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--out", default="bench-results", metavar="DIR",
                         help="folder for the CSV and the plots (default: %(default)s)")
-    parser.add_argument("--min-time", type=_positive, metavar="SECONDS",
+    parser.add_argument("--min-time", type=positive_seconds, metavar="SECONDS",
                         help="CPU: seconds each implementation of a case is timed for, at least (default 0.5, 0.2 "
                         "with --quick)")
     parser.add_argument("--backend", default="auto", choices=ft.backend.BACKENDS,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import platform
 import sys
@@ -34,7 +33,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from fused_transformer.interrupts import Interrupted
-from fused_transformer.tools import make_folder
+from fused_transformer.tools import make_folder, positive_seconds
 from fused_transformer.tools.gpu_check_parts import (
     FAILED, NOT_RUN, PARTS, PASSED, RUNNING, TAIL_CHARS, TIMED_OUT, gpu_environment, log_path, part_record, read_record,
     record_path, run_with_limit, write_record,
@@ -156,16 +155,6 @@ def run_parts(parts: Sequence[str], out: str, limits: Mapping[str, float], comma
 # ---------------------------------------------------------------------------------------------------------- CLI
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
-    return value
-
-
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     limits = ", ".join(f"{part} {TIME_LIMITS_S[part]:.0f}" for part in PARTS)
     parser = argparse.ArgumentParser(
@@ -177,7 +166,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                              "%(default)s); parts run in separate invocations into one folder merge there")
     parser.add_argument("--only", action="append", choices=PARTS, metavar="PART",
                         help=f"run only this part (repeatable; one of {', '.join(PARTS)}); default: all four")
-    parser.add_argument("--time-limit", type=_seconds, metavar="SECONDS",
+    parser.add_argument("--time-limit", type=positive_seconds, metavar="SECONDS",
                         help=f"every part's wall-clock limit, with no limit on the whole run (default: {limits} "
                              f"seconds, the whole run held to {TOTAL_LIMIT_S:.0f})")
     parser.add_argument("--all-tests", action="store_true",
