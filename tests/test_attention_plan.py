@@ -66,14 +66,16 @@ def test_99_kb_parts_pick_tiles_that_fit_and_plan_alike():
 
 def test_hopper_tiles_need_tma():
     """sm_90 takes rows of its own only through TMA: inputs TMA cannot address, and exact float32, plan as on
-    sm_80 (the hopper rows spill 72-120 B on the pointer path)."""
+    sm_80 (the hopper rows spill 72-120 B on the pointer path), but where an older Triton's release row for one of
+    the two decides (kernels/toolchain.py: its register allocation differs per target)."""
     for kernel, precision, head_dim, target, addressable, light, packed in launches():
         if target is not HOPPER:
             continue
         hopper = plan_of(kernel, precision, head_dim, HOPPER, addressable, light, packed)
         ampere = plan_of(kernel, precision, head_dim, BY_CAPABILITY[80], addressable, light, packed)
         assert hopper.use_tma == (addressable and configs.takes_tma(kernel, precision, head_dim))
-        if not hopper.use_tma:
+        rows = [row_of(kernel, precision, head_dim, t, addressable, light, packed) for t in (HOPPER, BY_CAPABILITY[80])]
+        if not hopper.use_tma and all(row.tritons.last is None for row in rows):
             assert hopper == ampere, (kernel, precision, head_dim, addressable, light, packed)
     assert configs.TF32_TMA_HEAD_DIMS == (64, 128)
     assert [configs.takes_tma(kernel, "tf32", 64) for kernel in configs.KERNELS] == [True, False, False, False]

@@ -170,7 +170,7 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     _older("fwd", "bf16", 128, (128, 16, 8, 2), targets=SMALL_SHARED_MEMORY),  # BM128_BN32_w8_s2 spills 16 B under 3.6
     *_rows("fwd", "bf16", {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 64, 8, 3), 128: (128, 32, 8, 2)}),
     # BM32_BN32_w8_s1 spills 16 B under 3.7:
-    _older("fwd", "bf16", 256, (32, 16, 8, 1), targets=HOPPER, interior_loop=("dense",), interior_loop_tma=BOTH),
+    _older("fwd", "bf16", 256, (32, 16, 8, 1), targets=HOPPER, loads="tma", interior_loop_tma=BOTH),
     TileRow("fwd", "bf16", (256,), Tile(32, 32, 8, 1), interior_loop=("dense",), interior_loop_tma=BOTH),  # 24-120 B
     _older("fwd", "fp32", 64, (32, 16, 8, 1), targets=HOPPER),  # BM32_BN32_w8_s1 spills 8-16 B under 3.6, 3.8
     _older("fwd", "fp32", 128, (16, 64, 8, 2)),  # BM32_BN16_w8_s1 spills 8 B under 3.6, 3.8
@@ -186,7 +186,7 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     TileRow("bwd_dq", "fp32", (128,), Tile(16, 16, 8, 1)),
     _older("bwd_dkdv", "bf16", 16, (32, 64, 8, 1), targets=(80, 86, 89)),  # BM32_BN128_w8_s1 spills 8 B under 3.6, 3.7
     # BM16_BN64_w8_s1 spills 16-32 B under 3.6, 3.7, 3.8:
-    _older("bwd_dkdv", "bf16", 128, (16, 64, 4, 1), targets=HOPPER),
+    _older("bwd_dkdv", "bf16", 128, (16, 64, 4, 1), targets=HOPPER, loads="tma"),
     *_rows("bwd_dkdv", "bf16", {16: (32, 128, 8, 1), 32: (32, 128, 8, 1), 64: (16, 64, 4, 1), 128: (16, 64, 8, 1)}),
     TileRow("bwd_dkdv", "bf16", (256,), Tile(16, 32, 8, 1), interior_loop_tma=()),  # through TMA: 704-752 B
     _older("bwd_dkdv", "fp32", 16, (32, 16, 8, 2), interior_loop=()),  # BM32_BN64_w8_s1 spills 8-48 B under 3.6-3.8
