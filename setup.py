@@ -16,6 +16,8 @@ from setuptools import find_packages, setup
 
 TORCH_FLOOR = "torch>=2.11"
 TRITON_FLOOR = "triton>=3.6"
+# The transformers release the [hf] extra and the tests are checked against (fused_transformer.integrations).
+TRANSFORMERS_FLOOR = "transformers>=5.23"
 # Every package under fused_transformer/, and the Triton code under kernels/ as fused_transformer.kernels.
 PACKAGES = (["fused_transformer", *(f"fused_transformer.{p}" for p in find_packages("fused_transformer")),
              "fused_transformer.kernels", *(f"fused_transformer.kernels.{p}" for p in find_packages("kernels"))])
@@ -81,7 +83,8 @@ setup(
     install_requires=[TORCH_FLOOR, "numpy", "tqdm"],
     extras_require={
         "triton": [TRITON_FLOOR],
-        "test": ["pytest>=7", TRITON_FLOOR, "numpy", "matplotlib"],
+        "hf": [TRANSFORMERS_FLOOR],
+        "test": ["pytest>=7", TRITON_FLOOR, TRANSFORMERS_FLOOR, "numpy", "matplotlib"],
         "bench": ["pytest-benchmark", "matplotlib"],
     },
 )

@@ -1,7 +1,8 @@
 """fused_transformer: fused attention, LayerNorm and feed-forward kernels behind drop-in torch.nn modules."""
-from . import backend, reference
+from . import backend, integrations, reference
 from .backend import current, set_backend, use_backend
 from .functional import attention, attention_varlen, attention_weights, feed_forward, layer_norm
+from .integrations import sdpa as _sdpa_registry
 from .modules import (
     LayerNorm,
     MultiheadAttention,
@@ -15,9 +16,12 @@ from .modules import (
 
 __version__ = "0.1.0"
 
+# torch's SDPA flash-attention registry gets "fused_transformer" (activated only by the user: integrations/sdpa.py).
+_sdpa_registry.register()
+
 __all__ = [
     "attention", "attention_varlen", "attention_weights", "layer_norm", "feed_forward",
     "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
     "TransformerDecoder", "Transformer", "LayerNorm", "fuse",
-    "backend", "reference", "current", "set_backend", "use_backend",
+    "backend", "reference", "current", "set_backend", "use_backend", "integrations",
 ]

@@ -2,6 +2,7 @@
 and gradients for every mask combination, layout and option (float64: to round-off; float32: to float32
 round-off), on whichever backend ``MODULE_BACKENDS`` lists."""
 import copy
+import logging
 
 import pytest
 import torch
@@ -381,6 +382,26 @@ def test_fuse_leaves_user_subclasses_alone_and_returns_a_swapped_root():
     root = nn.MultiheadAttention(16, 4)
     fused = ft.fuse(root)
     assert type(fused) is ft.MultiheadAttention and fused.in_proj_weight is root.in_proj_weight
+
+
+def test_fuse_says_what_it_swapped(caplog):
+    model = nn.Sequential(nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, batch_first=True), 2,
+                                               enable_nested_tensor=False), nn.Linear(16, 4))
+    with caplog.at_level(logging.INFO, logger="fused_transformer"):
+        fused, summary = ft.fuse(model, return_summary=True)
+    assert fused is model and summary.attn_implementation is None
+    assert summary.swapped == {"TransformerEncoder": 1, "TransformerEncoderLayer": 2, "MultiheadAttention": 2,
+                               "LayerNorm": 4}
+    assert "2 MultiheadAttention" in caplog.text and "4 LayerNorm" in caplog.text
+    with pytest.warns(UserWarning, match="nothing to fuse|no torch.nn Transformer module"):
+        _, again = ft.fuse(model, return_summary=True)  # already fused: nothing left
+    assert again.swapped == {} and str(again) == "nothing to fuse"
+
+
+@pytest.mark.parametrize("not_a_module", [None, "model", [nn.Linear(2, 2)]])
+def test_fuse_refuses_what_is_not_a_module(not_a_module):
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        ft.fuse(not_a_module)
 
 
 @pytest.mark.parametrize("batch,lt,ls", [(1, 1, 1), (1, 1, 5), (2, 4, 1)])

@@ -28,16 +28,16 @@ than a LayerNorm over the last dim, and ``torch.compile`` / ``torch.export`` (pa
 shapes).
 """
 from .attention import MultiheadAttention
-from .base import InputShapeError, fuse
+from .base import FuseSummary, InputShapeError, fuse
 from .layers import LayerNorm, TransformerDecoderLayer, TransformerEncoderLayer
 from .stacks import Transformer, TransformerDecoder, TransformerEncoder
 
 __all__ = [
     "InputShapeError", "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
-    "TransformerDecoder", "Transformer", "LayerNorm", "fuse",
+    "TransformerDecoder", "Transformer", "LayerNorm", "fuse", "FuseSummary",
 ]
 
 # The public classes are fused_transformer.modules.X wherever they are defined (their reprs and pickles say so).
-for _public in (InputShapeError, MultiheadAttention, TransformerEncoderLayer, TransformerDecoderLayer,
+for _public in (FuseSummary, InputShapeError, MultiheadAttention, TransformerEncoderLayer, TransformerDecoderLayer,
                 TransformerEncoder, TransformerDecoder, Transformer, LayerNorm):
     _public.__module__ = __name__

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Callable, Dict, Optional, Type
+import logging
+import sys
+import warnings
+from collections import Counter
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, Type, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+logger = logging.getLogger("fused_transformer")
 
 # torch.nn class -> its fused twin (twin_of registers them).
 _FUSED_TWINS: Dict[Type[nn.Module], Type[nn.Module]] = {}
@@ -93,20 +99,59 @@ def with_fused_children(torch_init: Callable) -> Callable:
     def __init__(self, *args, **kwargs) -> None:
         torch_init(self, *args, **kwargs)
         for child in self.children():
-            fuse(child)
+            _swap_classes(child)
 
     return __init__
 
 
-def fuse(model: nn.Module) -> nn.Module:
-    """Make every ``torch.nn`` Transformer module in ``model`` (itself included) its fused twin, in place.
-
-    The fused classes add no state, so each module keeps its identity: only its class changes. Parameters,
-    buffers, hooks, optimizers and every reference the caller holds stay valid. Only exact ``torch.nn`` types
-    change: user subclasses keep their own ``forward``. Returns ``model``.
-    """
+def _swap_classes(model: nn.Module) -> Counter:
+    """Give every module of ``model`` whose exact type has a fused twin that twin's class; the count per class."""
+    swapped: Counter = Counter()
     for module in model.modules():
         twin_class = _FUSED_TWINS.get(type(module))
         if twin_class is not None:
             module.__class__ = twin_class
-    return model
+            swapped[twin_class.__name__] += 1
+    return swapped
+
+
+class FuseSummary(NamedTuple):
+    """What ``fuse`` did: modules swapped per class, and the transformers attention implementation it set."""
+
+    swapped: Dict[str, int]
+    attn_implementation: Optional[str] = None
+
+    def __str__(self) -> str:
+        parts = [f"{count} {name}" for name, count in sorted(self.swapped.items())]
+        if self.attn_implementation is not None:
+            parts.append(f"transformers attn_implementation={self.attn_implementation!r}")
+        return "fused " + ", ".join(parts) if parts else "nothing to fuse"
+
+
+def fuse(model: nn.Module, *, return_summary: bool = False) -> Union[nn.Module, Tuple[nn.Module, FuseSummary]]:
+    """Make every ``torch.nn`` Transformer module in ``model`` (itself included) its fused twin, in place, and
+    point a Hugging Face transformers model's attention at our kernels.
+
+    The fused classes add no state, so each module keeps its identity: only its class changes. Parameters,
+    buffers, hooks, optimizers and every reference the caller holds stay valid. Only exact ``torch.nn`` types
+    change: user subclasses keep their own ``forward``. A ``transformers.PreTrainedModel`` gets
+    ``set_attn_implementation("fused_transformer")`` (``fused_transformer.integrations.transformers``).
+
+    What was done is logged (logger ``fused_transformer``, level INFO); a model with nothing to fuse warns.
+    Returns ``model``, or ``(model, FuseSummary)`` with ``return_summary=True``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fuse(model) takes a torch.nn.Module, got {type(model).__name__}")
+    swapped = _swap_classes(model)
+    attn_implementation = None
+    if "transformers" in sys.modules:  # only a model built with transformers can be one of its models
+        from ..integrations import transformers as hf
+
+        attn_implementation = hf.select(model)
+    summary = FuseSummary(dict(swapped), attn_implementation)
+    if not swapped and attn_implementation is None:
+        warnings.warn(f"fuse: {type(model).__name__} has no torch.nn Transformer module nor a transformers "
+                      "attention to fuse; it runs unchanged", stacklevel=2)
+    else:
+        logger.info("fuse(%s): %s", type(model).__name__, summary)
+    return (model, summary) if return_summary else model

@@ -1,0 +1,464 @@
+"""torch's SDPA flash-attention registry: ``F.scaled_dot_product_attention`` and ``varlen_attn`` on our kernels.
+
+``import fused_transformer`` registers the implementation ``"fused_transformer"`` where torch has the registry
+(torch 2.13+); nothing changes until the user opts in::
+
+    torch.nn.attention.activate_flash_attention_impl("fused_transformer")   # process-wide
+    torch.nn.attention.restore_flash_attention_impl()                       # back to torch's own kernels
+
+Activation overrides SDPA's flash ops in the dispatcher, for each device the kernel its backend has:
+
+  CPU (the C++ kernels)   ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (what SDPA picks on
+                          CPU tensors), ``_flash_attention_forward`` / ``_backward`` /
+                          ``_flash_attention_forward_no_dropout_inplace`` (``varlen_attn``'s ops, which torch has
+                          no CPU kernel for).
+  CUDA (Triton)           ``_scaled_dot_product_flash_attention`` and its backward, and the three ops above.
+
+Results follow the layouts of torch's meta kernels (``torch.compile`` asserts them). A call the kernels do not
+serve (ALiBi slopes, a paged or ``seqused_k`` cache, ``num_splits``, a debug mask, dropout through the CPU op,
+whose outputs have no slot for a seed, empty dims) goes to the kernel registered before ours, so it gets exactly
+the result or the error it would have had. Dropout through the flash ops keeps our seed in the ``rng_state``
+output: the backward regenerates the same mask.
+
+Activation is process-wide, so by default it must not make any model slower: ``route()`` decides per call, from
+the shapes alone (the forward and its backward decide alike), whether our kernel or the one registered before
+runs it. The rule, measured interleaved against torch's CPU flash kernel (docs/integrations.md):
+
+  CPU   ours for ``is_causal`` calls with ``128 <= Lk <= 1024`` (1.07-1.65x forward and forward+backward there);
+        torch's otherwise: without a causal mask ours is at parity or behind (0.94-0.99x forward), below 128 keys
+        the Python call through the dispatcher costs more than the kernel saves (0.54-0.89x forward), and at
+        2048 causal keys bfloat16 training falls behind (0.94x). The varlen ops, which torch lacks on CPU, always
+        run ours.
+  CUDA  torch's for every call until a GPU bench has measured ours against it (none has yet).
+
+``set_route("ours")`` runs every call our kernels serve on them (testing, or our edge semantics everywhere);
+``set_route("fastest")`` is the default rule above.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import contract
+
+Tensor = torch.Tensor
+
+NAME = "fused_transformer"
+ROUTES = ("fastest", "ours")
+
+# The CPU rule's bounds on the key length of causal calls (the module docstring gives the measurements).
+CPU_CAUSAL_KEYS = (128, 1024)
+
+_route = "fastest"
+
+
+def set_route(route: str) -> None:
+    """Which calls the activated implementation runs on our kernels: ``"fastest"`` (the measured rule) or
+    ``"ours"`` (every call they serve)."""
+    global _route
+    if route not in ROUTES:
+        raise ValueError(f"route={route!r} must be one of {', '.join(ROUTES)}")
+    _route = route
+
+
+def get_route() -> str:
+    return _route
+
+
+def prefers_ours(device_type: str, key_length: int, is_causal: bool) -> bool:
+    """Whether the ``"fastest"`` route runs a call on our kernel rather than the kernel registered before ours."""
+    if device_type == "cpu":
+        return is_causal and CPU_CAUSAL_KEYS[0] <= key_length <= CPU_CAUSAL_KEYS[1]
+    return False
+
+
+# ------------------------------------------------------------------------------------------------- kernels
+# One device's kernels behind one interface: q [B, H, Lq, D] (dense) or [T, H, D] (packed), window as
+# (left, right) with None for no limit, seed a one-element int64 tensor or None. Outputs as the kernels lay them
+# out; the ops below copy them into torch's layouts only where those differ.
+
+
+class _CppKernels:
+    """The C++ kernels of ``csrc/`` (``torch.ops.fused_transformer_cpu``): float32 / float64 accumulation."""
+
+    @staticmethod
+    def ops():
+        from .. import cpu_ops  # noqa: F401  (loads fused_transformer._C)
+
+        return torch.ops.fused_transformer_cpu
+
+    @staticmethod
+    def _bounds(window):
+        return tuple(-1 if side is None else side for side in window)
+
+    @classmethod
+    def dense_fwd(cls, q, k, v, mask, is_causal, bottom_right, window, scale, dropout_p, seed):
+        return cls.ops().attention_fwd(q, k, v, mask, None, None, is_causal, bottom_right, *cls._bounds(window),
+                                       scale, dropout_p, seed)
+
+    @classmethod
+    def dense_bwd(cls, do, q, k, v, o, lse, mask, is_causal, bottom_right, window, scale, dropout_p, seed):
+        return cls.ops().attention_bwd(do, q, k, v, o, lse, mask, None, None, is_causal, bottom_right,
+                                       *cls._bounds(window), scale, dropout_p, seed)
+
+    @classmethod
+    def varlen_fwd(cls, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, bottom_right, window, scale, dropout_p, seed):
+        return cls.ops().attention_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, bottom_right,
+                                              *cls._bounds(window), scale, dropout_p, seed)
+
+    @classmethod
+    def varlen_bwd(cls, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, is_causal, bottom_right, window, scale,
+                   dropout_p, seed):
+        return cls.ops().attention_varlen_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, is_causal,
+                                              bottom_right, *cls._bounds(window), scale, dropout_p, seed)
+
+
+class _TritonKernels:
+    """The Triton kernels (``torch.ops.fused_transformer``): CUDA tensors, or CPU ones under the interpreter."""
+
+    @staticmethod
+    def ops():
+        from ..kernels.attention import ops  # noqa: F401  (defines torch.ops.fused_transformer.attention_*)
+
+        return torch.ops.fused_transformer
+
+    @staticmethod
+    def _last_dim_contiguous(*tensors):
+        return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+    @classmethod
+    def dense_fwd(cls, q, k, v, mask, is_causal, bottom_right, window, scale, dropout_p, seed):
+        q, k, v = cls._last_dim_contiguous(q, k, v)
+        alignment = "bottom_right" if bottom_right else "top_left"
+        return cls.ops().attention_fwd(q, k, v, mask, None, None, None, is_causal, alignment, *window, dropout_p,
+                                       seed, scale, False)
+
+    @classmethod
+    def dense_bwd(cls, do, q, k, v, o, lse, mask, is_causal, bottom_right, window, scale, dropout_p, seed):
+        do, q, k, v, o = cls._last_dim_contiguous(do, q, k, v, o)
+        alignment = "bottom_right" if bottom_right else "top_left"
+        return cls.ops().attention_bwd(do, None, q, k, v, o, lse.contiguous(), mask, None, None, None, is_causal,
+                                       alignment, *window, dropout_p, seed, scale, False)
+
+    @classmethod
+    def varlen_fwd(cls, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, bottom_right, window, scale, dropout_p, seed):
+        q, k, v = cls._last_dim_contiguous(q, k, v)
+        alignment = "bottom_right" if bottom_right else "top_left"
+        return cls.ops().attention_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, alignment, *window,
+                                              dropout_p, seed, scale, False)
+
+    @classmethod
+    def varlen_bwd(cls, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, is_causal, bottom_right, window, scale,
+                   dropout_p, seed):
+        do, q, k, v, o = cls._last_dim_contiguous(do, q, k, v, o)
+        alignment = "bottom_right" if bottom_right else "top_left"
+        return cls.ops().attention_varlen_bwd(do, None, q, k, v, o, lse.contiguous(), cu_q, cu_k, max_q, max_k,
+                                              is_causal, alignment, *window, dropout_p, seed, scale, False)
+
+
+# -------------------------------------------------------------------------------------------- the aten ops
+
+_FLOAT_DTYPES = contract.FLOAT_DTYPES
+
+
+def _into(result: Tensor, target: Tensor) -> Tensor:
+    """``result`` in ``target``'s layout: itself when the strides already agree, else copied into ``target``."""
+    if result.stride() == target.stride() and result.dtype == target.dtype:
+        return result
+    return target.copy_(result)
+
+
+def _unsupported(q: Tensor, k: Tensor, v: Tensor, heads_dim: int) -> Optional[str]:
+    """Why our kernels do not serve these tensors (None when they do)."""
+    if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return "dtypes"
+    if min(q.numel(), k.numel(), v.numel()) == 0:
+        return "an empty dim"
+    if k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return "head dims that differ"
+    if q.shape[heads_dim] % k.shape[heads_dim] or k.shape[heads_dim] != v.shape[heads_dim]:
+        return "head counts"
+    return None
+
+
+def _window(left: Optional[int], right: Optional[int], is_causal: bool) -> Tuple[Optional[int], Optional[int]]:
+    """FlashAttention's window sizes (``None`` or negative: no limit) as our sides."""
+    left = None if left is None or left < 0 else int(left)
+    right = 0 if is_causal else (None if right is None or right < 0 else int(right))
+    return left, right
+
+
+def _seed_in(rng_state: Tensor) -> Tensor:
+    """The int64 seed the forward kept in element 0 of the ``rng_state`` output."""
+    return rng_state.view(torch.int64)[:1]
+
+
+def _rng_outputs(seed: Optional[Tensor], device: torch.device) -> Tuple[Tensor, Tensor]:
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=device)
+    if seed is not None:
+        rng_state.view(torch.int64)[:1].copy_(seed)
+    return rng_state, torch.zeros((), dtype=torch.uint64, device=device)
+
+
+class _Previous:
+    """The kernels registered for one dispatch key before ours: what a call we do not take runs on."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+        self.kernels: Dict[str, object] = {}
+
+    def capture(self, name: str) -> None:
+        try:
+            self.kernels[name] = torch.library.get_kernel(getattr(torch.ops.aten, name).default, self.key)
+        except RuntimeError:  # no kernel for this key (torch has no CPU kernel for the varlen ops)
+            self.kernels[name] = None
+
+    def __call__(self, name: str, why: str, *args, **kwargs):
+        kernel = self.kernels.get(name)
+        if kernel is None:
+            raise NotImplementedError(f"aten::{name} has no {self.key} kernel for these arguments: fused_transformer's "
+                                      f"does not serve {why}, and torch has none")
+        return kernel.call_boxed(self.keyset, *args, **kwargs)
+
+
+class _DeviceOps:
+    """The aten ops' implementations for one device: ``kernels`` for the calls ``route`` gives us, ``previous``
+    for the rest. ``sdpa_top_left``: how the dense SDPA op of this device aligns ``is_causal`` when Lq != Lk (the
+    CPU kernel top-left, as SDPA documents; the CUDA one, FlashAttention's, bottom-right)."""
+
+    def __init__(self, key: str, kernels, sdpa_op: str, sdpa_top_left: bool, available: Callable[[], bool]):
+        self.key, self.kernels, self.sdpa_op, self.sdpa_top_left = key, kernels, sdpa_op, sdpa_top_left
+        self.available = available
+        self.previous = _Previous(key)
+        self.device_type = key.lower()
+
+    def _route(self, op: str, key_length: int, is_causal: bool) -> Optional[str]:
+        """None when ``route`` gives the call to our kernel, else why not; always ours where torch has no kernel."""
+        if self.previous.kernels.get(op) is None or _route == "ours":
+            return None
+        return None if prefers_ours(self.device_type, int(key_length), is_causal) else "this call (route 'fastest')"
+
+    # ---- SDPA's dense op: q [B, H, Lq, D]
+
+    def _sdpa_lse_layout(self, q: Tensor) -> Tensor:
+        batch, heads, length, _ = q.shape
+        if self.key == "CPU":
+            dtype = contract.stats_dtype(q.dtype)
+            return torch.empty((batch, length, heads), dtype=dtype, device=q.device).transpose(1, 2)
+        return torch.empty((batch, heads, length), dtype=torch.float32, device=q.device)
+
+    def _sdpa_takes(self, q, k, v, dropout_p, is_causal, attn_mask=None, return_debug_mask=False) -> Optional[str]:
+        if not self.available():
+            return "this machine (kernels unavailable)"
+        why = _unsupported(q, k, v, heads_dim=1) if q.dim() == 4 else "a query that is not 4-D"
+        if why is None and return_debug_mask:
+            why = "return_debug_mask"
+        if why is None and dropout_p > 0.0 and self.key == "CPU":
+            why = "dropout (the CPU op's outputs keep no seed for its backward)"
+        if why is None and attn_mask is not None and attn_mask.dtype not in (torch.bool, *_FLOAT_DTYPES):
+            why = "attn_mask's dtype"
+        return why or self._route(self.sdpa_op, k.shape[2], is_causal)
+
+    def _mask(self, attn_mask: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
+        if attn_mask is None or attn_mask.dtype == torch.bool:
+            return attn_mask
+        return attn_mask.to(contract.stats_dtype(q.dtype)) if self.key == "CPU" else attn_mask
+
+    def sdpa_forward(self, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                     attn_mask=None, scale=None):
+        extra = () if self.key == "CPU" else (return_debug_mask,)
+        why = self._sdpa_takes(query, key, value, dropout_p, is_causal, attn_mask, return_debug_mask)
+        if why is not None:
+            kwargs = dict(scale=scale) if self.key != "CPU" else dict(attn_mask=attn_mask, scale=scale)
+            return self.previous(self.sdpa_op, why, query, key, value, dropout_p, is_causal, *extra, **kwargs)
+        seed = contract.draw_dropout_seed(query.device) if dropout_p > 0.0 else None
+        o, lse = self.kernels.dense_fwd(query, key, value, self._mask(attn_mask, query), is_causal,
+                                        not self.sdpa_top_left, (None, None),
+                                        contract.softmax_scale(query.shape[-1], scale), dropout_p, seed)
+        out = _into(o, torch.empty_like(query))
+        lse = _into(lse, self._sdpa_lse_layout(query))
+        if self.key == "CPU":
+            return out, lse
+        rng_state, offset = _rng_outputs(seed, query.device)
+        debug = torch.empty(0, dtype=query.dtype, device=query.device)
+        return out, lse, None, None, query.shape[2], key.shape[2], rng_state, offset, debug
+
+    def sdpa_backward(self, grad_out, query, key, value, out, logsumexp, *args, attn_mask=None, scale=None):
+        if self.key == "CPU":
+            dropout_p, is_causal = args
+            rng_state = None
+        else:
+            _cum_q, _cum_k, _max_q, _max_k, dropout_p, is_causal, rng_state, _offset = args
+        why = self._sdpa_takes(query, key, value, dropout_p, is_causal, attn_mask)
+        if why is not None:
+            kwargs = dict(scale=scale) if self.key != "CPU" else dict(attn_mask=attn_mask, scale=scale)
+            return self.previous(self.sdpa_op + "_backward", why, grad_out, query, key, value, out, logsumexp, *args,
+                                 **kwargs)
+        seed = _seed_in(rng_state) if dropout_p > 0.0 else None
+        grads = self.kernels.dense_bwd(grad_out, query, key, value, out, logsumexp, self._mask(attn_mask, query),
+                                       is_causal, not self.sdpa_top_left, (None, None),
+                                       contract.softmax_scale(query.shape[-1], scale), dropout_p, seed)
+        if self.key == "CPU":
+            return tuple(_into(g, torch.empty_permuted(t.shape, (0, 2, 1, 3), dtype=t.dtype, device=t.device))
+                         for g, t in zip(grads, (query, key, value)))
+        return tuple(_into(g, torch.empty_like(t)) for g, t in zip(grads, (query, key, value)))
+
+    # ---- FlashAttention's ops: q [B, Lq, H, D], or packed [T, H, D] with cum_seq_q / cum_seq_k
+
+    def _flash_takes(self, query, key, value, cum_seq_q, cum_seq_k, max_k, is_causal, return_debug_mask=False,
+                     seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None) -> Optional[str]:
+        if not self.available():
+            return "this machine (kernels unavailable)"
+        packed = cum_seq_q is not None
+        if packed and (cum_seq_k is None or query.dim() != 3 or key.dim() != 3):
+            return "packed queries without packed keys"
+        if not packed and (cum_seq_k is not None or query.dim() != 4 or key.dim() != 4):
+            return "this layout"
+        for name, given in (("return_debug_mask", return_debug_mask), ("seqused_k", seqused_k is not None),
+                            ("alibi_slopes", alibi_slopes is not None), ("block_table", block_table is not None),
+                            ("num_splits", num_splits not in (None, 0, 1))):
+            if given:
+                return name
+        why = _unsupported(query, key, value, heads_dim=-2)
+        return why or self._route("_flash_attention_forward", max_k if packed else key.shape[1], is_causal)
+
+    def _flash_run(self, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
+                   window_size_left, window_size_right, seed):
+        window = _window(window_size_left, window_size_right, is_causal)
+        scale = contract.softmax_scale(query.shape[-1], scale)
+        if cum_seq_q is not None:
+            return self.kernels.varlen_fwd(query, key, value, cum_seq_q, cum_seq_k, int(max_q), int(max_k), is_causal,
+                                           True, window, scale, dropout_p, seed)
+        o, lse = self.kernels.dense_fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None,
+                                        is_causal, True, window, scale, dropout_p, seed)
+        return o.transpose(1, 2), lse
+
+    def flash_forward(self, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                      return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None, seqused_k=None,
+                      alibi_slopes=None, block_table=None, num_splits=None):
+        why = self._flash_takes(query, key, value, cum_seq_q, cum_seq_k, max_k, is_causal, return_debug_mask,
+                                seqused_k, alibi_slopes, block_table, num_splits)
+        if why is not None:
+            return self.previous(
+                "_flash_attention_forward", why, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                is_causal, return_debug_mask, scale=scale, window_size_left=window_size_left,
+                window_size_right=window_size_right, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
+                block_table=block_table, num_splits=num_splits)
+        seed = contract.draw_dropout_seed(query.device) if dropout_p > 0.0 else None
+        o, lse = self._flash_run(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
+                                 window_size_left, window_size_right, seed)
+        out = _into(o, torch.empty_like(query))
+        lse = _into(lse, torch.empty(lse.shape, dtype=torch.float32, device=query.device))
+        rng_state, offset = _rng_outputs(seed, query.device)
+        return out, lse, rng_state, offset, torch.empty(0, dtype=query.dtype, device=query.device)
+
+    def flash_forward_inplace(self, out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                              is_causal, return_debug_mask, *, scale=None, window_size_left=None,
+                              window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
+                              num_splits=None):
+        why = self._flash_takes(query, key, value, cum_seq_q, cum_seq_k, max_k, is_causal, return_debug_mask,
+                                seqused_k, alibi_slopes, block_table, num_splits)
+        if why is None and dropout_p > 0.0:
+            why = "dropout in the no-dropout op"
+        if why is not None:
+            return self.previous(
+                "_flash_attention_forward_no_dropout_inplace", why, out, query, key, value, cum_seq_q, cum_seq_k,
+                max_q, max_k, dropout_p, is_causal, return_debug_mask, scale=scale, window_size_left=window_size_left,
+                window_size_right=window_size_right, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
+                block_table=block_table, num_splits=num_splits)
+        o, lse = self._flash_run(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, 0.0, is_causal, scale,
+                                 window_size_left, window_size_right, None)
+        out.copy_(o)
+        return _into(lse, torch.empty(lse.shape, dtype=torch.float32, device=query.device))
+
+    def flash_backward(self, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                       dropout_p, is_causal, rng_state, unused, *, scale=None, window_size_left=None,
+                       window_size_right=None):
+        why = self._flash_takes(query, key, value, cum_seq_q, cum_seq_k, max_k, is_causal)
+        if why is not None:
+            return self.previous(
+                "_flash_attention_backward", why, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                max_q, max_k, dropout_p, is_causal, rng_state, unused, scale=scale,
+                window_size_left=window_size_left, window_size_right=window_size_right)
+        seed = _seed_in(rng_state) if dropout_p > 0.0 else None
+        window = _window(window_size_left, window_size_right, is_causal)
+        scale = contract.softmax_scale(query.shape[-1], scale)
+        lse = logsumexp.to(contract.stats_dtype(query.dtype))
+        if cum_seq_q is not None:
+            grads = self.kernels.varlen_bwd(grad_out, query, key, value, out, lse, cum_seq_q, cum_seq_k, int(max_q),
+                                            int(max_k), is_causal, True, window, scale, dropout_p, seed)
+        else:
+            heads_second = [t.transpose(1, 2) for t in (grad_out, query, key, value, out)]
+            grads = [g.transpose(1, 2) for g in self.kernels.dense_bwd(*heads_second, lse, None, is_causal, True,
+                                                                        window, scale, dropout_p, seed)]
+        return tuple(_into(g, torch.empty_like(t)) for g, t in zip(grads, (query, key, value)))
+
+    def implementations(self) -> List[Tuple[str, Callable]]:
+        return [(self.sdpa_op, self.sdpa_forward), (self.sdpa_op + "_backward", self.sdpa_backward),
+                ("_flash_attention_forward", self.flash_forward),
+                ("_flash_attention_forward_no_dropout_inplace", self.flash_forward_inplace),
+                ("_flash_attention_backward", self.flash_backward)]
+
+
+def _cpu_kernels_available() -> bool:
+    from .. import backend
+
+    return backend.cpu_unavailable_reason() is None
+
+
+def _triton_available() -> bool:
+    from .. import backend
+
+    return backend.triton_unavailable_reason() is None
+
+
+CPU = _DeviceOps("CPU", _CppKernels, "_scaled_dot_product_flash_attention_for_cpu", True, _cpu_kernels_available)
+CUDA = _DeviceOps("CUDA", _TritonKernels, "_scaled_dot_product_flash_attention", False, _triton_available)
+DEVICES: Sequence[_DeviceOps] = (CPU, CUDA)
+
+
+# ------------------------------------------------------------------------------------------------ registry
+
+
+class Handle:
+    """What ``activate`` returns to torch's registry: ``remove()`` takes our kernels out of the dispatcher, which
+    then runs the kernels registered before them again."""
+
+    def __init__(self, library: torch.library.Library) -> None:
+        self.library: Optional[torch.library.Library] = library
+
+    def remove(self) -> None:
+        if self.library is not None:
+            self.library._destroy()
+            self.library = None
+
+
+_activation_lock = threading.Lock()
+
+
+def activate() -> Handle:
+    """Override SDPA's flash ops with ours (what torch's registry calls on
+    ``activate_flash_attention_impl("fused_transformer")``)."""
+    with _activation_lock:
+        library = torch.library.Library("aten", "IMPL")
+        for device in DEVICES:
+            for name, implementation in device.implementations():
+                device.previous.capture(name)
+                with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
+                    warnings.simplefilter("ignore")
+                    library.impl(name, implementation, device.key)
+        return Handle(library)
+
+
+def register() -> bool:
+    """Register ``"fused_transformer"`` with torch's flash-attention registry (never activating it); False where
+    torch has no registry (before 2.13)."""
+    attention = torch.nn.attention
+    if not hasattr(attention, "register_flash_attention_impl"):
+        return False
+    attention.register_flash_attention_impl(NAME, register_fn=activate)
+    return True
