@@ -1,7 +1,9 @@
 """fused_transformer: fused attention, LayerNorm and feed-forward kernels behind drop-in torch.nn modules."""
 from . import backend, integrations, reference
 from .backend import current, set_backend, use_backend
-from .functional import attention, attention_varlen, attention_weights, feed_forward, layer_norm
+from .functional import (
+    attention, attention_varlen, attention_weights, attention_with_kvcache, feed_forward, layer_norm,
+)
 from .integrations import sdpa as _sdpa_registry
 from .modules import (
     LayerNorm,
@@ -20,7 +22,7 @@ __version__ = "0.1.0"
 _sdpa_registry.register()
 
 __all__ = [
-    "attention", "attention_varlen", "attention_weights", "layer_norm", "feed_forward",
+    "attention", "attention_varlen", "attention_weights", "attention_with_kvcache", "layer_norm", "feed_forward",
     "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
     "TransformerDecoder", "Transformer", "LayerNorm", "fuse",
     "backend", "reference", "current", "set_backend", "use_backend", "integrations",

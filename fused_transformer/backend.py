@@ -145,7 +145,8 @@ def current(device: "torch.device | str | None" = None, dtype: Optional[torch.dt
 # backend -> op -> the function it runs the op with, on the tensors of the call and its spec (contract.py):
 #   attention (q, k, v, masks, spec) and attention_varlen (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 #   max_seqlen_k, spec) -> (out, lse); attention_weights (q, k, lse, masks, spec); layer_norm (x, weight, bias,
-#   residual, spec) -> y or (y, z); feed_forward (x, w1, b1, w2, b2, spec).
+#   residual, spec) -> y or (y, z); feed_forward (x, w1, b1, w2, b2, spec); attention_with_kvcache (q, cache,
+#   alibi_slopes, sinks, spec) -> (out [B, Lq, H, D], lse), the new keys already in the cache.
 # Filled on a backend's first use: importing the C++ extension or triton is its first use's cost, not the package's.
 _OPS: Dict[str, Dict[str, Callable]] = {}
 
@@ -156,20 +157,21 @@ def _import_ops(name: str) -> Dict[str, Callable]:
 
         return dict(attention=attention.run_attention, attention_varlen=attention.run_attention_varlen,
                     attention_weights=attention.run_attention_weights, layer_norm=layer_norm.run_layer_norm,
-                    feed_forward=feed_forward.run_feed_forward)
+                    feed_forward=feed_forward.run_feed_forward,
+                    attention_with_kvcache=attention.run_attention_with_kvcache)
     if name == "cpu":
         from . import cpu_ops
 
         return dict(attention=cpu_ops.run_attention, attention_varlen=cpu_ops.run_attention_varlen,
                     attention_weights=cpu_ops.run_attention_weights, layer_norm=cpu_ops.run_layer_norm,
-                    feed_forward=cpu_ops.run_feed_forward)
+                    feed_forward=cpu_ops.run_feed_forward, attention_with_kvcache=cpu_ops.run_attention_with_kvcache)
     if name != "reference":
         raise ValueError(f"backend {name!r} has no ops of its own: name one of triton, cpu, reference")
     from . import reference
 
     return dict(attention=reference.run_attention, attention_varlen=reference.run_attention_varlen,
                 attention_weights=reference.run_attention_weights, layer_norm=reference.run_layer_norm,
-                feed_forward=reference.run_feed_forward)
+                feed_forward=reference.run_feed_forward, attention_with_kvcache=reference.run_attention_with_kvcache)
 
 
 @constant_for_compile

@@ -351,3 +351,132 @@ def feed_forward_spec(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
     return FeedForwardSpec(activation, check_dropout(dropout_p))
+
+
+# ------------------------------------------------------------------------------------------ KV cache attention
+
+
+class KVCacheSpec(NamedTuple):
+    """An ``attention_with_kvcache`` call's options, checked: causal is always aligned bottom-right per sequence."""
+
+    is_causal: bool
+    window: Window
+    scale: float
+    softcap: Optional[float]  # None: no capping; else scores become softcap * tanh(scores / softcap)
+    num_splits: Optional[int]  # key splits of the GPU decode kernel; None: chosen from the SM count
+
+
+class KVCache(NamedTuple):
+    """The cache of an ``attention_with_kvcache`` call as the backends take it (after the append)."""
+
+    k: Tensor  # [B, Lmax, Hkv, D], or paged [num_blocks, block_size, Hkv, D]
+    v: Tensor
+    lengths: Tensor  # int32 [B]: keys per sequence, the appended ones included
+    block_table: Optional[Tensor]  # int32 [B, max_blocks] for a paged cache, else None
+    uniform_length: Optional[int] = None  # every sequence's length when the host knows it (an int cache_seqlens)
+
+    @property
+    def capacity(self) -> int:
+        """Keys a sequence can hold."""
+        if self.block_table is None:
+            return self.k.shape[1]
+        return self.block_table.shape[1] * self.k.shape[1]
+
+
+def kvcache_spec(head_dim: int, is_causal: object, window: object, softcap: object, scale: object,
+                 num_splits: object) -> KVCacheSpec:
+    """The checked ``KVCacheSpec`` of an ``attention_with_kvcache`` call on inputs of ``head_dim``."""
+    _check_flags(is_causal, "bottom_right", scale)
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+                                or not softcap > 0 or not math.isfinite(softcap)):
+        raise ValueError(f"softcap={softcap!r} must be None or a finite number > 0")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits={num_splits!r} must be None (chosen from the GPU) or an int >= 1")
+    return KVCacheSpec(is_causal, check_window(window), softmax_scale(head_dim, scale),
+                       None if softcap is None else float(softcap), None if num_splits is None else int(num_splits))
+
+
+def check_kvcache_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Tensor],
+                       v_new: Optional[Tensor], cache_seqlens: object, block_table: Optional[Tensor],
+                       alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> Tensor:
+    """The tensors of an ``attention_with_kvcache`` call but their values; returns ``cache_seqlens`` as an int32
+    ``[B]`` tensor (an int is every sequence's length)."""
+    check_tensor("q", q, rank=4)
+    batch, lq, heads, dim = q.shape
+    paged = block_table is not None
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, rank=4)
+        check_same(name, t, "q", q)
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    kv_heads = k_cache.shape[2]
+    layout = "[num_blocks, block_size, kv_heads, head_dim]" if paged else "[batch, max_seqlen, kv_heads, head_dim]"
+    if k_cache.shape[3] != dim or (not paged and k_cache.shape[0] != batch):
+        raise ValueError(f"k_cache must be {layout} with head_dim={dim}" + ("" if paged else f", batch={batch}")
+                         + f" to match q {tuple(q.shape)}, got {tuple(k_cache.shape)}")
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"q's heads ({heads}) must be a multiple of the cache's kv heads ({kv_heads})")
+    if paged:
+        if not isinstance(block_table, Tensor):
+            raise TypeError(f"block_table must be a torch.Tensor or None, got {type(block_table).__name__}")
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise TypeError(f"block_table must be int32 [batch={batch}, max_blocks] (each sequence's block ids), "
+                            f"got {describe(block_table)}")
+        check_same("block_table", block_table, "q", q, dtype=False)
+        if k_cache.shape[1] == 0:
+            raise ValueError(f"a paged k_cache needs blocks of at least one key, got {tuple(k_cache.shape)}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new go together: pass both or neither")
+    if k_new is not None:
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            check_tensor(name, t, rank=4)
+            check_same(name, t, "q", q)
+            if t.shape[0] != batch or tuple(t.shape[2:]) != (kv_heads, dim):
+                raise ValueError(f"{name} must be [batch={batch}, new_len, kv_heads={kv_heads}, head_dim={dim}], "
+                                 f"got {tuple(t.shape)}")
+        if v_new.shape != k_new.shape:
+            raise ValueError(f"v_new must have k_new's shape {tuple(k_new.shape)}, got {tuple(v_new.shape)}")
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        if cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens={cache_seqlens} must be >= 0")
+        cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    if not isinstance(cache_seqlens, Tensor):
+        raise TypeError(f"cache_seqlens must be an int or a torch.Tensor, got {type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,):
+        raise TypeError(f"cache_seqlens must be int32 [batch={batch}] (keys already in each sequence's cache), got "
+                        f"{describe(cache_seqlens)}")
+    check_same("cache_seqlens", cache_seqlens, "q", q, dtype=False)
+    for name, t, shapes in (("alibi_slopes", alibi_slopes, ((heads,), (batch, heads))), ("sinks", sinks, ((heads,),))):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.dtype != torch.float32 or tuple(t.shape) not in shapes:
+            raise TypeError(f"{name} must be float32 of shape {' or '.join(str(list(s)) for s in shapes)}, got "
+                            f"{describe(t)}")
+        check_same(name, t, "q", q, dtype=False)
+    return cache_seqlens
+
+
+def check_kvcache_values(cache_seqlens: Tensor, new_len: int, capacity: int, block_table: Optional[Tensor],
+                         num_blocks: int, block_size: int, known_length: Optional[int] = None) -> None:
+    """The values of ``cache_seqlens`` and ``block_table`` before anything is written to the cache: lengths within the
+    cache, the blocks they reach in range. One host read, skipped under ``torch.compile`` and CUDA graph capture,
+    where the values are data the host must not wait for; none when every length is ``known_length`` (an int
+    ``cache_seqlens``) and the cache is not paged."""
+    if known_length is not None and block_table is None:
+        lengths = [known_length]
+    elif torch.compiler.is_compiling() or (cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    else:
+        lengths = cache_seqlens.tolist()
+    if any(n < 0 for n in lengths) or any(n + new_len > capacity for n in lengths):
+        raise ValueError(f"cache_seqlens {lengths} plus {new_len} new keys must stay within the cache's {capacity} "
+                         "keys per sequence")
+    if block_table is None:
+        return
+    for row, n in zip(block_table.tolist(), lengths):
+        used = row[:(n + new_len + block_size - 1) // block_size]
+        if any(not 0 <= block < num_blocks for block in used):
+            raise ValueError(f"block_table holds block ids outside [0, {num_blocks}) for the keys in use: {used}")

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from . import _C  # noqa: F401  (registers torch.ops.fused_transformer_cpu)
 from . import reference
 from .contract import (
-    AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, Window, as_rows, draw_dropout_seed,
-    empty_heads_interleaved, stats_dtype,
+    AttentionMasks, AttentionSpec, FeedForwardSpec, KVCache, KVCacheSpec, LayerNormSpec, Window, as_rows,
+    draw_dropout_seed, empty_heads_interleaved, stats_dtype,
 )
 
 Tensor = torch.Tensor
@@ -117,6 +117,27 @@ def run_attention(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: 
     options = (spec.is_causal, spec.bottom_right, *_window_bounds(spec.window), spec.scale, spec.dropout_p)
     seed = draw_dropout_seed(q.device) if spec.dropout_p > 0.0 else None
     return _apply(AttentionFunction, q, k, v, bias, masks.key_padding_mask, masks.query_padding_mask, options, seed)
+
+
+def run_attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                               spec: KVCacheSpec) -> Tuple[Tensor, Tensor]:
+    """``functional.attention_with_kvcache`` (after the append) on the C++ flash-attention kernel: the cache's keys past
+    each sequence's length are key padding, the causal diagonal aligned per sequence (a paged cache is gathered
+    first). softcap, ALiBi and sinks are not in the C++ kernel: such calls run the reference."""
+    _check_cpu("q", q)
+    if spec.softcap is not None or alibi_slopes is not None or sinks is not None:
+        return reference.attention_with_kvcache(q, cache, alibi_slopes, sinks, spec)
+    k, v = reference.cached_keys(cache)
+    if cache.uniform_length is not None:  # every sequence as long: the cache's first keys, no padding
+        k, v = k[:, :cache.uniform_length], v[:, :cache.uniform_length]
+        key_padding = query_padding = None
+    else:
+        key_padding = torch.arange(k.shape[1], device=q.device) >= cache.lengths[:, None]
+        query_padding = torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)  # aligns causal per sequence
+    out, lse = _ops.attention_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, key_padding,
+                                  query_padding, spec.is_causal, True, *_window_bounds(spec.window), spec.scale,
+                                  0.0, None)
+    return out.transpose(1, 2), lse
 
 
 class AttentionVarlenFunction(torch.autograd.Function):

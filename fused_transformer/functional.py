@@ -176,6 +176,91 @@ def attention_varlen(
     return (out, lse) if return_lse else out
 
 
+def attention_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    cache_seqlens: Union[Tensor, int],
+    k_new: Optional[Tensor] = None,
+    v_new: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
+    is_causal: bool = True,
+    window: Window = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    num_splits: Optional[int] = None,
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Attention of new queries to a KV cache, after writing the new keys and values into it (decoding, chunked
+    prefill); forward only.
+
+    Args:
+        q: ``[B, Lq, H, D]``, ``Lq >= 1`` (1 for a decoding step).
+        k_cache, v_cache: ``[B, Lmax, Hkv, D]``, or a paged cache ``[num_blocks, block_size, Hkv, D]`` with
+            ``block_table``; ``H`` a multiple of ``Hkv`` (grouped-query attention reads each KV head once).
+        cache_seqlens: int32 ``[B]`` (or an int for every sequence): keys already in each sequence's cache.
+        k_new, v_new: ``[B, Lnew, Hkv, D]`` or None: written into the cache in place at positions
+            ``cache_seqlens[b] .. cache_seqlens[b] + Lnew - 1`` before attending, so sequence ``b`` attends to
+            ``cache_seqlens[b] + Lnew`` keys.
+        block_table: int32 ``[B, max_blocks]``: key position ``p`` of sequence ``b`` lives in block
+            ``block_table[b, p // block_size]``, row ``p % block_size``.
+        is_causal: query ``i`` sits at key position ``n_b - Lq + i`` (``n_b`` the sequence's keys after the append,
+            bottom-right alignment) and sees the keys up to it.
+        window: ``(left, right)`` around that position, as in ``attention``.
+        softcap: scores become ``softcap * tanh(scores / softcap)`` (after the scale, before ALiBi and masks).
+        alibi_slopes: float32 ``[H]`` or ``[B, H]``: adds ``-slope * |query position - key position|``.
+        sinks: float32 ``[H]``: one logit per head that joins each row's softmax denominator (no value).
+        scale: default ``1 / sqrt(D)``.
+        num_splits: key splits of the GPU kernel (None: chosen from the SM count; 1: no split). Results do not
+            depend on it beyond round-off.
+        return_lse: also return the LSE ``[B, H, Lq]`` (float32; float64 for float64 inputs).
+
+    Returns:
+        ``[B, Lq, H, D]`` in q's dtype, and the LSE if asked. A query with no visible key gives zeros (LSE
+        ``-inf``, or the sink). The lengths and block ids are checked (one host read, before the cache is touched:
+        a refused call leaves it as it was) except under ``torch.compile`` and CUDA graph capture.
+    """
+    cast = _autocast_dtype(q, matmul=True)
+    q, k_new, v_new = _autocast_all(cast, q, k_new, v_new)  # the cache keeps its dtype: it is written in place
+    lengths = contract.check_kvcache_args(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+                                          alibi_slopes, sinks)
+    spec = contract.kvcache_spec(q.shape[-1], is_causal, window, softcap, scale, num_splits)
+    new_len = 0 if k_new is None else k_new.shape[1]
+    known_length = cache_seqlens if isinstance(cache_seqlens, int) else None
+    cache = contract.KVCache(k_cache, v_cache, lengths, block_table)
+    contract.check_kvcache_values(lengths, new_len, cache.capacity, block_table, k_cache.shape[0], k_cache.shape[1],
+                                  known_length)
+    if new_len:
+        _append_to_cache(cache, k_new, v_new, known_length)
+        cache = cache._replace(lengths=lengths + new_len)
+    if known_length is not None:
+        cache = cache._replace(uniform_length=known_length + new_len)
+    out, lse = _run("attention_with_kvcache", q, cast, q, cache, alibi_slopes, sinks, spec)
+    return (out, lse) if return_lse else out
+
+
+def _append_to_cache(cache: contract.KVCache, k_new: Tensor, v_new: Tensor, known_length: Optional[int]) -> None:
+    """Write ``k_new`` / ``v_new`` ``[B, Lnew, Hkv, D]`` into the cache at each sequence's end, in place (indices
+    computed on the device: no host sync, CUDA-graph capturable; a slice when every sequence ends at
+    ``known_length`` of a contiguous cache)."""
+    batch, new_len = k_new.shape[:2]
+    if known_length is not None and cache.block_table is None:
+        cache.k[:, known_length:known_length + new_len] = k_new
+        cache.v[:, known_length:known_length + new_len] = v_new
+        return
+    positions = cache.lengths.long()[:, None] + torch.arange(new_len, device=k_new.device)  # [B, Lnew]
+    if cache.block_table is None:
+        rows = (torch.arange(batch, device=k_new.device)[:, None].expand(batch, new_len), positions)
+    else:
+        block_size = cache.k.shape[1]
+        rows = (cache.block_table.long().gather(1, positions // block_size), positions % block_size)
+    cache.k.index_put_(rows, k_new)
+    cache.v.index_put_(rows, v_new)
+
+
 def attention_weights(
     q: Tensor,
     k: Tensor,

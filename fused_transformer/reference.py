@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from .contract import (  # noqa: F401 (softmax_scale, stats_dtype and last_real_position are part of the reference)
-    AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, Window, last_real_position, softmax_scale,
-    stats_dtype,
+    AttentionMasks, AttentionSpec, FeedForwardSpec, KVCache, KVCacheSpec, LayerNormSpec, Window, last_real_position,
+    softmax_scale, stats_dtype,
 )
 
 Tensor = torch.Tensor
@@ -260,6 +260,63 @@ def run_attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMas
     """The reference backend's entry for ``functional.attention_weights``."""
     return attention_weights(q, k, lse, **masks._asdict(), is_causal=spec.is_causal,
                              causal_alignment=spec.causal_alignment, window=spec.window, scale=spec.scale)
+
+
+def cached_keys(cache: KVCache) -> Tuple[Tensor, Tensor]:
+    """The cache's keys and values as ``[B, capacity, Hkv, D]`` (a paged cache gathered through its block table)."""
+    if cache.block_table is None:
+        return cache.k, cache.v
+    # Entries past a sequence's last block may hold anything (they are never read as keys): clamp them in range.
+    blocks = cache.block_table.long().clamp(0, cache.k.shape[0] - 1)
+    return cache.k[blocks].flatten(1, 2), cache.v[blocks].flatten(1, 2)
+
+
+def attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                           spec: KVCacheSpec) -> Tuple[Tensor, Tensor]:
+    """Reference for ``functional.attention_with_kvcache`` once the new keys are in the cache: ``(out [B, Lq, H, D],
+    lse [B, H, Lq])``. Query i of sequence b sits at key position ``lengths[b] - Lq + i``; scores are scaled, capped
+    (``softcap * tanh(s / softcap)``), biased by ALiBi (``-slope * |query position - key position|``), masked (keys
+    past the sequence's length, causal, window), and a sink logit per head joins each row's denominator."""
+    batch, lq, heads, _ = q.shape
+    dtype = stats_dtype(q.dtype)
+    k, v = cached_keys(cache)
+    lk = k.shape[1]
+    k, v = (_repeat_kv_heads(t.transpose(1, 2), heads) for t in (k, v))  # [B, H, capacity, D]
+    scores = torch.matmul(q.transpose(1, 2).to(dtype), k.to(dtype).transpose(-1, -2)) * spec.scale
+    if spec.softcap is not None:
+        scores = spec.softcap * torch.tanh(scores / spec.softcap)
+    lengths = cache.lengths.long().to(q.device)
+    query_position = (lengths[:, None] - lq + torch.arange(lq, device=q.device))[:, None, :, None]  # [B, 1, Lq, 1]
+    key_position = torch.arange(lk, device=q.device)[None, None, None, :]
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(dtype).expand(batch, heads)[:, :, None, None]
+        scores = scores - slopes * (query_position - key_position).abs().to(dtype)
+    keep = key_position < lengths[:, None, None, None]
+    relative = key_position - query_position
+    left, right = spec.window if spec.window is not None else (None, None)
+    if spec.is_causal:
+        right = 0 if right is None else min(right, 0)
+    if left is not None:
+        keep = keep & (relative >= -left)
+    if right is not None:
+        keep = keep & (relative <= right)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    past_the_end = (torch.arange(lk, device=q.device) >= lengths[:, None])[:, None, :, None]  # [B, 1, capacity, 1]
+    v = v.masked_fill(past_the_end, 0.0)  # unwritten cache slots may hold NaN: 0 * NaN would reach the output
+    if sinks is not None:
+        sink = sinks.to(dtype)[None, :, None, None].expand(batch, heads, lq, 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(lse.isneginf(), torch.zeros_like(lse), lse)[..., None])
+    out = torch.matmul(probs.to(v.dtype), v)
+    return out.transpose(1, 2).to(q.dtype), lse
+
+
+def run_attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                               spec: KVCacheSpec) -> Tuple[Tensor, Tensor]:
+    """The reference backend's entry for ``functional.attention_with_kvcache`` (after the append)."""
+    return attention_with_kvcache(q, cache, alibi_slopes, sinks, spec)
 
 
 def layer_norm(

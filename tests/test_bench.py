@@ -50,6 +50,11 @@ def test_csv_has_ours_and_every_baseline(bench_run):
     assert impls["layer_norm"] == impls["feed_forward"] == {"ours", "torch"}
     assert impls["encoder_layer"] == impls["decoder_layer"] == impls["decode_step"] == {"ours", "torch.nn"}
     assert impls["module_call"] == {"ours", "torch.nn"}
+    assert impls["decode"] == {"ours", "sdpa"}
+    decode = [row for row in rows if row["suite"] == "decode" and row["ms"]]
+    assert {row["case"] for row in decode} == {f"B{b} H{h}/8" for b in (1, 8, 32) for h in (8, 32)}
+    assert all(math.isclose(float(r["gb_per_s"]), 2 * int(r["batch"]) * int(r["seq_len"]) * 8 * 64 * 4 / float(r["ms"])
+                            / 1e6, rel_tol=1e-3) for r in decode)  # the cache's keys and values, read once
     calls = {(row["case"], row["mode"]) for row in rows if row["suite"] == "module_call"}
     assert calls == {(c, m) for c in bench_cases.MODULE_CALL_MODULES for m in ("eval", "train")}
     masks = {(row["case"], row["mode"]) for row in rows if row["suite"] == "attention"}
@@ -83,7 +88,7 @@ def test_throughput_and_memory_columns(bench_run):
         assert float(row["ms"]) > 0 and float(row["tokens_per_s"]) > 0
         assert float(row["peak_mem_mb"]) >= 0 and row["mem_measure"] == "cpu_profiler_alloc"
         assert bool(row["tflops"]) == (row["suite"] in ("attention", "feed_forward"))
-        assert bool(row["gb_per_s"]) == (row["suite"] == "layer_norm")
+        assert bool(row["gb_per_s"]) == (row["suite"] in ("layer_norm", "decode"))
         assert row["bw_of_peak"] == ""  # no peak bandwidth on CPU
     # The math backend materialises the [L, L] scores: it allocates more than ours.
     fwd = {row["impl"]: float(row["peak_mem_mb"]) for row in rows

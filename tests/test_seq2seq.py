@@ -184,6 +184,28 @@ def test_decode_step_equals_the_full_decoder(norm_first, fused):
     torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_cached_decoding_runs_attention_with_kvcache(monkeypatch):
+    """Without autograd the fused model's self-attention steps go through ``attention_with_kvcache`` (the split-KV
+    kernels on a GPU), one call per layer and step; with autograd they keep the differentiable path."""
+    model = small_model(False, seed=3).eval()
+    src, _ = padded_batch()
+    calls = []
+    ops = ft.backend.ops("cpu")
+    original = ops["attention_with_kvcache"]
+    monkeypatch.setitem(ops, "attention_with_kvcache", lambda *args: calls.append(args[0].shape) or original(*args))
+    steps = []
+    decode_step = model.decode_step
+    monkeypatch.setattr(model, "decode_step", lambda *args: steps.append(1) or decode_step(*args))
+    with ft.use_backend("cpu"), torch.no_grad():
+        tokens = model.greedy_decode(src, max_len=6)
+    assert steps and len(calls) == len(steps) * SMALL["n_layers"] and all(shape[1] == 1 for shape in calls)
+    calls.clear()
+    with ft.use_backend("cpu"), torch.enable_grad():
+        cache = model.start_cache(*model.encode(src))
+        model.decode_step(tokens[:, :1], cache).sum().backward()
+    assert calls == []
+
+
 def test_decoding_cache_refuses_positions_past_its_capacity():
     model = small_model(False, seed=3).eval()
     src, _ = padded_batch()

@@ -20,9 +20,9 @@ whose outputs have no slot for a seed, empty dims) goes to the kernel registered
 the result or the error it would have had. Dropout through the flash ops keeps our seed in the ``rng_state``
 output: the backward regenerates the same mask.
 
-Activation is process-wide, so by default it must not make any model slower: ``route()`` decides per call, from
-the shapes alone (the forward and its backward decide alike), whether our kernel or the one registered before
-runs it. The rule, measured interleaved against torch's CPU flash kernel (docs/integrations.md):
+Activation is process-wide, so by default it must not make any model slower: ``prefers_ours`` decides per call,
+from the shapes alone (the forward and its backward decide alike), whether our kernel or the one registered
+before runs it. The rule, measured interleaved against torch's CPU flash kernel (docs/integrations.md):
 
   CPU   ours for ``is_causal`` calls with ``128 <= Lk <= 1024`` (1.07-1.65x forward and forward+backward there);
         torch's otherwise: without a causal mask ours is at parity or behind (0.94-0.99x forward), below 128 keys

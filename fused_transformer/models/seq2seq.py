@@ -100,16 +100,22 @@ class DecoderCache:
     self_kv: List[Tuple[Tensor, Tensor]] = field(default_factory=list)
     length: int = 0
 
-    def append(self, layer: int, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
-        """Write the new keys and values ``[B, H, n, D]`` of ``layer`` after the cached ones (at position
-        ``length``, which ``decode_step`` advances once every layer has appended); returns all of them so far."""
-        end = self.length + k.shape[2]
+    def buffers(self, layer: int, like: Tensor) -> Tuple[Tensor, Tensor]:
+        """The key and value buffers ``[B, H, capacity, D]`` of ``layer``, allocated like ``like`` ``[B, H, n, D]``
+        on first use; checks that ``n`` more positions fit."""
+        end = self.length + like.shape[2]
         if end > self.capacity:
             raise ValueError(f"the decoding cache holds {self.capacity} positions; {end} were asked for")
         if layer == len(self.self_kv):
-            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
-            self.self_kv.append((k.new_empty(shape), v.new_empty(shape)))
-        keys, values = self.self_kv[layer]
+            shape = (like.shape[0], like.shape[1], self.capacity, like.shape[3])
+            self.self_kv.append((like.new_empty(shape), like.new_empty(shape)))
+        return self.self_kv[layer]
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        """Write the new keys and values ``[B, H, n, D]`` of ``layer`` after the cached ones (at position
+        ``length``, which ``decode_step`` advances once every layer has appended); returns all of them so far."""
+        keys, values = self.buffers(layer, k)
+        end = self.length + k.shape[2]
         keys[:, :, self.length:end] = k
         values[:, :, self.length:end] = v
         return keys[:, :, :end], values[:, :, :end]
@@ -333,6 +339,13 @@ class Seq2SeqTransformer(nn.Module):
         def self_attention(h: Tensor) -> Tensor:
             attn = layer.self_attn
             q, k, v = (self._split_heads(t) for t in F.linear(h, attn.in_proj_weight, attn.in_proj_bias).chunk(3, -1))
+            if self.fused and not torch.is_grad_enabled():
+                # Decoding: one op writes the new keys into the cache and attends (split-KV kernels on a GPU).
+                keys, values = cache.buffers(index, k)
+                out = ops.attention_with_kvcache(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                 cache_seqlens=cache.length, k_new=k.transpose(1, 2),
+                                                 v_new=v.transpose(1, 2))
+                return attn.out_proj(out.flatten(2))
             k, v = cache.append(index, k, v)
             return attn.out_proj(self._attend(q, k, v, causal=True))
 

@@ -22,6 +22,10 @@ Suites (``SUITES``), each over sequence lengths:
   (``fused_transformer.models``, d 256, 3 + 3 layers, 8 heads, ff 512) against its torch.nn twin on the same
   weights, after a prefix of L - 1 target tokens over a source of L tokens; tokens/s counts one token per
   sequence.
+- ``decode``: one decoding step of ``ft.attention_with_kvcache`` (append the new key and value to a contiguous cache
+  of L - 1 keys, attend with one query per sequence) against SDPA on the same cache after the same write, and
+  ``flash_attn_with_kvcache`` on CUDA when installed; batch 1, 8, 32 (and 128 on CUDA), 8 KV heads with 8 or 32
+  query heads. GB/s counts the cache read (keys and values), its fraction of the GPU's peak in ``bw_of_peak``.
 - ``module_call``: one call of ``ft.LayerNorm``, ``MultiheadAttention`` (``need_weights=False``), and the encoder and
   decoder layers on a tiny input (batch 2, L 4, d_model 32, 4 heads, d_ff 64), eval under ``no_grad`` and a training
   step, against the ``torch.nn`` module with the same weights: at this size the time is almost all per-call Python
@@ -62,7 +66,8 @@ from fused_transformer.tools.bench_work import (
     attention_flops, feed_forward_flops, kept_lengths, layer_norm_bytes, padding_ratio,
 )
 
-SUITES = ("attention", "layer_norm", "feed_forward", "encoder_layer", "decoder_layer", "decode_step", "module_call")
+SUITES = ("attention", "layer_norm", "feed_forward", "encoder_layer", "decoder_layer", "decode_step", "decode",
+          "module_call")
 DROPOUT = 0.1
 GPU_ATTENTION_TOKENS = 16384  # tokens per batch on CUDA: batch = 16384 // L (at least 2)
 
@@ -74,6 +79,7 @@ LENGTHS = {
     ("cpu", "encoder_layer"): ((128, 256, 512), (128,)),
     ("cpu", "decoder_layer"): ((128, 256, 512), (128,)),
     ("cpu", "decode_step"): ((16, 64, 128), (16,)),
+    ("cpu", "decode"): ((512, 2048), (512,)),
     ("cpu", "module_call"): ((4,), (4,)),
     ("cuda", "attention"): ((512, 1024, 2048, 4096, 8192, 16384), (1024, 4096)),
     ("cuda", "layer_norm"): ((512, 1024, 2048, 4096, 8192), (1024, 4096)),
@@ -81,6 +87,7 @@ LENGTHS = {
     ("cuda", "encoder_layer"): ((512, 1024, 2048, 4096), (1024, 4096)),
     ("cuda", "decoder_layer"): ((512, 1024, 2048, 4096), (1024, 4096)),
     ("cuda", "decode_step"): ((64, 256, 1024), (256,)),
+    ("cuda", "decode"): ((512, 2048, 8192, 32768), (2048, 8192)),
     ("cuda", "module_call"): ((4,), (4,)),
 }
 
@@ -452,6 +459,52 @@ def decode_step_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
                    build=functools.partial(_build_decode_step, setup, batch, length))
 
 
+DECODE_HEADS = ((8, 8), (32, 8))  # (query heads, KV heads): plain and grouped-query, head dim 64 (128 on CUDA)
+
+
+def _build_decode(setup: Setup, impls: Tuple[str, ...], batch: int, length: int, heads: int, kv_heads: int,
+                  head_dim: int) -> Built:
+    """One decoding step on a contiguous cache holding ``length - 1`` keys: append the new key and value, then attend
+    with one query per sequence. SDPA gets the same cache, written with the same new key, sliced to ``length``."""
+    torch.manual_seed(0)
+    k_cache, v_cache = (_randn(setup, batch, length, kv_heads, head_dim) for _ in range(2))
+    q = _randn(setup, batch, 1, heads, head_dim)
+    k_new, v_new = (_randn(setup, batch, 1, kv_heads, head_dim) for _ in range(2))
+    lengths = torch.full((batch,), length - 1, dtype=torch.int32, device=setup.device)
+
+    def sdpa() -> Tensor:
+        k_cache[:, length - 1:] = k_new
+        v_cache[:, length - 1:] = v_new
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                              enable_gqa=heads != kv_heads).transpose(1, 2)
+
+    calls: Dict[str, Callable[[], Tensor]] = {
+        "sdpa": sdpa,
+        "ours": _on_backend(setup.backend, lambda: ft.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lengths, k_new=k_new, v_new=v_new)),
+    }
+    if "flash_attn" in impls:
+        calls["flash_attn"] = lambda: third_party("flash_attn").flash_attn_with_kvcache(
+            q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths, causal=True)
+    return Built({name: _forward(calls[name]) for name in impls})
+
+
+def decode_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
+    gpu = setup.device.type == "cuda"
+    head_dim = 128 if gpu else 64
+    impls = ("sdpa", "ours")
+    if gpu and third_party("flash_attn") is not None:
+        impls += ("flash_attn",)
+    for batch in (1, 8, 32, 128) if gpu else (1, 8, 32):
+        for heads, kv_heads in DECODE_HEADS:
+            for length in lengths:
+                cache_bytes = 2.0 * batch * length * kv_heads * head_dim * setup.dtype.itemsize
+                yield Case("decode", f"B{batch} H{heads}/{kv_heads}", "eval", length, batch, impls, heads=heads,
+                           head_dim=head_dim, causal=True, new_tokens=batch, nbytes=cache_bytes,
+                           build=functools.partial(_build_decode, setup, impls, batch, length, heads, kv_heads,
+                                                   head_dim))
+
+
 MODULE_CALL_SHAPE = dict(batch=2, d_model=32, heads=4, d_ff=64)
 MODULE_CALL_MODULES = {  # case label -> the class, in torch.nn and in fused_transformer
     "LayerNorm": "LayerNorm", "MHA": "MultiheadAttention", "encoder layer": "TransformerEncoderLayer",
@@ -504,6 +557,7 @@ CASES: Dict[str, Callable[[Setup, Sequence[int]], Iterator[Case]]] = {
     "encoder_layer": functools.partial(_layer_cases, decoder=False),
     "decoder_layer": functools.partial(_layer_cases, decoder=True),
     "decode_step": decode_step_cases,
+    "decode": decode_cases,
     "module_call": module_call_cases,
 }
 
@@ -525,6 +579,9 @@ def describe(suite: str, setup: Setup) -> str:
         shape = MODULE_CALL_SHAPE
         return (f"batch {shape['batch']}, d_model {shape['d_model']}, {shape['heads']} heads, d_ff {shape['d_ff']}, "
                 f"dropout {DROPOUT}: one call of a module on a tiny input, its per-call overhead")
+    if suite == "decode":
+        return (f"one decoding step (1 query per sequence, the new key appended first) on a contiguous cache of L "
+                f"keys, head dim {128 if gpu else 64}, KV heads 8, query heads 8 and 32; GB/s counts the cache read")
     if suite == "decode_step":
         return ("batch 32, Seq2Seq d 256, 3 + 3 layers, 8 heads, ff 512, one cached token per sequence after L - 1, "
                 "source L")

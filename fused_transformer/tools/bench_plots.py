@@ -18,6 +18,7 @@ THROUGHPUT = {  # suite -> (CSV column, axis label)
     "encoder_layer": ("tokens_per_s", "tokens/s"),
     "decoder_layer": ("tokens_per_s", "tokens/s"),
     "decode_step": ("tokens_per_s", "tokens/s"),
+    "decode": ("gb_per_s", "GB/s of cache read"),
     "module_call": ("tokens_per_s", "tokens/s"),
 }
 MEMORY_AXIS = {

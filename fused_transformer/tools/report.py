@@ -486,7 +486,32 @@ def format_markdown(results: Sequence[AotResult], command: Sequence[str]) -> str
                       "|" + " --- |" * len(TABLE_HEADER)]
             lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
             lines.append("")
+    lines += ["## decode launches", "", "Programs per SM of a one-token decoding step: the general forward's grid (a "
+              "program per query head) -> the split-KV decode kernel's (a program per KV head and key split).", "",
+              *decode_occupancy_lines(), ""]
     return "\n".join(lines)
+
+
+# The decode launches whose programs per SM the report shows: (batch, kv heads, keys), each with 8 and 32 query heads.
+DECODE_LAUNCHES = ((1, 8, 8192), (32, 8, 2048))
+
+
+def decode_occupancy_lines() -> List[str]:
+    """A markdown table: for each ``DECODE_LAUNCHES`` step (one query per sequence) and target, the programs per SM
+    of the general forward's grid (one program per query head: ``B * H``) and of the split-KV decode launch."""
+    from fused_transformer.kernels.attention import decode
+
+    header = ["launch", "H"] + [f"sm_{t} ({decode.TYPICAL_SM_COUNT[t]} SMs)" for t in CAPABILITIES]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for batch, kv_heads, keys in DECODE_LAUNCHES:
+        for heads in (8, 32):
+            cells = []
+            for target in CAPABILITIES:
+                before = batch * heads / decode.TYPICAL_SM_COUNT[target]
+                after = decode.programs_per_sm(batch, kv_heads, keys, 1, heads, target)
+                cells.append(f"{before:.2f} -> {after:.2f}")
+            lines.append(f"| B{batch} Hkv{kv_heads} Lk {keys} | {heads} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -507,6 +532,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--markdown writes the report of every module: leave --module out")
     results = compile_all(jobs=args.jobs, modules=tuple(args.module or KERNEL_MODULES))
     print(format_table(results))
+    print("\nDecode launches, programs per SM (general forward -> split-KV decode):")
+    print("\n".join(decode_occupancy_lines()))
     if args.markdown is not None:
         with open(args.markdown, "w") as f:
             f.write(format_markdown(results, ["report", *(argv if argv is not None else sys.argv[1:])]))

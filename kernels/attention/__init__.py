@@ -4,9 +4,10 @@ kernel: ``attention``, ``attention_varlen`` and ``attention_weights`` check thei
 
 The package reads top-down, one pass a file: ``jit.py`` (the helpers the kernels share: masks, sequence bounds),
 ``fwd.py`` (forward kernel and launcher), ``bwd.py`` (dq and dk/dv kernels and launcher), ``weights.py`` (the
-probabilities for ``need_weights``), ``launch.py`` (masks, sizes and grids in kernel form), ``configs.py`` (the tile
-plan every launch and the AOT report read), ``ops.py`` (custom ops, autograd, the backend's entries) and ``aot.py``
-(what the report compiles).
+probabilities for ``need_weights``), ``decode.py`` (split-KV decoding over a contiguous or paged KV cache, and its
+backend entry), ``launch.py`` (masks, sizes and grids in kernel form), ``configs.py`` (the tile plan every launch and
+the AOT report read), ``ops.py`` (custom ops, autograd, the backend's entries) and ``aot.py`` (what the report
+compiles).
 """
 from typing import Optional, Tuple, Union
 
@@ -16,6 +17,7 @@ from ... import contract
 from ...contract import AttentionMasks
 from .aot import aot_configs
 from .configs import INTERPRETER_TILE, TILE_ROWS, Plan, Tile, TileRow, head_dim_bucket, plan
+from .decode import attention_decode, decode_splits, programs_per_sm, run_attention_with_kvcache
 from .ops import attention_keep_mask, run_attention, run_attention_varlen, run_attention_weights
 
 Tensor = torch.Tensor
@@ -23,7 +25,8 @@ Tensor = torch.Tensor
 __all__ = [
     "attention", "attention_varlen", "attention_weights", "attention_keep_mask", "run_attention",
     "run_attention_varlen", "run_attention_weights", "plan", "Plan", "Tile", "TileRow", "TILE_ROWS",
-    "INTERPRETER_TILE", "head_dim_bucket", "aot_configs",
+    "INTERPRETER_TILE", "head_dim_bucket", "aot_configs", "attention_decode", "decode_splits", "programs_per_sm",
+    "run_attention_with_kvcache",
 ]
 
 

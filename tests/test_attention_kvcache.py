@@ -1,0 +1,202 @@
+"""``attention_with_kvcache``: the in-place append, contiguous and paged caches, and every option, on every backend
+(triton under the interpreter) against attention computed from scratch in float64; the checks that refuse a call
+before the cache is touched. (The Triton decode kernels alone, split counts included:
+tests/test_attention_decode_triton.py.)"""
+import pytest
+import torch
+
+import fused_transformer as ft
+from fused_transformer import reference
+from tests.numerics import assert_close_to_reference
+
+BACKENDS = ["reference", "cpu"] + (["triton"] if ft.backend.triton_unavailable_reason() is None else [])
+
+
+def make_cache(batch, capacity, kv_heads, dim, block_size=None, dtype=torch.float32, seed=0):
+    """``(k_cache, v_cache, block_table)``: contiguous, or paged in a shuffled pool with spare blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    if block_size is None:
+        shape = (batch, capacity, kv_heads, dim)
+        return (*(torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype) for _ in range(2)), None)
+    blocks = -(-capacity // block_size)
+    pool = batch * blocks + 3
+    shape = (pool, block_size, kv_heads, dim)
+    table = torch.randperm(pool, generator=generator)[:batch * blocks].view(batch, blocks).to(torch.int32)
+    return (*(torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype) for _ in range(2)), table)
+
+
+def poison_unused(k_cache, v_cache, block_table, lengths):
+    """NaN in every cache slot past each sequence's keys: an op that reads one shows it."""
+    for b, n in enumerate(lengths.tolist()):
+        if block_table is None:
+            k_cache[b, n:] = float("nan")
+            v_cache[b, n:] = float("nan")
+            continue
+        block_size = k_cache.shape[1]
+        for position in range(n, block_table.shape[1] * block_size):
+            block, row = block_table[b, position // block_size], position % block_size
+            k_cache[block, row] = float("nan")
+            v_cache[block, row] = float("nan")
+
+
+def from_scratch(q, k_cache, v_cache, block_table, lengths, *, is_causal=True, window=None, softcap=None,
+                 alibi_slopes=None, sinks=None, scale=None):
+    """Each sequence alone, in float64: its keys gathered, scores built by hand (an independent oracle)."""
+    outs = []
+    cache = ft.contract.KVCache(k_cache, v_cache, lengths, block_table)
+    keys, values = reference.cached_keys(cache)
+    batch, lq, heads, dim = q.shape
+    scale = dim ** -0.5 if scale is None else scale
+    for b in range(batch):
+        n = int(lengths[b])
+        k = keys[b, :n].double().repeat_interleave(heads // keys.shape[2], dim=1).transpose(0, 1)  # [H, n, D]
+        v = values[b, :n].double().repeat_interleave(heads // keys.shape[2], dim=1).transpose(0, 1)
+        scores = q[b].double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, Lq, n]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        qpos = torch.arange(lq)[:, None] + n - lq
+        kpos = torch.arange(n)[None, :]
+        if alibi_slopes is not None:
+            slopes = (alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes).double()
+            scores = scores - slopes[:, None, None] * (qpos - kpos).abs()
+        keep = torch.ones(lq, n, dtype=torch.bool)
+        left, right = window if window is not None else (None, None)
+        if is_causal:
+            keep &= kpos <= qpos
+        if left is not None:
+            keep &= kpos >= qpos - left
+        if right is not None:
+            keep &= kpos <= qpos + right
+        scores = scores.masked_fill(~keep, float("-inf"))
+        if sinks is not None:  # a key with the sink's score and a zero value
+            scores = torch.cat([scores, sinks.double()[:, None, None].expand(heads, lq, 1)], dim=-1)
+            v = torch.cat([v, torch.zeros(heads, 1, dim, dtype=torch.float64)], dim=1)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key: zeros
+        outs.append((probs @ v).transpose(0, 1))
+    return torch.stack(outs)
+
+
+CASES = {
+    "decode": dict(lq=1),
+    "chunk": dict(lq=7),
+    "gqa4": dict(lq=3, heads=8, kv_heads=2),
+    "gqa8": dict(lq=1, heads=8, kv_heads=1),
+    "window": dict(lq=4, window=(5, 0)),
+    "not_causal": dict(lq=3, is_causal=False, window=(3, 2)),
+    "softcap": dict(lq=2, softcap=3.0),
+    "alibi": dict(lq=3, alibi="heads"),
+    "alibi_batch": dict(lq=1, alibi="batch"),
+    "sinks": dict(lq=2, sinks=True),
+    "everything": dict(lq=5, heads=4, kv_heads=2, window=(6, 0), softcap=5.0, alibi="heads", sinks=True),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_size", [None, 16, 256])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_attention_from_scratch(backend, block_size, case):
+    options = dict(CASES[case])
+    lq, heads, kv_heads = options.pop("lq"), options.pop("heads", 4), options.pop("kv_heads", 4)
+    batch, dim, capacity = 3, 16, 40
+    generator = torch.Generator().manual_seed(1)
+    if options.pop("alibi", None) is not None:
+        shape = (heads,) if CASES[case]["alibi"] == "heads" else (batch, heads)
+        options["alibi_slopes"] = torch.rand(shape, generator=generator) * 0.5
+    if options.pop("sinks", False):
+        options["sinks"] = torch.randn(heads, generator=generator)
+    k_cache, v_cache, table = make_cache(batch, capacity, kv_heads, dim, block_size)
+    lengths = torch.tensor([9, 0, 31], dtype=torch.int32)[:batch]  # one sequence starts empty
+    new = 2
+    q = torch.randn(batch, lq, heads, dim, generator=generator)
+    k_new, v_new = (torch.randn(batch, new, kv_heads, dim, generator=generator) for _ in range(2))
+    poison_unused(k_cache, v_cache, table, lengths + new)
+    before = k_cache.clone()
+    with ft.use_backend(backend):
+        out, lse = ft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, k_new=k_new, v_new=v_new,
+                                             block_table=table, return_lse=True, **options)
+    after = lengths + new
+    keys, values = reference.cached_keys(ft.contract.KVCache(k_cache, v_cache, after, table))
+    for b in range(batch):  # the append, bit-exact, and nothing else written
+        assert torch.equal(keys[b, lengths[b]:after[b]], k_new[b]) and torch.equal(values[b, lengths[b]:after[b]],
+                                                                                   v_new[b])
+    untouched = reference.cached_keys(ft.contract.KVCache(before, before, after, table))[0]
+    for b in range(batch):
+        assert torch.equal(keys[b, :lengths[b]], untouched[b, :lengths[b]])
+        assert keys[b, after[b]:].isnan().all()  # nothing written past the new keys
+    expected = from_scratch(q, k_cache, v_cache, table, after, **options)
+    assert out.shape == q.shape and lse.shape == (batch, heads, lq) and lse.dtype == torch.float32
+    assert (out.double() - expected).abs().max().item() < 2e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_within_twice_torchs_error(dtype):
+    batch, heads, dim = 2, 4, 32
+    k_cache, v_cache, table = make_cache(batch, 64, 2, dim, 16, dtype=dtype)
+    lengths = torch.tensor([17, 40], dtype=torch.int32)
+    q = torch.randn(batch, 3, heads, dim, dtype=torch.float64).to(dtype)
+    out = ft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
+    expected = from_scratch(q, k_cache, v_cache, table, lengths)
+    cache = ft.contract.KVCache(k_cache, v_cache, lengths, table)
+    spec = ft.contract.kvcache_spec(dim, True, None, None, None, None)
+    baseline, _ = reference.attention_with_kvcache(q, cache, None, None, spec)  # PyTorch in that dtype
+    assert_close_to_reference(out, expected, baseline)
+
+
+def test_float64_runs_to_round_off_on_the_cpu_kernel():
+    k_cache, v_cache, table = make_cache(2, 48, 2, 16, dtype=torch.float64)
+    lengths = torch.tensor([5, 48], dtype=torch.int32)
+    q = torch.randn(2, 4, 4, 16, dtype=torch.float64)
+    with ft.use_backend("cpu"):
+        out = ft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, window=(7, 0))
+    expected = from_scratch(q, k_cache, v_cache, table, lengths, window=(7, 0))
+    assert (out - expected).abs().max().item() < 1e-13
+
+
+def _call(**overrides):
+    k_cache, v_cache, table = make_cache(2, 32, 2, 8, 8)
+    args = dict(q=torch.randn(2, 1, 4, 8), k_cache=k_cache, v_cache=v_cache,
+                cache_seqlens=torch.tensor([3, 30], dtype=torch.int32), k_new=torch.randn(2, 2, 2, 8),
+                v_new=torch.randn(2, 2, 2, 8), block_table=table)
+    args.update(overrides)
+    q, k_cache, v_cache = args.pop("q"), args.pop("k_cache"), args.pop("v_cache")
+    return q, k_cache, v_cache, args
+
+
+@pytest.mark.parametrize("overrides, error, match", [
+    (dict(cache_seqlens=torch.tensor([3, 31], dtype=torch.int32)), ValueError, "within the cache"),
+    (dict(cache_seqlens=torch.tensor([3, 30])), TypeError, "cache_seqlens must be int32"),
+    (dict(block_table=torch.tensor([[0, 1, 2, 3], [4, 5, 99, 7]], dtype=torch.int32)), ValueError, "block ids"),
+    (dict(block_table=torch.zeros(2, 4, dtype=torch.int64)), TypeError, "block_table must be int32"),
+    (dict(k_new=torch.randn(2, 2, 4, 8), v_new=torch.randn(2, 2, 4, 8)), ValueError, "k_new must be"),
+    (dict(v_new=None), ValueError, "k_new and v_new"),
+    (dict(q=torch.randn(2, 1, 3, 8)), ValueError, "multiple"),
+    (dict(q=torch.randn(2, 1, 4, 8, dtype=torch.float64)), TypeError, "dtype"),
+    (dict(alibi_slopes=torch.ones(3)), TypeError, "alibi_slopes must be float32"),
+    (dict(sinks=torch.ones(4, dtype=torch.float64)), TypeError, "sinks must be float32"),
+    (dict(softcap=0.0), ValueError, "softcap"),
+    (dict(num_splits=0), ValueError, "num_splits"),
+])
+def test_bad_calls_are_refused_before_the_cache_is_touched(overrides, error, match):
+    q, k_cache, v_cache, args = _call(**overrides)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(error, match=match):
+        ft.attention_with_kvcache(q, k_cache, v_cache, **args)
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
+
+
+def test_int_cache_seqlens_and_no_new_keys():
+    k_cache, v_cache, _ = make_cache(2, 16, 1, 8)
+    q = torch.randn(2, 1, 2, 8)
+    out = ft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=10)
+    expected = from_scratch(q, k_cache, v_cache, None, torch.tensor([10, 10]))
+    assert (out.double() - expected).abs().max().item() < 2e-6
+
+
+def test_block_table_entries_past_a_sequence_are_never_read():
+    k_cache, v_cache, table = make_cache(2, 32, 2, 8, 8)
+    table[0, 1:] = -1  # sequence 0 uses one block; FlashAttention's callers leave the rest as they like
+    lengths = torch.tensor([3, 30], dtype=torch.int32)
+    q = torch.randn(2, 1, 4, 8)
+    out = ft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
+    expected = from_scratch(q, k_cache, v_cache, table, lengths)
+    assert (out.double() - expected).abs().max().item() < 2e-6
