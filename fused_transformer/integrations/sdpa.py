@@ -92,7 +92,9 @@ class _CppKernels:
 
     @staticmethod
     def _bounds(window):
-        return tuple(-1 if side is None else side for side in window)
+        from ..cpu_ops import _window_bounds  # the C++ kernels' encoding of a window (-1: no limit)
+
+        return _window_bounds(window)
 
     @classmethod
     def dense_fwd(cls, q, k, v, mask, is_causal, bottom_right, window, scale, dropout_p, seed):
@@ -127,7 +129,9 @@ class _TritonKernels:
 
     @staticmethod
     def _last_dim_contiguous(*tensors):
-        return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+        from ..kernels._common import contiguous_last_dim
+
+        return [contiguous_last_dim(t) for t in tensors]
 
     @classmethod
     def dense_fwd(cls, q, k, v, mask, is_causal, bottom_right, window, scale, dropout_p, seed):

@@ -182,44 +182,44 @@ def _bench_details(figures: Mapping[str, object]) -> List[str]:
     return lines
 
 
+def _measured(title: List[str], figures: Mapping[str, object], render: Callable[[dict], List[str]]) -> List[str]:
+    """``title`` and the lines ``render`` makes of a measurement, or why it could not run; nothing when absent."""
+    if not figures:
+        return []
+    return title + ([f"Could not run: {_cell(figures['error'])}"] if "error" in figures else render(figures))
+
+
+def _graph_lines(graph: dict) -> List[str]:
+    same = "bitwise equal to eager" if graph["bitwise_equal"] else (
+        f"max relative error {graph['max_rel_error']:.3g} (abs {graph['max_abs_error']:.3g}) in "
+        f"`{graph['worst']}`, tolerance {graph['tolerance']:g}")
+    return [f"{graph['what']}; optimizer: {graph['optimizer']}.", "",
+            f"Replay: {same} over {graph['compared']} tensors: {'ok' if graph['ok'] else 'NOT OK'}."]
+
+
+def _determinism_lines(determinism: dict) -> List[str]:
+    lines = ["| dtype | mask | B, H, L, D | bitwise equal | differing |", "| --- | --- | --- | --- | --- |"]
+    return lines + [f"| {c['dtype']} | {c['mask']} | {', '.join(map(str, c['shape']))} | "
+                    f"{'yes' if c['equal'] else 'NO'} | {_cell(c.get('error') or ', '.join(c['differing']) or '-')} |"
+                    for c in determinism["cases"]]
+
+
+def _memory_lines(memory: dict) -> List[str]:
+    lines = [f"{memory['what']}; extra = peak allocated during the call minus what was allocated before "
+             "it (the inputs).", "", "| L | inputs MiB | extra MiB | growth per doubling |",
+             "| --- | --- | --- | --- |"]
+    for row in memory["rows"]:
+        growth = row["growth_per_doubling"]
+        lines.append(f"| {row['seq_len']} | {row['inputs_mib']:.1f} | {row['extra_mib']:.1f} | "
+                     f"{'-' if growth is None else f'x{growth:.2f}'} |")
+    return lines + ["", f"Verdict: {memory['verdict']}."]
+
+
 def _graphs_details(figures: Mapping[str, object]) -> List[str]:
-    lines: List[str] = []
-    graph = figures.get("cuda_graph")
-    if graph:
-        lines += ["### CUDA graph of a training step", ""]
-        if "error" in graph:
-            lines.append(f"Could not run: {_cell(graph['error'])}")
-        else:
-            same = "bitwise equal to eager" if graph["bitwise_equal"] else (
-                f"max relative error {graph['max_rel_error']:.3g} (abs {graph['max_abs_error']:.3g}) in "
-                f"`{graph['worst']}`, tolerance {graph['tolerance']:g}")
-            lines += [f"{graph['what']}; optimizer: {graph['optimizer']}.", "",
-                      f"Replay: {same} over {graph['compared']} tensors: {'ok' if graph['ok'] else 'NOT OK'}."]
-    determinism = figures.get("determinism")
-    if determinism:
-        lines += ["", "### Determinism of the attention backward", ""]
-        if "error" in determinism:
-            lines.append(f"Could not run: {_cell(determinism['error'])}")
-        else:
-            lines += ["| dtype | mask | B, H, L, D | bitwise equal | differing |", "| --- | --- | --- | --- | --- |"]
-            lines += [f"| {c['dtype']} | {c['mask']} | {', '.join(map(str, c['shape']))} | "
-                      f"{'yes' if c['equal'] else 'NO'} | {_cell(c.get('error') or ', '.join(c['differing']) or '-')} |"
-                      for c in determinism["cases"]]
-    memory = figures.get("memory")
-    if memory:
-        lines += ["", "### Peak memory against L", ""]
-        if "error" in memory:
-            lines.append(f"Could not run: {_cell(memory['error'])}")
-        else:
-            lines += [f"{memory['what']}; extra = peak allocated during the call minus what was allocated before "
-                      "it (the inputs).", "", "| L | inputs MiB | extra MiB | growth per doubling |",
-                      "| --- | --- | --- | --- |"]
-            for row in memory["rows"]:
-                growth = row["growth_per_doubling"]
-                lines.append(f"| {row['seq_len']} | {row['inputs_mib']:.1f} | {row['extra_mib']:.1f} | "
-                             f"{'-' if growth is None else f'x{growth:.2f}'} |")
-            lines += ["", f"Verdict: {memory['verdict']}."]
-    return lines
+    return (_measured(["### CUDA graph of a training step", ""], figures.get("cuda_graph"), _graph_lines)
+            + _measured(["", "### Determinism of the attention backward", ""], figures.get("determinism"),
+                        _determinism_lines)
+            + _measured(["", "### Peak memory against L", ""], figures.get("memory"), _memory_lines))
 
 
 DETAILS: Dict[str, Callable[[Mapping[str, object]], List[str]]] = {
