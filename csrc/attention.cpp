@@ -1,15 +1,21 @@
 // Flash attention on the CPU: online softmax over key blocks, nothing of [Lq, Lk] kept beyond one block per thread.
 //
 // Forward, per (batch, head, block of query rows), over the key blocks that block can see:
-//   S = Q K^T * scale + bias, -inf where a bool mask is false, above the causal diagonal and at padded
-//   keys (keys after a sequence's last real key are never read)
+//   S = Q K^T * scale, capped (softcap tanh(S / softcap)), minus ALiBi's slope |i + o - j|, plus bias, -inf where
+//   a bool mask is false, above the causal diagonal and at padded keys (keys after a sequence's last real key are
+//   never read)
 //   m' = max(m, rowmax S),  P = exp(S - m'),  l = l exp(m - m') + rowsum P,  acc = acc exp(m - m') + dropout(P) V
 //   out = acc / l,  lse = m + log l   (a row with no visible key: out = 0, lse = -inf; a row with a NaN score:
-//   out and lse NaN, as torch's softmax gives)
+//   out and lse NaN, as torch's softmax gives). An attention sink joins l last, as a key with no value: a real
+//   row's l += exp(sink - m) (rescaled to max(m, sink)), so its lse holds the sink and a row with no key gets
+//   lse = sink.
 // Dropout scales probabilities by keep / (1 - p) after the softmax, so l sums the undropped P.
 //
 // Backward, with P = exp(S - lse) recomputed per block, Pd = dropout(P) and delta_i = rowsum(dO * O)_i:
 //   dV += Pd^T dO,  dPd = dO V^T,  dS = Pd * dPd - P * delta,  dQ += dS K scale,  dK += dS^T Q scale
+// (with a softcap, dS is multiplied by the cap's derivative 1 - tanh^2 first). The forward's lse holds the sinks,
+// so P needs no sink here, and delta = rowsum(dO * O) holds because a sink has no value; the sinks' own
+// gradient, -exp(sink - lse) delta summed over rows, is computed in Python (contract.sinks_gradient).
 // One task per (batch, kv head) walks every key block and every query head of its group, so dK, dV and dQ
 // each have one writer: no atomics, no per-thread copies, and a result that does not depend on threads.
 #include <ATen/Parallel.h>
@@ -18,6 +24,7 @@
 #include <optional>
 #include <vector>
 
+#include "attention_rows.h"
 #include "common.h"
 
 // The Fortran BLAS that libtorch_cpu exports (MKL on x86-64 wheels). ATen's own cpublas::gemm wrappers are not
@@ -56,6 +63,10 @@ struct AttentionProblem {
   const int64_t* alignment_offsets = nullptr;
   int64_t window_left = -1, window_right = -1;  // keys i + offset - left .. i + offset + right; -1 = no limit
   scalar_t scale = 1;
+  scalar_t softcap = 0;  // > 0: scaled scores s become softcap * tanh(s / softcap), before ALiBi and the masks
+  const scalar_t* alibi = nullptr;  // slopes [B, H] through alibi_batch_stride (0: [H]); score -= slope |i + o - j|
+  int64_t alibi_batch_stride = 0;
+  const scalar_t* sinks = nullptr;  // [H]: a logit per head in each real row's softmax denominator
   DropoutMask dropout{0, 0.0};
   bool packed = false;  // variable-length sequences packed as [T, heads, D]: no rows past query_length(b)
 
@@ -64,6 +75,7 @@ struct AttentionProblem {
   int64_t query_length(int64_t b) const { return query_ends ? query_ends[b] : q_len; }
   int64_t offset(int64_t b) const { return alignment_offsets ? alignment_offsets[b] : alignment_offset; }
   bool limits_right() const { return causal || window_right >= 0; }
+  bool modifies_scores() const { return softcap > 0 || alibi != nullptr; }
   // The last visible key is i + offset + right_limit() (when limits_right()).
   int64_t right_limit() const { return causal ? (window_right >= 0 ? std::min<int64_t>(window_right, 0) : 0) : window_right; }
   // Keys [key_begin, key_end) may be visible to query row i (the masks may still hide some).
@@ -86,62 +98,7 @@ struct AttentionProblem {
 };
 
 // ----------------------------------------------------------------------------------------- row helpers
-// float versions are multiversioned (FT_MULTIVERSIONED, common.h); double versions serve the float64 tests.
-
-// The largest of x[0..n), or NaN if one is NaN (comparisons alone would skip it).
-FT_INLINE float row_max_body(const float* x, int64_t n) {
-  const float minus_inf = -std::numeric_limits<float>::infinity();
-  Float8 lanes = broadcast(minus_inf);
-  Int8 nan_lanes = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const Float8 v = load8(x + i);
-    lanes = select(v > lanes, v, lanes);
-    nan_lanes |= v != v;
-  }
-  float result = minus_inf;
-  bool any_nan = false;
-  for (; i < n; ++i) {
-    result = std::max(result, x[i]);
-    any_nan |= std::isnan(x[i]);
-  }
-  for (int l = 0; l < 8; ++l) {
-    result = std::max(result, lanes[l]);
-    any_nan |= nan_lanes[l] != 0;
-  }
-  return any_nan ? std::numeric_limits<float>::quiet_NaN() : result;
-}
-FT_MULTIVERSIONED(float, row_max, (const float* x, int64_t n), (x, n))
-
-double row_max(const double* x, int64_t n) {
-  double result = -std::numeric_limits<double>::infinity();
-  for (int64_t i = 0; i < n; ++i) {
-    if (std::isnan(x[i])) return x[i];
-    result = std::max(result, x[i]);
-  }
-  return result;
-}
-
-// x = exp(x - shift) in place; returns the sum. shift is finite; -inf entries become 0.
-FT_INLINE float exp_shifted_sum_body(float* x, int64_t n, float shift) {
-  Float8 total = broadcast(0.0f);
-  map8(x, n, -std::numeric_limits<float>::infinity(), [&](Float8 v, int64_t) {
-    const Float8 e = fast_exp(v - shift);
-    total += e;
-    return e;
-  });
-  return sum8(total);
-}
-FT_MULTIVERSIONED(float, exp_shifted_sum, (float* x, int64_t n, float shift), (x, n, shift))
-
-double exp_shifted_sum(double* x, int64_t n, double shift) {
-  double total = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    x[i] = std::exp(x[i] - shift);
-    total += x[i];
-  }
-  return total;
-}
+// (row_max, exp_shifted_sum, dot and softcap_row, which the KV-cache kernel shares: attention_rows.h)
 
 // dS = Pd * dPd - P * delta (in place over dpd).
 FT_INLINE void softmax_grad_row_body(const float* dropped, const float* probs, float* dpd, int64_t n, float delta) {
@@ -155,17 +112,10 @@ void softmax_grad_row(const double* dropped, const double* probs, double* dpd, i
   for (int64_t i = 0; i < n; ++i) dpd[i] = dropped[i] * dpd[i] - probs[i] * delta;
 }
 
-// Eight independent partial sums, which the compiler vectorises (a single accumulator would be serial).
+// dS *= 1 - tanh^2, the derivative of the softcap.
 template <typename scalar_t>
-FT_INLINE scalar_t dot(const scalar_t* a, const scalar_t* b, int64_t n) {
-  scalar_t lanes[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) lanes[l] += a[i + l] * b[i + l];
-  scalar_t total = 0;
-  for (; i < n; ++i) total += a[i] * b[i];
-  for (int l = 0; l < 8; ++l) total += lanes[l];
-  return total;
+FT_INLINE void softcap_grad_row(scalar_t* ds, const scalar_t* tanh_values, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) ds[i] *= scalar_t(1) - tanh_values[i] * tanh_values[i];
 }
 
 // -------------------------------------------------------------------------------------------- gemm
@@ -283,14 +233,30 @@ HeadRows<T> head_rows(const at::Tensor& t) {
   return {t.data_ptr<std::remove_const_t<T>>(), t.stride(0), t.stride(1), row_stride};
 }
 
+// The softcap and ALiBi on scores[rows, cols] of query rows i0.. and keys j0.. (see compute_scores).
+template <typename scalar_t>
+void modify_scores(const AttentionProblem<scalar_t>& p, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
+                   int64_t cols, scalar_t* scores, int64_t ld, scalar_t* tanh_values) {
+  for (int64_t r = 0; r < rows; ++r) {
+    scalar_t* row = scores + r * ld;
+    if (p.softcap > 0) softcap_row(row, cols, p.softcap, tanh_values ? tanh_values + r * ld : nullptr);
+    if (p.alibi != nullptr) {
+      const scalar_t slope = p.alibi[b * p.alibi_batch_stride + h];
+      const int64_t diagonal = i0 + r + p.offset(b) - j0;  // key column c is |diagonal - c| from the query
+      for (int64_t c = 0; c < cols; ++c) row[c] -= slope * static_cast<scalar_t>(std::abs(diagonal - c));
+    }
+  }
+}
+
 // scores[rows, cols] (row stride ld) for query rows i0.. of head h of batch b against keys j0.. of
-// that head's k.
+// that head's k. With a softcap, tanh_values (same layout; may be null) gets tanh(s / softcap) for the backward.
 template <typename scalar_t>
 void compute_scores(const AttentionProblem<scalar_t>& p, const HeadRows<const scalar_t>& q,
                     const HeadRows<const scalar_t>& k, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
-                    int64_t cols, scalar_t* scores, int64_t ld) {
+                    int64_t cols, scalar_t* scores, int64_t ld, scalar_t* tanh_values = nullptr) {
   gemm_row_major<scalar_t>(false, true, rows, cols, p.head_dim, p.scale, q.at(b, h, i0), q.row_stride,
                            k.at(b, h / p.group(), j0), k.row_stride, 0, scores, ld);
+  if (p.modifies_scores()) modify_scores(p, b, h, i0, rows, j0, cols, scores, ld, tanh_values);
   const bool* padding = p.key_padding && p.padding_has_holes[b] ? p.key_padding + b * p.k_len + j0 : nullptr;
   const bool limited = p.limits_right() || p.window_left >= 0;
   if (p.bias == nullptr && p.keep == nullptr && !limited && padding == nullptr) return;
@@ -419,10 +385,19 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRow
       for (int64_t r = 0; r < tile_rows; ++r) {
         scalar_t* out_row = out.at(b, h, i0 + r);
         const bool padding = r >= rows || (p.query_padding && p.query_padding[b * q_len + i0 + r]);
-        const bool has_key = !padding && row_sum[r] != 0;  // true for NaN, which then fills the row
-        const scalar_t inverse = has_key ? scalar_t(1) / row_sum[r] : scalar_t(0);
+        scalar_t sum = row_sum[r], max = row_max_[r], acc_scale = 1;
+        if (p.sinks != nullptr && !padding && !std::isnan(sum)) {  // a key with no value, rescaled to max(m, sink)
+          const scalar_t sink = p.sinks[h], new_max = std::max(max, sink);
+          if (new_max != minus_inf) {
+            acc_scale = max == minus_inf ? scalar_t(0) : std::exp(max - new_max);
+            sum = sum * acc_scale + std::exp(sink - new_max);
+            max = new_max;
+          }
+        }
+        const bool has_key = !padding && sum != 0;  // true for NaN, which then fills the row
+        const scalar_t inverse = has_key ? acc_scale / sum : scalar_t(0);
         for (int64_t c = 0; c < d; ++c) out_row[c] = has_key ? acc[r * d + c] * inverse : scalar_t(0);
-        *lse.at(b, h, i0 + r) = has_key ? row_max_[r] + std::log(row_sum[r]) : minus_inf;
+        *lse.at(b, h, i0 + r) = has_key ? max + std::log(sum) : minus_inf;
       }
     }
   });
@@ -468,8 +443,9 @@ void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRo
   const int64_t blocks_per_chunk = plan.blocks_per_chunk, chunks = plan.chunks;
   std::vector<scalar_t> dq_partial(chunks > 1 ? head_tasks * chunks * group * q_len * d : 0, scalar_t(0));
   at::parallel_for(0, head_tasks * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> probs(kQueryBlock * kKeyBlock, 0), dprobs(kQueryBlock * kKeyBlock, 0), dropped;
+    std::vector<scalar_t> probs(kQueryBlock * kKeyBlock, 0), dprobs(kQueryBlock * kKeyBlock, 0), dropped, tanh_values;
     if (p.dropout.enabled()) dropped.assign(kQueryBlock * kKeyBlock, 0);
+    if (p.softcap > 0) tanh_values.assign(kQueryBlock * kKeyBlock, 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head_task = task / chunks, chunk = task % chunks;
       const int64_t b = head_task / p.kv_heads, kv_head = head_task % p.kv_heads, first_h = kv_head * group;
@@ -488,7 +464,8 @@ void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRo
           const int64_t h = first_h + g, bh = b * p.heads + h;
           for (int64_t i0 = query_start; i0 < query_stop; i0 += kQueryBlock) {
             const int64_t rows = std::min(kQueryBlock, query_stop - i0);
-            compute_scores(p, q, k, b, h, i0, rows, j0, cols, probs.data(), kKeyBlock);
+            compute_scores(p, q, k, b, h, i0, rows, j0, cols, probs.data(), kKeyBlock,
+                           p.softcap > 0 ? tanh_values.data() : nullptr);
             for (int64_t r = 0; r < rows; ++r) {
               scalar_t* row = probs.data() + r * kKeyBlock;
               const scalar_t row_lse = *lse.at(b, h, i0 + r);
@@ -513,6 +490,7 @@ void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRo
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t at = r * kKeyBlock;
               softmax_grad_row(weights + at, probs.data() + at, dprobs.data() + at, cols, delta[bh * q_len + i0 + r]);
+              if (p.softcap > 0) softcap_grad_row(dprobs.data() + at, tanh_values.data() + at, cols);
             }
             scalar_t* dq_rows = partial ? partial + (g * q_len + i0) * d : dq.at(b, h, i0);
             gemm_row_major<scalar_t>(false, false, rows, d, cols, p.scale, dprobs.data(), kKeyBlock, k_block,
@@ -567,7 +545,7 @@ at::Tensor new_head_rows(const at::Tensor& like, bool zeroed) {
 // [T, heads, D] are held as [1, heads, T, D] views, with the sequences' starts and lengths.
 struct AttentionInputs {
   at::Tensor q, k, v, bias, keep, key_padding, key_ends, padding_has_holes, query_padding, query_ends;
-  at::Tensor alignment_offsets, q_starts, k_starts;
+  at::Tensor alignment_offsets, q_starts, k_starts, alibi, sinks;
   int64_t batch = 0, q_len = 0, k_len = 0;
 };
 
@@ -712,13 +690,41 @@ AttentionInputs prepare_varlen_inputs(const at::Tensor& q, const at::Tensor& k, 
   return inputs;
 }
 
-// The options every attention op takes after its tensors.
+// ALiBi slopes ([H] or [B, H]) and attention sinks ([H]), when given, in the accumulate dtype.
+void add_slopes_and_sinks(AttentionInputs& inputs, const std::optional<at::Tensor>& alibi_slopes,
+                          const std::optional<at::Tensor>& sinks) {
+  const int64_t batch = inputs.batch, heads = inputs.q.size(1);
+  const at::ScalarType dtype = inputs.q.scalar_type();
+  if (alibi_slopes.has_value()) {
+    check_cpu(*alibi_slopes, "alibi_slopes");
+    const auto sizes = alibi_slopes->sizes();
+    TORCH_CHECK_VALUE((sizes.size() == 1 && sizes[0] == heads) ||
+                          (sizes.size() == 2 && sizes[0] == batch && sizes[1] == heads),
+                      "attention: alibi_slopes must be [", heads, "] or [", batch, ", ", heads, "], got ", sizes);
+    inputs.alibi = alibi_slopes->to(dtype).contiguous();
+  }
+  if (sinks.has_value()) {
+    check_cpu(*sinks, "sinks");
+    TORCH_CHECK_VALUE(sinks->dim() == 1 && sinks->size(0) == heads, "attention: sinks must be [", heads, "], got ",
+                      sinks->sizes());
+    inputs.sinks = sinks->to(dtype).contiguous();
+  }
+}
+
+// The options every attention op takes after its tensors; softcap 0 for none.
 struct AttentionOptions {
   bool is_causal;
   int64_t alignment_offset, window_left, window_right;
   double scale, dropout_p;
   int64_t seed;
+  double softcap = 0;
 };
+
+double softcap_value(const std::optional<double>& softcap) {
+  TORCH_CHECK_VALUE(!softcap.has_value() || (*softcap > 0 && std::isfinite(*softcap)),
+                    "attention: softcap must be a finite number > 0, got ", softcap.value_or(0));
+  return softcap.value_or(0);
+}
 
 template <typename scalar_t>
 AttentionProblem<scalar_t> make_problem(const AttentionInputs& inputs, const AttentionOptions& options) {
@@ -751,6 +757,12 @@ AttentionProblem<scalar_t> make_problem(const AttentionInputs& inputs, const Att
   p.window_left = options.window_left;
   p.window_right = options.window_right;
   p.scale = static_cast<scalar_t>(options.scale);
+  p.softcap = static_cast<scalar_t>(options.softcap);
+  if (inputs.alibi.defined()) {
+    p.alibi = inputs.alibi.data_ptr<scalar_t>();
+    p.alibi_batch_stride = inputs.alibi.dim() == 2 ? inputs.alibi.stride(0) : 0;
+  }
+  if (inputs.sinks.defined()) p.sinks = inputs.sinks.data_ptr<scalar_t>();
   p.dropout = DropoutMask(options.seed, options.dropout_p);
   return p;
 }
@@ -817,11 +829,15 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
                                                  const std::optional<at::Tensor>& key_padding,
                                                  const std::optional<at::Tensor>& query_padding, bool is_causal,
                                                  bool bottom_right, int64_t window_left, int64_t window_right,
-                                                 double scale, double dropout_p, const std::optional<at::Tensor>& seed) {
-  const AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_padding, query_padding, bottom_right);
+                                                 double scale, double dropout_p, const std::optional<at::Tensor>& seed,
+                                                 std::optional<double> softcap,
+                                                 const std::optional<at::Tensor>& alibi_slopes,
+                                                 const std::optional<at::Tensor>& sinks) {
+  AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_padding, query_padding, bottom_right);
+  add_slopes_and_sinks(inputs, alibi_slopes, sinks);
   const int64_t offset = bottom_right ? k.size(2) - q.size(2) : 0;
-  auto [out, lse] =
-      run_forward(inputs, {is_causal, offset, window_left, window_right, scale, dropout_p, seed_value(seed)});
+  auto [out, lse] = run_forward(inputs, {is_causal, offset, window_left, window_right, scale, dropout_p,
+                                         seed_value(seed), softcap_value(softcap)});
   return {out.to(q.scalar_type()), lse};
 }
 
@@ -829,24 +845,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& key_padding,
     const std::optional<at::Tensor>& query_padding, bool is_causal, bool bottom_right, int64_t window_left,
-    int64_t window_right, double scale, double dropout_p, const std::optional<at::Tensor>& seed) {
-  const AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_padding, query_padding, bottom_right);
+    int64_t window_right, double scale, double dropout_p, const std::optional<at::Tensor>& seed,
+    std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  AttentionInputs inputs = prepare_inputs(q, k, v, bias, key_padding, query_padding, bottom_right);
+  add_slopes_and_sinks(inputs, alibi_slopes, std::nullopt);
   TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "attention_bwd: dout ", dout.sizes(),
                     " and out ", out.sizes(), " must have q's shape ", q.sizes());
   TORCH_CHECK_VALUE(lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3), "attention_bwd: lse must be [B, H, Lq]");
   const int64_t offset = bottom_right ? k.size(2) - q.size(2) : 0;
   auto [dq, dk, dv] = run_backward(inputs, {is_causal, offset, window_left, window_right, scale, dropout_p,
-                                            seed_value(seed)}, dout, out, lse);
+                                            seed_value(seed), softcap_value(softcap)}, dout, out, lse);
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, bool bottom_right,
-    int64_t window_left, int64_t window_right, double scale, double dropout_p, const std::optional<at::Tensor>& seed) {
-  const AttentionInputs inputs =
+    int64_t window_left, int64_t window_right, double scale, double dropout_p, const std::optional<at::Tensor>& seed,
+    std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks) {
+  AttentionInputs inputs =
       prepare_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bottom_right);
-  auto [out, lse] = run_forward(inputs, {is_causal, 0, window_left, window_right, scale, dropout_p, seed_value(seed)});
+  add_slopes_and_sinks(inputs, alibi_slopes, sinks);
+  auto [out, lse] = run_forward(inputs, {is_causal, 0, window_left, window_right, scale, dropout_p, seed_value(seed),
+                                         softcap_value(softcap)});
   return {unpack(out, q.scalar_type()), lse};
 }
 
@@ -854,16 +876,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, bool is_causal, bool bottom_right, int64_t window_left, int64_t window_right, double scale,
-    double dropout_p, const std::optional<at::Tensor>& seed) {
-  const AttentionInputs inputs =
+    double dropout_p, const std::optional<at::Tensor>& seed, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
+  AttentionInputs inputs =
       prepare_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bottom_right);
+  add_slopes_and_sinks(inputs, alibi_slopes, std::nullopt);
   TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "attention_varlen_bwd: dout ",
                     dout.sizes(), " and out ", out.sizes(), " must have q's shape ", q.sizes());
   TORCH_CHECK_VALUE(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
                     "attention_varlen_bwd: lse must be [H, Tq]");
   const auto as_head_rows = [](const at::Tensor& t) { return t.permute({1, 0, 2}).unsqueeze(0); };
   auto [dq, dk, dv] = run_backward(inputs, {is_causal, 0, window_left, window_right, scale, dropout_p,
-                                            seed_value(seed)}, as_head_rows(dout), as_head_rows(out), lse);
+                                            seed_value(seed), softcap_value(softcap)}, as_head_rows(dout),
+                                   as_head_rows(out), lse);
   return {unpack(dq, q.scalar_type()), unpack(dk, k.scalar_type()), unpack(dv, v.scalar_type())};
 }
 

@@ -30,27 +30,41 @@ TORCH_LIBRARY(fused_transformer_cpu, m) {
   // query_padding bool [B, Lq], true = padding (a zero row, lse -inf; rows after the last real query are not
   // computed). Query i's diagonal key is i + o: o = 0, or with bottom_right Lk - Lq, or per sequence (key end -
   // query end) when query_padding is given. Query i sees keys i + o - window_left .. i + o + window_right (-1: no
-  // limit on that side; is_causal: at most i + o). Returns out (q's dtype, laid out in memory as [B, Lq, H, D])
-  // and lse [B, H, Lq].
+  // limit on that side; is_causal: at most i + o). softcap: scaled scores s become softcap * tanh(s / softcap);
+  // alibi_slopes [H] or [B, H]: then s -= slope * |i + o - j|, masked or not; sinks [H]: a logit per head in the
+  // softmax denominator of every real query row, with no value (the lse holds it; a row with no visible key gets
+  // out 0, lse = sink). Returns out (q's dtype, laid out in memory as [B, Lq, H, D]) and lse [B, H, Lq].
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? key_padding, Tensor? query_padding, "
         "bool is_causal, bool bottom_right, int window_left, int window_right, float scale, float dropout_p, "
-        "Tensor? seed) -> (Tensor, Tensor)");
-  // Returns dq, dk, dv in the dtypes of q, k, v, laid out like out.
+        "Tensor? seed, float? softcap=None, Tensor? alibi_slopes=None, Tensor? sinks=None) -> (Tensor, Tensor)");
+  // Returns dq, dk, dv in the dtypes of q, k, v, laid out like out. No sinks: lse already holds them.
   m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? bias, "
         "Tensor? key_padding, Tensor? query_padding, bool is_causal, bool bottom_right, int window_left, "
-        "int window_right, float scale, float dropout_p, Tensor? seed) -> (Tensor, Tensor, Tensor)");
+        "int window_right, float scale, float dropout_p, Tensor? seed, float? softcap=None, "
+        "Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)");
   // Packed sequences: q [Tq, H, D], k, v [Tk, Hkv, D], sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1]
   // (integer [B + 1]), no longer than max_seqlen; the options as above, per sequence. Dropout element
-  // (b, h, i, j) is element ((b * H + h) * max_seqlen_q + i) * max_seqlen_k + j of the keep-mask stream.
-  // Returns out [Tq, H, D] (q's dtype) and lse [H, Tq].
+  // (b, h, i, j) is element ((b * H + h) * max_seqlen_q + i) * max_seqlen_k + j of the keep-mask stream; ALiBi
+  // positions count within each sequence. Returns out [Tq, H, D] (q's dtype) and lse [H, Tq].
   m.def("attention_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, bool is_causal, bool bottom_right, int window_left, int window_right, "
-        "float scale, float dropout_p, Tensor? seed) -> (Tensor, Tensor)");
+        "float scale, float dropout_p, Tensor? seed, float? softcap=None, Tensor? alibi_slopes=None, "
+        "Tensor? sinks=None) -> (Tensor, Tensor)");
   // Returns dq, dk, dv [T, heads, D] in the dtypes of q, k, v.
   m.def("attention_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool is_causal, "
-        "bool bottom_right, int window_left, int window_right, float scale, float dropout_p, Tensor? seed) "
-        "-> (Tensor, Tensor, Tensor)");
+        "bool bottom_right, int window_left, int window_right, float scale, float dropout_p, Tensor? seed, "
+        "float? softcap=None, Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)");
+  // Attention of q [B, Lq, H, D] to a KV cache read in place: k_cache, v_cache [B, Lmax, Hkv, D] (q's dtype, any
+  // strides but the last), or paged [num_blocks, block_size, Hkv, D] with block_table int32 [B, max_blocks] (key
+  // position p of sequence b in block block_table[b, p // block_size], row p % block_size); cache_seqlens int32 [B]:
+  // keys in each sequence's cache. k_new, v_new [B, Lnew, Hkv, D] (or None) are first written into the cache after
+  // them, in place; sequence b then has n_b = cache_seqlens[b] + Lnew keys, and its query i sits at key position
+  // n_b - Lq + i; causal, window, softcap, alibi_slopes and sinks as in attention_fwd around it. Returns out
+  // [B, Lq, H, D] (q's dtype, contiguous) and lse [B, H, Lq].
+  m.def("attention_with_kvcache_fwd(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
+        "Tensor? block_table, Tensor? k_new, Tensor? v_new, bool is_causal, int window_left, int window_right, "
+        "float scale, float? softcap, Tensor? alibi_slopes, Tensor? sinks) -> (Tensor, Tensor)");
   // x, residual [rows, N]. Returns y, z (empty unless store_z), mean, rstd [rows].
   m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, float dropout_p, "
         "Tensor? seed, bool store_z) -> (Tensor, Tensor, Tensor, Tensor)");

@@ -143,8 +143,9 @@ def current(device: "torch.device | str | None" = None, dtype: Optional[torch.dt
 
 
 # backend -> op -> the function it runs the op with, on the tensors of the call and its spec (contract.py):
-#   attention (q, k, v, masks, spec) and attention_varlen (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-#   max_seqlen_k, spec) -> (out, lse); attention_weights (q, k, lse, masks, spec); layer_norm (x, weight, bias,
+#   attention (q, k, v, masks, spec, alibi_slopes=None, sinks=None) and attention_varlen (q, k, v, cu_seqlens_q,
+#   cu_seqlens_k, max_seqlen_q, max_seqlen_k, spec, alibi_slopes=None, sinks=None) -> (out, lse), the LSE with the
+#   sinks in it; attention_weights (q, k, lse, masks, spec); layer_norm (x, weight, bias,
 #   residual, spec) -> y or (y, z); feed_forward (x, w1, b1, w2, b2, spec); attention_with_kvcache (q, cache,
 #   alibi_slopes, sinks, spec) -> (out [B, Lq, H, D], lse), the new keys already in the cache.
 # Filled on a backend's first use: importing the C++ extension or triton is its first use's cost, not the package's.

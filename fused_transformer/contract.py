@@ -41,6 +41,7 @@ class AttentionSpec(NamedTuple):
     window: Window  # normalised by check_window: None when neither side limits anything
     dropout_p: float  # in [0, 1)
     scale: float  # the factor the scores are multiplied by (softmax_scale resolved)
+    softcap: Optional[float] = None  # None: no capping; else scaled scores become softcap * tanh(scores / softcap)
 
     @property
     def bottom_right(self) -> bool:
@@ -65,11 +66,12 @@ class FeedForwardSpec(NamedTuple):
 # The keyword arguments of functional's ops and their defaults, for the kernel-level entries that take them as
 # ``**options`` beside options of their own (``options_of`` checks the names).
 ATTENTION_OPTIONS = dict(attn_mask=None, key_padding_mask=None, query_padding_mask=None, is_causal=False,
-                         causal_alignment="top_left", window=None, dropout_p=0.0, scale=None, return_lse=False)
+                         causal_alignment="top_left", window=None, dropout_p=0.0, scale=None, softcap=None,
+                         alibi_slopes=None, sinks=None, return_lse=False)
 ATTENTION_WEIGHTS_OPTIONS = dict(attn_mask=None, key_padding_mask=None, query_padding_mask=None, is_causal=False,
                                  causal_alignment="top_left", window=None, scale=None)
 ATTENTION_VARLEN_OPTIONS = dict(is_causal=False, causal_alignment="top_left", window=None, dropout_p=0.0, scale=None,
-                                return_lse=False)
+                                softcap=None, alibi_slopes=None, sinks=None, return_lse=False)
 LAYER_NORM_OPTIONS = dict(residual=None, dropout_p=0.0, prenorm=False)
 FEED_FORWARD_OPTIONS = dict(activation="gelu", dropout_p=0.0)
 
@@ -125,9 +127,10 @@ def heads_interleaved_strides(shape: Sequence[int]) -> Tuple[int, int, int, int]
     return (length * heads * head_dim, head_dim, heads * head_dim, 1)
 
 
-def empty_heads_interleaved(like: Tensor) -> Tensor:
-    """An empty tensor shaped as ``like`` ``[B, H, L, D]`` with ``heads_interleaved_strides``."""
-    return torch.empty_strided(like.shape, heads_interleaved_strides(like.shape), dtype=like.dtype,
+def empty_heads_interleaved(like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """An empty tensor shaped as ``like`` ``[B, H, L, D]`` with ``heads_interleaved_strides``, in ``dtype`` (default:
+    like's)."""
+    return torch.empty_strided(like.shape, heads_interleaved_strides(like.shape), dtype=dtype or like.dtype,
                                device=like.device)
 
 
@@ -212,11 +215,60 @@ def _check_flags(is_causal: object, causal_alignment: object, scale: object) -> 
 
 
 def attention_spec(head_dim: int, is_causal: object, causal_alignment: object, window: object, dropout_p: object,
-                   scale: object) -> AttentionSpec:
+                   scale: object, softcap: object = None) -> AttentionSpec:
     """The checked ``AttentionSpec`` of a call with these flags on inputs of ``head_dim``."""
     _check_flags(is_causal, causal_alignment, scale)
     return AttentionSpec(is_causal, causal_alignment, check_window(window), check_dropout(dropout_p),
-                         softmax_scale(head_dim, scale))
+                         softmax_scale(head_dim, scale), check_softcap(softcap))
+
+
+def check_softcap(softcap: object) -> Optional[float]:
+    """``softcap`` as a float, None for no capping."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+                                or not softcap > 0 or not math.isfinite(softcap)):
+        raise ValueError(f"softcap={softcap!r} must be None or a finite number > 0")
+    return None if softcap is None else float(softcap)
+
+
+def check_alibi_and_sinks(q: Tensor, batch: int, heads: int, alibi_slopes: Optional[Tensor],
+                          sinks: Optional[Tensor]) -> None:
+    """ALiBi slopes ``[H]`` or ``[B, H]`` and attention sinks ``[H]``: float32 (float64 too with float64 inputs), on
+    q's device. The slopes are constants: no gradient flows to them."""
+    dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+    for name, t, shapes in (("alibi_slopes", alibi_slopes, ((heads,), (batch, heads))), ("sinks", sinks, ((heads,),))):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.dtype not in dtypes or tuple(t.shape) not in shapes:
+            raise TypeError(f"{name} must be {' or '.join(str(d).replace('torch.', '') for d in dtypes)} of shape "
+                            f"{' or '.join(str(list(s)) for s in shapes)}, got {describe(t)}")
+        check_same(name, t, "q", q, dtype=False)
+    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+        raise ValueError("alibi_slopes requires grad, but the slopes are constants here (no gradient flows to them); "
+                         "pass alibi_slopes.detach()")
+
+
+def sinks_gradient(sinks: Tensor, lse: Tensor, do: Tensor, out: Tensor, dlse: Optional[Tensor],
+                   head_dim_last: bool) -> Tensor:
+    """The gradient of the attention sinks ``[H]``: each row's sink probability ``exp(sink - lse)`` times
+    ``-(rowsum(do * out) - dlse)``, summed over batch and rows. ``lse`` ``[B, H, Lq]`` or packed ``[H, Tq]`` (the
+    forward's, the sinks in its sums), ``do`` / ``out`` ``[B, H, Lq, D]`` or packed ``[Tq, H, D]``
+    (``head_dim_last`` False: dense). Rows with no query (LSE -inf) give nothing. Pass ``out`` as the kernel
+    computed it, before its rounding to a 16-bit dtype: summed over every row of the batch, that rounding alone
+    reached several times PyTorch's own error in bfloat16."""
+    stats = lse.dtype
+    row_dot = (do.to(stats) * out.to(stats)).sum(-1)  # dense [B, H, Lq]; packed [Tq, H]
+    if head_dim_last:
+        row_dot = row_dot.transpose(0, 1)  # [H, Tq]
+    delta = row_dot if dlse is None else row_dot - dlse.to(stats)
+    head_axis = 0 if head_dim_last else 1
+    shape = [1] * lse.dim()
+    shape[head_axis] = -1
+    p_sink = torch.exp(sinks.to(stats).view(shape) - lse)
+    per_row = torch.where(lse == float("-inf"), torch.zeros_like(delta), -p_sink * delta)
+    dims = [d for d in range(lse.dim()) if d != head_axis]
+    return per_row.sum(dims).to(sinks.dtype)
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, rank: int) -> None:
@@ -387,14 +439,12 @@ def kvcache_spec(head_dim: int, is_causal: object, window: object, softcap: obje
                  num_splits: object) -> KVCacheSpec:
     """The checked ``KVCacheSpec`` of an ``attention_with_kvcache`` call on inputs of ``head_dim``."""
     _check_flags(is_causal, "bottom_right", scale)
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
-                                or not softcap > 0 or not math.isfinite(softcap)):
-        raise ValueError(f"softcap={softcap!r} must be None or a finite number > 0")
+    softcap = check_softcap(softcap)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
                                    or num_splits < 1):
         raise ValueError(f"num_splits={num_splits!r} must be None (chosen from the GPU) or an int >= 1")
     return KVCacheSpec(is_causal, check_window(window), softmax_scale(head_dim, scale),
-                       None if softcap is None else float(softcap), None if num_splits is None else int(num_splits))
+                       softcap, None if num_splits is None else int(num_splits))
 
 
 def check_kvcache_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Tensor],
@@ -447,36 +497,31 @@ def check_kvcache_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optio
         raise TypeError(f"cache_seqlens must be int32 [batch={batch}] (keys already in each sequence's cache), got "
                         f"{describe(cache_seqlens)}")
     check_same("cache_seqlens", cache_seqlens, "q", q, dtype=False)
-    for name, t, shapes in (("alibi_slopes", alibi_slopes, ((heads,), (batch, heads))), ("sinks", sinks, ((heads,),))):
-        if t is None:
-            continue
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-        if t.dtype != torch.float32 or tuple(t.shape) not in shapes:
-            raise TypeError(f"{name} must be float32 of shape {' or '.join(str(list(s)) for s in shapes)}, got "
-                            f"{describe(t)}")
-        check_same(name, t, "q", q, dtype=False)
+    if alibi_slopes is not None or sinks is not None:
+        check_alibi_and_sinks(q, batch, heads, alibi_slopes, sinks)
     return cache_seqlens
 
 
 def check_kvcache_values(cache_seqlens: Tensor, new_len: int, capacity: int, block_table: Optional[Tensor],
-                         num_blocks: int, block_size: int, known_length: Optional[int] = None) -> None:
+                         num_blocks: int, block_size: int, known_length: Optional[int] = None) -> Optional[list[int]]:
     """The values of ``cache_seqlens`` and ``block_table`` before anything is written to the cache: lengths within the
     cache, the blocks they reach in range. One host read, skipped under ``torch.compile`` and CUDA graph capture,
     where the values are data the host must not wait for; none when every length is ``known_length`` (an int
-    ``cache_seqlens``) and the cache is not paged."""
+    ``cache_seqlens``) and the cache is not paged. Returns the lengths it read (``[known_length]`` when it read none
+    but knows them; None when it checked nothing)."""
     if known_length is not None and block_table is None:
         lengths = [known_length]
     elif torch.compiler.is_compiling() or (cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return
+        return None
     else:
         lengths = cache_seqlens.tolist()
-    if any(n < 0 for n in lengths) or any(n + new_len > capacity for n in lengths):
+    if lengths and (min(lengths) < 0 or max(lengths) + new_len > capacity):
         raise ValueError(f"cache_seqlens {lengths} plus {new_len} new keys must stay within the cache's {capacity} "
                          "keys per sequence")
     if block_table is None:
-        return
+        return lengths
     for row, n in zip(block_table.tolist(), lengths):
         used = row[:(n + new_len + block_size - 1) // block_size]
         if any(not 0 <= block < num_blocks for block in used):
             raise ValueError(f"block_table holds block ids outside [0, {num_blocks}) for the keys in use: {used}")
+    return lengths

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _C  # noqa: F401  (registers torch.ops.fused_transformer_cpu)
-from . import reference
+from . import contract, reference
 from .contract import (
     AttentionMasks, AttentionSpec, FeedForwardSpec, KVCache, KVCacheSpec, LayerNormSpec, Window, as_rows,
     draw_dropout_seed, empty_heads_interleaved, stats_dtype,
@@ -87,28 +87,47 @@ def _window_bounds(window: Window) -> Tuple[int, int]:
     return (-1 if left is None else left, -1 if right is None else right)
 
 
+def _float32_out_for_sinks(ctx, q: Tensor, sinks: Optional[Tensor], sinks_index: int) -> bool:
+    """Whether a Function keeps its output in float32 for the backward: when the sinks need a gradient and q is 16-bit.
+    That gradient sums ``exp(sink - lse) * rowsum(dO * out)`` over every row, and a 16-bit ``out`` would round each
+    term (twice PyTorch's own error at 16 bits); the q, k, v gradients then use the float32 ``out`` as well."""
+    needs = getattr(ctx, "needs_input_grad", None)  # _NoGradContext has none: nothing needs a gradient
+    return sinks is not None and bool(needs and needs[sinks_index]) and q.dtype in (torch.float16, torch.bfloat16)
+
+
 class AttentionFunction(torch.autograd.Function):
     """Autograd over ``attention_fwd`` / ``attention_bwd``; ``attn_mask`` already converted by ``_attention_bias``.
-    ``options``: is_causal, bottom_right, window_left, window_right, scale, dropout_p."""
+    ``options``: is_causal, bottom_right, window_left, window_right, scale, dropout_p. ``alibi_slopes`` are
+    constants; ``sinks`` get their gradient from ``contract.sinks_gradient`` (the kernels' backward needs no sinks:
+    the LSE holds them)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, key_padding, query_padding, options, seed):
-        out, lse = _ops.attention_fwd(q, k, v, bias, key_padding, query_padding, *options, seed)
-        ctx.save_for_backward(q, k, v, out, lse, bias, key_padding, query_padding, seed)
-        ctx.options = options
+    def forward(ctx, q, k, v, bias, key_padding, query_padding, options, seed, softcap=None, alibi_slopes=None,
+                sinks=None):
+        exact = _float32_out_for_sinks(ctx, q, sinks, 10)  # the kernel converts to float32 anyway: no extra work
+        out, lse = _ops.attention_fwd(*((q.float(), k.float(), v.float()) if exact else (q, k, v)), bias, key_padding,
+                                      query_padding, *options, seed, softcap, alibi_slopes, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, bias, key_padding, query_padding, seed, alibi_slopes, sinks)
+        ctx.options, ctx.softcap = options, softcap
         ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out.to(q.dtype) if exact else out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, bias, key_padding, query_padding, seed = ctx.saved_tensors
-        dq, dk, dv = _ops.attention_bwd(dout, q, k, v, out, lse, bias, key_padding, query_padding, *ctx.options, seed)
-        return dq, dk, dv, None, None, None, None, None
+        q, k, v, out, lse, bias, key_padding, query_padding, seed, alibi_slopes, sinks = ctx.saved_tensors
+        dq = dk = dv = dsinks = None
+        if any(ctx.needs_input_grad[:3]):
+            dq, dk, dv = _ops.attention_bwd(dout, q, k, v, out, lse, bias, key_padding, query_padding, *ctx.options,
+                                            seed, ctx.softcap, alibi_slopes)
+        if sinks is not None and ctx.needs_input_grad[10]:
+            dsinks = contract.sinks_gradient(sinks, lse, dout, out, None, head_dim_last=False)
+        return dq, dk, dv, None, None, None, None, None, None, None, dsinks
 
 
-def run_attention(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
+def run_attention(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
+                  alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """``functional.attention`` on the C++ flash-attention kernel: ``(out, lse)``, the LSE ``[B, H, Lq]`` in float32
-    (float64 for float64). A float ``attn_mask`` is not differentiated."""
+    (float64 for float64), the sinks in it. A float ``attn_mask`` is not differentiated."""
     _check_cpu("q", q)
     attn_mask = masks.attn_mask
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
@@ -116,57 +135,66 @@ def run_attention(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: 
     bias = _attention_bias(attn_mask, stats_dtype(q.dtype))
     options = (spec.is_causal, spec.bottom_right, *_window_bounds(spec.window), spec.scale, spec.dropout_p)
     seed = draw_dropout_seed(q.device) if spec.dropout_p > 0.0 else None
-    return _apply(AttentionFunction, q, k, v, bias, masks.key_padding_mask, masks.query_padding_mask, options, seed)
+    return _apply(AttentionFunction, q, k, v, bias, masks.key_padding_mask, masks.query_padding_mask, options, seed,
+                  spec.softcap, alibi_slopes, sinks)
 
 
 def run_attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-                               spec: KVCacheSpec) -> Tuple[Tensor, Tensor]:
-    """``functional.attention_with_kvcache`` (after the append) on the C++ flash-attention kernel: the cache's keys past
-    each sequence's length are key padding, the causal diagonal aligned per sequence (a paged cache is gathered
-    first). softcap, ALiBi and sinks are not in the C++ kernel: such calls run the reference."""
+                               spec: KVCacheSpec, k_new: Optional[Tensor] = None,
+                               v_new: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """``functional.attention_with_kvcache`` on the C++ KV-cache kernel, which reads the cache in place (paged or not,
+    through its strides) with each sequence's length, the GQA heads of a KV head together. With ``k_new`` / ``v_new``
+    (see ``appends_new_keys`` below) the kernel first writes them into the cache, ``cache.lengths`` counting the keys
+    before them; without, the new keys are in the cache already."""
     _check_cpu("q", q)
-    if spec.softcap is not None or alibi_slopes is not None or sinks is not None:
-        return reference.attention_with_kvcache(q, cache, alibi_slopes, sinks, spec)
-    k, v = reference.cached_keys(cache)
-    if cache.uniform_length is not None:  # every sequence as long: the cache's first keys, no padding
-        k, v = k[:, :cache.uniform_length], v[:, :cache.uniform_length]
-        key_padding = query_padding = None
-    else:
-        key_padding = torch.arange(k.shape[1], device=q.device) >= cache.lengths[:, None]
-        query_padding = torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)  # aligns causal per sequence
-    out, lse = _ops.attention_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, key_padding,
-                                  query_padding, spec.is_causal, True, *_window_bounds(spec.window), spec.scale,
-                                  0.0, None)
-    return out.transpose(1, 2), lse
+    return _ops.attention_with_kvcache_fwd(q, cache.k, cache.v, cache.lengths, cache.block_table, k_new, v_new,
+                                           spec.is_causal, *_window_bounds(spec.window), spec.scale, spec.softcap,
+                                           alibi_slopes, sinks)
+
+
+# functional.attention_with_kvcache hands this backend the new keys and values instead of appending them itself: the
+# kernel's one pass replaces two slice copies (or index_put_ calls) and the lengths' update, a sixth of a one-token
+# decoding step at batch 1.
+run_attention_with_kvcache.appends_new_keys = True
 
 
 class AttentionVarlenFunction(torch.autograd.Function):
     """Autograd over ``attention_varlen_fwd`` / ``attention_varlen_bwd``. ``options``: max_seqlen_q, max_seqlen_k,
-    is_causal, bottom_right, window_left, window_right, scale, dropout_p."""
+    is_causal, bottom_right, window_left, window_right, scale, dropout_p; softcap, ALiBi and sinks as in
+    ``AttentionFunction``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, options, seed):
-        out, lse = _ops.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *options, seed)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed)
-        ctx.options = options
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, options, seed, softcap=None, alibi_slopes=None, sinks=None):
+        exact = _float32_out_for_sinks(ctx, q, sinks, 9)
+        out, lse = _ops.attention_varlen_fwd(*((q.float(), k.float(), v.float()) if exact else (q, k, v)), cu_seqlens_q,
+                                             cu_seqlens_k, *options, seed, softcap, alibi_slopes, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed, alibi_slopes, sinks)
+        ctx.options, ctx.softcap = options, softcap
         ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out.to(q.dtype) if exact else out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed = ctx.saved_tensors
-        dq, dk, dv = _ops.attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, seed)
-        return dq, dk, dv, None, None, None, None
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed, alibi_slopes, sinks = ctx.saved_tensors
+        dq = dk = dv = dsinks = None
+        if any(ctx.needs_input_grad[:3]):
+            dq, dk, dv = _ops.attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options,
+                                                   seed, ctx.softcap, alibi_slopes)
+        if sinks is not None and ctx.needs_input_grad[9]:
+            dsinks = contract.sinks_gradient(sinks, lse, dout, out, None, head_dim_last=True)
+        return dq, dk, dv, None, None, None, None, None, None, dsinks
 
 
 def run_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                         max_seqlen_k: int, spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
-    """``functional.attention_varlen`` on the C++ kernels: ``(out [Tq, H, D], lse [H, Tq])``."""
+                         max_seqlen_k: int, spec: AttentionSpec, alibi_slopes: Optional[Tensor] = None,
+                         sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """``functional.attention_varlen`` on the C++ kernels: ``(out [Tq, H, D], lse [H, Tq])``, the sinks in the LSE."""
     _check_cpu("q", q)
     options = (int(max_seqlen_q), int(max_seqlen_k), spec.is_causal, spec.bottom_right, *_window_bounds(spec.window),
                spec.scale, spec.dropout_p)
     seed = draw_dropout_seed(q.device) if spec.dropout_p > 0.0 else None
-    return _apply(AttentionVarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k, options, seed)
+    return _apply(AttentionVarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k, options, seed, spec.softcap,
+                  alibi_slopes, sinks)
 
 
 def run_attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tensor:
@@ -286,6 +314,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("fused_transformer_cpu::attention_bwd")
     def _(dout, q, k, v, out, lse, bias, key_padding, query_padding, *options_and_seed):
         return tuple(map(empty_heads_interleaved, (q, k, v)))
+
+    @torch.library.register_fake("fused_transformer_cpu::attention_with_kvcache_fwd")
+    def _(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, *options):
+        batch, q_len, heads = q.shape[:3]
+        return torch.empty_like(q, memory_format=torch.contiguous_format), stats(q, (batch, heads, q_len))
 
     @torch.library.register_fake("fused_transformer_cpu::attention_varlen_fwd")
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *options_and_seed):

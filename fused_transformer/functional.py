@@ -57,6 +57,12 @@ def _run(op: str, anchor: Tensor, autocast_dtype: Optional[torch.dtype], *args: 
         return implementation(*args)
 
 
+def _score_tensors(alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """The attention backends' trailing ``(alibi_slopes, sinks)``, left out when both are None (the call's spec stays
+    its last argument, as before the two existed)."""
+    return () if alibi_slopes is None and sinks is None else (alibi_slopes, sinks)
+
+
 # -------------------------------------------------------------------------------------------------- ops
 
 
@@ -73,6 +79,9 @@ def attention(
     window: Window = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
     return_lse: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Scaled dot-product attention, ``softmax(q @ k^T * scale + mask) @ v``.
@@ -104,6 +113,14 @@ def attention(
 
         dropout_p: probability of dropping an attention probability (always applied when > 0).
         scale: multiplies the scores; default ``1 / sqrt(D)`` (1 for ``D = 0``, whose scores are all 0).
+        softcap: the scaled scores become ``softcap * tanh(scores / softcap)`` (Gemma 2, Grok), before ALiBi and
+            the masks.
+        alibi_slopes: float32 ``[H]`` or ``[B, H]`` (float64 too for float64 inputs): adds ``-slope * |i + o - j|``
+            to the score of query ``i`` and key ``j``, ``o`` the causal alignment's offset (as for ``window``);
+            computed in the kernel, never stored as a ``[Lq, Lk]`` bias. Constants: no gradient flows to them.
+        sinks: float32 ``[H]`` (float64 too for float64 inputs): a logit per head that joins every query row's
+            softmax denominator without a value (attention sinks, as gpt-oss uses them), so a row's weights sum to
+            less than 1; the LSE includes it. Differentiable.
         return_lse: also return the log-sum-exp ``[B, H, Lq]`` (float32, float64 for float64 inputs) of the
             scaled, masked scores.
 
@@ -123,8 +140,9 @@ def attention(
     q, k, v = _autocast_all(cast, q, k, v)
     masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask)
     contract.check_attention_args(q, k, v, masks)
-    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale)
-    out, lse = _run("attention", q, cast, q, k, v, masks, spec)
+    contract.check_alibi_and_sinks(q, q.shape[0], q.shape[1], alibi_slopes, sinks)
+    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale, softcap)
+    out, lse = _run("attention", q, cast, q, k, v, masks, spec, *_score_tensors(alibi_slopes, sinks))
     return (out, lse) if return_lse else out
 
 
@@ -142,6 +160,9 @@ def attention_varlen(
     window: Window = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
     return_lse: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention over a batch of sequences of different lengths, packed without padding.
@@ -157,7 +178,8 @@ def attention_varlen(
         max_seqlen_q, max_seqlen_k: at least every sequence's length (they size the kernels' grids).
         is_causal, causal_alignment, window, scale: as in ``attention``, per sequence: with ``bottom_right``
             each sequence's last query is aligned with its last key.
-        dropout_p: as in ``attention``.
+        dropout_p, softcap, sinks: as in ``attention``.
+        alibi_slopes: as in ``attention``, ``[H]`` or ``[B, H]``; positions counted within each sequence.
         return_lse: also return the LSE ``[H, Tq]`` (float32, float64 for float64 inputs).
 
     Returns:
@@ -168,11 +190,12 @@ def attention_varlen(
     cast = _autocast_dtype(q, matmul=True)
     q, k, v = _autocast_all(cast, q, k, v)
     contract.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale)
+    contract.check_alibi_and_sinks(q, cu_seqlens_q.shape[0] - 1, q.shape[1], alibi_slopes, sinks)
+    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale, softcap)
     contract.check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     contract.check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     out, lse = _run("attention_varlen", q, cast, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                    int(max_seqlen_k), spec)
+                    int(max_seqlen_k), spec, *_score_tensors(alibi_slopes, sinks))
     return (out, lse) if return_lse else out
 
 
@@ -231,14 +254,25 @@ def attention_with_kvcache(
     new_len = 0 if k_new is None else k_new.shape[1]
     known_length = cache_seqlens if isinstance(cache_seqlens, int) else None
     cache = contract.KVCache(k_cache, v_cache, lengths, block_table)
-    contract.check_kvcache_values(lengths, new_len, cache.capacity, block_table, k_cache.shape[0], k_cache.shape[1],
-                                  known_length)
-    if new_len:
-        _append_to_cache(cache, k_new, v_new, known_length)
-        cache = cache._replace(lengths=lengths + new_len)
-    if known_length is not None:
-        cache = cache._replace(uniform_length=known_length + new_len)
-    out, lse = _run("attention_with_kvcache", q, cast, q, cache, alibi_slopes, sinks, spec)
+    host_lengths = contract.check_kvcache_values(lengths, new_len, cache.capacity, block_table, k_cache.shape[0],
+                                                 k_cache.shape[1], known_length)
+    implementation = backend.implementation("attention_with_kvcache", q)
+    if new_len and getattr(implementation, "appends_new_keys", False):
+        new_keys = (k_new, v_new)  # its kernel writes them itself (cpu_ops); cache.lengths count the keys before
+    else:
+        new_keys = ()
+        if known_length is None and host_lengths and min(host_lengths) == max(host_lengths):
+            known_length = host_lengths[0]  # read on the host anyway: the append is then a slice, not an index_put_
+        if new_len:
+            _append_to_cache(cache, k_new, v_new, known_length)
+        if new_len or known_length is not None:
+            cache = contract.KVCache(k_cache, v_cache, lengths + new_len if new_len else lengths, block_table,
+                                     None if known_length is None else known_length + new_len)
+    if cast is None:
+        out, lse = implementation(q, cache, alibi_slopes, sinks, spec, *new_keys)
+    else:
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = implementation(q, cache, alibi_slopes, sinks, spec, *new_keys)
     return (out, lse) if return_lse else out
 
 

@@ -100,12 +100,25 @@ def attention_scores(
     causal_alignment: str = "top_left",
     window: Window = None,
     scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tensor:
-    """Scaled, masked scores ``[B, H, Lq, Lk]`` in the statistics dtype; -inf where a key is masked (every key of
-    a padding query)."""
+    """Scaled, capped (``softcap * tanh(s / softcap)``), ALiBi-biased (``-slope * |i + o - j|``, ``o`` the causal
+    alignment's offset), masked scores ``[B, H, Lq, Lk]`` in the statistics dtype; -inf where a key is masked (every
+    key of a padding query)."""
     dtype = stats_dtype(q.dtype)
     k = _repeat_kv_heads(k, q.shape[1])
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * softmax_scale(q.shape[-1], scale)
+    lq, lk = q.shape[-2], k.shape[-2]
+    offset = alignment_offset(lq, lk, causal_alignment, query_padding_mask, key_padding_mask)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(dtype).expand(q.shape[0], q.shape[1])[:, :, None, None]
+        offsets = torch.as_tensor(offset, device=q.device).reshape(-1, 1, 1, 1)
+        rows = torch.arange(lq, device=q.device)[:, None] + offsets
+        distance = (rows - torch.arange(lk, device=q.device)[None, :]).abs().to(dtype)  # [1 or B, 1, Lq, Lk]
+        scores = scores - slopes * distance
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
@@ -115,8 +128,6 @@ def attention_scores(
         scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
     if query_padding_mask is not None:
         scores = scores.masked_fill(query_padding_mask[:, None, :, None], float("-inf"))
-    lq, lk = q.shape[-2], k.shape[-2]
-    offset = alignment_offset(lq, lk, causal_alignment, query_padding_mask, key_padding_mask)
     keep = window_keep(lq, lk, offset, window, is_causal, q.device)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
@@ -129,17 +140,28 @@ def _repeat_kv_heads(x: Tensor, q_heads: int) -> Tensor:
     return x if kv_heads == q_heads else x.repeat_interleave(q_heads // kv_heads, dim=1)
 
 
-def _softmax_and_lse(scores: Tensor) -> Tuple[Tensor, Tensor]:
+def _softmax_and_lse(scores: Tensor, sinks: Optional[Tensor] = None,
+                     real_rows: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Softmax over the last dim that gives 0 (and zero gradients) for rows with no finite score (every key
-    masked, or no key at all), and NaN for rows with a NaN score, as torch's softmax does."""
+    masked, or no key at all), and NaN for rows with a NaN score, as torch's softmax does. ``sinks`` ``[H]``: a logit
+    per head (dim 1) that joins the denominator of every row that ``real_rows`` (broadcastable to the rows; None: all)
+    says is a query; rows that are not stay zeros with LSE -inf."""
     if scores.shape[-1] == 0:  # amax has nothing to reduce; the sum below is 0, as for fully masked rows
         row_max = scores.new_full((*scores.shape[:-1], 1), float("-inf"))
     else:
         row_max = scores.amax(dim=-1, keepdim=True)
+    sink = None
+    if sinks is not None:
+        sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        if real_rows is not None:
+            sink = sink.masked_fill(~real_rows, float("-inf"))
+        row_max = torch.maximum(row_max, sink)
     # Shifting by any constant leaves the softmax unchanged; detaching it keeps -inf rows out of autograd.
     shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
     exp = torch.exp(scores - shift)
     total = exp.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        total = total + torch.exp(sink - shift)
     has_key = total != 0  # NaN counts as a key: the row stays NaN
     probs = exp / torch.where(has_key, total, torch.ones_like(total))
     lse = torch.where(has_key, shift + torch.log(torch.where(has_key, total, torch.ones_like(total))), float("-inf"))
@@ -159,6 +181,9 @@ def attention(
     window: Window = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
     return_lse: bool = False,
     keep_mask: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
@@ -170,9 +195,11 @@ def attention(
     """
     scores = attention_scores(
         q, k, attn_mask=attn_mask, key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
-        is_causal=is_causal, causal_alignment=causal_alignment, window=window, scale=scale,
+        is_causal=is_causal, causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
+        alibi_slopes=alibi_slopes,
     )
-    probs, lse = _softmax_and_lse(scores)
+    real_rows = None if query_padding_mask is None else ~query_padding_mask[:, None, :, None]
+    probs, lse = _softmax_and_lse(scores, sinks, real_rows)
     probs = dropout(probs, dropout_p, keep_mask)
     out = torch.matmul(probs.to(v.dtype), _repeat_kv_heads(v, q.shape[1]))
     return (out, lse) if return_lse else out
@@ -192,6 +219,9 @@ def attention_varlen(
     window: Window = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
     return_lse: bool = False,
     keep_mask: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
@@ -209,7 +239,8 @@ def attention_varlen(
         out, lse = attention(
             q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None], v[k0:k1].transpose(0, 1)[None],
             is_causal=is_causal, causal_alignment=causal_alignment, window=window, dropout_p=dropout_p, scale=scale,
-            return_lse=True, keep_mask=keep,
+            softcap=softcap, alibi_slopes=None if alibi_slopes is None else alibi_slopes.expand(
+                len(starts_q) - 1, q.shape[1])[b], sinks=sinks, return_lse=True, keep_mask=keep,
         )
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
@@ -232,11 +263,15 @@ def attention_weights(
     causal_alignment: str = "top_left",
     window: Window = None,
     scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tensor:
-    """The normalised attention probabilities ``[B, H, Lq, Lk]`` (before dropout), from the forward's LSE."""
+    """The normalised attention probabilities ``[B, H, Lq, Lk]`` (before dropout), from the forward's LSE (with sinks
+    in it, a row's weights sum to less than 1)."""
     scores = attention_scores(
         q, k, attn_mask=attn_mask, key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
-        is_causal=is_causal, causal_alignment=causal_alignment, window=window, scale=scale,
+        is_causal=is_causal, causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
+        alibi_slopes=alibi_slopes,
     )
     lse = lse.to(scores.dtype)[..., None]
     # Rows with no key (lse -inf) give 0; a NaN lse (a NaN score) gives a NaN row, as torch's softmax does.
@@ -244,16 +279,19 @@ def attention_weights(
     return probs.to(q.dtype)
 
 
-def run_attention(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
+def run_attention(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
+                  alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The reference backend's entry for ``functional.attention``: ``(out, lse)``."""
-    return attention(q, k, v, **masks._asdict(), **spec._asdict(), return_lse=True)
+    return attention(q, k, v, **masks._asdict(), **spec._asdict(), alibi_slopes=alibi_slopes, sinks=sinks,
+                     return_lse=True)
 
 
 def run_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                         max_seqlen_k: int, spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
+                         max_seqlen_k: int, spec: AttentionSpec, alibi_slopes: Optional[Tensor] = None,
+                         sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The reference backend's entry for ``functional.attention_varlen``: ``(out, lse)``."""
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **spec._asdict(),
-                            return_lse=True)
+                            alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True)
 
 
 def run_attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tensor:

@@ -30,22 +30,42 @@ def launches():
                 yield kernel, precision, head_dim, target, addressable, light, packed
 
 
-def plan_of(kernel, precision, head_dim, target, addressable=True, light=False, packed=False):
+def plan_of(kernel, precision, head_dim, target, addressable=True, light=False, packed=False, score_mods=False):
     return plan(kernel, DTYPES[precision], head_dim, target, allow_tf32=precision == "tf32",
-                tma_addressable=addressable, light=light, packed=packed)
+                tma_addressable=addressable, light=light, packed=packed, score_mods=score_mods)
 
 
-def row_of(kernel, precision, head_dim, target, addressable=True, light=False, packed=False, triton=None):
+def row_of(kernel, precision, head_dim, target, addressable=True, light=False, packed=False, triton=None,
+           score_mods=False):
     tma = configs.takes_tma(kernel, precision, head_dim) and addressable and target.tma
     return configs.find_row(kernel, precision, head_dim, target.capability, tma, light, packed,
-                            triton or toolchain.installed())
+                            triton or toolchain.installed(), score_mods)
+
+
+def score_mods_launches():
+    """The launches with softcap or ALiBi: never light, never the weights kernel."""
+    return (launch for launch in launches() if launch[0] != "weights" and not launch[5])
 
 
 def test_every_launch_finds_a_row_and_every_row_is_picked():
     """Under every tested Triton release (kernels/toolchain.py), and some release picks each row."""
     picked = {row_of(*launch, triton=version) for launch in launches() for version in toolchain.TESTED}
+    picked |= {row_of(*launch, triton=version, score_mods=True) for launch in score_mods_launches()
+               for version in toolchain.TESTED}
     assert picked == set(TILE_ROWS), [row for row in TILE_ROWS if row not in picked]
     assert len(set(TILE_ROWS)) == len(TILE_ROWS)
+
+
+def test_score_mods_rows_serve_score_mods_launches_only():
+    """A launch without softcap or ALiBi never takes a score_mods row; one with them takes the general plan but where
+    a score_mods row stands for its (kernel, precision, head dim, target, layout)."""
+    for launch in launches():
+        assert not row_of(*launch).score_mods, launch
+    for launch in score_mods_launches():
+        row, general = row_of(*launch, score_mods=True), row_of(*launch)
+        assert row == general or row.score_mods, launch
+        assert not row.light
+    assert row_of("bwd_dq", "fp32", 64, BY_CAPABILITY[80], score_mods=True).tile == configs.Tile(64, 16, 8, 1)
 
 
 def test_a_head_dim_plans_as_its_bucket():
@@ -168,6 +188,13 @@ def test_the_report_compiles_every_plan_a_launcher_picks():
             name = aot.config_name(precision, head_dim, chosen.tile, variant.name, chosen.use_tma)
             compiled = listed[(f"attention_{kernel}", name, target.capability)]
             assert compiled.constexprs.get("INTERIOR_LOOP", True) == chosen.interior_loop, name
+            checked += 1
+        if kernel != "weights" and not light:  # the same launch with softcap / ALiBi
+            chosen = plan_of(kernel, precision, head_dim, target, packed=packed, score_mods=True)
+            name = aot.config_name(precision, head_dim, chosen.tile, "/varlen/scoremods" if packed else "/scoremods",
+                                   chosen.use_tma)
+            compiled = listed[(f"attention_{kernel}", name, target.capability)]
+            assert compiled.constexprs["HAS_SOFTCAP"] and compiled.constexprs["HAS_ALIBI"], name
             checked += 1
     assert checked > 1000
 

@@ -58,7 +58,8 @@ def test_csv_has_ours_and_every_baseline(bench_run):
     calls = {(row["case"], row["mode"]) for row in rows if row["suite"] == "module_call"}
     assert calls == {(c, m) for c in bench_cases.MODULE_CALL_MODULES for m in ("eval", "train")}
     masks = {(row["case"], row["mode"]) for row in rows if row["suite"] == "attention"}
-    assert masks == {(m, p) for m in ("none", "causal", "pad50%", "B1H1 causal") for p in ("fwd", "fwd+bwd")}
+    assert masks == {(m, p) for m in ("none", "causal", "pad50%", "B1H1 causal", "causal+alibi")
+                     for p in ("fwd", "fwd+bwd")}
     assert {row["batch"] for row in rows if row["case"] == "B1H1 causal"} == {"1"}
     encoder = {(row["case"], row["mode"]) for row in rows if row["suite"] == "encoder_layer"}
     assert encoder == {(c, m) for c in ("no padding", "pad25%", "pad50%", "pad75%", "seq-first") for m in ("train", "eval")}

@@ -9,13 +9,14 @@ import pytest
 import torch
 import transformers
 from transformers import (
-    AutoModelForCausalLM, BertConfig, BertModel, GPT2Config, LlamaConfig, MistralConfig, T5Config,
-    T5ForConditionalGeneration, ViTConfig, ViTModel, WhisperConfig, WhisperForConditionalGeneration,
+    AutoModelForCausalLM, BertConfig, BertModel, Gemma2Config, GPT2Config, GptOssConfig, LlamaConfig, MistralConfig,
+    T5Config, T5ForConditionalGeneration, ViTConfig, ViTModel, WhisperConfig, WhisperForConditionalGeneration,
 )
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 import fused_transformer as ft
 from fused_transformer import backend, reference
+from fused_transformer.contract import AttentionSpec
 from fused_transformer.integrations.transformers import (
     DEFAULT_NAME, attention_forward, register, select,
 )
@@ -38,7 +39,7 @@ def kernel_calls(monkeypatch, op="attention"):
     original = ops[op]
 
     def spy(*args):
-        specs.append(args[-1])
+        specs.append(next(a for a in args if isinstance(a, AttentionSpec)))
         return original(*args)
 
     monkeypatch.setitem(ops, op, spy)
@@ -107,11 +108,81 @@ def test_fuse_selects_our_attention_on_a_transformers_model(monkeypatch, caplog)
     assert len(specs) == model.config.num_hidden_layers
 
 
-def test_softcap_and_sinks_are_refused():
-    q = torch.randn(1, 2, 3, 8)
-    for kwarg, value in (("softcap", 30.0), ("s_aux", torch.zeros(2))):
-        with pytest.raises(NotImplementedError, match=kwarg):
-            attention_forward(torch.nn.Module(), q, q, q, None, **{kwarg: value})
+def gemma2(softcap=2.0):
+    """Gemma 2 with query / key weights scaled up so that scores reach the cap (at initialisation they are ~0.01)."""
+    torch.manual_seed(0)
+    cfg = Gemma2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64,
+                       attn_logit_softcapping=softcap, sliding_window=4, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+            layer.self_attn.k_proj.weight.mul_(20)
+    return model
+
+
+def gpt_oss():
+    """gpt-oss with attention sinks far from their near-zero initialisation, so that they matter."""
+    torch.manual_seed(0)
+    cfg = GptOssConfig(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, num_hidden_layers=2, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2,
+                       sliding_window=4, max_position_embeddings=64, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(4) * 2)
+    return model
+
+
+@pytest.mark.parametrize("make", [gemma2, gpt_oss], ids=["gemma2_softcap", "gpt_oss_sinks"])
+def test_softcap_and_sinks_run_in_our_kernel(make, monkeypatch):
+    """Gemma 2's logit softcap and gpt-oss's sinks (``softcap`` / ``s_aux``) reach the kernel and match eager; each
+    changes the result (a planted "ignore it" would fail)."""
+    model = make()
+    ids, mask = token_batch(padding="right")
+    valid = mask.bool()
+    with torch.no_grad(), kernel_calls(monkeypatch) as calls:
+        ours, expected = ours_vs(model, lambda m: m(ids, attention_mask=mask).logits, baseline="eager")
+    torch.testing.assert_close(ours[valid], expected[valid], **FP32_TOL)
+    assert len(calls) == model.config.num_hidden_layers
+    with torch.no_grad():
+        if make is gemma2:
+            assert calls[0].softcap == model.config.attn_logit_softcapping
+            for layer in model.model.layers:
+                layer.self_attn.attn_logit_softcapping = None
+        else:
+            for layer in model.model.layers:
+                layer.self_attn.sinks.zero_().sub_(float("inf"))  # a sink of -inf takes no weight
+        without = model(ids, attention_mask=mask).logits
+    assert (without[valid] - ours[valid]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("make", [gemma2, gpt_oss], ids=["gemma2_softcap", "gpt_oss_sinks"])
+def test_softcap_and_sinks_attention_weights_match_eager(make):
+    model = make()
+    ids, mask = token_batch(padding="none")
+    with torch.no_grad():
+        ours, expected = ours_vs(model, lambda m: m(ids, attention_mask=mask, output_attentions=True).attentions,
+                                 baseline="eager")
+    for got, want in zip(ours, expected):
+        torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+def test_gpt_oss_training_gradients_reach_the_sinks():
+    model = gpt_oss().train()
+    ids, mask = token_batch(padding="right")
+
+    def step(m):
+        m.zero_grad()
+        m(ids, attention_mask=mask, labels=ids).loss.backward()
+        return [layer.self_attn.sinks.grad.clone() for layer in m.model.layers] + [
+            p.grad.clone() for p in m.model.layers[0].self_attn.parameters() if p.ndim == 2]
+
+    ours, expected = ours_vs(model, step, baseline="eager")
+    assert all(g.abs().sum() > 0 for g in ours)
+    for got, want in zip(ours, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------------ parity

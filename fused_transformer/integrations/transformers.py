@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import functional
+from .. import functional, reference
 from ..backend import use_backend
 from ..contract import Window, stats_dtype
 
@@ -35,10 +35,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the [hf]
 Tensor = torch.Tensor
 
 DEFAULT_NAME = "fused_transformer"
-
-# Keyword arguments of transformers' attention interface that change the result and that our kernels cannot honour yet.
-UNSUPPORTED_KWARGS = ("softcap", "s_aux")
-
 
 def register(name: str = DEFAULT_NAME) -> str:
     """Make ``name`` a transformers attention implementation that runs on fused_transformer's kernels.
@@ -104,18 +100,18 @@ def attention_forward(
             and for ``Lq == Lk`` the kernel also gets ``window=(W - 1, 0)`` so that key tiles outside it are
             skipped. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` with ``max_length_q`` / ``max_length_k`` (a packed batch,
             ``B == 1``): runs ``attention_varlen``, each sequence on its own. ``output_attentions=True`` (or the
-            module's ``config.output_attentions``): also return the probabilities ``[B, H, Lq, Lk]``. ``softcap`` or
-            ``s_aux`` not None raise ``NotImplementedError``. Anything else (``position_ids``, ``cache_position``...)
-            is ignored.
+            module's ``config.output_attentions``): also return the probabilities ``[B, H, Lq, Lk]``. ``softcap``
+            (Gemma 2: ``softcap * tanh(scores / softcap)``) and ``s_aux`` (gpt-oss's attention sinks, ``[H]``, a
+            logit per head in each row's denominator, trainable) run in the kernel. Anything else
+            (``position_ids``, ``cache_position``...) is ignored.
 
     Returns:
         ``(out, weights)``: ``out`` ``[B, Lq, H, D]`` contiguous in query's dtype, ``weights`` the attention
         probabilities when asked for, else None.
     """
-    for kwarg in UNSUPPORTED_KWARGS:
-        if kwargs.get(kwarg) is not None:
-            raise NotImplementedError(f"fused_transformer attention does not support `{kwarg}` yet; use "
-                                      "attn_implementation='eager' or 'sdpa' for this model")
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if sinks is not None:  # the kernels take the sinks in the statistics dtype (a float32 copy of a bf16 parameter)
+        sinks = sinks.to(stats_dtype(query.dtype))
     module_is_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     want_weights = bool(kwargs.get("output_attentions") or getattr(getattr(module, "config", None),
                                                                  "output_attentions", False))
@@ -128,7 +124,8 @@ def attention_forward(
         window = (int(sliding_window) - 1, 0)
 
     if kwargs.get("cu_seq_lens_q") is not None and position_bias is None and not want_weights:
-        return _packed_forward(query, key, value, kwargs, module_is_causal, window, dropout, scaling), None
+        return _packed_forward(query, key, value, kwargs, module_is_causal, window, dropout, scaling, softcap,
+                               sinks), None
 
     causal = lq > 1 and attention_mask is None and module_is_causal
     mask = attention_mask if position_bias is None else _biased_mask(position_bias, attention_mask)
@@ -136,19 +133,25 @@ def attention_forward(
                    window=window, scale=scaling)
     trainable_mask = (mask is not None and mask.is_floating_point() and mask.requires_grad
                       and torch.is_grad_enabled())
-    if trainable_mask and dropout > 0.0:
+    if trainable_mask and (dropout > 0.0 or softcap is not None or sinks is not None):
+        # MaskGradient's formula knows neither the kernel's dropout mask nor the cap's derivative: autograd instead.
         with use_backend("reference"):
             out, lse = functional.attention(query, key, value, attn_mask=mask, dropout_p=dropout, return_lse=True,
-                                            **options)
+                                            softcap=softcap, sinks=sinks, **options)
     else:
         out, lse = functional.attention(query, key, value, attn_mask=mask.detach() if trainable_mask else mask,
-                                        dropout_p=dropout, return_lse=True, **options)
+                                        dropout_p=dropout, return_lse=True, softcap=softcap, sinks=sinks, **options)
         if trainable_mask:
             out = MaskGradient.apply(out, mask, query, key, value, lse, options)
     weights = None
     if want_weights:
-        weights = functional.attention_weights(query.detach(), key.detach(), lse,
-                                               attn_mask=mask.detach() if mask is not None else None, **options)
+        detached_mask = mask.detach() if mask is not None else None
+        if softcap is None:
+            weights = functional.attention_weights(query.detach(), key.detach(), lse, attn_mask=detached_mask,
+                                                   **options)
+        else:  # the weights kernel does not cap: the reference recomputes the capped scores
+            weights = reference.attention_weights(query.detach(), key.detach(), lse, attn_mask=detached_mask,
+                                                  softcap=softcap, **options)
     return out.transpose(1, 2).contiguous(), weights
 
 
@@ -164,7 +167,8 @@ def _biased_mask(position_bias: Tensor, attention_mask: Optional[Tensor]) -> Ten
 
 
 def _packed_forward(query: Tensor, key: Tensor, value: Tensor, kwargs: dict, is_causal: bool, window: Window,
-                    dropout: float, scaling: Optional[float]) -> Tensor:
+                    dropout: float, scaling: Optional[float], softcap: Optional[float],
+                    sinks: Optional[Tensor]) -> Tensor:
     """A padding-free packed batch (``B == 1``, sequences delimited by ``cu_seq_lens_*``) on ``attention_varlen``:
     ``[1, T, H, D]``."""
     if query.shape[0] != 1:
@@ -181,7 +185,7 @@ def _packed_forward(query: Tensor, key: Tensor, value: Tensor, kwargs: dict, is_
     out = functional.attention_varlen(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
         cu_seqlens_q.to(**as_int32), cu_seqlens_k.to(**as_int32), max_length_q, max_length_k,
-        is_causal=is_causal, window=window, dropout_p=dropout, scale=scaling,
+        is_causal=is_causal, window=window, dropout_p=dropout, scale=scaling, softcap=softcap, sinks=sinks,
     )
     return out.unsqueeze(0)
 

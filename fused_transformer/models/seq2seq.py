@@ -32,6 +32,8 @@ from torch import Tensor, nn
 
 from .. import functional as ops
 from .. import modules as fused_modules
+from ..modules.base import active_p
+from ..modules.layers import _add_and_norm as add_and_norm
 
 __all__ = [
     "Seq2SeqTransformer", "DecoderCache", "make_src_mask", "make_tgt_mask", "src_mask_to_key_padding",
@@ -362,7 +364,12 @@ class Seq2SeqTransformer(nn.Module):
         blocks = ((self_attention, layer.norm1, layer.dropout1), (cross_attention, layer.norm2, layer.dropout2),
                   (feed_forward, layer.norm3, layer.dropout3))
         for block, norm, dropout in blocks:
-            x = x + dropout(block(norm(x))) if layer.norm_first else norm(x + dropout(block(x)))
+            if layer.norm_first:
+                x = x + dropout(block(norm(x)))
+            elif self.fused:  # dropout, the residual add and the LayerNorm in one op, as the fused layer's forward
+                x = add_and_norm(norm, block(x), residual=x, dropout_p=active_p(dropout))
+            else:
+                x = norm(x + dropout(block(x)))
         return x
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False,

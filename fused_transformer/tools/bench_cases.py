@@ -32,7 +32,8 @@ Suites (``SUITES``), each over sequence lengths:
   and dispatch overhead, which a one-token decoding step or a small-batch model pays on every module.
 
 The attention suite also runs batch 1, 1 head (``B1H1 causal``): one (batch, head) pair, whose backward must
-still use every thread.
+still use every thread; and causal ALiBi (``causal+alibi``, the paper's slopes): ours in the kernel, SDPA with the
+bias materialised as a float mask ``[1, H, L, L]`` (built outside the timed call), FlashAttention with its slopes.
 
 "ours" runs on the ``auto`` backend: the C++ kernels for CPU tensors, Triton for CUDA tensors.
 
@@ -230,17 +231,31 @@ def _padding_mask(kept: Sequence[int], length: int, device: torch.device) -> Ten
     return torch.arange(length, device=device)[None, :] >= torch.tensor(list(kept), device=device)[:, None]
 
 
+def alibi_slopes(heads: int, device: torch.device) -> Tensor:
+    """The ALiBi paper's slopes for ``heads`` heads (a power of two): ``2^(-8 (h + 1) / heads)``."""
+    return torch.pow(2.0, -8.0 * torch.arange(1, heads + 1, dtype=torch.float32, device=device) / heads)
+
+
 def _build_attention(setup: Setup, impls: Tuple[str, ...], batch: int, heads: int, length: int, head_dim: int,
-                     causal: bool, kept: Optional[List[int]], backward: bool) -> Built:
+                     causal: bool, kept: Optional[List[int]], backward: bool, alibi: bool = False) -> Built:
     torch.manual_seed(0)
     q, k, v = (_randn(setup, batch, heads, length, head_dim, grad=backward) for _ in range(3))
     grad = _randn(setup, batch, heads, length, head_dim)
     key_padding = _padding_mask(kept, length, setup.device) if kept is not None else None
-    sdpa_mask = None
+    sdpa_mask = slopes = None
     if key_padding is not None:
         sdpa_mask = ~key_padding[:, None, None, :]
         if causal:
             sdpa_mask = sdpa_mask & torch.ones(length, length, dtype=torch.bool, device=setup.device).tril()
+    if alibi:
+        # SDPA takes ALiBi only as a float bias [1, H, L, L], built here outside the timed call (ours: in the kernel).
+        slopes = alibi_slopes(heads, setup.device)
+        positions = torch.arange(length, device=setup.device)
+        distance = (positions[:, None] - positions[None, :]).abs().to(q.dtype)
+        sdpa_mask = -slopes.to(q.dtype)[:, None, None] * distance
+        if causal:
+            sdpa_mask = sdpa_mask.masked_fill(positions[None, :] > positions[:, None], float("-inf"))
+        sdpa_mask = sdpa_mask[None]
 
     def sdpa() -> Tensor:
         if sdpa_mask is not None:
@@ -258,7 +273,7 @@ def _build_attention(setup: Setup, impls: Tuple[str, ...], batch: int, heads: in
     calls: Dict[str, Callable[[], Tensor]] = {
         "sdpa": sdpa,
         "ours": _on_backend(setup.backend, lambda: ft.attention(q, k, v, key_padding_mask=key_padding,
-                                                                is_causal=causal)),
+                                                                is_causal=causal, alibi_slopes=slopes)),
     }
     calls.update({name: under(backend) for name, backend in sdpa_backends(setup.device).items()})
     grads = [q, k, v]
@@ -268,7 +283,8 @@ def _build_attention(setup: Setup, impls: Tuple[str, ...], batch: int, heads: in
         grad_t = grad.transpose(1, 2).contiguous()
         grads += [qt, kt, vt]
         if "flash_attn" in impls:
-            calls["flash_attn"] = lambda: third_party("flash_attn").flash_attn_func(qt, kt, vt, causal=causal)
+            calls["flash_attn"] = lambda: third_party("flash_attn").flash_attn_func(qt, kt, vt, causal=causal,
+                                                                                    alibi_slopes=slopes)
         if "xformers" in impls:
             xops = third_party("xformers")
             calls["xformers"] = lambda: xops.memory_efficient_attention(
@@ -287,10 +303,13 @@ def attention_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
     if gpu:
         masks.append(("causal+pad50%", True, 0.5))
     for head_dim in (64, 128) if gpu else (64,):
-        for mask, causal, padding in masks + [("B1H1 causal", True, 0.0)]:
+        for mask, causal, padding in masks + [("B1H1 causal", True, 0.0), ("causal+alibi", True, 0.0)]:
+            alibi = mask.endswith("alibi")
             impls = ("sdpa", "ours", *sdpa_backends(setup.device))
             if gpu and padding == 0.0:
-                impls += tuple(name for name in ("flash_attn", "xformers") if third_party(name) is not None)
+                # xFormers has no ALiBi of its own (a materialised bias, as SDPA's), FlashAttention does.
+                impls += tuple(name for name in ("flash_attn", "xformers") if third_party(name) is not None
+                               and not (alibi and name == "xformers"))
             for mode in ("fwd", "fwd+bwd"):
                 for length in lengths:
                     batch, heads = (max(GPU_ATTENTION_TOKENS // length, 2), 2048 // head_dim) if gpu else (8, 8)
@@ -304,7 +323,7 @@ def attention_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
                         flops=attention_flops(batch, heads, length, head_dim, causal=causal, kept=kept,
                                               backward=backward),
                         build=functools.partial(_build_attention, setup, impls, batch, heads, length, head_dim,
-                                                causal, kept if padding else None, backward),
+                                                causal, kept if padding else None, backward, alibi),
                     )
 
 

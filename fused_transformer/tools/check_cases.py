@@ -82,11 +82,21 @@ def _padding(lengths: Sequence[int], length: int, device: torch.device) -> Tenso
     return (torch.arange(length)[None, :] >= torch.tensor(lengths)[:, None]).to(device)
 
 
-def _attention_masks(kind: str, rng: _Random, b: int, lq: int, lk: int) -> Dict[str, object]:
-    """The functional ``attention`` mask arguments for ``kind``, a '+'-joined list of mask names."""
+# Arguments that stay float32 in every precision (float64 for the oracle): the ALiBi slopes and the sinks.
+FLOAT32_ARGUMENTS = ("alibi_slopes", "sinks")
+
+
+def _attention_masks(kind: str, rng: _Random, b: int, h: int, lq: int, lk: int) -> Dict[str, object]:
+    """The functional ``attention`` mask (and score modifier) arguments for ``kind``, a '+'-joined list of names."""
     kwargs: Dict[str, object] = {}
     for part in kind.split("+"):
-        if part == "causal":
+        if part == "softcap":
+            kwargs["softcap"] = 2.0
+        elif part == "alibi":  # per batch and head
+            kwargs["alibi_slopes"] = rng.rand(b, h) * 0.5
+        elif part == "sinks":  # differentiated, as an input
+            kwargs["sinks"] = rng.randn(h, scale=2.0)
+        elif part == "causal":
             kwargs["is_causal"] = True
         elif part == "causal-br":
             kwargs.update(is_causal=True, causal_alignment="bottom_right")
@@ -122,6 +132,8 @@ ATTENTION_GRID = [
     (False, 2, 4, 2, 77, 130, 64, "float"),
     (False, 2, 3, 3, 130, 77, 48, "causal-br"),  # Lq > Lk: the first 53 queries see no key (zeros)
     (False, 2, 3, 1, 63, 63, 48, "holes+float"),
+    (True, 2, 4, 2, 33, 47, 64, "causal-br+padding+softcap+alibi+sinks"),
+    (False, 2, 4, 2, 77, 130, 64, "causal+softcap+alibi+sinks"),
 ]
 ATTENTION_WEIGHTS_GRID = [
     (True, 2, 2, 1, 33, 47, 64, "causal-br+padding"),
@@ -134,19 +146,30 @@ def _attention_label(b: int, h: int, hkv: int, lq: int, lk: int, d: int, masks: 
     return f"B{b} H{h}/{hkv} L{lq}x{lk} D{d} {masks}"
 
 
+def _cast_argument(cast: Callable[[Tensor], Tensor], name: str, value: object, exact: bool) -> object:
+    """A mask or score argument in the case's precision; the float32 ones in float32 (float64 for the oracle)."""
+    if not isinstance(value, Tensor):
+        return value
+    if name in FLOAT32_ARGUMENTS:
+        return value.to(torch.float32).to(torch.float64 if exact else torch.float32)
+    return cast(value)
+
+
 def _attention_cases(device: torch.device) -> List[Case]:
     cases = []
     for quick, b, h, hkv, lq, lk, d, masks in ATTENTION_GRID:
         label = _attention_label(b, h, hkv, lq, lk, d, masks)
         rng = _Random("attention " + label, device)
         inputs = {"q": rng.randn(b, h, lq, d), "k": rng.randn(b, hkv, lk, d), "v": rng.randn(b, hkv, lk, d)}
-        dout, mask_args = rng.randn(b, h, lq, d), _attention_masks(masks, rng, b, lq, lk)
+        dout, mask_args = rng.randn(b, h, lq, d), _attention_masks(masks, rng, b, h, lq, lk)
+        if "sinks" in mask_args:
+            inputs["sinks"] = mask_args.pop("sinks")
 
         def run(dtype, exact, inputs=inputs, dout=dout, mask_args=mask_args):
             cast = _caster(dtype, exact)
-            kwargs = {n: cast(t) if isinstance(t, Tensor) else t for n, t in mask_args.items()}
-            (out,), grads = outputs_and_grads(
-                lambda **qkv: ft.attention(**qkv, **kwargs), {n: cast(t) for n, t in inputs.items()}, [cast(dout)])
+            kwargs = {n: _cast_argument(cast, n, t, exact) for n, t in mask_args.items()}
+            differentiated = {n: _cast_argument(cast, n, t, exact) for n, t in inputs.items()}
+            (out,), grads = outputs_and_grads(lambda **qkv: ft.attention(**qkv, **kwargs), differentiated, [cast(dout)])
             return {"out": out, **{f"d{n}": g for n, g in grads.items()}}
 
         cases.append(Case("attention", label, quick, run))
@@ -159,7 +182,7 @@ def _attention_weights_cases(device: torch.device) -> List[Case]:
         label = _attention_label(b, h, hkv, lq, lk, d, masks)
         rng = _Random("attention_weights " + label, device)
         q, k, v = rng.randn(b, h, lq, d), rng.randn(b, hkv, lk, d), rng.randn(b, hkv, lk, d)
-        mask_args = _attention_masks(masks, rng, b, lq, lk)
+        mask_args = _attention_masks(masks, rng, b, h, lq, lk)
 
         def run(dtype, exact, q=q, k=k, v=v, mask_args=mask_args):
             cast = _caster(dtype, exact)

@@ -47,9 +47,10 @@ REPO_ROOT = os.path.dirname(PACKAGE_ROOT)
 # The test files that run our kernels and modules on CUDA tensors when there is a GPU (tests/numerics.py's DEVICE,
 # test_edges' device_for, the CUDA-graph test of test_drop_in), plus the two that ask the GPU which target it is.
 GPU_TEST_FILES = (
-    "tests/test_attention_triton.py", "tests/test_attention_varlen_triton.py", "tests/test_layer_norm_triton.py",
-    "tests/test_feed_forward_triton.py", "tests/test_drop_in.py", "tests/test_modules.py", "tests/test_edges.py",
-    "tests/test_backend.py", "tests/test_targets.py",
+    "tests/test_attention_triton.py", "tests/test_attention_varlen_triton.py", "tests/test_attention_score_mods.py",
+    "tests/test_attention_decode_triton.py", "tests/test_layer_norm_triton.py", "tests/test_feed_forward_triton.py",
+    "tests/test_drop_in.py", "tests/test_modules.py", "tests/test_edges.py", "tests/test_backend.py",
+    "tests/test_targets.py",
 )
 BENCH_SUITES = ("attention", "layer_norm", "feed_forward", "encoder_layer")
 COMPETITORS = ("flash_attn", "xformers")

@@ -48,10 +48,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, query_lengths: Optional[Tensor
     options = contract.options_of("attention", options, contract.ATTENTION_OPTIONS)
     masks = AttentionMasks(options["attn_mask"], options["key_padding_mask"], options["query_padding_mask"])
     contract.check_attention_args(q, k, v, masks)
+    alibi_slopes, sinks = options["alibi_slopes"], options["sinks"]
+    contract.check_alibi_and_sinks(q, q.shape[0], q.shape[1], alibi_slopes, sinks)
     spec = _spec(q, options)
     if query_lengths is not None and tuple(query_lengths.shape) != (q.shape[0],):
         raise ValueError(f"query_lengths must be [batch={q.shape[0]}], got shape {tuple(query_lengths.shape)}")
-    o, lse = run_attention(q, k, v, masks, spec, query_lengths, allow_tf32)
+    o, lse = run_attention(q, k, v, masks, spec, alibi_slopes, sinks, query_lengths=query_lengths,
+                           allow_tf32=allow_tf32)
     return (o, lse) if options["return_lse"] else o
 
 
@@ -62,8 +65,11 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     Checked as there but for the values of cu_seqlens, which the kernels read on the device (no host sync)."""
     options = contract.options_of("attention_varlen", options, contract.ATTENTION_VARLEN_OPTIONS)
     contract.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    alibi_slopes, sinks = options["alibi_slopes"], options["sinks"]
+    contract.check_alibi_and_sinks(q, cu_seqlens_q.shape[0] - 1, q.shape[1], alibi_slopes, sinks)
     spec = _spec(q, options)
-    o, lse = run_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, spec, allow_tf32)
+    o, lse = run_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, spec, alibi_slopes,
+                                  sinks, allow_tf32=allow_tf32)
     return (o, lse) if options["return_lse"] else o
 
 
@@ -79,4 +85,4 @@ def attention_weights(q: Tensor, k: Tensor, lse: Tensor, *, query_lengths: Optio
 
 def _spec(q: Tensor, options: dict) -> contract.AttentionSpec:
     return contract.attention_spec(q.shape[-1], options["is_causal"], options["causal_alignment"], options["window"],
-                                   options.get("dropout_p", 0.0), options["scale"])
+                                   options.get("dropout_p", 0.0), options["scale"], options.get("softcap"))

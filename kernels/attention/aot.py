@@ -28,14 +28,20 @@ class Variant(NamedTuple):
     # Compiled only for the targets where it picks other tiles than this variant does (elsewhere it runs that
     # variant's tiles with fewer features); None: everywhere.
     unless_tiles_of: object = None
+    float_output: bool = False  # the forward writes o in float32 (kept for the sinks' gradient)
 
     @property
     def packed(self) -> bool:
         return bool(self.features["VARLEN"])
 
     @property
+    def score_mods(self) -> bool:
+        return bool(self.features.get("HAS_SOFTCAP") or self.features.get("HAS_ALIBI"))
+
+    @property
     def light(self) -> bool:
-        return self.features["MASK_KIND"] == MASK_NONE and not self.features.get("HAS_DROPOUT", True)
+        return (self.features["MASK_KIND"] == MASK_NONE and not self.features.get("HAS_DROPOUT", True)
+                and not self.score_mods)
 
 
 def _features(mask_kind: int, padding: bool, query_padding: bool, window: bool, varlen: bool, **extra) -> dict:
@@ -43,6 +49,7 @@ def _features(mask_kind: int, padding: bool, query_padding: bool, window: bool, 
                 IS_CAUSAL=True, HAS_WINDOW=window, PER_SEQUENCE_OFFSET=True, VARLEN=varlen, **extra)
 
 
+SCORE_MODS = dict(HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_SINKS=True)
 # Dense with every mask on (the largest register footprint), and packed sequences, which take no attn_mask or
 # padding but compute their bounds and alignment per sequence; the two-loop path (unmasked interior tiles), causal
 # with the most it takes and no dropout; and the most a light launch takes, dense and packed.
@@ -54,11 +61,19 @@ VARIANTS = (
     Variant("/padded", _features(MASK_NONE, True, True, True, False, HAS_DROPOUT=False), TRAINING_KERNELS, ""),
     Variant("/varlen/nodropout", _features(MASK_NONE, False, False, True, True, HAS_DROPOUT=False), TRAINING_KERNELS,
             "/varlen"),
+    # softcap, ALiBi and sinks (which take the tiles of the launches above that are not light), dense with padding
+    # and a window, and packed; and the forward of trainable sinks in 16 bits, which writes o in float32.
+    Variant("/scoremods", _features(MASK_NONE, True, True, True, False, **SCORE_MODS), TRAINING_KERNELS),
+    Variant("/varlen/scoremods", _features(MASK_NONE, False, False, True, True, **SCORE_MODS), TRAINING_KERNELS),
+    Variant("/scoremods/float_o", _features(MASK_NONE, True, True, True, False, **SCORE_MODS), ("fwd",),
+            float_output=True),
+    Variant("/varlen/scoremods/float_o", _features(MASK_NONE, False, False, True, True, **SCORE_MODS), ("fwd",),
+            float_output=True),
 )
 # Pointers whose type does not follow the inputs' dtype (the float mask as a float32 additive bias).
 POINTER_TYPES = {"LSE": "*fp32", "DLSE": "*fp32", "DELTA": "*fp32", "MASK": "*fp32", "PAD": "*u8", "KEY_LENS": "*i32",
                  "QUERY_LENS": "*i32", "QUERY_PAD": "*u8", "CU_SEQLENS_Q": "*i32", "CU_SEQLENS_K": "*i32",
-                 "SEED": "*i64"}
+                 "SEED": "*i64", "ALIBI": "*fp32", "SINKS": "*fp32"}
 # The inputs each kernel loads through TMA, in BLOCK_M-row (query) or BLOCK_N-row (key) tiles (and dk / dv, which
 # dense launches store through TMA).
 TMA_INPUTS = {"fwd": ("Q", "K", "V"), "bwd_dq": ("Q", "K", "V", "O", "DO"),
@@ -80,7 +95,7 @@ def _plans(kernel: str, precision: str, head_dim: int, variant: Variant,
     for target in TARGETS:
         def plan(light: bool) -> configs.Plan:
             return configs.plan(kernel, DTYPES[precision], head_dim, target, allow_tf32=precision == "tf32",
-                                light=light, packed=variant.packed, triton=triton)
+                                light=light, packed=variant.packed, triton=triton, score_mods=variant.score_mods)
 
         chosen = plan(variant.light)
         if variant.unless_tiles_of is not None and chosen.tile == plan(False).tile:
@@ -103,7 +118,8 @@ def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
                     continue
                 for precision in precisions:
                     for variant in VARIANTS:
-                        if kernel not in variant.kernels:
+                        # float32 inputs write a float32 o anyway
+                        if kernel not in variant.kernels or (variant.float_output and precision != "bf16"):
                             continue
                         for plan, targets in _plans(kernel, precision, head_dim, variant, triton).items():
                             shipped.append(_aot_kernel(kernel, precision, head_dim, variant, plan, tuple(targets)))
@@ -122,14 +138,16 @@ def _aot_kernel(kernel: str, precision: str, head_dim: int, variant: Variant, pl
             signature[name] = f"tensordesc<{elem[1:]}[1,1,{rows},{head_dim}]>"
         elif name in POINTER_TYPES:
             signature[name] = POINTER_TYPES[name]
+        elif name == "O" and variant.float_output:
+            signature[name] = "*fp32"
         elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "W"):
             signature[name] = elem
-        elif name in ("qk_scale", "dropout_p"):
+        elif name in ("qk_scale", "dropout_p", "softcap"):
             signature[name] = "fp32"
         elif name.islower():
             signature[name] = "i32"
     constexprs = dict(BLOCK_D=head_dim, HEAD_DIM=head_dim, MASK_OFFSETS_64=False, HAS_DROPOUT=True, HAS_DLSE=True,
-                      **plan.constexprs())
+                      HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False, **plan.constexprs())
     constexprs.update(variant.features)
     return AotKernel(
         name=f"attention_{kernel}", config=config_name(precision, head_dim, tile, variant.name, plan.use_tma), fn=fn,

@@ -3,7 +3,8 @@ rowsum(do * o) - dlse):
     dv = (p Z)^T do,   dp = (do v^T) Z,   ds = p (dp - delta),   dq = ds k * scale,   dk = ds^T q * scale
 in two kernels with no atomics (deterministic): one program per query tile writes dq (and delta first), one program
 per key tile of a key/value head writes dk and dv, walking every query head of its group (GQA). Masks as in the
-forward (``jit.py``); the dropout mask is regenerated from the forward's seed.
+forward (``jit.py``); the dropout mask is regenerated from the forward's seed. softcap multiplies ds by its derivative
+1 - tanh^2; ALiBi and sinks need nothing more (the bias is recomputed, the sinks are in the forward's LSE).
 """
 from typing import Optional
 
@@ -14,8 +15,8 @@ import triton.language as tl
 from .._common import dropout_keep
 from .configs import head_dim_bucket
 from .jit import (
-    _batch_head, _dot, _leading_real_keys, _mask_scores, _real_rows, _row_index, _sequence, _stat_base, _tile_mask,
-    _tma_tile, _unmasked_keys_end, _visible_keys, _visible_queries,
+    _alibi_slope, _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _real_rows, _row_index,
+    _sequence, _stat_base, _tanh, _tile_mask, _tma_tile, _unmasked_keys_end, _visible_keys, _visible_queries,
 )
 from .launch import LOG2E, Layout, MaskArgs, grid, output_layout, plan_launch, tiles_of, tma_can_load
 
@@ -27,11 +28,11 @@ def _attention_dq_tile(
     dq,  # the [BLOCK_M, BLOCK_D] float32 sum, returned updated
     q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn, dropout_row,
     batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right,
-    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED,
+    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-    USE_TMA: tl.constexpr, EDGE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, EDGE: tl.constexpr,
 ):
     """dq's step over the key tile starting at ``first_col`` (EDGE as in _attention_fwd_tile)."""
     cols = first_col + tl.arange(0, BLOCK_N)
@@ -44,6 +45,10 @@ def _attention_dq_tile(
         k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
     s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
+    if HAS_SOFTCAP:
+        capped = _tanh(s / softcap)
+        s = softcap * capped
+    s = _modified_scores(s, rows[:, None], cols[None, :], offset, softcap, slope, False, HAS_ALIBI)
     if EDGE:
         s = _mask_scores(
             s, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset, window_left,
@@ -56,6 +61,8 @@ def _attention_dq_tile(
         keep = dropout_keep(SEED, dropout_row[:, None] + cols[None, :], dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds *= 1.0 - capped * capped
     return dq + _dot(ds.to(k.dtype), k, UPCAST, DOT_PRECISION)
 
 
@@ -75,12 +82,14 @@ def attention_dq_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb, stride_qpb,
     n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale, dropout_p, SEED,
+    ALIBI, SINKS, stride_ab, stride_ah, softcap,  # score modifiers (see fwd.py)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, INTERIOR_LOOP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    INTERIOR_LOOP: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
     batch_head = _batch_head(n_heads)
@@ -131,6 +140,7 @@ def attention_dq_kernel(
         k_base = K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
         v_base = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     dropout_row = (batch_head.to(tl.int64) * n_queries + rows) * n_keys
+    slope = _alibi_slope(ALIBI, batch, head, stride_ab, stride_ah, HAS_ALIBI)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     key_start, key_end = _visible_keys(
         first_row, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
@@ -138,7 +148,8 @@ def attention_dq_kernel(
     # diagonal or padding key crosses skip _mask_scores (rows past q_len have lse = -inf, so p = 0 there; their dq
     # is dropped below), the edge tiles first; unless the plan says the two loops spill with these tiles
     # (INTERIOR_LOOP False).
-    split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT)
+    split = INTERIOR_LOOP and MASK_KIND == 0 and not (
+        HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or HAS_SOFTCAP or HAS_ALIBI)
     if split:
         inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING),
                                        offset, BLOCK_N, IS_CAUSAL)
@@ -146,26 +157,26 @@ def attention_dq_kernel(
             dq = _attention_dq_tile(
                 dq, q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N,
-                BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
+                BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
+                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
         for first_col in range(key_start, inner_end, BLOCK_N):
             dq = _attention_dq_tile(
                 dq, q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N,
-                BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
+                BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
+                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
             )
     else:
         for first_col in range(key_start, key_end, BLOCK_N):
             dq = _attention_dq_tile(
                 dq, q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N,
-                BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
+                BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
+                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
     if split or HAS_QUERY_LENS or HAS_QUERY_PADDING:
         # Rows that are no queries get no gradient, even where an inf or NaN in their do or q met their probability 0
@@ -198,11 +209,12 @@ def _attention_dkdv_tile(
     k, v, first_row, cols, dims, q_base, stride_qm, batch, head, batch_head, q_start, seq_q, q_len, k_len, seq_k,
     offset, window_left, window_right, stat_base, LSE, DELTA, DO, QUERY_PAD, stride_qpb,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, n_heads, n_queries, n_keys,
-    qk_scale, dropout_p, SEED,
+    qk_scale, dropout_p, SEED, softcap, slope,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_PADDING: tl.constexpr, HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, EDGE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+    USE_TMA: tl.constexpr, EDGE: tl.constexpr,
 ):
     """dk's and dv's step over the query tile starting at ``first_row`` of one query head. EDGE False: the caller
     knows the tile's rows are all real queries below q_len that see every key of this key tile (below k_len)."""
@@ -229,6 +241,10 @@ def _attention_dkdv_tile(
         delta = tl.load(DELTA + stat_offsets)
 
     s_t = _dot(k, tl.trans(q), UPCAST, DOT_PRECISION) * qk_scale
+    if HAS_SOFTCAP:
+        capped_t = _tanh(s_t / softcap)
+        s_t = softcap * capped_t
+    s_t = _modified_scores(s_t, rows[None, :], cols[:, None], offset, softcap, slope, False, HAS_ALIBI)
     if EDGE:
         s_t = _mask_scores(
             s_t, rows[None, :], cols[:, None], real_rows[None, :], batch, head, k_len, seq_k, offset,
@@ -236,15 +252,29 @@ def _attention_dkdv_tile(
             MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
         )
     p_t = tl.math.exp2(s_t - lse[None, :])
-    dp_t = _dot(v, tl.trans(do), UPCAST, DOT_PRECISION)
-    if HAS_DROPOUT:
-        dropout_row = (batch_head * n_queries + rows) * n_keys
-        keep = dropout_keep(SEED, dropout_row[None, :] + cols[:, None], dropout_p)
-        keep_scale = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
-        dv += _dot((p_t * keep_scale).to(do.dtype), do, UPCAST, DOT_PRECISION)
-        dp_t *= keep_scale
+    if HAS_SOFTCAP:
+        # dv's product first: then p takes the cap's derivative (ds's factor) and no tile of the cap stays live.
+        if HAS_DROPOUT:
+            dropout_row = (batch_head * n_queries + rows) * n_keys
+            keep = dropout_keep(SEED, dropout_row[None, :] + cols[:, None], dropout_p)
+            keep_scale = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+            dv += _dot((p_t * keep_scale).to(do.dtype), do, UPCAST, DOT_PRECISION)
+        else:
+            dv += _dot(p_t.to(do.dtype), do, UPCAST, DOT_PRECISION)
+        p_t *= 1.0 - capped_t * capped_t
+        dp_t = _dot(v, tl.trans(do), UPCAST, DOT_PRECISION)
+        if HAS_DROPOUT:
+            dp_t *= keep_scale
     else:
-        dv += _dot(p_t.to(do.dtype), do, UPCAST, DOT_PRECISION)
+        dp_t = _dot(v, tl.trans(do), UPCAST, DOT_PRECISION)
+        if HAS_DROPOUT:
+            dropout_row = (batch_head * n_queries + rows) * n_keys
+            keep = dropout_keep(SEED, dropout_row[None, :] + cols[:, None], dropout_p)
+            keep_scale = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+            dv += _dot((p_t * keep_scale).to(do.dtype), do, UPCAST, DOT_PRECISION)
+            dp_t *= keep_scale
+        else:
+            dv += _dot(p_t.to(do.dtype), do, UPCAST, DOT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
     dk += _dot(ds_t.to(q.dtype), q, UPCAST, DOT_PRECISION)
     return dk, dv
@@ -262,12 +292,13 @@ def attention_dkdv_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb, stride_qpb,
     n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale, dropout_p, SEED,
+    ALIBI, SINKS, stride_ab, stride_ah, softcap,  # score modifiers (see fwd.py)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    INTERIOR_LOOP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, INTERIOR_LOOP: tl.constexpr,
 ):
     # Works in the transposed orientation (keys along dim 0) so no tile needs a transpose but q's and do's.
     first_col = tl.program_id(0) * BLOCK_N
@@ -304,7 +335,8 @@ def attention_dkdv_kernel(
     # this tile whole (a key tile before the first padding key; query tiles below q_len and, causal, below the
     # diagonal through its last key) skip _mask_scores; one loop walks the edge tiles before and after them, then one
     # the interior (INTERIOR_LOOP as in the dq kernel).
-    split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT)
+    split = INTERIOR_LOOP and MASK_KIND == 0 and not (
+        HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or HAS_SOFTCAP or HAS_ALIBI)
     inner_start, inner_end = row_end, row_end
     if split:
         inner_start, inner_end = _unmasked_queries(
@@ -319,6 +351,7 @@ def attention_dkdv_kernel(
         if not USE_TMA:
             q_base = Q + batch * stride_qb + head * stride_qh + q_start * stride_qm
         stat_base = _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN)
+        slope = _alibi_slope(ALIBI, batch, head, stride_ab, stride_ah, HAS_ALIBI)
         if split:
             for edge_tile in tl.range(0, edge_tiles, num_stages=1):
                 first_row = tl.where(edge_tile < leading_edge_tiles, row_start + edge_tile * BLOCK_M,
@@ -327,18 +360,18 @@ def attention_dkdv_kernel(
                     dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, batch, head, batch_head, q_start, seq_q,
                     q_len, k_len, seq_k, offset, window_left, window_right, stat_base, LSE, DELTA, DO, QUERY_PAD,
                     stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, n_heads, n_queries,
-                    n_keys, qk_scale, dropout_p, SEED, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING,
-                    HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST, DOT_PRECISION,
-                    VARLEN, USE_TMA, EDGE=True,
+                    n_keys, qk_scale, dropout_p, SEED, softcap, slope, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND,
+                    HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, HAS_SOFTCAP,
+                    HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
                 )
             for first_row in range(inner_start, inner_end, BLOCK_M):
                 dk, dv = _attention_dkdv_tile(
                     dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, batch, head, batch_head, q_start, seq_q,
                     q_len, k_len, seq_k, offset, window_left, window_right, stat_base, LSE, DELTA, DO, QUERY_PAD,
                     stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, n_heads, n_queries,
-                    n_keys, qk_scale, dropout_p, SEED, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING,
-                    HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST, DOT_PRECISION,
-                    VARLEN, USE_TMA, EDGE=False,
+                    n_keys, qk_scale, dropout_p, SEED, softcap, slope, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND,
+                    HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, HAS_SOFTCAP,
+                    HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
                 )
         else:
             for first_row in range(row_start, row_end, BLOCK_M):
@@ -346,9 +379,9 @@ def attention_dkdv_kernel(
                     dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, batch, head, batch_head, q_start, seq_q,
                     q_len, k_len, seq_k, offset, window_left, window_right, stat_base, LSE, DELTA, DO, QUERY_PAD,
                     stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, n_heads, n_queries,
-                    n_keys, qk_scale, dropout_p, SEED, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING,
-                    HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST, DOT_PRECISION,
-                    VARLEN, USE_TMA, EDGE=True,
+                    n_keys, qk_scale, dropout_p, SEED, softcap, slope, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND,
+                    HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, HAS_SOFTCAP,
+                    HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
                 )
     dk *= qk_scale * 0.6931471805599453
 
@@ -376,10 +409,10 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
     common_args = (
         *masks.pointer_args(), *layout.q_strides, *layout.k_strides, *layout.v_strides, *masks.stride_args(),
         layout.heads, layout.kv_group, layout.n_queries, layout.n_keys, *masks.offset_args(), scale * LOG2E,
-        dropout_p, seed,
+        dropout_p, seed, *masks.score_args(),
     )
     common_constexprs = dict(BLOCK_D=block_d, HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0,
-                             **masks.constexprs())
+                             **masks.constexprs(), **masks.score_constexprs())
     # Both kernels load alike: through TMA only if it can address every input and output.
     addressable = tma_can_load((q, k, v, o, do, dk, dv))
     plan = plan_launch("bwd_dq", q.dtype, q.device, layout.head_dim, masks, dropout_p, allow_tf32, addressable)

@@ -5,10 +5,12 @@ A launch is described by its kernel (``"fwd"``, ``"bwd_dq"``, ``"bwd_dkdv"``, ``
 (``"bf16"`` for either 16-bit dtype, ``"fp32"``, ``"tf32"``: float32 with ``allow_tf32``), its head-dim bucket
 (the next power of two, at least 16), its target (``kernels/targets.py``), whether it loads through TMA, whether it
 is *light* (its scores read no attn_mask element and draw no dropout number: the registers the every-feature
-tiles keep for those buy wider tiles) and its layout (dense or packed sequences). ``plan()`` returns the first row
+tiles keep for those buy wider tiles), whether it modifies the scores (softcap or ALiBi: never light) and its layout
+(dense or packed sequences). ``plan()`` returns the first row
 of ``TILE_ROWS`` that matches it; failing every row in float32 with tf32 products, it looks again as exact float32.
 So the rows run from the most specific to the most general, and the order is the fallback order:
 
+0. launches with softcap or ALiBi, where the tiles below spill with them;
 1. tf32: sm_90's forward through TMA, then the tf32 tiles of every target (tensor-core operands hold more
    registers than the float32 tiles' CUDA-core ones);
 2. sm_86 / sm_89 (99 KB of shared memory) where the general tiles do not fit there or spill;
@@ -72,6 +74,7 @@ class TileRow:
     loads: str = "any"  # "tma": only launches that load through TMA
     light: bool = False  # only light launches (no attn_mask tile, no dropout)
     layouts: Tuple[str, ...] = BOTH  # the layouts the row serves
+    score_mods: bool = False  # only launches with softcap or ALiBi
     interior_loop: Tuple[str, ...] = BOTH  # the layouts whose two-loop path compiles without spills
     interior_loop_tma: Optional[Tuple[str, ...]] = None  # the same through TMA, where it differs (loads="any" rows)
     tritons: VersionRange = EVERY_RELEASE  # the Triton releases the row holds for (kernels/toolchain.py)
@@ -82,10 +85,11 @@ class TileRow:
         return ("packed" if packed else "dense") in layouts
 
     def serves(self, kernel: str, precision: str, head_dim: int, target: int, tma: bool, light: bool,
-               layout: str, triton: Version) -> bool:
+               layout: str, triton: Version, score_mods: bool = False) -> bool:
         return (self.kernel == kernel and self.precision == precision and head_dim in self.head_dims
                 and target in self.targets and self.loads in ("any", "tma" if tma else "pointer")
-                and (light or not self.light) and layout in self.layouts and triton in self.tritons)
+                and (light or not self.light) and layout in self.layouts and triton in self.tritons
+                and (score_mods or not self.score_mods))
 
 
 def _rows(kernel: str, precision: str, tiles: dict, **options) -> Tuple[TileRow, ...]:
@@ -100,6 +104,24 @@ def _older(kernel: str, precision: str, head_dim: int, tile: Tuple[int, int, int
 
 
 TILE_ROWS: Tuple[TileRow, ...] = (
+    # 0. softcap or ALiBi (the scoremods variants of the report): the tiles below spill 8-80 B there (the cap's tanh
+    # and its derivative per score, the ALiBi distance), mostly in the backward.
+    TileRow("bwd_dq", "bf16", (64,), Tile(128, 32, 8, 2), targets=HOPPER, loads="tma", layouts=("packed",),
+            score_mods=True),
+    TileRow("bwd_dq", "bf16", (128,), Tile(128, 32, 8, 3), targets=HOPPER, loads="tma", layouts=("packed",),
+            score_mods=True),
+    TileRow("bwd_dq", "tf32", (32,), Tile(32, 16, 8, 2), targets=(86, 89), layouts=("packed",), score_mods=True),
+    TileRow("bwd_dq", "fp32", (64,), Tile(64, 16, 8, 1), score_mods=True),
+    TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 1), score_mods=True),
+    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 1), score_mods=True),
+    _older("fwd", "tf32", 64, (32, 16, 8, 1), targets=(80, 86, 89), layouts=("dense",),
+           score_mods=True),  # BM32_BN32_w8_s1 spills 8 B under 3.7
+    _older("fwd", "fp32", 32, (64, 32, 8, 1), targets=SMALL_SHARED_MEMORY,
+           score_mods=True),  # BM64_BN32_w8_s2 spills 8 B under 3.6
+    _older("bwd_dq", "tf32", 16, (16, 32, 8, 1), targets=(80,), layouts=("packed",),
+           score_mods=True),  # BM16_BN32_w4_s1 spills 8 B under 3.6, 3.7
+    _older("bwd_dq", "tf32", 32, (32, 16, 8, 1), targets=HOPPER, layouts=("packed",),
+           score_mods=True),  # BM32_BN16_w8_s2 spills 8 B under 3.6, 3.7
     # 1. float32 with tf32 products. sm_90's forward through TMA runs 128 query rows as wgmma (HGMMA...TF32).
     _older("fwd", "tf32", 64, (128, 64, 8, 1), targets=HOPPER, loads="tma"),  # BM128_BN64_w8_s2 spills 16 B under 3.7
     *_rows("fwd", "tf32", {64: (128, 64, 8, 2), 128: (128, 32, 8, 2)}, targets=HOPPER, loads="tma"),
@@ -252,29 +274,29 @@ def takes_tma(kernel: str, precision: str, head_dim: int) -> bool:
 
 @functools.lru_cache(maxsize=None)  # launches ask again and again; TILE_ROWS is fixed
 def find_row(kernel: str, precision: str, head_dim: int, target: int, tma: bool, light: bool, packed: bool,
-             triton: Version) -> TileRow:
+             triton: Version, score_mods: bool = False) -> TileRow:
     """The first row of ``TILE_ROWS`` that serves this launch under Triton release ``triton`` (tf32 falls back to
     exact float32's rows)."""
     bucket, layout = head_dim_bucket(head_dim), "packed" if packed else "dense"
     for asked in (precision, "fp32") if precision == "tf32" else (precision,):
         for row in TILE_ROWS:
-            if row.serves(kernel, asked, bucket, target, tma, light, layout, triton):
+            if row.serves(kernel, asked, bucket, target, tma, light, layout, triton, score_mods):
                 return row
     raise ValueError(f"attention: no tile for {kernel} in {precision} at head_dim={head_dim} on sm_{target}")
 
 
 def plan(kernel: str, dtype: torch.dtype, head_dim: int, target: Optional[Target], *, allow_tf32: bool = False,
          tma_addressable: bool = True, light: bool = False, packed: bool = False,
-         triton: Optional[Version] = None) -> Plan:
+         triton: Optional[Version] = None, score_mods: bool = False) -> Plan:
     """The plan of a ``kernel`` launch on ``dtype`` inputs of ``head_dim`` on ``target`` (None: the interpreter),
     with products in tf32 or not, inputs that TMA can address or not (``_common.tma_addressable``), light or not
     (no attn_mask tile, no dropout), on packed sequences or not, compiled by Triton release ``triton`` (default:
-    the installed one)."""
+    the installed one), with softcap or ALiBi or not."""
     precision = precision_of(dtype, allow_tf32)
     tma = takes_tma(kernel, precision, head_dim) and tma_addressable
     if target is None:
         return Plan(kernel, INTERPRETER_TILE, tma and TMA_UNDER_INTERPRETER, True, "ieee", dtype == torch.bfloat16)
     tma = tma and target.tma
     row = find_row(kernel, precision, head_dim, target.capability, tma, light, packed,
-                   installed() if triton is None else triton)
+                   installed() if triton is None else triton, score_mods)
     return Plan(kernel, row.tile, tma, row.interior_loop_for(tma, packed), "tf32" if allow_tf32 else "ieee", False)

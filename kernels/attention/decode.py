@@ -31,7 +31,7 @@ from ..aot import AotKernel
 from ..targets import CAPABILITIES, Target
 from ..toolchain import Version
 from .configs import Tile, head_dim_bucket
-from .jit import _dot, _tile_mask
+from .jit import _dot, _tanh, _tile_mask
 from .launch import MAX_GRID_YZ, kernel_window
 
 Tensor = torch.Tensor
@@ -39,12 +39,6 @@ Tensor = torch.Tensor
 LN2 = 0.6931471805599453
 # The lowest finite float32: the running max of a row whose keys so far are all masked (see fwd.py).
 _LOWEST = -3.4028234663852886e38
-
-
-@triton.jit
-def _tanh(x):
-    # tanh through exp2 (no tanh in tl.math that the interpreter runs too); saturates to +-1 for large |x|.
-    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
 
 
 @triton.jit

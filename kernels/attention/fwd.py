@@ -5,6 +5,10 @@ Per tile of BLOCK_M query rows of one (batch, head), over tiles of BLOCK_N keys:
     online softmax: m = running row max, l = running sum of exp(s - m), acc = sum exp(s - m) * dropout v
     o = acc / l,   lse = m + log(l)          (a row with no key: o = 0, lse = -inf; with a NaN score: NaN, as torch)
 Only q, k, v, o and lse (float32, [B, H, Lq]) are saved; the [Lq, Lk] matrices are never stored.
+Score modifiers (``jit._modified_scores``), before the masks: softcap (``softcap``, in log2 units) and ALiBi (ALIBI
+[B, H] float32 through strides stride_ab / stride_ah, 0 on a broadcast dim). Attention sinks (SINKS [H] float32)
+join each real row's sum once its keys are done: m' = max(m, sink), l' = l e^(m - m') + e^(sink - m'); the LSE
+holds them, so the backward's p = exp(s - lse) needs nothing more.
 Dropout on the probabilities: element (b, h, i, j) is kept when ``dropout_keep(SEED, ((b H + h) Lq + i) Lk + j,
 p)`` (Lq, Lk: max_seqlen_q, max_seqlen_k with VARLEN, i and j counted within the sequence);
 ``attention_keep_mask`` replays the mask for the reference.
@@ -17,8 +21,8 @@ import triton.language as tl
 
 from .._common import dropout_keep
 from .jit import (
-    _batch_head, _dot, _leading_real_keys, _mask_scores, _real_rows, _row_index, _sequence, _stat_base, _tile_mask,
-    _tma_tile, _unmasked_keys_end, _visible_keys,
+    _alibi_slope, _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _real_rows, _row_index,
+    _sequence, _stat_base, _tile_mask, _tma_tile, _unmasked_keys_end, _visible_keys,
 )
 from .configs import head_dim_bucket
 from .launch import LOG2E, Layout, MaskArgs, grid, plan_launch, tiles_of, tma_can_load
@@ -31,10 +35,11 @@ def _attention_fwd_tile(
     acc, row_sum, row_max,  # the online softmax's state, returned updated
     q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn, dropout_row,
     batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right,
-    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED,
+    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     USE_TMA: tl.constexpr, EDGE: tl.constexpr,
 ):
     """The forward's step over the key tile starting at ``first_col``. EDGE False: the caller knows the tile lies
@@ -50,8 +55,10 @@ def _attention_fwd_tile(
         k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
     qk = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION)
     if EDGE:
+        s = _modified_scores(qk * qk_scale, rows[:, None], cols[None, :], offset, softcap, slope, HAS_SOFTCAP,
+                             HAS_ALIBI)
         s = _mask_scores(
-            qk * qk_scale, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset,
+            s, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset,
             window_left, window_right, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND,
             HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
         )
@@ -97,12 +104,13 @@ def attention_fwd_kernel(
     n_heads, kv_group,
     n_queries, n_keys,  # Lq, Lk; VARLEN: max_seqlen_q, max_seqlen_k
     causal_offset, window_left, window_right, qk_scale, dropout_p, SEED,
+    ALIBI, SINKS, stride_ab, stride_ah, softcap,  # score modifiers (see fwd.py)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    INTERIOR_LOOP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, INTERIOR_LOOP: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
     batch_head = _batch_head(n_heads)
@@ -132,6 +140,7 @@ def attention_fwd_kernel(
         k_base = K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
         v_base = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     dropout_row = (batch_head.to(tl.int64) * n_queries + rows) * n_keys
+    slope = _alibi_slope(ALIBI, batch, head, stride_ab, stride_ah, HAS_ALIBI)
 
     # The lowest finite float32 rather than -inf: a row whose keys so far are all masked (scores -inf) keeps a finite
     # max, so exp2(s - max) is 0 there, not NaN, with no test per row and tile.
@@ -145,7 +154,8 @@ def attention_fwd_kernel(
     # (the other way round, or with the few edge tiles pipelined too, spilled). Rows past q_len are dropped at the
     # end. With any of those features on, two loops spilled in some tile configs of the AOT report: one loop masks
     # every tile there, as it does where the plan says the two spill with these tiles (INTERIOR_LOOP off).
-    split = INTERIOR_LOOP and MASK_KIND == 0 and not (HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT)
+    split = INTERIOR_LOOP and MASK_KIND == 0 and not (
+        HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or HAS_SOFTCAP or HAS_ALIBI)
     if split:
         inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING),
                                        offset, BLOCK_N, IS_CAUSAL)
@@ -155,28 +165,35 @@ def attention_fwd_kernel(
             acc, row_sum, row_max = _attention_fwd_tile(
                 acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N, BLOCK_D,
-                HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST,
-                DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
+                BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
+                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
         for first_col in range(key_start, inner_end, BLOCK_N):
             acc, row_sum, row_max = _attention_fwd_tile(
                 acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N, BLOCK_D,
-                HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST,
-                DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
+                BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
+                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
             )
     else:
         for first_col in range(key_start, key_end, BLOCK_N):
             acc, row_sum, row_max = _attention_fwd_tile(
                 acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, BLOCK_N, BLOCK_D,
-                HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, UPCAST,
-                DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
+                BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
+                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
 
+    if HAS_SINKS:
+        sink = tl.load(SINKS + head) * 1.4426950408889634
+        new_max = tl.maximum(row_max, sink)
+        rescale = tl.math.exp2(row_max - new_max)
+        acc = acc * rescale[:, None]
+        row_sum = row_sum * rescale + tl.where(real_rows, tl.math.exp2(sink - new_max), 0.0)
+        row_max = new_max
     # A NaN score made row_sum NaN (however tl.max treats NaN): != 0 lets it through to out and lse, as in torch.
     has_key = row_sum != 0.0
     if split:  # rows past q_len ran unmasked through the interior tiles: what they hold is dropped here
@@ -203,7 +220,8 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout: 
         tiles_of(q, tile.block_m, block_d, use_tma), tiles_of(k, tile.block_n, block_d, use_tma),
         tiles_of(v, tile.block_n, block_d, use_tma), o, lse, *masks.pointer_args(), *layout.q_strides,
         *layout.k_strides, *layout.v_strides, *masks.stride_args(), layout.heads, layout.kv_group, layout.n_queries,
-        layout.n_keys, *masks.offset_args(), scale * LOG2E, dropout_p, seed,
+        layout.n_keys, *masks.offset_args(), scale * LOG2E, dropout_p, seed, *masks.score_args(),
         BLOCK_D=block_d, HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(),
+        **masks.score_constexprs(),
         **plan.constexprs(), num_warps=tile.num_warps, num_stages=tile.num_stages,
     )

@@ -15,6 +15,9 @@ Masks, composable, all inside the kernels:
   attn_mask       bool (True = may attend) or float (added), read tile by tile through strides; a mask that
                   broadcasts over batch, heads or rows has stride 0 there and is never expanded in memory.
   query lengths   rows past a sequence's query length write zeros (kernel-level option).
+Score modifiers, before the masks (``_modified_scores``): softcap (``softcap * tanh(s / softcap)``) and ALiBi (``-slope
+|i + o - j|``, o the alignment offset above); a launch with either masks every key tile (no interior loop). Attention
+sinks (a logit per head in each real row's softmax denominator) enter the forward's last step and its LSE only.
 Variable lengths (VARLEN): q [Tq, H, D], k/v [Tk, Hkv, D] hold B sequences packed end to end, cu_seqlens_q/k
 [B + 1] their offsets. The grid is sized by the longest sequence; each program reads its sequence's bounds from
 cu_seqlens (no host sync) and returns at once when its tile lies past the sequence's end.
@@ -32,6 +35,31 @@ def _dot(a, b, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp2 (no tanh in tl.math that the interpreter runs too); saturates to +-1 for large |x|.
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def _modified_scores(s, rows, cols, offset, softcap, slope, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Scores ``s`` (log2 units) capped, ``softcap * tanh(s / softcap)``, then biased by ALiBi, ``- slope |i + offset -
+    j|`` (``softcap`` and ``slope`` in log2 units too); rows / cols: query / key indices broadcastable to s."""
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    if HAS_ALIBI:
+        s -= slope * tl.abs(rows + offset - cols).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _alibi_slope(ALIBI, batch, head, stride_ab, stride_ah, HAS_ALIBI: tl.constexpr):
+    """This (batch, head)'s ALiBi slope in log2 units (0 without ALiBi)."""
+    if HAS_ALIBI:
+        return tl.load(ALIBI + batch * stride_ab + head * stride_ah).to(tl.float32) * 1.4426950408889634
+    return 0.0
 
 
 @triton.jit

@@ -41,6 +41,10 @@ class MaskArgs:
     causal_offset: int  # the alignment offset, when it is one for every sequence
     per_sequence_offset: bool  # bottom_right aligned per sequence (computed in the kernel)
     window: Optional[Tuple[int, int]]  # (left, right) as the kernels take it, see kernel_window
+    # Score modifiers (the forward and backward kernels only, not the weights kernel):
+    softcap: Optional[float] = None
+    alibi: Optional[Tensor] = None  # float32 slopes viewed as [B, H], stride 0 on a broadcast batch
+    sinks: Optional[Tensor] = None  # float32 [H] contiguous
 
     def pointer_args(self) -> tuple:
         return (self.mask, self.padding, self.key_lens, self.query_lens, self.query_padding, self.cu_seqlens_q,
@@ -54,13 +58,28 @@ class MaskArgs:
     def offset_args(self) -> tuple:
         return (self.causal_offset, *(self.window if self.window is not None else (0, 0)))
 
+    def score_args(self) -> tuple:
+        """ALIBI, SINKS, stride_ab, stride_ah, softcap (log2 units, as the kernels keep the scores)."""
+        alibi_strides = self.alibi.stride() if self.alibi is not None else (0, 0)
+        return (self.alibi, self.sinks, *alibi_strides, self.softcap * LOG2E if self.softcap is not None else 1.0)
+
+    def score_constexprs(self) -> dict:
+        return dict(HAS_SOFTCAP=self.softcap is not None, HAS_ALIBI=self.alibi is not None,
+                    HAS_SINKS=self.sinks is not None)
+
     @property
     def packed(self) -> bool:
         return self.cu_seqlens_q is not None
 
+    @property
+    def modifies_scores(self) -> bool:
+        """softcap or ALiBi (``configs``' score_mods launches; sinks change no score)."""
+        return self.softcap is not None or self.alibi is not None
+
     def light(self, dropout_p: float) -> bool:
-        """Whether the scores read no attn_mask element and draw no dropout number (``configs``' light launches)."""
-        return self.mask_kind == MASK_NONE and dropout_p == 0.0
+        """Whether the scores read no attn_mask element, draw no dropout number and take no softcap or ALiBi
+        (``configs``' light launches)."""
+        return self.mask_kind == MASK_NONE and dropout_p == 0.0 and not self.modifies_scores
 
     def constexprs(self) -> dict:
         return dict(
@@ -155,7 +174,8 @@ def mask_args(
     q: Tensor, k: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
     query_lengths: Optional[Tensor], is_causal: bool, causal_alignment: str,
     query_padding_mask: Optional[Tensor] = None, window_left: Optional[int] = None,
-    window_right: Optional[int] = None,
+    window_right: Optional[int] = None, softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ) -> MaskArgs:
     (batch, heads, lq, _), lk = q.shape, k.shape[2]
     mask, mask_kind = None, MASK_NONE
@@ -179,23 +199,32 @@ def mask_args(
         query_padding = query_padding_mask.contiguous().view(torch.uint8)
         query_lens = contract.last_real_position(query_padding_mask).to(torch.int32)
     window = kernel_window(window_left, window_right, is_causal, lq + lk)
-    aligned = causal_alignment == "bottom_right" and (is_causal or window is not None)
+    aligned = causal_alignment == "bottom_right" and (is_causal or window is not None or alibi_slopes is not None)
     return MaskArgs(
         mask, mask_kind, padding, key_lens, query_lens, query_padding, None, None, is_causal,
         causal_offset=lk - lq if aligned else 0, per_sequence_offset=aligned and query_padding is not None,
-        window=window,
+        window=window, **score_modifiers(batch, heads, softcap, alibi_slopes, sinks),
     )
+
+
+def score_modifiers(batch: int, heads: int, softcap: Optional[float], alibi_slopes: Optional[Tensor],
+                    sinks: Optional[Tensor]) -> dict:
+    """MaskArgs' softcap, alibi and sinks fields: the slopes ``[H]`` or ``[B, H]`` viewed as ``[B, H]``."""
+    return dict(softcap=softcap, alibi=alibi_slopes.expand(batch, heads) if alibi_slopes is not None else None,
+                sinks=sinks.contiguous() if sinks is not None else None)
 
 
 def varlen_mask_args(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
-    causal_alignment: str, window_left: Optional[int], window_right: Optional[int],
+    causal_alignment: str, window_left: Optional[int], window_right: Optional[int], heads: int = 0,
+    softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
 ) -> MaskArgs:
     window = kernel_window(window_left, window_right, is_causal, max_seqlen_q + max_seqlen_k)
-    aligned = causal_alignment == "bottom_right" and (is_causal or window is not None)
+    aligned = causal_alignment == "bottom_right" and (is_causal or window is not None or alibi_slopes is not None)
     return MaskArgs(
         None, MASK_NONE, None, None, None, None, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), is_causal,
         causal_offset=0, per_sequence_offset=aligned, window=window,
+        **score_modifiers(cu_seqlens_q.shape[0] - 1, heads, softcap, alibi_slopes, sinks),
     )
 
 
@@ -223,12 +252,12 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
 
 
-def empty_output(like: Tensor) -> Tensor:
+def empty_output(like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     """An empty output shaped as ``like`` in the layout the kernels write: dense ``[B, H, L, D]`` laid out as
-    ``[B, L, H, D]``, packed ``[T, H, D]`` contiguous."""
+    ``[B, L, H, D]``, packed ``[T, H, D]`` contiguous; in ``dtype`` (default: like's)."""
     if like.dim() == 4:
-        return empty_heads_interleaved(like)
-    return torch.empty_like(like, memory_format=torch.contiguous_format)
+        return empty_heads_interleaved(like, dtype)
+    return torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def output_layout(t: Tensor) -> Tensor:
@@ -259,4 +288,5 @@ def plan_launch(kernel: str, dtype: torch.dtype, device: torch.device, head_dim:
     """``configs.plan`` for a ``kernel`` launch with these masks and dropout, on inputs TMA can load or not
     (``tma_can_load``)."""
     return configs.plan(kernel, dtype, head_dim, launch_target(device), allow_tf32=allow_tf32,
-                        tma_addressable=tma_loadable, light=masks.light(dropout_p), packed=masks.packed)
+                        tma_addressable=tma_loadable, light=masks.light(dropout_p), packed=masks.packed,
+                        score_mods=masks.modifies_scores)

@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...contract import AttentionMasks, AttentionSpec, Window
+from ...contract import AttentionMasks, AttentionSpec, Window, sinks_gradient
 from .._common import contiguous_last_dim, draw_dropout_seed, dropout_keep_mask
 from .bwd import launch_bwd
 from .fwd import launch_fwd
@@ -20,28 +20,32 @@ def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
     query_lengths: Optional[Tensor], query_padding_mask: Optional[Tensor], is_causal: bool, causal_alignment: str,
     window_left: Optional[int], window_right: Optional[int], dropout_p: float, seed: Optional[Tensor],
-    scale: float, allow_tf32: bool,
+    scale: float, allow_tf32: bool, softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None, float_output: bool = False,
 ) -> Tuple[Tensor, Tensor]:
-    """Launch the forward; q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` with contiguous last dims.
+    """Launch the forward; q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` with contiguous last dims; softcap, ALiBi
+    slopes (float32 ``[H]`` or ``[B, H]``) and sinks (float32 ``[H]``) as in ``functional.attention``.
 
-    Returns ``o [B, H, Lq, D]`` (q's dtype, laid out as ``[B, Lq, H, D]``) and ``lse [B, H, Lq]`` (float32).
+    Returns ``o [B, H, Lq, D]`` (q's dtype, float32 with ``float_output``; laid out as ``[B, Lq, H, D]``) and
+    ``lse [B, H, Lq]`` (float32).
     """
     check_inputs(q, k, v)
     batch, heads, lq, _ = q.shape
-    o = empty_output(q)
+    o = empty_output(q, torch.float32 if float_output else None)
     lse = torch.empty((batch, heads, lq), dtype=torch.float32, device=q.device)
     if lse.numel() == 0:  # no query row: a grid of 0 programs is an error on a GPU
         return o, lse
     masks = mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment,
-                      query_padding_mask, window_left, window_right)
+                      query_padding_mask, window_left, window_right, softcap, alibi_slopes, sinks)
     launch_fwd(q, k, v, o, lse, Layout.dense(q, k, v), masks, dropout_p, seed, scale, allow_tf32)
     return o, lse
 
 
 @attention_fwd.register_fake
 def _(q, k, v, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal, causal_alignment,
-      window_left, window_right, dropout_p, seed, scale, allow_tf32):
-    return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+      window_left, window_right, dropout_p, seed, scale, allow_tf32, softcap=None, alibi_slopes=None, sinks=None,
+      float_output=False):
+    return empty_output(q, torch.float32 if float_output else None), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("fused_transformer::attention_bwd", mutates_args=())
@@ -50,14 +54,15 @@ def attention_bwd(
     attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], query_lengths: Optional[Tensor],
     query_padding_mask: Optional[Tensor], is_causal: bool, causal_alignment: str, window_left: Optional[int],
     window_right: Optional[int], dropout_p: float, seed: Optional[Tensor], scale: float, allow_tf32: bool,
+    softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Launch the backward (dq kernel, then dk/dv kernel); returns ``dq, dk, dv`` in the inputs' shapes, laid out
-    as o."""
+    as o. Sinks need no argument here: they are in the forward's LSE."""
     dq, dk, dv = map(empty_output, (q, k, v))
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     masks = mask_args(q, k, attn_mask, key_padding_mask, query_lengths, is_causal, causal_alignment,
-                      query_padding_mask, window_left, window_right)
+                      query_padding_mask, window_left, window_right, softcap, alibi_slopes)
     launch_bwd(do, dlse, q, k, v, o, lse, dq, dk, dv, Layout.dense(q, k, v), masks, dropout_p, seed, scale,
                allow_tf32)
     return dq, dk, dv
@@ -65,7 +70,7 @@ def attention_bwd(
 
 @attention_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal,
-      causal_alignment, window_left, window_right, dropout_p, seed, scale, allow_tf32):
+      causal_alignment, window_left, window_right, dropout_p, seed, scale, allow_tf32, softcap=None, alibi_slopes=None):
     return tuple(map(empty_output, (q, k, v)))
 
 
@@ -74,28 +79,32 @@ def attention_varlen_fwd(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, is_causal: bool, causal_alignment: str, window_left: Optional[int],
     window_right: Optional[int], dropout_p: float, seed: Optional[Tensor], scale: float, allow_tf32: bool,
+    softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+    float_output: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Launch the forward on packed sequences; q ``[Tq, H, D]``, k/v ``[Tk, Hkv, D]`` with contiguous last dims.
 
-    Returns ``o [Tq, H, D]`` (q's dtype) and ``lse [H, Tq]`` (float32).
+    Returns ``o [Tq, H, D]`` (q's dtype, float32 with ``float_output``) and ``lse [H, Tq]`` (float32).
     """
     check_inputs(q, k, v)
     total_q, heads, _ = q.shape
-    o = empty_output(q)
+    o = empty_output(q, torch.float32 if float_output else None)
     lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
     if lse.numel() == 0:
         return o, lse
     layout = Layout.packed(q, k, v, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k)
     masks = varlen_mask_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment,
-                             window_left, window_right)
+                             window_left, window_right, heads, softcap, alibi_slopes, sinks)
     launch_fwd(q, k, v, o, lse, layout, masks, dropout_p, seed, scale, allow_tf32)
     return o, lse
 
 
 @attention_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment, window_left,
-      window_right, dropout_p, seed, scale, allow_tf32):
-    return empty_output(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+      window_right, dropout_p, seed, scale, allow_tf32, softcap=None, alibi_slopes=None, sinks=None,
+      float_output=False):
+    return (empty_output(q, torch.float32 if float_output else None),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
 
 @torch.library.custom_op("fused_transformer::attention_varlen_bwd", mutates_args=())
@@ -103,7 +112,8 @@ def attention_varlen_bwd(
     do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
     causal_alignment: str, window_left: Optional[int], window_right: Optional[int], dropout_p: float,
-    seed: Optional[Tensor], scale: float, allow_tf32: bool,
+    seed: Optional[Tensor], scale: float, allow_tf32: bool, softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Launch the backward on packed sequences; returns ``dq [Tq, H, D], dk, dv [Tk, Hkv, D]``."""
     dq, dk, dv = map(empty_output, (q, k, v))
@@ -111,14 +121,15 @@ def attention_varlen_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     layout = Layout.packed(q, k, v, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k)
     masks = varlen_mask_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment,
-                             window_left, window_right)
+                             window_left, window_right, q.shape[1], softcap, alibi_slopes)
     launch_bwd(do, dlse, q, k, v, o, lse, dq, dk, dv, layout, masks, dropout_p, seed, scale, allow_tf32)
     return dq, dk, dv
 
 
 @attention_varlen_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
-      causal_alignment, window_left, window_right, dropout_p, seed, scale, allow_tf32):
+      causal_alignment, window_left, window_right, dropout_p, seed, scale, allow_tf32, softcap=None,
+      alibi_slopes=None):
     return tuple(map(empty_output, (q, k, v)))
 
 
@@ -150,32 +161,41 @@ def _(q, k, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask,
 
 
 class AttentionFunction(torch.autograd.Function):
-    """Autograd over ``attention_fwd`` / ``attention_bwd``. Masks are constants (no gradient); the LSE is
-    differentiable (its gradient folds into the backward's row term)."""
+    """Autograd over ``attention_fwd`` / ``attention_bwd``. Masks and ALiBi slopes are constants (no gradient); the
+    LSE is differentiable (its gradient folds into the backward's row term); the sinks get theirs from the saved LSE
+    and o (``contract.sinks_gradient``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal,
-                causal_alignment, window_left, window_right, dropout_p, scale, allow_tf32):
+                causal_alignment, window_left, window_right, dropout_p, scale, allow_tf32, softcap=None,
+                alibi_slopes=None, sinks=None):
         seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
+        float_output = _float_output(ctx, q, sinks)
         o, lse = torch.ops.fused_transformer.attention_fwd(
             q, k, v, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal, causal_alignment,
-            window_left, window_right, dropout_p, seed, scale, allow_tf32,
+            window_left, window_right, dropout_p, seed, scale, allow_tf32, softcap, alibi_slopes, sinks, float_output,
         )
-        ctx.save_for_backward(q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask, seed)
+        ctx.save_for_backward(q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask, seed,
+                              alibi_slopes, sinks)
         ctx.options = (is_causal, causal_alignment, window_left, window_right, dropout_p)
-        ctx.scale, ctx.allow_tf32 = scale, allow_tf32
+        ctx.scale, ctx.allow_tf32, ctx.softcap, ctx.float_output = scale, allow_tf32, softcap, float_output
         ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None (no zeros to write and read)
-        return o, lse
+        return (o.to(q.dtype) if float_output else o), lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask, seed = ctx.saved_tensors
+        (q, k, v, saved_o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask, seed, alibi_slopes,
+         sinks) = ctx.saved_tensors
+        o = saved_o.to(q.dtype) if ctx.float_output else saved_o
         do = torch.zeros_like(o) if do is None else do  # only the LSE was used
         dq, dk, dv = torch.ops.fused_transformer.attention_bwd(
             do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask,
-            *ctx.options, seed, ctx.scale, ctx.allow_tf32,
+            *ctx.options, seed, ctx.scale, ctx.allow_tf32, ctx.softcap, alibi_slopes,
         )
-        return dq, dk, dv, *(None,) * 11
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[16]:
+            dsinks = sinks_gradient(sinks, lse, do, saved_o, dlse, head_dim_last=False)
+        return dq, dk, dv, *(None,) * 13, dsinks
 
 
 class AttentionVarlenFunction(torch.autograd.Function):
@@ -184,26 +204,40 @@ class AttentionVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment,
-                window_left, window_right, dropout_p, scale, allow_tf32):
+                window_left, window_right, dropout_p, scale, allow_tf32, softcap=None, alibi_slopes=None, sinks=None):
         seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
+        float_output = _float_output(ctx, q, sinks)
         o, lse = torch.ops.fused_transformer.attention_varlen_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment,
-            window_left, window_right, dropout_p, seed, scale, allow_tf32,
+            window_left, window_right, dropout_p, seed, scale, allow_tf32, softcap, alibi_slopes, sinks, float_output,
         )
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, seed)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, seed, alibi_slopes, sinks)
         ctx.options = (max_seqlen_q, max_seqlen_k, is_causal, causal_alignment, window_left, window_right, dropout_p)
-        ctx.scale, ctx.allow_tf32 = scale, allow_tf32
+        ctx.scale, ctx.allow_tf32, ctx.softcap, ctx.float_output = scale, allow_tf32, softcap, float_output
         ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None (no zeros to write and read)
-        return o, lse
+        return (o.to(q.dtype) if float_output else o), lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, seed = ctx.saved_tensors
+        q, k, v, saved_o, lse, cu_seqlens_q, cu_seqlens_k, seed, alibi_slopes, sinks = ctx.saved_tensors
+        o = saved_o.to(q.dtype) if ctx.float_output else saved_o
         do = torch.zeros_like(o) if do is None else do  # only the LSE was used
         dq, dk, dv = torch.ops.fused_transformer.attention_varlen_bwd(
             do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, seed, ctx.scale, ctx.allow_tf32,
+            ctx.softcap, alibi_slopes,
         )
-        return dq, dk, dv, *(None,) * 11
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[16]:
+            dsinks = sinks_gradient(sinks, lse, do, saved_o, dlse, head_dim_last=True)
+        return dq, dk, dv, *(None,) * 13, dsinks
+
+
+def _float_output(ctx, q: Tensor, sinks: Optional[Tensor]) -> bool:
+    """Whether the forward keeps o in float32 for the backward: for sinks that need a gradient, whose sum over every
+    row (``contract.sinks_gradient``) must not see o's rounding to 16 bits. The caller gets o in q's dtype (through a
+    cast only then: under torch 2.11, a compiled graph that returned ``o.to(o.dtype)``, an alias of a saved tensor,
+    gave wrong gradients)."""
+    return sinks is not None and bool(ctx.needs_input_grad[16]) and q.dtype != torch.float32
 
 
 def _window_sides(window: Window) -> Tuple[Optional[int], Optional[int]]:
@@ -211,6 +245,7 @@ def _window_sides(window: Window) -> Tuple[Optional[int], Optional[int]]:
 
 
 def run_attention(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
+                  alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
                   query_lengths: Optional[Tensor] = None, allow_tf32: bool = False) -> Tuple[Tensor, Tensor]:
     """The Triton backend's entry for ``functional.attention`` (arguments checked there): ``(out, lse)``, out laid out
     as ``[B, Lq, H, D]``, the LSE float32 ``[B, H, Lq]``; ``query_lengths`` and ``allow_tf32`` as in ``attention``."""
@@ -221,17 +256,20 @@ def run_attention(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: 
                          "pass attn_mask.detach(), or use the reference backend to differentiate the mask")
     return AttentionFunction.apply(
         q, k, v, attn_mask, masks.key_padding_mask, query_lengths, masks.query_padding_mask, spec.is_causal,
-        spec.causal_alignment, *_window_sides(spec.window), spec.dropout_p, spec.scale, bool(allow_tf32),
+        spec.causal_alignment, *_window_sides(spec.window), spec.dropout_p, spec.scale, bool(allow_tf32), spec.softcap,
+        alibi_slopes, sinks,
     )
 
 
 def run_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                         max_seqlen_k: int, spec: AttentionSpec, allow_tf32: bool = False) -> Tuple[Tensor, Tensor]:
+                         max_seqlen_k: int, spec: AttentionSpec, alibi_slopes: Optional[Tensor] = None,
+                         sinks: Optional[Tensor] = None, allow_tf32: bool = False) -> Tuple[Tensor, Tensor]:
     """The Triton backend's entry for ``functional.attention_varlen`` (arguments checked there): ``(out, lse)``."""
     q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
     return AttentionVarlenFunction.apply(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), spec.is_causal,
-        spec.causal_alignment, *_window_sides(spec.window), spec.dropout_p, spec.scale, bool(allow_tf32),
+        spec.causal_alignment, *_window_sides(spec.window), spec.dropout_p, spec.scale, bool(allow_tf32), spec.softcap,
+        alibi_slopes, sinks,
     )
 
 
