@@ -127,7 +127,7 @@ def test_problems_are_reported():
 def test_report_command_prints_every_kernel_and_config(results, monkeypatch, capsys):
     from fused_transformer.__main__ import main
 
-    monkeypatch.setattr(report, "compile_all", lambda jobs, modules: [r for r in results if r.module in modules])
+    monkeypatch.setattr(report, "compile_all", lambda jobs, modules, figures: [r for r in results if r.module in modules])
     assert main(["report"]) == 0
     out = capsys.readouterr().out
     for module in report.KERNEL_MODULES:
@@ -145,7 +145,7 @@ def test_report_command_exits_1_when_a_compilation_fails(results, monkeypatch, c
     from fused_transformer.__main__ import main
 
     broken = [replace(results[0], spill_bytes=8)] + list(results[1:])
-    monkeypatch.setattr(report, "compile_all", lambda jobs, modules: broken)
+    monkeypatch.setattr(report, "compile_all", lambda jobs, modules, figures: broken)
     assert main(["report"]) == 1
     assert "1 failed" in capsys.readouterr().out
 
@@ -154,7 +154,7 @@ def test_report_writes_its_markdown_with_where_it_comes_from(results, monkeypatc
     from fused_transformer.__main__ import main
     from fused_transformer.tools import provenance
 
-    monkeypatch.setattr(report, "compile_all", lambda jobs, modules: results)
+    monkeypatch.setattr(report, "compile_all", lambda jobs, modules, figures: results)
     path = tmp_path / "report.md"
     assert main(["report", "--markdown", str(path)]) == 0
     text = path.read_text()
@@ -165,6 +165,27 @@ def test_report_writes_its_markdown_with_where_it_comes_from(results, monkeypatc
     with pytest.raises(SystemExit) as exc:  # the markdown covers every module
         main(["report", "--markdown", str(path), "--module", report.KERNEL_MODULES[0]])
     assert exc.value.code == 2 and "--markdown writes the report of every module" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # and its figures
+        main(["report", "--markdown", str(path), "--verdicts-only"])
+    assert exc.value.code == 2 and "--markdown writes the report of every module" in capsys.readouterr().err
+
+
+def test_verdicts_only_gives_the_same_verdicts_and_reads_sass_only_for_wgmma(results, monkeypatch):
+    """Without figures (CI's older releases), a config compiles as with them: the same registers, spills, shared
+    memory and tensor cores; only sm_90's wgmma matmuls are disassembled, for their serialization verdict."""
+    module = "fused_transformer.kernels.feed_forward"
+    kernels = feed_forward.aot_configs()
+    picked = [next((module, i, t) for i, k in enumerate(kernels) for t in k.targets
+                   if t == target and k.expect_tensor_cores) for target in (80, 90)]
+    monkeypatch.setattr(report, "jobs_for", lambda modules: picked)
+    for (_, index, target), verdict in zip(picked, report.compile_all(jobs=2, modules=[module], figures=False)):
+        [full] = [r for r in results if r.module == module and r.config == kernels[index].config and r.target == target]
+        same = ("registers", "spill_bytes", "stack_bytes", "shared_bytes", "tensor_cores", "blocks_per_sm", "error")
+        assert {f: getattr(verdict, f) for f in same} == {f: getattr(full, f) for f in same}, target
+        assert verdict.ok and full.mma_counts
+        assert bool(verdict.mma_counts) == (target == 90) == report.needs_sass(kernels[index], target, False)
+        if target == 90:
+            assert (verdict.mma_counts, verdict.serialized_mmas) == (full.mma_counts, full.serialized_mmas)
 
 
 # ------------------------------------------------------------------------------------ SASS figures, real kernels

@@ -12,17 +12,20 @@ issues per MMA. Occupancy (blocks and warps per SM) follows from registers, shar
 figures are static: what the code issues, not how long it takes. A config fails when it spills, needs more shared
 memory than one block may have, or (``expect_tensor_cores``) runs its matmul on the CUDA cores.
 
-    python -m fused_transformer report         # table; exit status 1 if any config fails
-    python -m fused_transformer.tools.report   # the same
+    python -m fused_transformer report                   # table; exit status 1 if any config fails
+    python -m fused_transformer report --verdicts-only   # the same verdicts without the SASS figures, sooner
+    python -m fused_transformer.tools.report             # the same as the first
 
-Compilation runs in spawned worker processes with ``TRITON_INTERPRET=0``: under the interpreter (as in the test
-process, on a machine without a GPU) ``@triton.jit`` makes interpreter functions that cannot be compiled.
+Compilation runs in worker processes spawned with ``TRITON_INTERPRET=0`` in their environment: under the interpreter
+(as in the test process, on a machine without a GPU) ``@triton.jit`` makes interpreter functions that cannot be
+compiled.
 Nothing here runs on import, and nothing needs a GPU.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -35,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from fused_transformer.kernels.aot import AotKernel
 from fused_transformer.kernels.targets import BY_CAPABILITY, CAPABILITIES
@@ -324,8 +327,16 @@ def occupancy(target: int, num_warps: int, registers: int, shared_bytes: int) ->
     return blocks, blocks * num_warps
 
 
-def compile_kernel(kernel: AotKernel, target: int, module: str = "") -> AotResult:
-    """Compile ``kernel`` for ``sm_<target>`` in this process (which must not be interpreting Triton)."""
+def needs_sass(kernel: AotKernel, target: int, figures: bool) -> bool:
+    """Whether compiling ``kernel`` for ``sm_<target>`` reads its SASS: always for the figures, else only where a
+    verdict needs it (``serialized_mmas``: the wgmma matmuls of sm_90). Disassembling takes about a third of the
+    time of a compilation."""
+    return figures or (target == 90 and kernel.expect_tensor_cores)
+
+
+def compile_kernel(kernel: AotKernel, target: int, module: str = "", figures: bool = True) -> AotResult:
+    """Compile ``kernel`` for ``sm_<target>`` in this process (which must not be interpreting Triton); without
+    ``figures``, only what its verdict needs (``needs_sass``): the SASS figures of the other kernels stay empty."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -342,7 +353,8 @@ def compile_kernel(kernel: AotKernel, target: int, module: str = "") -> AotResul
             source, target=GPUTarget("cuda", target, WARP_SIZE),
             options={"num_warps": kernel.num_warps, "num_stages": kernel.num_stages, "num_ctas": kernel.num_ctas},
         )
-        dump = cuobjdump(compiled.asm["cubin"], "--dump-resource-usage", "-sass")
+        sass_flags = ("-sass",) if needs_sass(kernel, target, figures) else ()
+        dump = cuobjdump(compiled.asm["cubin"], "--dump-resource-usage", *sass_flags)
         usage = resource_usage(dump)
         sass = analyse_sass(dump)
     except Exception as e:  # reported per config, so one broken kernel does not hide the others
@@ -363,8 +375,8 @@ def _configs(module: str) -> List[AotKernel]:
     return list(importlib.import_module(module).aot_configs())
 
 
-def _compile_job(module: str, index: int, target: int) -> AotResult:
-    return compile_kernel(_configs(module)[index], target, module)
+def _compile_job(module: str, index: int, target: int, figures: bool) -> AotResult:
+    return compile_kernel(_configs(module)[index], target, module, figures)
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -379,10 +391,26 @@ def _init_worker() -> None:
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     # Ctrl-C on a terminal reaches the whole process group: the parent alone stops the run.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Before any kernel module is imported in this worker, so @triton.jit makes compilable functions.
-    os.environ["TRITON_INTERPRET"] = "0"
-    # Triton 3.9's default (FP fusion on), stated so it stops warning in every worker.
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+
+@contextlib.contextmanager
+def _worker_environment() -> Iterator[None]:
+    """The environment workers are spawned with. A spawned worker imports triton and this package (to unpickle its
+    initializer) before any code of ours runs in it, so ``TRITON_INTERPRET=0`` has to be in the environment it
+    starts with: switched off later, triton's own lazily imported modules (gluon) were already made for the
+    interpreter and ``triton.compile`` fails inside them. Set in this process only while workers start."""
+    # FP fusion on is Triton 3.9's default, stated so it stops warning in every worker.
+    wanted = {"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": os.environ.get("TRITON_DEFAULT_FP_FUSION", "1")}
+    saved = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def jobs_for(modules: Sequence[str]) -> List[Tuple[str, int, int]]:
@@ -394,9 +422,10 @@ def jobs_for(modules: Sequence[str]) -> List[Tuple[str, int, int]]:
     return jobs
 
 
-def compile_all(jobs: int = 2, modules: Sequence[str] = KERNEL_MODULES) -> List[AotResult]:
+def compile_all(jobs: int = 2, modules: Sequence[str] = KERNEL_MODULES, figures: bool = True) -> List[AotResult]:
     """Compile every config of every module for each of its targets, on ``jobs`` spawned worker processes
-    (compilation is CPU-bound and must not run under the interpreter). Results come in job order."""
+    (compilation is CPU-bound and must not run under the interpreter), with the SASS figures or, without
+    ``figures``, what the verdicts need only (``compile_kernel``). Results come in job order."""
     work = jobs_for(modules)
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(
@@ -404,9 +433,10 @@ def compile_all(jobs: int = 2, modules: Sequence[str] = KERNEL_MODULES) -> List[
     ) as pool:
         futures: List[concurrent.futures.Future] = []
         try:
-            # A Ctrl-C while a worker is being spawned would leave it dying with an EOFError traceback.
-            with interrupts_held_back():
-                futures.extend(pool.submit(_compile_job, *job) for job in work)
+            # A Ctrl-C while a worker is being spawned would leave it dying with an EOFError traceback. Workers are
+            # spawned by submit(), so all of them start inside _worker_environment.
+            with interrupts_held_back(), _worker_environment():
+                futures.extend(pool.submit(_compile_job, *job, figures) for job in work)
             return [f.result() for f in futures]
         except KeyboardInterrupt:
             # Cancelled here, not by shutdown(cancel_futures=True): that leaves the cancelling to the pool's manager
@@ -527,10 +557,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "(docs/report.md is written so)")
     parser.add_argument("--module", action="append", choices=KERNEL_MODULES,
                         help="only this kernel module (repeatable; default all)")
+    parser.add_argument("--verdicts-only", action="store_true",
+                        help="the same verdicts, about a quarter sooner: no SASS figures (MMA, copy, loop columns), "
+                             "the SASS read only where a verdict needs it (sm_90's wgmma); what CI's older Triton "
+                             "releases run")
     args = parser.parse_args(argv)
-    if args.markdown is not None and args.module:
-        parser.error("--markdown writes the report of every module: leave --module out")
-    results = compile_all(jobs=args.jobs, modules=tuple(args.module or KERNEL_MODULES))
+    if args.markdown is not None and (args.module or args.verdicts_only):
+        parser.error("--markdown writes the report of every module with its figures: leave --module and "
+                     "--verdicts-only out")
+    results = compile_all(jobs=args.jobs, modules=tuple(args.module or KERNEL_MODULES), figures=not args.verdicts_only)
     print(format_table(results))
     print("\nDecode launches, programs per SM (general forward -> split-KV decode):")
     print("\n".join(decode_occupancy_lines()))
