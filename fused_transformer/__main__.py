@@ -44,19 +44,15 @@ def _interpret_triton_without_gpu() -> None:
 def _check_then_bench(argv: List[str]) -> int:
     """``all``: the self-check, then the benchmark (also when a check failed: its figures still say something),
     with the options the two share, and a recap of both at the end; exit status 1 if either failed."""
-    import torch
+    from fused_transformer.tools import add_device_option, bench, check
 
     parser = argparse.ArgumentParser(prog="python -m fused_transformer [all]",
                                      description="check, then bench; see the commands for more options")
     parser.add_argument("--quick", action="store_true", help="the quick check and the quick benchmark")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="the device both run on (default: %(default)s)")
+    add_device_option(parser, "checks and measures on")
     parser.add_argument("--out", default=None, help="where the benchmark writes its CSV, plots and summary")
     args = parser.parse_args(argv)
-    shared = ["--device", args.device] + (["--quick"] if args.quick else [])
-
-    from fused_transformer.tools import bench, check
-
+    shared = ["--device", str(args.device)] + (["--quick"] if args.quick else [])
     recap: List[str] = []
     check_status = check.main(shared, recap=recap)
     bench_status = bench.main(shared + (["--out", args.out] if args.out else []), recap=recap)

@@ -10,8 +10,10 @@ import sys
 import time
 
 import pytest
+import torch
 
 from fused_transformer import __main__ as cli
+from fused_transformer import tools
 from fused_transformer import backend as ft_backend
 from tests.signals import sigint_as_in_a_terminal
 
@@ -62,6 +64,56 @@ def test_every_option_has_help_and_one_spelling_across_commands(monkeypatch):
     assert len(spellings["--dtype"]) == 1, spellings["--dtype"]  # float32 / float16 / bfloat16 everywhere
     # check --backend names the backends it compares, bench --backend also takes "auto" (its default): the same names
     assert all(len(choices) == 1 for option, choices in spellings.items() if option != "--backend"), spellings
+
+
+# ------------------------------------------------------------------------------------------------- --device
+
+
+@pytest.fixture
+def two_gpus_current_1(monkeypatch):
+    """torch as it is on a machine with two CUDA devices whose current one is cuda:1 (the resolution is checked,
+    not the GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+
+
+def test_every_command_with_a_device_resolves_it_in_the_one_place(monkeypatch, two_gpus_current_1):
+    """Each command's --device is tools.device_argument with the default "auto": "cuda" and no --device become the
+    current device with its index (torch.cuda.set_device refuses "cuda" without one), "cuda:N" must exist."""
+    parsers = _parsers(monkeypatch)
+    with_device = {prog: next(a for a in parser._actions if "--device" in a.option_strings)
+                   for prog, parser in parsers.items() if "--device" in parser._option_string_actions}
+    assert {prog.split()[-1] for prog in with_device} == {"[all]", "check", "bench", "demo", "gpu-check"}
+    for prog, action in with_device.items():
+        assert action.type is tools.device_argument and action.default == tools.AUTO_DEVICE, prog
+    assert tools.device_argument("auto") == tools.device_argument("cuda") == torch.device("cuda", 1)
+    assert tools.device_argument("cuda:0") == torch.device("cuda", 0)
+    assert tools.device_argument("cpu") == torch.device("cpu")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"device 'cuda:2': there are 2 CUDA devices here"):
+        tools.device_argument("cuda:2")
+
+
+@pytest.mark.parametrize("name, message", [
+    ("cuda", "device 'cuda': no CUDA device is available here"),
+    ("cuda:0", "device 'cuda:0': no CUDA device is available here"),
+    ("mps", "device 'mps': device type 'mps' is not supported"),
+    ("gpu", "device 'gpu' is not a torch device"),
+])
+def test_devices_that_are_not_here_are_refused_by_name(monkeypatch, name, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tools.resolve_device() == torch.device("cpu")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tools.resolve_device(name)
+
+
+def test_a_device_that_is_not_here_is_an_argparse_error_in_every_command():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    for command in ("check", "bench", "demo"):
+        proc = subprocess.run([sys.executable, "-m", "fused_transformer", command, "--device", "cuda"],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 2, (command, proc.stdout, proc.stderr)
+        assert "argument --device: device 'cuda': no CUDA device is available here" in proc.stderr, proc.stderr
 
 
 def interrupt(args, ready, timeout=240):

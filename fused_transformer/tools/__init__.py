@@ -13,6 +13,11 @@ import argparse
 import math
 import os
 
+import torch
+
+# --device's default: the current CUDA device when torch sees one, else the CPU (``resolve_device``).
+AUTO_DEVICE = "auto"
+
 
 def make_folder(parser: argparse.ArgumentParser, option: str, folder: str) -> None:
     """Make ``folder`` and its missing parents for a command-line ``option`` (its name and value, as the user
@@ -40,3 +45,44 @@ def positive_seconds(text: str) -> float:
     if not value > 0 or not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
     return value
+
+
+def resolve_device(name: str = AUTO_DEVICE) -> torch.device:
+    """The device a command runs on, from its ``--device`` value: ``"auto"`` is the current CUDA device when torch
+    sees one, else the CPU; ``"cuda"`` is the current CUDA device, with its index (``torch.cuda.set_device`` and the
+    memory statistics refuse a CUDA device without one); ``"cuda:N"`` must exist here. Raises ``ValueError`` naming
+    ``name`` and what was wrong with it."""
+    if name == AUTO_DEVICE:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {name!r} is not a torch device (cpu, cuda, cuda:N or auto)") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ValueError(f"device {name!r}: device type {device.type!r} is not supported (cpu, cuda, cuda:N or auto)")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: no CUDA device is available here (torch {torch.__version__}, "
+                         f"torch.version.cuda={torch.version.cuda})")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise ValueError(f"device {name!r}: there {'is' if count == 1 else 'are'} {count} CUDA device"
+                         f"{'' if count == 1 else 's'} here (cuda:0 to cuda:{count - 1})")
+    return torch.device("cuda", index)
+
+
+def device_argument(text: str) -> torch.device:
+    """An argparse ``type`` for ``--device``: ``resolve_device``, its errors as argparse's."""
+    try:
+        return resolve_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_device_option(parser: argparse.ArgumentParser, what: str = "runs on") -> None:
+    """The ``--device`` option every command shares; ``args.device`` is a resolved ``torch.device``."""
+    parser.add_argument("--device", type=device_argument, default=AUTO_DEVICE, metavar="DEVICE",
+                        help=f"the device it {what}: cpu, cuda (the current CUDA device), cuda:N, or auto (the "
+                             "default: the current CUDA device when there is one, else cpu)")

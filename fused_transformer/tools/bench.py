@@ -1,6 +1,6 @@
 """``python -m fused_transformer bench``: throughput of the fused ops and layers against their torch equivalents.
 
-    python -m fused_transformer bench [--quick] [--device cpu|cuda] [--suite NAME ...] [--lengths 128,256]
+    python -m fused_transformer bench [--quick] [--device DEV] [--suite NAME ...] [--lengths 128,256]
                                       [--dtype float32|float16|bfloat16] [--out DIR] [--min-time S]
                                       [--threads N] [--backend NAME] [--no-plots] [--no-progress]
 
@@ -46,7 +46,7 @@ from fused_transformer._progress import tqdm
 
 import fused_transformer as ft
 from fused_transformer.interrupts import Interrupted
-from fused_transformer.tools import bench_summary, bench_work, make_folder, positive_seconds
+from fused_transformer.tools import add_device_option, bench_summary, bench_work, make_folder, positive_seconds
 from fused_transformer.tools import bench_cases as suites
 from fused_transformer.tools.bench_cases import Case, Setup
 from fused_transformer.tools.bench_plots import plot_suite
@@ -228,8 +228,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m fused_transformer bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="fewer sequence lengths and shorter timings (about 1-2 minutes on a 2-core CPU)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cpu or cuda[:N] (default: cuda when there is one)")
+    add_device_option(parser, "measures on")
     parser.add_argument("--suite", action="append", metavar="NAME", choices=suites.SUITES,
                         help=f"a suite to run, one of {', '.join(suites.SUITES)}; repeat for several (default: all)")
     parser.add_argument("--lengths", type=_lengths, metavar="L,L,...",
@@ -247,14 +246,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--no-plots", action="store_true", help="write the CSV only")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
-    try:
-        args.device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device {args.device!r} is not a torch device")
-    if args.device.type not in ("cpu", "cuda"):
-        parser.error(f"--device {args.device} is not supported: cpu or cuda")
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available here")
     args.dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if args.device.type == "cuda" else torch.float32)
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads {args.threads}: must be at least 1")

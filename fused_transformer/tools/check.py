@@ -35,6 +35,7 @@ from fused_transformer._progress import tqdm
 import fused_transformer as ft
 from fused_transformer import backend
 from fused_transformer.interrupts import Interrupted
+from fused_transformer.tools import add_device_option
 from fused_transformer.tools.check_cases import CHECKS, DTYPES, QUICK_DTYPES, Case, Results, build_cases
 from fused_transformer.tools.provenance import package_version
 from fused_transformer.tools.numerics import (
@@ -266,7 +267,7 @@ def main(argv: Optional[List[str]] = None, recap: Optional[List[str]] = None) ->
     )
     parser.add_argument("--quick", action="store_true",
                         help=f"a smaller grid: small shapes, fewer masks, {' and '.join(QUICK_DTYPES)} only")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="default: %(default)s")
+    add_device_option(parser, "checks on")
     parser.add_argument("--backend", action="append", choices=BACKENDS, metavar="NAME",
                         help=f"check only this backend (repeatable; {', '.join(BACKENDS)}); default: all usable here")
     parser.add_argument("--op", action="append", choices=CHECKS, metavar="NAME",
@@ -276,17 +277,11 @@ def main(argv: Optional[List[str]] = None, recap: Optional[List[str]] = None) ->
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
     try:
-        device = torch.device(args.device)
-    except RuntimeError as exc:
-        parser.error(f"--device {args.device}: {exc}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available here")
-    try:
         corrupted_checks()
     except ValueError as exc:
         parser.error(str(exc))
     dedup = lambda names: list(dict.fromkeys(names)) if names else None  # noqa: E731
-    failures = check(device, args.quick, ops=dedup(args.op) or CHECKS, backends=dedup(args.backend),
+    failures = check(args.device, args.quick, ops=dedup(args.op) or CHECKS, backends=dedup(args.backend),
                      dtypes=dedup(args.dtype), progress=not args.no_progress, recap=recap)
     return 1 if failures else 0
 

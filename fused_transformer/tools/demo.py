@@ -28,7 +28,7 @@ from ..interrupts import Interrupted
 from ..models.checkpoint import CheckpointMismatch, check_same_run, read_checkpoint
 from ..models.seq2seq import Seq2SeqTransformer
 from ..models.synthetic import SequenceTask, TrainConfig, exact_match_accuracy, run_config, train
-from . import make_folder
+from . import add_device_option, make_folder
 
 # Model size, task and schedule of the demo and of --quick. The demo's model has the study notes' default sizes;
 # both learn their task within the planned steps (seed 0: 100% held-out exact match after 500 of 600 steps,
@@ -114,8 +114,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help=f"training steps (default {FULL['steps']}, or {QUICK['steps']} with --quick)")
     parser.add_argument("--minutes", type=_positive(float, "number"), default=None,
                         help="train for this long instead, the step count planned from the measured speed")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cpu or cuda[:N] (default: %(default)s)")
+    add_device_option(parser, "trains on")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="sequences per step (default %(default)s)")
@@ -136,12 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error("--minutes excludes --steps")
     if args.checkpoint is None and (args.save_every is not None or args.resume):
         parser.error("--save-every and --resume need --checkpoint PATH")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: no CUDA GPU is available here")
+    device = args.device
     saved = _saved_run(parser, args.checkpoint) if args.resume else None
     if args.checkpoint is not None:
         if os.path.isdir(args.checkpoint):
