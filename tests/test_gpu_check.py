@@ -1,7 +1,9 @@
-"""``python -m fused_transformer gpu-check`` without a GPU: the no-CUDA verdict end to end, parts run in separate
-invocations merging into one summary, a part past its limit stopped (children included) while the others run, and
-the rules its parts are judged by (junit counts, check output, bench ratios, CUDA-graph errors, bitwise
-determinism, linear memory), on made-up inputs."""
+"""``python -m fused_transformer gpu-check`` without a GPU: the no-CUDA verdict end to end, the device option (on a
+faked torch.cuda), the budget and its split, the parts that time nothing run side by side and bench alone after
+them, a part past its limit stopped (children included) while the others run, parts run in separate invocations
+merging into one summary, the tests part's pytest command (pytest-xdist or not), and the rules its parts are judged
+by (junit counts, check output, bench ratios, CUDA-graph errors, bitwise determinism, linear memory), on made-up
+inputs."""
 import csv
 import json
 import math
@@ -9,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -36,15 +39,21 @@ def test_without_cuda_it_writes_the_summary_says_so_in_one_line_and_exits_2(tmp_
     markdown = (out / "summary.md").read_text()
     assert "**NO CUDA DEVICE: nothing ran here**" in markdown
     assert markdown.count(f"| not run: {reason} |") == 4
+    assert summary["run"] is None and "This run:" not in markdown
     assert not list(out.glob("*.log")), "nothing ran, so no part left a log"
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--only", "bnech"], "invalid choice: 'bnech'"),
-    (["--time-limit", "0"], "must be a positive number of seconds"),
-    (["--time-limit", "soon"], "is not a number"),
+    (["--budget", "0"], "must be a positive number of seconds"),
+    (["--budget", "soon"], "is not a number"),
+    (["--budget", "59"], "--budget 59: at least 60 seconds"),
+    (["--time-limit", "300"], "unrecognized arguments: --time-limit"),  # replaced by --budget
+    (["--device", "cuda"], "device 'cuda': no CUDA device is available here"),
+    (["--device", "tpu"], "is not a torch device"),
 ])
-def test_bad_options_are_argparse_errors(argv, message, tmp_path, capsys):
+def test_bad_options_are_argparse_errors(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exc:
         gpu_check.main(argv + ["--out", str(tmp_path)])
     assert exc.value.code == 2 and message in capsys.readouterr().err
@@ -57,29 +66,137 @@ def test_an_out_that_is_a_file_is_an_argparse_error(tmp_path, capsys):
     assert "is a file, not a folder" in capsys.readouterr().err
 
 
+# ----------------------------------------------------------------------------------------------- the device
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda as on a machine with 3 GPUs whose current one is cuda:2; no GPU is touched."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        name=f"Fake GPU {torch.device(device).index}", major=9, minor=0, multi_processor_count=132,
+        total_memory=int(79.6 * 2**30)))
+
+
+@pytest.mark.parametrize("given, device", [
+    ([], "cuda:2"),  # the current device
+    (["--device", "auto"], "cuda:2"),
+    (["--device", "cuda"], "cuda:2"),
+    (["--device", "cuda:0"], "cuda:0"),
+])
+def test_the_device_is_resolved_by_the_projects_rule(given, device, fake_cuda, tmp_path):
+    args = gpu_check.parse_args(given + ["--out", str(tmp_path)])
+    assert args.device == torch.device(device)
+
+
+@pytest.mark.parametrize("given, message", [
+    ("cuda:3", "there are 3 CUDA devices here (cuda:0 to cuda:2)"),
+    ("cpu", "gpu-check runs on a CUDA device"),
+])
+def test_a_device_gpu_check_cannot_use_is_an_argparse_error(given, message, fake_cuda, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.parse_args(["--device", given, "--out", str(tmp_path)])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("index, parent, visible", [
+    (2, None, "2"),  # no list of its own: CUDA's numbering is torch's
+    (2, "", "2"),
+    (1, "4,6,7", "6"),  # torch's cuda:1 is the second GPU of the parent's list
+    (0, "GPU-8d1c, GPU-77aa", "GPU-8d1c"),
+    (1, "MIG-1,MIG-2", "MIG-2"),
+])
+def test_a_part_sees_only_the_chosen_gpu(index, parent, visible, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu_check.visible_devices(index, parent) == visible
+    if parent is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", parent)
+        assert gpu_check.visible_devices(index) == visible
+    assert gpu_check_parts.gpu_environment(visible)["CUDA_VISIBLE_DEVICES"] == visible
+    with pytest.raises(ValueError, match="cuda:5 is not in CUDA_VISIBLE_DEVICES=4,6,7"):
+        gpu_check.visible_devices(5, "4,6,7")
+
+
+# ---------------------------------------------------------------------------------------------- the budget
+
+
+def test_the_default_budget_fits_the_gpu_machines_and_splits_for_the_tests_and_bench():
+    budget = gpu_check.DEFAULT_BUDGET_S
+    assert budget == 480 and budget + gpu_check.KILL_GRACE_S <= 600  # 10 minutes a command, 15 a machine
+    side, share = gpu_check.split_budget(budget, gpu_check_parts.PARTS)
+    assert (side, share) == (300, 180) and side + share == budget
+    assert side - gpu_check_parts.INNER_MARGIN_S >= 270  # pytest -n 8 took about 180 s alone on the H200
+    assert gpu_check_parts.bench_lengths(share) == (1024, 4096)  # bench --quick's lengths fit its share
+
+
+@pytest.mark.parametrize("budget, asked, split", [
+    (240, ("tests", "check", "bench", "graphs"), (150, 90)),  # 3/8 for bench
+    (1200, ("tests", "check", "bench", "graphs"), (1020, 180)),  # at most 180 s: the rest goes to the tests
+    (480, ("tests", "graphs"), (480, None)),
+    (480, ("check",), (480, None)),
+    (300, ("bench",), (None, 300)),
+])
+def test_the_budget_splits_between_the_parts_side_by_side_and_bench(budget, asked, split):
+    assert gpu_check.split_budget(budget, asked) == split
+
+
+def test_bench_gets_what_is_left_of_the_budget_and_is_cut_or_not_run_when_little_is():
+    assert gpu_check.bench_limit(480, 300, 180) == (180, None)
+    limit, note = gpu_check.bench_limit(480, 200, 180)
+    assert limit == 280 and note == "its 180 s share of the budget and the 100 s the parts before it left"
+    limit, note = gpu_check.bench_limit(480, 315, 180)  # a part stopped at its limit took its kill grace
+    assert limit == 165 and note == "cut from its 180 s share to the 165 s left of the 480 s budget"
+    limit, note = gpu_check.bench_limit(480, 430, 180)
+    assert limit is None and "only 50 s of the 480 s budget were left" in note and "--only bench" in note
+
+
+def test_bench_measures_fewer_lengths_when_its_limit_would_not_fit_both(tmp_path, monkeypatch):
+    assert gpu_check_parts.bench_lengths(170) == (1024, 4096)
+    assert gpu_check_parts.bench_lengths(169) == gpu_check_parts.bench_lengths(90) == (4096,)
+    assert gpu_check_parts.bench_lengths(10) == (4096,)  # at least one
+    ran = {}
+
+    def fake_run(command, limit_s, log, **kwargs):
+        ran.update(command=command, limit_s=limit_s)
+        return gpu_check_parts.Finished(0, False, 1.0, "")
+
+    monkeypatch.setattr(gpu_check_parts, "run_with_limit", fake_run)
+    record = gpu_check_parts.bench_part(str(tmp_path), 120)
+    command = " ".join(ran["command"])
+    assert "bench --device cuda:0 --quick" in command and "--lengths 4096 --out" in command
+    assert ran["limit_s"] == 120 - gpu_check_parts.INNER_MARGIN_S
+    assert record["figures"]["lengths"] == [4096] and record["figures"]["lengths_left_out"] == [1024]
+    assert "Lengths: 4096 only; 1024 left out" in "\n".join(gpu_check_summary._bench_details(record["figures"]))
+
+
 # ---------------------------------------------------------------------------------------- running the parts
 
 FAKE_ENVIRONMENT = {"date": "2030-01-01T00:00:00+00:00", "python": "3.x", "torch": "9.9", "cuda": "12.9",
                     "triton": "9.9", "fused_transformer": "0.1.0", "cuda_available": True,
                     "device": {"name": "Fake GPU", "capability": "9.0", "sm_count": 132, "memory_gib": 79.6},
                     "triton_interpret": None}
-WRITE_RECORD = ("import json, sys; out, part, status, figures = sys.argv[1:]; "
+# A part's process as the real ones end: its record in DIR/<part>.json, here with when it started and ended, and
+# the GPUs it was given, after sleeping as long as asked.
+WRITE_RECORD = ("import json, os, sys, time; out, part, status, figures, sleep = sys.argv[1:]; begun = time.time(); "
+                "time.sleep(float(sleep)); figures = dict(json.loads(figures), begun=begun, ended=time.time(), "
+                "visible=os.environ.get('CUDA_VISIBLE_DEVICES')); "
                 "json.dump({'part': part, 'status': status, 'reason': None if status == 'passed' else 'it broke', "
-                "'figures': json.loads(figures), 'output_tail': ''}, open(f'{out}/{part}.json', 'w'))")
+                "'figures': figures, 'output_tail': ''}, open(f'{out}/{part}.json', 'w'))")
 TEST_FIGURES = {"tests": 10, "passed": 8, "failed": 0, "errors": 0, "skipped": 2, "files": ["tests/test_a.py"]}
 CHECK_FIGURES = {"checks": 40, "passed": 38, "failed": 2, "summary": "summary: 40 checks, 2 failed"}
 
 
-def fake_part(status, figures=None):
+def fake_part(status, figures=None, sleep=0.0):
     """A part's process that writes its record with ``status`` and ``figures``, as the real ones do."""
-    return lambda part, out, limit_s: [sys.executable, "-c", WRITE_RECORD, out, part, status, json.dumps(figures or {})]
+    return lambda part, out, limit_s: [sys.executable, "-c", WRITE_RECORD, out, part, status, json.dumps(figures or {}),
+                                       str(sleep)]
 
 
-def test_parts_from_separate_invocations_merge_in_the_summary(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(gpu_check, "no_cuda_reason", lambda: None)
-    monkeypatch.setattr(gpu_check, "environment", lambda: dict(FAKE_ENVIRONMENT))
+def test_parts_from_separate_invocations_merge_in_the_summary(tmp_path, monkeypatch, capsys, fake_cuda):
     out = str(tmp_path)
-
     monkeypatch.setattr(gpu_check, "part_command", lambda part, out, limit_s, all_tests: fake_part(
         "passed", TEST_FIGURES)(part, out, limit_s))
     assert gpu_check.main(["--out", out, "--only", "tests"]) == 0
@@ -96,34 +213,79 @@ def test_parts_from_separate_invocations_merge_in_the_summary(tmp_path, monkeypa
     parts = summary["parts"]
     assert parts["tests"]["status"] == "passed" and parts["tests"]["started"] == first["parts"]["tests"]["started"]
     assert parts["check"]["status"] == "failed" and parts["check"]["reason"] == "it broke"
-    assert parts["check"]["environment"]["device"]["name"] == "Fake GPU"
+    assert parts["check"]["environment"]["device"]["name"] == "Fake GPU 2"
     assert summary["verdict"] == "FAILED: check failed (passed: tests; failed: check; not run: bench, graphs)"
+    assert summary["run"]["side_by_side"] == ["check"] and summary["run"]["alone"] == []
     markdown = (tmp_path / "summary.md").read_text()
     assert "| tests | passed |" in markdown and "8 passed, 0 failed, 0 errors, 2 skipped (1 files)" in markdown
     assert "| check | failed: it broke |" in markdown and "40 checks: 38 passed, 2 failed" in markdown
-    assert "Fake GPU (capability 9.0, 132 SMs, 79.6 GiB)" in markdown
+    assert "Fake GPU 2 (cuda:2, the parts' only GPU through CUDA_VISIBLE_DEVICES=2; capability 9.0, 132 SMs, " \
+           "79.6 GiB)" in markdown
     assert "FAILED: check failed" in capsys.readouterr().out
 
 
-def test_a_part_past_its_limit_is_stopped_with_its_children_and_the_others_still_run(tmp_path):
+def test_every_part_runs_on_the_gpu_asked_for_and_the_summary_names_it(tmp_path, monkeypatch, capsys, fake_cuda):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
+    monkeypatch.setattr(gpu_check, "part_command", lambda part, out, limit_s, all_tests: fake_part("passed")(
+        part, out, limit_s))
+    assert gpu_check.main(["--out", str(tmp_path), "--device", "cuda:1", "--budget", "120"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {part: r["figures"]["visible"] for part, r in summary["parts"].items()} == dict.fromkeys(
+        gpu_check_parts.PARTS, "6")
+    assert summary["environment"]["device"]["name"] == "Fake GPU 1"
+    assert summary["environment"]["device"]["torch_device"] == "cuda:1"
+    assert summary["verdict"] == "PASSED: all 4 parts passed on Fake GPU 1"
+    run = summary["run"]
+    assert (run["budget_s"], run["side_by_side_limit_s"], run["bench_share_s"]) == (120, 75, 45)
+    assert 0 < run["wall_s"] < 60 and all(r["duration_s"] < 30 for r in summary["parts"].values())
+    markdown = (tmp_path / "summary.md").read_text()
+    assert ("This run: tests, check, graphs side by side, each within 75 s; then bench alone on the GPU (its share "
+            f"45 s, and what they left). Wall time {run['wall_s']:.0f} s of its 120 s budget.") in markdown
+    assert f"| tests | passed | {summary['parts']['tests']['duration_s']:.0f} s of 75 s |" in markdown
+    printed = capsys.readouterr().out
+    assert "Fake GPU 1 (cuda:1, CUDA_VISIBLE_DEVICES=6 for the parts)" in printed
+    assert "tests, check, graphs: side by side, each at most 75 s (the budget less bench's 45 s share)" in printed
+    assert f"the whole run: {run['wall_s']:.0f} s of its 120 s budget" in printed
+    for part in gpu_check_parts.PARTS:
+        assert f"] {part}: passed in " in printed
+
+
+def test_tests_check_and_graphs_run_side_by_side_and_bench_alone_after_them(tmp_path):
+    sleep = 3.0  # longer than three Python starts take on a loaded machine
+    records, run = gpu_check.run_parts(gpu_check_parts.PARTS, str(tmp_path), 120, fake_part("passed", sleep=sleep),
+                                       say=lambda line: None)
+    side = [records[part]["figures"] for part in gpu_check.SIDE_BY_SIDE]
+    assert max(f["begun"] for f in side) < min(f["ended"] for f in side), "the three did not overlap"
+    assert records["bench"]["figures"]["begun"] >= max(f["ended"] for f in side), "bench shared the GPU"
+    assert {part: r["phase"] for part, r in records.items()} == {
+        "tests": "side by side with check, graphs", "check": "side by side with tests, graphs",
+        "graphs": "side by side with tests, check", "bench": "alone, after the others"}
+    assert records["bench"]["limit_s"] > 45 and "the parts before it left" in records["bench"]["limit_note"]
+
+
+def test_a_part_past_its_limit_is_stopped_with_its_children_while_the_others_finish(tmp_path, monkeypatch):
     pid_file = tmp_path / "grandchild.pid"
     hang = ("import subprocess, sys, time; child = subprocess.Popen(['sleep', '120']); "
             f"open({str(pid_file)!r}, 'w').write(str(child.pid)); time.sleep(120)")
     commands = {
         "check": lambda part, out, limit_s: [sys.executable, "-c", hang],
-        "graphs": fake_part("passed"),
+        "graphs": fake_part("passed", sleep=1.0),
         "bench": lambda part, out, limit_s: [sys.executable, "-c", "import sys; sys.exit(3)"],
         "tests": fake_part("passed", TEST_FIGURES),
     }
-    limits = {"check": 2.0, "graphs": 30.0, "bench": 30.0, "tests": 30.0}
+    monkeypatch.setattr(gpu_check, "MIN_PART_S", 1.0)
+    budget = 8.0  # side by side at most 5 s each, bench the 3 s share
     started = time.monotonic()
-    records = gpu_check.run_parts(["check", "graphs", "bench", "tests"], str(tmp_path), limits,
-                                  lambda part, out, limit_s: commands[part](part, out, limit_s), say=lambda line: None)
-    assert time.monotonic() - started < 60
-    assert records["check"]["status"] == "timed out" and records["check"]["reason"] == "stopped at its 2 s limit"
-    assert 2.0 <= records["check"]["duration_s"] < 20
+    records, run = gpu_check.run_parts(gpu_check_parts.PARTS, str(tmp_path), budget,
+                                       lambda part, out, limit_s: commands[part](part, out, limit_s),
+                                       say=lambda line: None)
+    assert time.monotonic() - started < budget + 2, "the run went past its budget"
+    assert records["check"]["status"] == "timed out" and records["check"]["reason"] == "stopped at its 5 s limit"
+    assert 5.0 <= records["check"]["duration_s"] < 7
     assert records["graphs"]["status"] == records["tests"]["status"] == "passed"
+    assert records["graphs"]["duration_s"] < 5 and records["tests"]["duration_s"] < 5
     assert records["bench"]["status"] == "failed" and "exit status 3" in records["bench"]["reason"]
+    assert records["bench"]["limit_s"] < 3.1
     for part, record in records.items():  # the records on disk are the ones returned
         assert gpu_check_parts.read_record(str(tmp_path / f"{part}.json"))["status"] == record["status"]
     grandchild = int(pid_file.read_text())
@@ -131,6 +293,15 @@ def test_a_part_past_its_limit_is_stopped_with_its_children_and_the_others_still
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(grandchild), "the timed-out part's own child was left running"
+
+
+def test_bench_is_not_started_with_less_than_a_minute_of_the_budget_left(tmp_path):
+    records, run = gpu_check.run_parts(["check", "bench"], str(tmp_path), 61, fake_part("passed", sleep=1.5),
+                                       say=lambda line: None)
+    assert records["check"]["status"] == "passed"
+    assert records["bench"]["status"] == "not run" and "run it alone (gpu-check --only bench)" in \
+        records["bench"]["reason"]
+    assert run["wall_s"] < 10
 
 
 def _alive(pid):
@@ -149,34 +320,87 @@ def test_a_record_left_by_an_earlier_run_does_not_pass_for_this_one(tmp_path):
     assert "dying" in record["output_tail"] and (tmp_path / "graphs.log").read_text() == "dying\n"
 
 
-def test_ctrl_c_stops_the_running_part_and_says_so_in_its_record(tmp_path, ctrl_c_raises):
-    pid_file = tmp_path / "part.pid"
+def test_ctrl_c_stops_every_running_part_and_says_so_in_their_records(tmp_path, ctrl_c_raises):
+    pid_files = [tmp_path / "tests.pid", tmp_path / "check.pid"]
+    wait = f"import os, time; open({str(pid_files[1])!r}, 'w').write(str(os.getpid())); time.sleep(120)"
     interrupt_me = ("import os, signal, time; "
-                    f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+                    f"open({str(pid_files[0])!r}, 'w').write(str(os.getpid())); time.sleep(1); "
                     "os.kill(os.getppid(), signal.SIGINT); time.sleep(120)")
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        gpu_check.run_part("tests", [sys.executable, "-c", interrupt_me], str(tmp_path), 300)
+        gpu_check.run_side_by_side({"tests": [sys.executable, "-c", interrupt_me],
+                                    "check": [sys.executable, "-c", wait]}, str(tmp_path), 300)
     assert time.monotonic() - started < 60
-    record = gpu_check_parts.read_record(str(tmp_path / "tests.json"))
-    assert record["status"] == "not run" and record["reason"] == "interrupted (Ctrl-C) while it ran"
-    assert not _alive(int(pid_file.read_text()))
+    for part, pid_file in zip(("tests", "check"), pid_files):
+        record = gpu_check_parts.read_record(str(tmp_path / f"{part}.json"))
+        assert record["status"] == "not run" and record["reason"] == "interrupted (Ctrl-C) while it ran"
+        assert not _alive(int(pid_file.read_text()))
 
 
-def test_the_whole_run_limit_cuts_the_last_parts():
-    limits = gpu_check.TIME_LIMITS_S
-    assert sum(limits.values()) > gpu_check.TOTAL_LIMIT_S >= max(limits.values())
-    assert all(limit <= 600 for limit in limits.values())  # each part at most 10 minutes
-    assert gpu_check.limit_for("bench", limits, 1200, 100) == (540, None)
-    limit, note = gpu_check.limit_for("bench", limits, 1200, 1000)
-    assert limit == 200 and "cut from 540 s to 200 s" in note
-    assert gpu_check.limit_for("bench", limits, 1200, 1150)[0] is None
-    assert gpu_check.limit_for("bench", limits, None, 5000) == (540, None)
+# --------------------------------------------------------------------------------------------- the tests part
 
 
 def test_the_tests_part_says_why_without_a_tests_folder(tmp_path):
     record = gpu_check_parts.tests_part(str(tmp_path), 100, root=str(tmp_path))
     assert record["status"] == "not run" and "no tests folder beside the package" in record["reason"]
+
+
+@pytest.mark.parametrize("cpus, installed, workers", [
+    (16, True, 8),  # the H200 machine: 8 workers, as its first run had, and 8 cores for check, graphs, compiles
+    (64, True, 8),
+    (8, True, 4),
+    (5, True, None),  # one worker is no better than none
+    (2, True, None),
+    (16, False, None),  # no pytest-xdist: serially
+])
+def test_the_tests_run_over_xdist_workers_when_it_is_installed(cpus, installed, workers):
+    assert gpu_check_parts.xdist_workers(cpus, installed) == workers
+    command = gpu_check_parts.tests_command(["tests/test_a.py"], "out/tests.xml", workers)
+    assert command[1:] == ["-m", "pytest", "tests/test_a.py", "-q", "-p", "no:cacheprovider", "--junitxml",
+                           "out/tests.xml"] + (["-n", str(workers)] if workers else [])
+
+
+def test_the_tests_part_runs_pytest_with_the_workers_it_chose(tmp_path, monkeypatch):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "conftest.py").write_text("")
+    (tmp_path / "tests" / "test_attention_triton.py").write_text("")
+    ran = {}
+
+    def fake_run(command, limit_s, log, **kwargs):
+        ran.update(command=command, **kwargs)
+        return gpu_check_parts.Finished(5, False, 1.0, "")
+
+    monkeypatch.setattr(gpu_check_parts, "run_with_limit", fake_run)
+    monkeypatch.setattr(gpu_check_parts, "xdist_workers", lambda: 6)
+    record = gpu_check_parts.tests_part(str(tmp_path), 100, root=str(tmp_path))
+    assert ran["command"][-2:] == ["-n", "6"] and "tests/test_attention_triton.py" in ran["command"]
+    assert ran["stop_signal"] == gpu_check_parts.signal.SIGINT  # pytest then writes the junit XML of what ran
+    assert record["figures"]["xdist_workers"] == 6 and record["figures"]["missing_files"]
+    gpu_check_parts.tests_part(str(tmp_path), 100, root=str(tmp_path), workers=0)
+    assert "-n" not in ran["command"]
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.skipif(
+    gpu_check_parts.xdist_workers(16) is None, reason="pytest-xdist is not installed"))])
+def test_pytest_stopped_at_its_limit_still_gives_the_counts_of_what_it_ran(workers, tmp_path, monkeypatch):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "conftest.py").write_text("")
+    (tmp_path / "tests" / "test_slow.py").write_text(
+        "import time, pytest\n"
+        "def test_quick(): pass\n"
+        "def test_wrong(): assert False, 'wrong'\n"
+        "def test_slow(): time.sleep(60)\n")
+    monkeypatch.setattr(gpu_check_parts, "GPU_TEST_FILES", ("tests/test_slow.py",))
+    started = time.monotonic()
+    record = gpu_check_parts.tests_part(str(tmp_path), gpu_check_parts.INNER_MARGIN_S + 4 + 2 * workers,
+                                        root=str(tmp_path), workers=workers)
+    assert time.monotonic() - started < 20
+    figures = record["figures"]
+    assert record["status"] == "timed out" and figures["stopped"] is True and not figures.get("partial")
+    assert (figures["tests"], figures["passed"], figures["failed"]) == (2, 1, 1), record["output_tail"]
+    assert figures["failures"][0]["name"] == "tests/test_slow.py::test_wrong"
+    assert "stopped at its limit: the tests it had not reached are not counted" in gpu_check_summary.key_figures(
+        "tests", record)
 
 
 # ----------------------------------------------------------------------------------------- reading the parts
@@ -217,6 +441,58 @@ def test_pytest_progress_lines_count_a_run_stopped_before_its_junit_xml():
     ])
     assert gpu_check_parts.pytest_progress(output) == {
         "tests": 12, "passed": 7, "failed": 1, "errors": 1, "skipped": 3, "failures": [], "skip_reasons": []}
+
+
+def test_junit_of_pytest_xdist_counts_each_test_once(tmp_path):
+    """As pytest-xdist 3.8 wrote it (pytest -n 2): entries in the order the workers ended them, a crashed worker's
+    test as an error, and (as serially) a second entry for a test that failed and then errored in its teardown, and
+    an empty one for a test stopped by SIGINT."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("")
+    xml = tmp_path / "junit.xml"
+    xml.write_text("""<?xml version="1.0" encoding="utf-8"?>
+<testsuites name="pytest tests"><testsuite name="pytest" errors="4" failures="2" skipped="2" tests="12">
+<testcase classname="tests.test_x" name="test_ok" time="0.000" />
+<testcase classname="tests.test_x" name="test_p[fp16]" time="0.001">
+ <failure message="AssertionError: wrong dtype&#10;assert 'fp16' == 'bf16'">trace</failure></testcase>
+<testcase classname="tests.test_x" name="test_p[bf16]" time="0.001" />
+<testcase classname="tests.test_x" name="test_teardown_err" time="0.000">
+ <error message="failed on teardown with &quot;RuntimeError: teardown broke&quot;">trace</error></testcase>
+<testcase classname="tests.test_x" name="test_setup_err" time="0.000">
+ <error message="failed on setup with &quot;RuntimeError: setup broke&quot;">trace</error></testcase>
+<testcase classname="tests.test_x" name="test_fail_and_teardown_err" time="0.000">
+ <failure message="AssertionError: both&#10;assert False">trace</failure></testcase>
+<testcase classname="tests.test_x" name="test_fail_and_teardown_err" time="0.000">
+ <error message="failed on teardown with &quot;RuntimeError: teardown broke&quot;">trace</error></testcase>
+<testcase classname="tests.test_x" name="test_skip" time="0.000">
+ <skipped type="pytest.skip" message="needs no GPU">/tmp/tests/test_x.py:18: needs no GPU</skipped></testcase>
+<testcase classname="tests.test_x" name="test_xfail" time="0.000">
+ <skipped type="pytest.xfail" message="known" /></testcase>
+<testcase classname="tests.test_x" name="test_xpass" time="0.000" />
+<testcase classname="tests.test_x.TestGroup" name="test_in_class" time="0.000" />
+<testcase time="0.000" />
+<testcase classname="tests.test_x" name="test_crash" time="0.000">
+ <error message="failed on setup with &quot;worker 'gw0' crashed while running 'tests/test_x.py::test_crash'&quot;">
+  worker 'gw0' crashed while running 'tests/test_x.py::test_crash'</error></testcase>
+</testsuite></testsuites>""")
+    figures = gpu_check_parts.parse_junit(str(xml), str(tmp_path))
+    # 11 tests; the XML's own 12 counts test_teardown_err twice, as passed and as an error.
+    assert {k: figures[k] for k in ("tests", "passed", "failed", "errors", "skipped")} == {
+        "tests": 11, "passed": 4, "failed": 2, "errors": 3, "skipped": 2}
+    assert [(f["name"].split("::")[-1], f["kind"]) for f in figures["failures"]] == [
+        ("test_p[fp16]", "failed"), ("test_teardown_err", "error"), ("test_setup_err", "error"),
+        ("test_fail_and_teardown_err", "failed"), ("test_fail_and_teardown_err", "error"), ("test_crash", "error")]
+    assert figures["failures"][-1]["message"] == ("failed on setup with \"worker 'gw0' crashed while running "
+                                                  "'tests/test_x.py::test_crash'\"")
+    assert figures["skip_reasons"] == [{"reason": "needs no GPU", "count": 1}, {"reason": "known", "count": 1}]
+
+
+def test_pytest_progress_lines_of_xdist_count_past_a_crashed_worker():
+    output = "\n".join(["bringing up nodes...", "bringing up nodes...", "",
+                        "...FEEFEsxX.[gw0] node down: Not properly terminated", "F   [100%]"])
+    counts = gpu_check_parts.pytest_progress(output)
+    assert (counts["tests"], counts["passed"], counts["failed"], counts["errors"], counts["skipped"]) == (
+        13, 5, 3, 3, 2)
 
 
 def test_check_output_gives_counts_and_failing_rows():

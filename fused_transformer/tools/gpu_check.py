@@ -1,21 +1,27 @@
 """``python -m fused_transformer gpu-check``: everything only a GPU can check, in one command, with a verdict.
 
-    python -m fused_transformer gpu-check [--out DIR] [--only PART ...] [--time-limit SECONDS] [--all-tests]
+    python -m fused_transformer gpu-check [--out DIR] [--only PART ...] [--budget SECONDS] [--device DEVICE]
+                                          [--all-tests]
 
 Four parts (``gpu_check_parts``), each in a process of its own under a wall-clock limit, so that a CUDA fault, a
 hang or a timeout in one is recorded and the others still run:
 
 - ``tests``: the GPU test files on the GPU itself (no Triton interpreter), judged by pytest's junit XML;
-- ``check``: ``check --device cuda --quick``: every op and module against float64;
-- ``bench``: ``bench --device cuda --quick`` on attention, layer_norm, feed_forward, encoder_layer: our TFLOP/s and
-  speed-up over SDPA's default dispatch, each SDPA backend, flash_attn and xformers when installed;
+- ``check``: ``check --quick``: every op and module against float64;
+- ``bench``: ``bench --quick`` on attention, layer_norm, feed_forward, encoder_layer: our TFLOP/s and speed-up over
+  SDPA's default dispatch, each SDPA backend, flash_attn and xformers when installed;
 - ``graphs``: a CUDA graph of a training step against eager, backward determinism, peak memory against L
   (``gpu_check_graphs``).
 
+The parts that time nothing (``SIDE_BY_SIDE``: tests, check, graphs) run at the same time; bench runs after them,
+alone, so that nothing shares the GPU with its timings. The whole run is held to ``--budget`` (``DEFAULT_BUDGET_S``):
+bench's share of it is ``bench_share`` and the parts side by side get the rest; bench gets whatever they leave
+(``split_budget``, ``bench_limit``). Every part runs on one GPU, the ``--device``: its process sees only that one
+(``CUDA_VISIBLE_DEVICES``, ``visible_devices``).
+
 Each part writes ``DIR/<part>.json`` (and its output to ``DIR/<part>.log``); every invocation then rebuilds
 ``DIR/summary.json`` and ``DIR/summary.md`` from all the part records in DIR (``gpu_check_summary``), so parts run
-in separate invocations merge. Limits: ``TIME_LIMITS_S`` per part, the whole run held to ``TOTAL_LIMIT_S`` (a
-part that would start with less than ``MIN_PART_S`` left is not run, and says so).
+in separate invocations merge.
 
 Exit status: 0 every part asked for passed; 1 one failed, timed out or could not run; 2 no CUDA device here (the
 summary says so; nothing ran).
@@ -28,28 +34,34 @@ import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from fused_transformer.interrupts import Interrupted
-from fused_transformer.tools import make_folder, positive_seconds
+from fused_transformer.tools import add_device_option, make_folder, positive_seconds
 from fused_transformer.tools.gpu_check_parts import (
-    FAILED, NOT_RUN, PARTS, PASSED, RUNNING, TAIL_CHARS, TIMED_OUT, gpu_environment, log_path, part_record, read_record,
-    record_path, run_with_limit, write_record,
+    FAILED, NOT_RUN, PARTS, PASSED, RUNNING, TAIL_CHARS, TIMED_OUT, LimitedRun, gpu_environment, log_path,
+    part_record, read_record, record_path, write_record,
 )
 from fused_transformer.tools.gpu_check_summary import write_summary
 from fused_transformer.tools.provenance import package_version
 
-TIME_LIMITS_S = {"tests": 540.0, "check": 300.0, "bench": 540.0, "graphs": 300.0}
-TOTAL_LIMIT_S = 1200.0
-MIN_PART_S = 60.0
-# Quickest verdicts first; bench last, as its rows are kept when the whole run's time runs out under it.
-RUN_ORDER = ("check", "graphs", "tests", "bench")
+# A GPU machine is lent for 15 minutes, its start included, and 10 minutes a command: 8 minutes leave room for both.
+DEFAULT_BUDGET_S = 480.0
+SIDE_BY_SIDE = ("tests", "check", "graphs")  # they time nothing, so they may share the GPU and the CPU cores
+# bench's share of the budget: 3/8 of it, at most 3 minutes, which bench --quick's two lengths fit (docs/gpu-check.md);
+# every second beyond that goes to the tests, the part that grows with its time.
+BENCH_SHARE = 0.375
+BENCH_SHARE_MAX_S = 180.0
+MIN_PART_S = 60.0  # a part with less left than this is not started (and --budget is at least this)
 KILL_GRACE_S = 15.0  # a part stopped at its limit gets this long to end its own commands before SIGKILL
+TICK_S = 0.2  # how often the parts running are looked at
 NO_CUDA_STATUS = 2
 
 CommandFor = Callable[[str, str, float], List[str]]
+Say = Callable[[str], None]
 
 
 def no_cuda_reason() -> Optional[str]:
@@ -60,18 +72,31 @@ def no_cuda_reason() -> Optional[str]:
             "torch.cuda.is_available() False)")
 
 
-def environment() -> dict:
-    """Date, versions and the GPU (None without one), as the summary and each part record give them."""
-    device = None
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        device = {"name": props.name, "capability": f"{props.major}.{props.minor}",
-                  "sm_count": props.multi_processor_count, "memory_gib": props.total_memory / 2**30}
+def visible_devices(index: int, parent: Optional[str] = None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a part that must see only CUDA device ``index`` of this process: that entry of
+    this process's own list (``parent``, default its environment's) when it has one, else the index."""
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES") if parent is None else parent
+    if not parent or not parent.strip():
+        return str(index)
+    entries = [entry.strip() for entry in parent.split(",")]
+    if index >= len(entries):
+        raise ValueError(f"cuda:{index} is not in CUDA_VISIBLE_DEVICES={parent}")
+    return entries[index]
+
+
+def environment(device: Optional[torch.device] = None, visible: Optional[str] = None) -> dict:
+    """Date, versions and the GPU the parts run on (None without one), as the summary and each record give them."""
+    described = None
+    if device is not None:
+        props = torch.cuda.get_device_properties(device)
+        described = {"name": props.name, "capability": f"{props.major}.{props.minor}",
+                     "sm_count": props.multi_processor_count, "memory_gib": props.total_memory / 2**30,
+                     "torch_device": str(device), "cuda_visible_devices": visible}
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": package_version("triton"), "fused_transformer": package_version("fused_transformer"),
-        "cuda_available": device is not None, "device": device,
+        "cuda_available": torch.cuda.is_available(), "device": described,
         "triton_interpret": os.environ.get("TRITON_INTERPRET"),  # removed for the parts
     }
 
@@ -83,36 +108,68 @@ def part_command(part: str, out: str, limit_s: float, all_tests: bool = False) -
     return command + (["--all-tests"] if all_tests and part == "tests" else [])
 
 
-def limit_for(part: str, limits: Mapping[str, float], total_s: Optional[float],
-              spent_s: float) -> Tuple[Optional[float], Optional[str]]:
-    """(the part's limit, a note when the whole run's limit cut it); the limit is None when too little is left."""
-    limit = limits[part]
-    if total_s is None:
-        return limit, None
-    left = total_s - spent_s
+# ------------------------------------------------------------------------------------------------- the budget
+
+
+def bench_share(budget_s: float) -> float:
+    """The seconds of ``budget_s`` kept for bench, which runs after the parts side by side."""
+    return min(BENCH_SHARE_MAX_S, budget_s * BENCH_SHARE)
+
+
+def split_budget(budget_s: float, asked: Sequence[str]) -> Tuple[Optional[float], Optional[float]]:
+    """(the limit of each part side by side, bench's share) of ``budget_s`` for the parts ``asked``; None for a phase
+    not asked for. Alone, either phase gets the whole budget."""
+    side = any(part in SIDE_BY_SIDE for part in asked)
+    if "bench" not in asked:
+        return (budget_s if side else None), None
+    if not side:
+        return None, budget_s
+    share = bench_share(budget_s)
+    return budget_s - share, share
+
+
+def bench_limit(budget_s: float, spent_s: float, share_s: float) -> Tuple[Optional[float], Optional[str]]:
+    """(bench's limit, a note when it is not its share) after ``spent_s`` of ``budget_s``: all that is left, so more
+    than its share when the parts before it ended early; None when less than ``MIN_PART_S`` is left."""
+    left = budget_s - spent_s
     if left < MIN_PART_S:
-        return None, (f"the whole run's {total_s:.0f} s were spent before it could start: run it alone "
-                      f"(gpu-check --only {part})")
-    if left < limit:
-        return left, f"cut from {limit:.0f} s to {left:.0f} s, the rest of the whole run's {total_s:.0f} s"
-    return limit, None
+        return None, (f"only {max(left, 0):.0f} s of the {budget_s:.0f} s budget were left for it: run it alone "
+                      "(gpu-check --only bench)")
+    if left >= share_s + 1:
+        return left, f"its {share_s:.0f} s share of the budget and the {left - share_s:.0f} s the parts before it left"
+    if left < share_s - 1:
+        return left, f"cut from its {share_s:.0f} s share to the {left:.0f} s left of the {budget_s:.0f} s budget"
+    return left, None
 
 
-def run_part(part: str, command: Sequence[str], out: str, limit_s: float) -> dict:
-    """Run one part's process under ``limit_s`` and return its record, also written to ``DIR/<part>.json``: the
-    part's own, or one that says it timed out (keeping what it had saved) or died without writing one."""
+# -------------------------------------------------------------------------------------------- running parts
+
+
+@dataclass
+class RunningPart:
+    """A part's process, started by ``run_side_by_side``."""
+
+    part: str
+    run: LimitedRun
+    started: str  # the date, for the record
+
+
+def _start_part(part: str, command: Sequence[str], out: str, limit_s: float,
+                env: Optional[Mapping[str, str]]) -> RunningPart:
     path = record_path(out, part)
     if os.path.exists(path):
         os.remove(path)  # a record from an earlier run must not pass for this one's
     log = log_path(out, part)
     open(log, "wb").close()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    try:
-        finished = run_with_limit(command, limit_s, log, env=gpu_environment(), grace_s=KILL_GRACE_S)
-    except KeyboardInterrupt:  # run_with_limit has ended the part's processes
-        write_record(out, part_record(part, NOT_RUN, "interrupted (Ctrl-C) while it ran"))
-        raise
-    record = read_record(path)
+    return RunningPart(part, LimitedRun(command, limit_s, log, env=env, grace_s=KILL_GRACE_S), started)
+
+
+def _part_result(running: RunningPart, out: str, fields: Mapping[str, object]) -> dict:
+    """The ended part's record: its own, or one that says it timed out (keeping what it had saved) or died without
+    writing one; with its wall time, its limit and ``fields``."""
+    finished, part, limit_s = running.run.finished, running.part, running.run.limit_s
+    record = read_record(record_path(out, part))
     if finished.timed_out:
         record = record or part_record(part, TIMED_OUT)
         record.update(status=TIMED_OUT, reason=f"stopped at its {limit_s:.0f} s limit")
@@ -121,42 +178,95 @@ def run_part(part: str, command: Sequence[str], out: str, limit_s: float) -> dic
                              f"result", (record or {}).get("figures"))
     if not record.get("output_tail"):
         record["output_tail"] = finished.output[-TAIL_CHARS:]
-    record.update(started=started, duration_s=round(finished.seconds, 1), limit_s=limit_s)
+    record.update(fields, started=running.started, duration_s=round(finished.seconds, 1), limit_s=round(limit_s, 1))
     write_record(out, record)
     return record
 
 
-def run_parts(parts: Sequence[str], out: str, limits: Mapping[str, float], command_for: CommandFor,
-              total_s: Optional[float] = TOTAL_LIMIT_S, stamp: Optional[dict] = None,
-              say: Callable[[str], None] = print) -> Dict[str, dict]:
-    """Run ``parts`` one after another, each with ``run_part``; ``stamp`` (the environment) goes into each record."""
-    records = {}
-    started = time.monotonic()
-    for number, part in enumerate(parts, 1):
-        limit, note = limit_for(part, limits, total_s, time.monotonic() - started)
-        if limit is None:
-            record = part_record(part, NOT_RUN, note)
-        else:
-            say(f"[{number}/{len(parts)}] {part}: running, at most {limit:.0f} s"
-                + (f" ({note})" if note else "") + f"; output in {log_path(out, part)}")
-            record = run_part(part, command_for(part, out, limit), out, limit)
-            if note:
-                record["limit_note"] = note
-        if stamp is not None:
-            record["environment"] = stamp
-        write_record(out, record)
-        records[part] = record
-        duration = f" in {record['duration_s']:.0f} s" if record.get("duration_s") is not None else ""
-        say(f"[{number}/{len(parts)}] {part}: {record['status']}{duration}"
-            + (f": {record['reason']}" if record.get("reason") else ""))
+def run_side_by_side(commands: Mapping[str, Sequence[str]], out: str, limit_s: float,
+                     env: Optional[Mapping[str, str]] = None, say: Say = lambda line: None,
+                     fields: Optional[Mapping[str, object]] = None) -> Dict[str, dict]:
+    """Run each part's command at the same time, each in a process (session) of its own under ``limit_s``, and return
+    their records as ``_part_result`` makes them, also written to ``DIR/<part>.json``, with ``fields`` added and
+    ``phase`` (the parts beside it, unless ``fields`` says). Ctrl-C stops them all, and their records say so."""
+    running = {part: _start_part(part, command, out, limit_s, env) for part, command in commands.items()}
+    records: Dict[str, dict] = {}
+
+    def fields_of(part: str) -> dict:
+        others = [other for other in commands if other != part]
+        return {"phase": f"side by side with {', '.join(others)}" if others else "alone", **(fields or {})}
+
+    try:
+        while len(records) < len(running):
+            for part, this in running.items():
+                if part not in records and this.run.poll() is not None:
+                    records[part] = _part_result(this, out, fields_of(part))
+                    say(_ended_line(records[part]))
+            time.sleep(TICK_S)
+    except KeyboardInterrupt:
+        left = [this for part, this in running.items() if part not in records]
+        for this in left:
+            this.run.stop()
+        for this in left:
+            this.run.wait()  # its grace at most
+            write_record(out, dict(part_record(this.part, NOT_RUN, "interrupted (Ctrl-C) while it ran"),
+                                   **fields_of(this.part)))
+        raise
     return records
+
+
+def _ended_line(record: Mapping[str, object]) -> str:
+    return (f"{record['part']}: {record['status']} in {record['duration_s']:.0f} s (limit {record['limit_s']:.0f} s)"
+            + (f": {record['reason']}" if record.get("reason") else ""))
+
+
+def run_part(part: str, command: Sequence[str], out: str, limit_s: float,
+             env: Optional[Mapping[str, str]] = None) -> dict:
+    """Run one part alone (``run_side_by_side`` with one) and return its record."""
+    return run_side_by_side({part: command}, out, limit_s, env)[part]
+
+
+def run_parts(asked: Sequence[str], out: str, budget_s: float, command_for: CommandFor, stamp: Optional[dict] = None,
+              env: Optional[Mapping[str, str]] = None, say: Say = print,
+              started: Optional[float] = None) -> Tuple[Dict[str, dict], dict]:
+    """The parts ``asked``: those of ``SIDE_BY_SIDE`` at the same time, then bench alone, within ``budget_s`` counted
+    from ``started`` (``time.monotonic()``; default now). Returns their records (``stamp``, the environment, in each)
+    and what the summary says of the run: its budget, its split and its wall time."""
+    started = time.monotonic() if started is None else started
+    side = [part for part in PARTS if part in SIDE_BY_SIDE and part in asked]
+    side_limit, share = split_budget(budget_s, asked)
+    clock = lambda: time.monotonic() - started  # noqa: E731
+    stamped = lambda line: say(f"[{clock():4.0f} s] {line}")  # noqa: E731
+    fields = dict({"environment": stamp} if stamp is not None else {}, budget_s=budget_s)
+    records: Dict[str, dict] = {}
+    if side:
+        stamped(f"{', '.join(side)}: {'side by side, each' if len(side) > 1 else 'running,'} at most "
+                f"{side_limit:.0f} s" + (f" (the budget less bench's {share:.0f} s share)" if share else "")
+                + f"; output in {log_path(out, '<part>')}")
+        records.update(run_side_by_side({part: command_for(part, out, side_limit) for part in side}, out, side_limit,
+                                        env, stamped, fields))
+    if "bench" in asked:
+        limit, note = bench_limit(budget_s, clock(), share)
+        if limit is None:
+            records["bench"] = dict(part_record("bench", NOT_RUN, note), **fields)
+            write_record(out, records["bench"])
+            stamped(f"bench: not run: {note}")
+        else:
+            stamped(f"bench: alone on the GPU, at most {limit:.0f} s" + (f" ({note})" if note else "")
+                    + f"; output in {log_path(out, 'bench')}")
+            fields.update({"phase": "alone, after the others"} if side else {}, **({"limit_note": note} if note else {}))
+            records["bench"] = run_side_by_side({"bench": command_for("bench", out, limit)}, out, limit, env, stamped,
+                                                fields)["bench"]
+    run = {"budget_s": budget_s, "wall_s": round(clock(), 1), "side_by_side": side,
+           "side_by_side_limit_s": side_limit, "alone": ["bench"] if "bench" in asked else [], "bench_share_s": share}
+    stamped(f"the whole run: {run['wall_s']:.0f} s of its {budget_s:.0f} s budget")
+    return records, run
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    limits = ", ".join(f"{part} {TIME_LIMITS_S[part]:.0f}" for part in PARTS)
     parser = argparse.ArgumentParser(
         prog="python -m fused_transformer gpu-check", description=__doc__.splitlines()[0],
         epilog="Exit status: 0 every part asked for passed; 1 a part failed, timed out or could not run; 2 no CUDA "
@@ -166,12 +276,18 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                              "%(default)s); parts run in separate invocations into one folder merge there")
     parser.add_argument("--only", action="append", choices=PARTS, metavar="PART",
                         help=f"run only this part (repeatable; one of {', '.join(PARTS)}); default: all four")
-    parser.add_argument("--time-limit", type=positive_seconds, metavar="SECONDS",
-                        help=f"every part's wall-clock limit, with no limit on the whole run (default: {limits} "
-                             f"seconds, the whole run held to {TOTAL_LIMIT_S:.0f})")
+    parser.add_argument("--budget", type=positive_seconds, default=DEFAULT_BUDGET_S, metavar="SECONDS",
+                        help="wall-clock seconds for the whole run, compiling included (default: %(default)g): "
+                             f"{', '.join(SIDE_BY_SIDE)} side by side, then bench alone in its share (3/8, at most "
+                             f"{BENCH_SHARE_MAX_S:.0f} s) and what they left")
+    add_device_option(parser, "runs every part on (a CUDA device; without one, the summary says so)")
     parser.add_argument("--all-tests", action="store_true",
-                        help="tests: the whole test suite instead of the GPU test files (longer: give --time-limit)")
+                        help="tests: the whole test suite instead of the GPU test files (longer: give --budget)")
     args = parser.parse_args(argv)
+    if args.device.type != "cuda" and torch.cuda.is_available():
+        parser.error(f"--device {args.device}: gpu-check runs on a CUDA device (cuda or cuda:N)")
+    if args.budget < MIN_PART_S:
+        parser.error(f"--budget {args.budget:g}: at least {MIN_PART_S:.0f} seconds")
     make_folder(parser, f"--out {args.out!r}", args.out)
     args.out = os.path.abspath(args.out)
     return args
@@ -179,32 +295,35 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """The command: run the parts asked for, rebuild the summary, print the verdict."""
+    started = time.monotonic()
     args = parse_args(argv)
-    asked = [part for part in RUN_ORDER if part in (args.only or PARTS)]
+    asked = [part for part in PARTS if part in (args.only or PARTS)]
     reason = no_cuda_reason()
     if reason is not None:
         write_summary(args.out, environment(), lambda part: reason)
         print(f"gpu-check: {reason}: nothing ran; {os.path.join(args.out, 'summary.md')} says so", file=sys.stderr)
         return NO_CUDA_STATUS
-    stamp = environment()
+    device = args.device
+    visible = visible_devices(device.index)
+    stamp = environment(device, visible)
     if stamp["triton_interpret"]:
         print(f"gpu-check: TRITON_INTERPRET={stamp['triton_interpret']} is set here: removed for the parts, "
               "which run the compiled kernels")
-    print(f"gpu-check on {stamp['device']['name']}: {', '.join(asked)}; writing to {args.out}", flush=True)
-    limits = {part: args.time_limit for part in PARTS} if args.time_limit else TIME_LIMITS_S
+    print(f"gpu-check on {stamp['device']['name']} ({device}, CUDA_VISIBLE_DEVICES={visible} for the parts): "
+          f"{', '.join(asked)} within {args.budget:.0f} s; writing to {args.out}", flush=True)
 
     def command_for(part: str, out: str, limit_s: float) -> List[str]:
         return part_command(part, out, limit_s, args.all_tests)
 
     not_asked = lambda part: f"not asked for yet (gpu-check --only {part})"  # noqa: E731
     try:
-        records = run_parts(asked, args.out, limits, command_for, None if args.time_limit else TOTAL_LIMIT_S, stamp,
-                            say=lambda line: print(line, flush=True))
+        records, run = run_parts(asked, args.out, args.budget, command_for, stamp, gpu_environment(visible),
+                                 say=lambda line: print(line, flush=True), started=started)
     except KeyboardInterrupt:
         write_summary(args.out, stamp, not_asked)
-        raise Interrupted(f"the part running was stopped; the summary of the others is in "
+        raise Interrupted(f"the parts running were stopped; the summary of the others is in "
                           f"{os.path.join(args.out, 'summary.md')}") from None
-    summary = write_summary(args.out, stamp, not_asked)
+    summary = write_summary(args.out, stamp, not_asked, run)
     print(f"\n{summary['verdict']}\nsummary: {os.path.join(args.out, 'summary.md')}")
     return 0 if all(record["status"] == PASSED for record in records.values()) else 1
 

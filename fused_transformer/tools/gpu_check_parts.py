@@ -4,19 +4,22 @@
 
 runs one part and writes its record to ``DIR/<part>.json``: ``status`` (passed / failed / timed out / not run),
 ``reason``, ``figures`` (what the summary shows), ``command`` and ``output_tail``. What the part runs goes to
-``DIR/<part>.log``.
+``DIR/<part>.log``. gpu-check gives the process only the GPU it runs on (``CUDA_VISIBLE_DEVICES``): there it is
+``PART_DEVICE``, ``cuda:0``.
 
 - ``tests``: pytest on the GPU subset ``GPU_TEST_FILES`` (or the whole suite) of the source checkout beside the
-  package, on the GPU itself (``TRITON_INTERPRET`` removed); its junit XML gives the counts and the failures.
-- ``check``: ``python -m fused_transformer check --device cuda --quick --no-progress``: its summary line and the
+  package, on the GPU itself (``TRITON_INTERPRET`` removed), over pytest-xdist's workers when it is installed
+  (``xdist_workers``); its junit XML gives the counts and the failures.
+- ``check``: ``python -m fused_transformer check --device cuda:0 --quick --no-progress``: its summary line and the
   rows that failed.
-- ``bench``: ``python -m fused_transformer bench --device cuda --quick`` on ``BENCH_SUITES`` into ``DIR/bench``:
-  per shape our time and TFLOP/s (tokens/s) and our speed-up over every other implementation measured.
+- ``bench``: ``python -m fused_transformer bench --device cuda:0 --quick --lengths ...`` on ``BENCH_SUITES`` into
+  ``DIR/bench``, at the lengths its limit fits (``bench_lengths``): per shape our time and TFLOP/s (tokens/s) and our
+  speed-up over every other implementation measured.
 - ``graphs``: ``gpu_check_graphs``, in this process: CUDA-graph replay of a training step, backward determinism,
   peak memory against the sequence length.
 
 An inner command gets the part's limit less ``INNER_MARGIN_S``, so that a part that runs out of time still writes
-what it has (pytest's output, the benchmark rows measured so far) as "timed out".
+what it has (pytest's junit XML of the tests it ran, the benchmark rows measured so far) as "timed out".
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ import traceback
 import xml.etree.ElementTree as ElementTree
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from fused_transformer.tools.provenance import PACKAGE_ROOT
 
@@ -45,16 +48,29 @@ FINAL_STATUSES = (PASSED, FAILED, TIMED_OUT, NOT_RUN)
 
 REPO_ROOT = os.path.dirname(PACKAGE_ROOT)
 # The test files that run our kernels and modules on CUDA tensors when there is a GPU (tests/numerics.py's DEVICE,
-# test_edges' device_for, the CUDA-graph test of test_drop_in), plus the two that ask the GPU which target it is.
+# test_edges' device_for, the CUDA-graph test of test_drop_in; check, the demo and its checkpoints on the default
+# device), plus the two that ask the GPU which target it is.
 GPU_TEST_FILES = (
     "tests/test_attention_triton.py", "tests/test_attention_varlen_triton.py", "tests/test_attention_score_mods.py",
-    "tests/test_attention_decode_triton.py", "tests/test_layer_norm_triton.py", "tests/test_feed_forward_triton.py",
-    "tests/test_drop_in.py", "tests/test_modules.py", "tests/test_edges.py", "tests/test_backend.py",
-    "tests/test_targets.py",
+    "tests/test_attention_decode_triton.py", "tests/test_attention_kvcache.py", "tests/test_layer_norm_triton.py",
+    "tests/test_feed_forward_triton.py", "tests/test_drop_in.py", "tests/test_modules.py", "tests/test_edges.py",
+    "tests/test_integration_sdpa.py", "tests/test_check.py", "tests/test_seq2seq.py", "tests/test_checkpoints.py",
+    "tests/test_backend.py", "tests/test_targets.py",
 )
 BENCH_SUITES = ("attention", "layer_norm", "feed_forward", "encoder_layer")
+BENCH_LENGTHS = (1024, 4096)  # bench --quick's on CUDA; with less time, the longest are kept
+# Estimates for an H100 / H200 (docs/gpu-check.md: to be confirmed by a GPU run): the start (imports, CUDA, compiling
+# the kernels that the parts before left out of Triton's cache), then per length 180 timed implementations
+# (attention: 24 shapes x 6, the others 36) at about 0.25 s each under triton.testing.do_bench.
+BENCH_START_S = 60.0
+BENCH_LENGTH_S = 45.0
+# A part's process sees one GPU (CUDA_VISIBLE_DEVICES): this one, named with its index, as torch.cuda.set_device needs.
+PART_DEVICE = "cuda:0"
 COMPETITORS = ("flash_attn", "xformers")
-INNER_MARGIN_S = 30.0
+INNER_MARGIN_S = 20.0
+INNER_GRACE_S = 10.0  # an inner command stopped at its limit gets this long to end (pytest: to write its junit XML)
+MAX_XDIST_WORKERS = 8  # as on the H200 run, where 8 workers ran the GPU test files in about 3 minutes
+CORES_LEFT = 4  # for check, graphs and their Triton compiles, which run beside the tests
 TAIL_CHARS = 4000
 
 
@@ -94,10 +110,13 @@ def read_record(path: str) -> Optional[dict]:
     return record if isinstance(record, dict) and "status" in record else None
 
 
-def gpu_environment() -> Dict[str, str]:
-    """The environment the parts run in: the Triton kernels compiled for the GPU, never interpreted."""
+def gpu_environment(visible_devices: Optional[str] = None) -> Dict[str, str]:
+    """The environment the parts run in: the Triton kernels compiled for the GPU, never interpreted; with
+    ``visible_devices``, ``CUDA_VISIBLE_DEVICES`` set to it, so that a part sees only the GPU gpu-check runs on."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONUNBUFFERED"] = "1"  # the log shows progress as it happens
+    if visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices
     return env
 
 
@@ -111,42 +130,80 @@ class Finished:
     output: str
 
 
-def run_with_limit(command: Sequence[str], limit_s: float, log: str, *, cwd: Optional[str] = None,
-                   env: Optional[Mapping[str, str]] = None, grace_s: float = 5.0) -> Finished:
-    """Run ``command`` in a session of its own, its stdout and stderr appended to the file ``log``. Past ``limit_s``
-    seconds (or when this process is stopped) the whole session, children included, gets SIGTERM, then SIGKILL
-    ``grace_s`` later."""
-    with open(log, "ab") as sink:
-        start = os.fstat(sink.fileno()).st_size
-        started = time.monotonic()
-        proc = subprocess.Popen(list(command), stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=cwd, env=None if env is None else dict(env), start_new_session=True)
-        timed_out = False
+class LimitedRun:
+    """``command`` running in a session of its own, its stdout and stderr appended to the file ``log``. Past
+    ``limit_s`` seconds, or on ``stop()``, the whole session, children included, gets ``stop_signal``, then SIGKILL
+    ``grace_s`` later. ``poll()`` never blocks, so that one loop can watch several runs side by side."""
+
+    def __init__(self, command: Sequence[str], limit_s: float, log: str, *, cwd: Optional[str] = None,
+                 env: Optional[Mapping[str, str]] = None, grace_s: float = 5.0,
+                 stop_signal: int = signal.SIGTERM) -> None:
+        self.limit_s, self.grace_s, self.stop_signal, self.log = limit_s, grace_s, stop_signal, log
+        self.timed_out = False
+        self.finished: Optional[Finished] = None
+        self._kill_at: Optional[float] = None
+        with open(log, "ab") as sink:
+            self._log_start = os.fstat(sink.fileno()).st_size
+            self.started = time.monotonic()
+            self.proc = subprocess.Popen(list(command), stdout=sink, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=cwd, env=None if env is None else dict(env),
+                                         start_new_session=True)
+
+    def poll(self) -> Optional[Finished]:
+        """How the command ended, once it has (and its session with it); None while it runs. Stops it when it is
+        past its limit, and kills what is left of its session when it is past its grace."""
+        if self.finished is not None:
+            return self.finished
+        now = time.monotonic()
+        if self.proc.poll() is None:
+            if self._kill_at is None and now - self.started >= self.limit_s:
+                self.timed_out = True
+                self.stop()
+                return None
+            if self._kill_at is None or now < self._kill_at:
+                return None
+            _signal_session(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        if self._kill_at is not None:  # children that outlived or ignored the stop signal
+            _signal_session(self.proc.pid, signal.SIGKILL)
+        with open(self.log, "rb") as f:
+            f.seek(self._log_start)
+            output = f.read().decode(errors="replace")
+        self.finished = Finished(None if self.timed_out else self.proc.returncode, self.timed_out,
+                                 time.monotonic() - self.started, output)
+        return self.finished
+
+    def stop(self) -> None:
+        """Send the stop signal to the whole session now (once); ``poll`` or ``wait`` then see it end."""
+        if self._kill_at is None and self.proc.poll() is None:
+            self._kill_at = time.monotonic() + self.grace_s
+            _signal_session(self.proc.pid, self.stop_signal)
+
+    def wait(self, tick_s: float = 0.1) -> Finished:
+        """Block until the command has ended; an exception meanwhile (Ctrl-C, SIGTERM) stops it first."""
         try:
-            proc.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            while self.poll() is None:
+                time.sleep(tick_s)
         finally:
-            if proc.poll() is None:
-                _end_session(proc, grace_s)
-        seconds = time.monotonic() - started
-    with open(log, "rb") as f:
-        f.seek(start)
-        output = f.read().decode(errors="replace")
-    return Finished(None if timed_out else proc.returncode, timed_out, seconds, output)
+            if self.finished is None:
+                self.stop()
+                while self.poll() is None:
+                    time.sleep(tick_s)
+        return self.finished
 
 
-def _end_session(proc: subprocess.Popen, grace_s: float) -> None:
+def _signal_session(pid: int, signum: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    try:  # what is left of the session: children that outlived or ignored SIGTERM
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signum)
     except ProcessLookupError:
         pass
-    proc.wait()
+
+
+def run_with_limit(command: Sequence[str], limit_s: float, log: str, *, cwd: Optional[str] = None,
+                   env: Optional[Mapping[str, str]] = None, grace_s: float = 5.0,
+                   stop_signal: int = signal.SIGTERM) -> Finished:
+    """Run ``command`` as a ``LimitedRun`` and wait for it to end (or to be stopped at ``limit_s``)."""
+    return LimitedRun(command, limit_s, log, cwd=cwd, env=env, grace_s=grace_s, stop_signal=stop_signal).wait()
 
 
 # ------------------------------------------------------------------------------------------------------ tests
@@ -154,31 +211,38 @@ def _end_session(proc: subprocess.Popen, grace_s: float) -> None:
 
 def parse_junit(path: str, root: Optional[str] = None) -> dict:
     """Counts (tests, passed, failed, errors, skipped), the failures and errors ({name, kind, message}) and the
-    commonest skip reasons of a pytest junit XML file; names read as pytest's node ids when ``root`` holds them."""
-    counts = Counter()
+    commonest skip reasons of a pytest junit XML file, serial or from pytest-xdist (whose entries come in the order
+    the workers finished them, a crashed worker's test as an error); names read as pytest's node ids when ``root``
+    holds them. A test counts once: pytest writes a second entry for a test that failed and then errored in its
+    teardown (both are listed, the test counts as failed). A run stopped by SIGINT leaves an empty entry for the
+    test it stopped, not counted."""
+    outcome: Dict[str, str] = {}  # node id -> its worst outcome
     failures: List[dict] = []
     skips: Counter = Counter()
     for case in ElementTree.parse(path).getroot().iter("testcase"):
+        if not case.get("name"):
+            continue  # the test that SIGINT stopped: pytest leaves an empty entry for it
         name = _node_id(case.get("classname", ""), case.get("name", ""), root)
-        outcomes = {child.tag: child for child in case if child.tag in ("failure", "error", "skipped")}
-        counts["tests"] += 1
-        for tag, kind in (("failure", "failed"), ("error", "errors")):
-            if tag in outcomes:
-                counts[kind] += 1
-                message = (outcomes[tag].get("message") or outcomes[tag].text or "").strip().splitlines()
-                failures.append({"name": name, "kind": "error" if tag == "error" else "failed",
-                                 "message": (message[0] if message else "")[:300]})
-                break
-        else:
-            if "skipped" in outcomes:
-                counts["skipped"] += 1
-                skips[(outcomes["skipped"].get("message") or "").strip()[:200]] += 1
-            else:
-                counts["passed"] += 1
-    figures = {key: counts[key] for key in ("tests", "passed", "failed", "errors", "skipped")}
+        found = {child.tag: child for child in case if child.tag in ("failure", "error", "skipped")}
+        kind = next((kind for tag, kind in JUNIT_OUTCOMES if tag in found), "passed")
+        if kind in ("failed", "errors"):
+            tag = "failure" if kind == "failed" else "error"
+            message = (found[tag].get("message") or found[tag].text or "").strip().splitlines()
+            failures.append({"name": name, "kind": "error" if tag == "error" else "failed",
+                             "message": (message[0] if message else "")[:300]})
+        elif kind == "skipped":
+            skips[(found["skipped"].get("message") or "").strip()[:200]] += 1
+        if name not in outcome or OUTCOME_RANK[kind] < OUTCOME_RANK[outcome[name]]:
+            outcome[name] = kind
+    counts = Counter(outcome.values())
+    figures = {"tests": len(outcome), **{key: counts[key] for key in ("passed", "failed", "errors", "skipped")}}
     figures["failures"] = failures
     figures["skip_reasons"] = [{"reason": reason, "count": n} for reason, n in skips.most_common(10)]
     return figures
+
+
+JUNIT_OUTCOMES = (("failure", "failed"), ("error", "errors"), ("skipped", "skipped"))
+OUTCOME_RANK = {"failed": 0, "errors": 1, "skipped": 2, "passed": 3}
 
 
 def _node_id(classname: str, name: str, root: Optional[str]) -> str:
@@ -192,20 +256,39 @@ def _node_id(classname: str, name: str, root: Optional[str]) -> str:
     return f"{classname}::{name}" if classname else name
 
 
-PROGRESS_LINE = re.compile(r"^(?P<marks>[.FEsxX]+)\s*(\[\s*\d+%\])?\s*$")
+# pytest -q's progress: marks, then the percentage; pytest-xdist may end a line with a worker's crash notice.
+PROGRESS_LINE = re.compile(r"^(?P<marks>[.FEsxX]+)\s*(\[gw\d+\] node down:.*)?(\[\s*\d+%\])?\s*$")
 
 
 def pytest_progress(output: str) -> dict:
     """Counts from ``pytest -q``'s progress lines (one mark per test: . passed, F failed, E error, s skipped,
-    x xfailed, X xpassed): what a run stopped before its junit XML still tells."""
+    x xfailed, X xpassed): what a run killed before its junit XML still tells."""
     marks = "".join(match["marks"] for line in output.splitlines() for match in [PROGRESS_LINE.match(line)] if match)
     counts = Counter(marks)
     return {"tests": len(marks), "passed": counts["."] + counts["X"], "failed": counts["F"], "errors": counts["E"],
             "skipped": counts["s"] + counts["x"], "failures": [], "skip_reasons": []}
 
 
-def tests_part(out: str, limit_s: float, whole_suite: bool = False, root: str = REPO_ROOT) -> dict:
-    """Run the GPU test files (or the whole suite) from ``root`` and judge them by their junit XML."""
+def xdist_workers(cpus: Optional[int] = None, installed: Optional[bool] = None) -> Optional[int]:
+    """How many pytest-xdist workers the tests part runs (``-n``): None (serially) without pytest-xdist or with
+    fewer than two to give; else up to ``MAX_XDIST_WORKERS``, leaving ``CORES_LEFT`` cores to check and graphs,
+    which run at the same time (and to Triton's compiler processes)."""
+    installed = importlib.util.find_spec("xdist") is not None if installed is None else installed
+    workers = min(MAX_XDIST_WORKERS, ((os.cpu_count() or 1) if cpus is None else cpus) - CORES_LEFT)
+    return workers if installed and workers >= 2 else None
+
+
+def tests_command(files: Sequence[str], junit: str, workers: Optional[int]) -> List[str]:
+    """pytest on ``files``, its verdict in the junit XML file ``junit``; with ``workers``, over that many
+    pytest-xdist workers."""
+    command = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "--junitxml", junit]
+    return command + (["-n", str(workers)] if workers else [])
+
+
+def tests_part(out: str, limit_s: float, whole_suite: bool = False, root: str = REPO_ROOT,
+               workers: Optional[int] = None) -> dict:
+    """Run the GPU test files (or the whole suite) from ``root`` and judge them by their junit XML; ``workers``
+    (pytest-xdist's ``-n``; 0: serially) defaults to ``xdist_workers()``."""
     tests_dir = os.path.join(root, "tests")
     if not os.path.isfile(os.path.join(tests_dir, "conftest.py")):
         return part_record("tests", NOT_RUN, f"no tests folder beside the package ({tests_dir}): an installed wheel "
@@ -219,13 +302,16 @@ def tests_part(out: str, limit_s: float, whole_suite: bool = False, root: str = 
     junit = os.path.join(out, "tests.xml")
     if os.path.exists(junit):
         os.remove(junit)
-    command = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "--junitxml", junit]
+    workers = xdist_workers() if workers is None else workers
+    command = tests_command(files, junit, workers)
+    # Stopped with SIGINT, pytest (and xdist's controller) ends as on Ctrl-C: the junit XML of the tests it ran.
     finished = run_with_limit(command, max(limit_s - INNER_MARGIN_S, 1.0), log_path(out, "tests"), cwd=root,
-                              env=gpu_environment())
-    figures: dict = {"files": files, "missing_files": missing, "exit_status": finished.returncode}
+                              env=gpu_environment(), stop_signal=signal.SIGINT, grace_s=INNER_GRACE_S)
+    figures: dict = {"files": files, "missing_files": missing, "exit_status": finished.returncode,
+                     "xdist_workers": workers or None}
     if os.path.exists(junit):
-        figures.update(parse_junit(junit, root))
-    elif finished.timed_out:  # pytest writes its XML at the end: count its progress lines instead
+        figures.update(parse_junit(junit, root), stopped=finished.timed_out)
+    elif finished.timed_out:  # killed before its junit XML: count its progress lines instead
         figures.update(pytest_progress(finished.output), partial=True)
     if finished.timed_out:
         status, reason = TIMED_OUT, f"pytest ran past {finished.seconds:.0f} s and was stopped"
@@ -262,7 +348,7 @@ def parse_check_output(text: str) -> dict:
 
 
 def check_part(out: str, limit_s: float) -> dict:
-    command = [sys.executable, "-m", "fused_transformer", "check", "--device", "cuda", "--quick", "--no-progress"]
+    command = [sys.executable, "-m", "fused_transformer", "check", "--device", PART_DEVICE, "--quick", "--no-progress"]
     finished = run_with_limit(command, max(limit_s - INNER_MARGIN_S, 1.0), log_path(out, "check"),
                               env=gpu_environment())
     figures = parse_check_output(finished.output)
@@ -370,10 +456,20 @@ def _bench_failures(output: str) -> List[str]:
     return []
 
 
+def bench_lengths(limit_s: float) -> Tuple[int, ...]:
+    """The sequence lengths the bench part measures within ``limit_s``: as many of ``BENCH_LENGTHS`` as
+    ``BENCH_START_S`` + ``BENCH_LENGTH_S`` per length fit in what the inner command gets, the longest first, at
+    least one."""
+    fit = int((limit_s - INNER_MARGIN_S - BENCH_START_S) // BENCH_LENGTH_S)
+    return BENCH_LENGTHS[len(BENCH_LENGTHS) - max(1, min(fit, len(BENCH_LENGTHS))):]
+
+
 def bench_part(out: str, limit_s: float) -> dict:
     folder = os.path.join(out, "bench")
-    command = [sys.executable, "-m", "fused_transformer", "bench", "--device", "cuda", "--quick",
-               *[arg for suite in BENCH_SUITES for arg in ("--suite", suite)], "--out", folder, "--no-progress"]
+    lengths = bench_lengths(limit_s)
+    command = [sys.executable, "-m", "fused_transformer", "bench", "--device", PART_DEVICE, "--quick",
+               *[arg for suite in BENCH_SUITES for arg in ("--suite", suite)],
+               "--lengths", ",".join(map(str, lengths)), "--out", folder, "--no-progress"]
     csv_path = os.path.join(folder, "bench_cuda.csv")
     for stale in (csv_path, csv_path + ".partial"):  # an earlier run's rows must not pass for this one's
         if os.path.exists(stale):
@@ -381,7 +477,8 @@ def bench_part(out: str, limit_s: float) -> dict:
     finished = run_with_limit(command, max(limit_s - INNER_MARGIN_S, 1.0), log_path(out, "bench"),
                               env=gpu_environment())
     installed = {name: importlib.util.find_spec(name) is not None for name in COMPETITORS}
-    figures: dict = {"exit_status": finished.returncode, "failures": _bench_failures(finished.output)}
+    figures: dict = {"exit_status": finished.returncode, "failures": _bench_failures(finished.output),
+                     "lengths": list(lengths), "lengths_left_out": [n for n in BENCH_LENGTHS if n not in lengths]}
     if os.path.exists(csv_path):
         figures.update(bench_figures(read_bench_csv(csv_path), installed), csv=csv_path)
     elif os.path.exists(csv_path + ".partial"):

@@ -25,15 +25,17 @@ def load_records(out: str) -> Dict[str, dict]:
     return records
 
 
-def build_summary(records: Mapping[str, dict], environment: dict, missing_reason: Callable[[str], str]) -> dict:
-    """Every part, from its record or as not run for ``missing_reason(part)``, and the overall verdict."""
+def build_summary(records: Mapping[str, dict], environment: dict, missing_reason: Callable[[str], str],
+                  run: Optional[dict] = None) -> dict:
+    """Every part, from its record or as not run for ``missing_reason(part)``, the overall verdict, and ``run``:
+    this invocation's budget, its split and its wall time (``gpu_check.run_parts``), None when nothing ran."""
     parts = {}
     for part in PARTS:
         parts[part] = dict(records[part]) if part in records else {"part": part, "status": NOT_RUN,
                                                                    "reason": missing_reason(part), "figures": {}}
         parts[part]["key_figures"] = key_figures(part, parts[part])
     return {"generated": environment.get("date"), "environment": environment, "verdict": verdict(parts, environment),
-            "parts": parts}
+            "run": run, "parts": parts}
 
 
 def verdict(parts: Mapping[str, dict], environment: Mapping[str, object]) -> str:
@@ -61,7 +63,9 @@ def _device_name(environment: Mapping[str, object]) -> str:
 
 def describe_environment(environment: Mapping[str, object]) -> str:
     device = environment.get("device")
-    where = (f"{device['name']} (capability {device['capability']}, {device['sm_count']} SMs, "
+    which = (f"{device['torch_device']}, the parts' only GPU through CUDA_VISIBLE_DEVICES="
+             f"{device['cuda_visible_devices']}; " if isinstance(device, dict) and device.get("torch_device") else "")
+    where = (f"{device['name']} ({which}capability {device['capability']}, {device['sm_count']} SMs, "
              f"{device['memory_gib']:.1f} GiB)" if isinstance(device, dict) else "a machine with no CUDA device")
     return (f"{where}; torch {environment.get('torch')}, CUDA {environment.get('cuda')}, triton "
             f"{environment.get('triton')}, fused_transformer {environment.get('fused_transformer')}, python "
@@ -87,9 +91,12 @@ def key_figures(part: str, record: Mapping[str, object]) -> str:
     """The part's figures in one line, for the overview table."""
     figures = record.get("figures") or {}
     if part == "tests" and "tests" in figures:
-        partial = ", counted from its progress: it stopped before its junit XML" if figures.get("partial") else ""
+        workers = f", {figures['xdist_workers']} xdist workers" if figures.get("xdist_workers") else ""
+        partial = (", counted from its progress: it stopped before its junit XML" if figures.get("partial") else
+                   ", stopped at its limit: the tests it had not reached are not counted" if figures.get("stopped")
+                   else "")
         return (f"{figures['passed']} passed, {figures['failed']} failed, {figures['errors']} errors, "
-                f"{figures['skipped']} skipped ({len(figures.get('files', []))} files{partial})")
+                f"{figures['skipped']} skipped ({len(figures.get('files', []))} files{workers}{partial})")
     if part == "check" and "checks" in figures:
         done = "checks" if figures.get("summary") else "rows before it stopped"
         return f"{figures['checks']} {done}: {figures['passed']} passed, {figures['failed']} failed"
@@ -97,7 +104,9 @@ def key_figures(part: str, record: Mapping[str, object]) -> str:
         medians = [f"{m['suite']} vs {m['impl']} {_ratio(m['median'])}" for m in figures["medians"]
                    if m["impl"] in ("sdpa", "torch", "torch.nn", "flash_attn", "xformers")]
         partial = " (partial)" if figures.get("partial") else ""
-        return f"{len(figures['shapes'])} shapes{partial}; median speed-up: " + (", ".join(medians) or "-")
+        lengths = f" at L {', '.join(map(str, figures['lengths']))}" if figures.get("lengths") else ""
+        return (f"{len(figures['shapes'])} shapes{lengths}{partial}; median speed-up: "
+                + (", ".join(medians) or "-"))
     if part == "graphs" and figures:
         found = []
         graph = figures.get("cuda_graph")
@@ -154,6 +163,10 @@ def _bench_details(figures: Mapping[str, object]) -> List[str]:
     lines = ["No CSV was written."] if "csv" not in figures else [
         f"From `{figures['csv']}`{' (partial: the run stopped early)' if figures.get('partial') else ''}. Speed-up = "
         "their ms / our ms (> 1: ours is faster); `refused`: that implementation does not take the shape."]
+    if figures.get("lengths_left_out"):
+        lines += ["", f"Lengths: {', '.join(map(str, figures['lengths']))} only; "
+                  f"{', '.join(map(str, figures['lengths_left_out']))} left out, as its time limit would not fit them "
+                  "(a larger --budget, or gpu-check --only bench, measures them)."]
     for name, status in figures.get("competitors", {}).items():
         lines.append(f"- {name}: {status}")
     if figures.get("failures"):
@@ -226,17 +239,38 @@ DETAILS: Dict[str, Callable[[Mapping[str, object]], List[str]]] = {
     "tests": _tests_details, "check": _check_details, "bench": _bench_details, "graphs": _graphs_details}
 
 
+def describe_run(run: Optional[Mapping[str, object]]) -> Optional[str]:
+    """This invocation's parts, its budget and its wall time, in one sentence; None when nothing ran."""
+    if not run or not (run.get("side_by_side") or run.get("alone")):
+        return None
+    side, alone = run["side_by_side"], run["alone"]
+    phases = []
+    if side:
+        each = " side by side, each" if len(side) > 1 else ""
+        phases.append(f"{', '.join(side)}{each} within {run['side_by_side_limit_s']:.0f} s")
+    if alone:
+        share = f" (its share {run['bench_share_s']:.0f} s, and what they left)" if side else ""
+        phases.append(f"{'then ' if side else ''}{', '.join(alone)} alone on the GPU{share}")
+    return (f"This run: {'; '.join(phases)}. Wall time {run['wall_s']:.0f} s of its {run['budget_s']:.0f} s "
+            "budget.")
+
+
+def _wall_time(record: Mapping[str, object]) -> str:
+    if record.get("duration_s") is None or record.get("limit_s") is None:
+        return "-"
+    return f"{record['duration_s']:.0f} s of {record['limit_s']:.0f} s"
+
+
 def render_markdown(summary: Mapping[str, object]) -> str:
     environment = summary["environment"]
     parts: Mapping[str, dict] = summary["parts"]
+    run = describe_run(summary.get("run"))
     lines = ["# gpu-check summary", "", f"**{summary['verdict']}**", "",
              f"Written {summary['generated']} by `python -m fused_transformer gpu-check` on "
-             f"{describe_environment(environment)}.", "",
-             "| part | status | duration | key figures |", "| --- | --- | --- | --- |"]
+             f"{describe_environment(environment)}.", *(["", run] if run else []), "",
+             "| part | status | wall time | key figures |", "| --- | --- | --- | --- |"]
     for part, record in parts.items():
-        duration = (f"{record['duration_s']:.0f} s of {record['limit_s']:.0f} s" if record.get("duration_s") is not None
-                    and record.get("limit_s") is not None else "-")
-        lines.append(f"| {part} | {_cell(_status(record))} | {duration} | {_cell(record['key_figures'])} |")
+        lines.append(f"| {part} | {_cell(_status(record))} | {_wall_time(record)} | {_cell(record['key_figures'])} |")
     for part, record in parts.items():
         if record["status"] == NOT_RUN and not record.get("figures"):
             continue
@@ -245,6 +279,8 @@ def render_markdown(summary: Mapping[str, object]) -> str:
         if record.get("started"):
             elsewhere = ran.get("device") != environment.get("device")
             section += [f"Started {record['started']}" + (f" on {describe_environment(ran)}" if elsewhere else "")
+                        + (f", {record['phase']}" if record.get("phase") else "")
+                        + (f"; wall time {_wall_time(record)}" if record.get("duration_s") is not None else "")
                         + (f"; command `{record['command']}`" if record.get("command") else "") + ".", ""]
         if record.get("limit_note"):
             section += [f"Time limit: {record['limit_note']}.", ""]
@@ -259,9 +295,11 @@ def render_markdown(summary: Mapping[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_summary(out: str, environment: dict, missing_reason: Callable[[str], str]) -> dict:
-    """Rebuild ``summary.json`` and ``summary.md`` in ``out`` from every part record there; return the summary."""
-    summary = build_summary(load_records(out), environment, missing_reason)
+def write_summary(out: str, environment: dict, missing_reason: Callable[[str], str],
+                  run: Optional[dict] = None) -> dict:
+    """Rebuild ``summary.json`` and ``summary.md`` in ``out`` from every part record there (``run``: this
+    invocation's, as ``build_summary`` takes it); return the summary."""
+    summary = build_summary(load_records(out), environment, missing_reason, run)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(out, "summary.md"), "w") as f:
