@@ -42,6 +42,17 @@ def _fresh_backend():
     backend.set_backend(saved)
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmuls_in_float32():
+    """float32 matmuls in full float32 (torch's default), whatever a test or an import set before: the kernels' float32
+    is exact unless a test asks for tf32, and so must be the float32 PyTorch they are compared with (the 2x rule's
+    baseline, torch.nn twins). On a GPU, "high" would run those in TF32 (10 mantissa bits)."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(saved)
+
+
 @pytest.fixture
 def interpreter_rounds_to_nearest():
     """The Triton interpreter truncates float32 -> bfloat16 casts where a GPU rounds to nearest: make it round,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fused_transformer.kernels import toolchain
-from fused_transformer.kernels.attention import TILE_ROWS, aot, configs, plan
+from fused_transformer.kernels.attention import TILE_ROWS, aot, configs, launch, plan
 from fused_transformer.kernels.targets import BY_CAPABILITY, TARGETS, closest_target
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
@@ -54,6 +54,22 @@ def test_every_launch_finds_a_row_and_every_row_is_picked():
                for version in toolchain.TESTED}
     assert picked == set(TILE_ROWS), [row for row in TILE_ROWS if row not in picked]
     assert len(set(TILE_ROWS)) == len(TILE_ROWS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_the_argument_checks_refuse_every_head_dim_no_tile_serves(dtype):
+    """The launchers' argument checks let through the head dims up to MAX_HEAD_DIM, which every launch above plans,
+    and refuse the next one with a clear error, before any plan is asked: float32 stops at 128 with tf32 products
+    too (the check cannot tell them apart, and tf32 launches fall back to float32's rows)."""
+    precision = configs.precision_of(dtype)
+    assert configs.MAX_HEAD_DIM["tf32"] == configs.MAX_HEAD_DIM["fp32"]
+    limit = configs.MAX_HEAD_DIM[precision]
+    widest, too_wide = (torch.empty(1, 1, 4, d, dtype=dtype, device="meta") for d in (limit, limit + 1))
+    launch.check_inputs(widest, widest, widest)
+    refusal = (f"float32 supports head_dim up to {limit}, got {limit + 1}" if dtype == torch.float32
+               else rf"head_dim={limit + 1} is not supported \(0\.\.{limit}\)")
+    with pytest.raises(ValueError, match=refusal):
+        launch.check_inputs(too_wide, too_wide, too_wide)
 
 
 def test_score_mods_rows_serve_score_mods_launches_only():

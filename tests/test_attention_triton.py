@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+import triton
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_transformer
@@ -161,10 +162,10 @@ def test_query_lengths_write_zero_rows():
     query_lengths = torch.tensor([45, 20], device=DEVICE)
     out, lse, dq, _, _ = _run(triton_attention.attention, q, k, v, do, None, torch.float32, {},
                               query_lengths=query_lengths)
-    ref = reference.attention(q, k, v)
+    ref, base = reference.attention(q, k, v), reference.attention(q.float(), k.float(), v.float())
     assert (out[1, :, 20:] == 0).all() and (lse[1, :, 20:] == float("-inf")).all() and (dq[1, :, 20:] == 0).all()
-    torch.testing.assert_close(out[0].double(), ref[0], atol=2e-5, rtol=0)
-    torch.testing.assert_close(out[1, :, :20].double(), ref[1, :, :20], atol=2e-5, rtol=0)
+    assert_close_to_reference(out[0], ref[0], base[0], "out (every query)")
+    assert_close_to_reference(out[1, :, :20], ref[1, :, :20], base[1, :, :20], "out (the first 20 queries)")
 
 
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
@@ -182,10 +183,11 @@ def test_unmasked_interior_key_tiles_with_query_lengths(lq, lk, alignment):
     assert (out[~real_rows] == 0).all() and (lse[~real_rows] == float("-inf")).all() and (dq[~real_rows] == 0).all()
     # The reference computes every row; a zero do on the rows past query_lengths takes them out of dk and dv.
     ref = _run(reference.attention, q, k, v, do * real_rows[..., None], None, torch.float64, masks)
-    for name, got, expected in (("out", out, ref[0]), ("dq", dq, ref[2])):
-        torch.testing.assert_close(got[real_rows].double(), expected[real_rows], atol=2e-5, rtol=0, msg=name)
-    for name, got, expected in (("dk", dk, ref[3]), ("dv", dv, ref[4])):
-        torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=0, msg=name)
+    base = _run(reference.attention, q, k, v, do * real_rows[..., None], None, torch.float32, masks)
+    for name, got, expected, baseline in (("out", out, ref[0], base[0]), ("dq", dq, ref[2], base[2])):
+        assert_close_to_reference(got[real_rows], expected[real_rows], baseline[real_rows], name)
+    for name, got, expected, baseline in (("dk", dk, ref[3], base[3]), ("dv", dv, ref[4], base[4])):
+        assert_close_to_reference(got, expected, baseline, name)
 
 
 def _padding_with_holes(lk: int) -> torch.Tensor:
@@ -218,14 +220,26 @@ def test_key_padding_runs_the_tiles_before_the_first_padding_key_unmasked(masks)
     masks = {**masks, "key_padding_mask": padding}
     got = _run(triton_attention.attention, q, k, v, do, dlse, torch.float32, masks)
     ref = _run(reference.attention, q, k, v, do, dlse, torch.float64, masks)
-    for name, out, expected in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
-        torch.testing.assert_close(out.double(), expected, atol=3e-5, rtol=0, msg=name)
+    base = _run(reference.attention, q, k, v, do, dlse, torch.float32, masks)
+    for name, out, expected, baseline in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
+        assert_close_to_reference(out, expected, baseline, name)
 
 
 def test_kernels_read_where_the_padding_mask_starts(monkeypatch):
     """The kernels take the keys before the first padding key from KEY_LENS's second row: told (falsely) that a
-    sequence with a hole has none, they run every key tile unmasked, and give attention without the hole."""
+    sequence with a hole has none, their two-loop path runs every key tile unmasked, and they give attention without
+    the hole. The two-loop path is switched on here for the three kernels: where their plan turns it off (tiles whose
+    two loops spill, such as sm_90's float32 dk/dv tile under Triton 3.6-3.8) every key tile is masked, the hole too."""
     lq, lk = 64, 64  # whole tiles: with rows or keys past a tile's end, the edge tiles would mask the hole
+    tiles = []
+    plan = configs.plan
+
+    def two_loops(kernel, *args, **kwargs):
+        chosen = dataclasses.replace(plan(kernel, *args, **kwargs), interior_loop=True)
+        tiles.append(chosen.tile)
+        return chosen
+
+    monkeypatch.setattr(configs, "plan", two_loops)
     (q, k, v, do, _), _ = _random_inputs(1, 2, 2, lq, lk, 16, seed=12)
     padding = torch.zeros(1, lk, dtype=torch.bool, device=DEVICE)
     padding[0, 3] = True
@@ -233,8 +247,10 @@ def test_kernels_read_where_the_padding_mask_starts(monkeypatch):
     monkeypatch.setattr(launch, "key_lengths", lambda mask: true_lengths(torch.zeros_like(mask)))
     got = _run(triton_attention.attention, q, k, v, do, None, torch.float32, {"key_padding_mask": padding})
     unmasked = _run(reference.attention, q, k, v, do, None, torch.float64, {})
-    for name, out, expected in zip(("out", "lse", "dq", "dk", "dv"), got, unmasked):
-        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0, msg=name)
+    base = _run(reference.attention, q, k, v, do, None, torch.float32, {})
+    assert len(tiles) == 3 and all(lq % t.block_m == 0 and lk % t.block_n == 0 for t in tiles), tiles
+    for name, out, expected, baseline in zip(("out", "lse", "dq", "dk", "dv"), got, unmasked, base):
+        assert_close_to_reference(out, expected, baseline, f"{name} (attention without the hole)")
 
 
 @pytest.mark.parametrize("fits", [False, True])
@@ -266,11 +282,12 @@ def test_kernels_take_the_interior_loop_where_the_launcher_says_it_fits(monkeypa
     got = _run(triton_attention.attention, q, k, v, do, None, torch.float32, masks, query_lengths=query_lengths)
     real = (torch.arange(100, device=DEVICE)[None, :] < query_lengths[:, None])[:, None, :, None]
     ref = _run(reference.attention, q * real, k, v, do * real, None, torch.float64, masks)
+    base = _run(reference.attention, q * real, k, v, do * real, None, torch.float32, masks)
     assert asked == ["fwd", "bwd_dq", "bwd_dkdv"] and launched == [fits, fits, fits]
-    torch.testing.assert_close(got[0].double(), ref[0] * real, atol=2e-5, rtol=0, msg="out")
-    for name, out, expected in zip(("dq", "dk", "dv"), got[2:], ref[2:]):
-        torch.testing.assert_close(out.double(), expected * real if name == "dq" else expected, atol=2e-5, rtol=0,
-                                   msg=name)
+    assert_close_to_reference(got[0], ref[0] * real, base[0] * real, "out")
+    for name, out, expected, baseline in zip(("dq", "dk", "dv"), got[2:], ref[2:], base[2:]):
+        rows = real if name == "dq" else 1  # rows past query_lengths: no dq
+        assert_close_to_reference(out, expected * rows, baseline * rows, name)
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
@@ -438,7 +455,7 @@ def test_strided_inputs_are_read_in_place():
     assert q.stride(-1) == 1 and not q.is_contiguous()
     out = triton_attention.attention(q, k, v, is_causal=True)
     ref = reference.attention(q.double(), k.double(), v.double(), is_causal=True)
-    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+    assert_close_to_reference(out, ref, reference.attention(q, k, v, is_causal=True))
 
 
 def _heads_interleaved(t):
@@ -478,24 +495,25 @@ def test_the_backward_reads_a_gradient_in_either_layout_to_the_same_bits():
     interleaved, contiguous = grads(_heads_interleaved), grads(torch.Tensor.contiguous)
     for a, b in zip(interleaved, contiguous):
         assert torch.equal(a, b)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    reference.attention(*leaves, is_causal=True).backward(do)
-    for got, leaf in zip(interleaved, leaves):
-        torch.testing.assert_close(got.double(), leaf.grad, atol=2e-5, rtol=0)
+    ref, base = (_run(reference.attention, q, k, v, do, None, dtype, {"is_causal": True})[2:]
+                 for dtype in (torch.float64, torch.float32))
+    for name, got, expected, baseline in zip(("dq", "dk", "dv"), interleaved, ref, base):
+        assert_close_to_reference(got, expected, baseline, name)
 
 
 def test_a_gradient_through_the_lse_alone():
     """With only the LSE used, the output's gradient is None in the backward (not materialised): zeros there."""
     (q, k, v, _, dlse), _ = _random_inputs(2, 2, 2, 21, 30, 16, seed=13)
-    got, ref = [], []
-    runs = ((triton_attention.attention, torch.float32, got), (reference.attention, torch.float64, ref))
+    got, ref, base = [], [], []
+    runs = ((triton_attention.attention, torch.float32, got), (reference.attention, torch.float64, ref),
+            (reference.attention, torch.float32, base))
     for fn, dtype, into in runs:
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         _, lse = fn(*leaves, is_causal=True, return_lse=True)
         (lse * dlse.to(dtype)).sum().backward()
         into.extend(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves)  # v: no path to the LSE
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=0)
+    for name, a, b, baseline in zip(("dq", "dk", "dv"), got, ref, base):
+        assert_close_to_reference(a, b, baseline, name)
 
 
 class _RecordedOps(TorchDispatchMode):
@@ -533,12 +551,17 @@ def test_multihead_attention_on_triton_copies_no_head_layout_and_fills_no_gradie
     assert torch.ops.fused_transformer.attention_bwd.default in backward.ops and read_in_place == [True, True]
     assert torch.ops.aten.stack.default in backward.ops
     assert not {torch.ops.aten.slice_backward.default, torch.ops.aten.zeros.default} & set(backward.ops)
-    reference_module = torch.nn.MultiheadAttention(32, 4, batch_first=True, device=DEVICE)
-    reference_module.load_state_dict(module.state_dict())
-    x_ref = x.detach().requires_grad_()
-    reference_module(x_ref, x_ref, x_ref, need_weights=False)[0].sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(module.in_proj_weight.grad, reference_module.in_proj_weight.grad, atol=1e-5, rtol=1e-5)
+    # The gradients against torch.nn's module in float64, with torch.nn's in float32 as the baseline.
+    twins = {}
+    for dtype in (torch.float32, torch.float64):
+        twin = torch.nn.MultiheadAttention(32, 4, batch_first=True, device=DEVICE, dtype=dtype)
+        twin.load_state_dict(module.state_dict())
+        x_twin = x.detach().to(dtype).requires_grad_()
+        twin(x_twin, x_twin, x_twin, need_weights=False)[0].sum().backward()
+        twins[dtype] = (x_twin.grad, twin.in_proj_weight.grad)
+    for name, got, ref64, baseline in zip(("dx", "d(in_proj_weight)"), (x.grad, module.in_proj_weight.grad),
+                                          twins[torch.float64], twins[torch.float32]):
+        assert_close_to_reference(got, ref64, baseline, name)
 
 
 def test_saved_tensors_grow_linearly_with_sequence_length():
@@ -576,7 +599,8 @@ def test_functional_dispatches_to_the_kernel_on_the_triton_backend(monkeypatch):
     with backend.use_backend("triton"):
         out = functional.attention(q.float(), k.float(), v.float(), is_causal=True)
     assert len(calls) == 1 and calls[0].is_causal
-    torch.testing.assert_close(out.double(), reference.attention(q, k, v, is_causal=True), atol=2e-5, rtol=0)
+    assert_close_to_reference(out, reference.attention(q, k, v, is_causal=True),
+                              reference.attention(q.float(), k.float(), v.float(), is_causal=True))
 
 
 def test_unsupported_inputs_raise_clear_errors():
@@ -641,7 +665,8 @@ class _GridRecorder:
 
 def test_grids_keep_batch_and_heads_on_separate_axes(monkeypatch):
     """CUDA caps grid axes 1 and 2 at 65535: batch x heads on one of them (8192 x 8, say) would not launch. Each
-    kernel's grid is (tiles, heads, batch)."""
+    kernel's grid is (tiles, heads, batch), its tiles counted with the tile the plan gives for the target the device
+    reports (the interpreter's small tiles without a GPU)."""
     grids = []
     for module, name in KERNELS:
         monkeypatch.setattr(module, name, _GridRecorder(getattr(module, name), grids))
@@ -649,14 +674,19 @@ def test_grids_keep_batch_and_heads_on_separate_axes(monkeypatch):
     (q, k, _, _, _), _ = _random_inputs(3, 4, 2, 37, 70, 16, seed=1)
     _, lse = triton_attention.attention(q.float(), k.float(), k.float(), return_lse=True)
     triton_attention.attention_weights(q.float(), k.float(), lse)
-    tile = configs.INTERPRETER_TILE.block_m  # block_m == block_n under the interpreter
-    rows, cols = -(-37 // tile), -(-70 // tile)
+    target = launch.launch_target(q.device)
+
+    def tile(kernel, light):  # float32, head_dim 16: light without an attn_mask (the second call)
+        return configs.plan(kernel, torch.float32, 16, target, light=light).tile
+
+    rows, cols = triton.cdiv(37, tile("fwd", False).block_m), triton.cdiv(70, tile("bwd_dkdv", False).block_n)
+    weights = tile("weights", True)
     assert grids == [
         ("attention_fwd_kernel", (rows, 4, 3)),
-        ("attention_dq_kernel", (rows, 4, 3)),
+        ("attention_dq_kernel", (triton.cdiv(37, tile("bwd_dq", False).block_m), 4, 3)),
         ("attention_dkdv_kernel", (cols, 2, 3)),
-        ("attention_fwd_kernel", (rows, 4, 3)),
-        ("attention_weights_kernel", (rows * cols, 4, 3)),
+        ("attention_fwd_kernel", (triton.cdiv(37, tile("fwd", True).block_m), 4, 3)),
+        ("attention_weights_kernel", (triton.cdiv(37, weights.block_m) * triton.cdiv(70, weights.block_n), 4, 3)),
     ], grids
     assert set(ratios) == {"out", "lse", "dq", "dk", "dv"}
     assert launch.grid(4, 8192, 8) == (4, 8, 8192)  # the shape issue 17 found unlaunchable
@@ -756,7 +786,8 @@ def test_tma_loads_match_the_pointer_path_and_reference(monkeypatch, batch, lq, 
 def test_tf32_loads_through_tma_at_its_head_dims(monkeypatch, head_dim, mask_kind):
     """The forward in float32 with allow_tf32 takes the TMA path at head dims 33..128 (configs.TF32_TMA_HEAD_DIMS; the
     interpreter computes its products in float32, so it gives the pointer path's values); the backward, exact float32
-    and other head dims keep the pointer path."""
+    and other head dims keep the pointer path. Past 128 no tile serves float32 (configs.MAX_HEAD_DIM), tf32 or not:
+    the argument checks refuse it, before any plan is asked, at the kernel-level entry and through the backend."""
     (q, k, v, do, dlse), g = _random_inputs(2, 2, 1, 37, 50, head_dim, seed=head_dim)
     masks = _masks(mask_kind, 2, 2, 37, 50, g)
     pointer = _run(triton_attention.attention, q, k, v, do, dlse, torch.float32, masks, allow_tf32=True)
@@ -769,8 +800,14 @@ def test_tf32_loads_through_tma_at_its_head_dims(monkeypatch, head_dim, mask_kin
     assert decisions == [False] * 2
     q16, k16, v16 = (t[..., :16].float().contiguous() for t in (q, k, v))
     assert not _loads_through_tma(q16, k16, v16, kernel="fwd", allow_tf32=True)
+    del decisions[:]
     head_dim_256 = [t.float().repeat(1, 1, 1, -(-256 // head_dim))[..., :256].contiguous() for t in (q, k, v)]
-    assert not _loads_through_tma(*head_dim_256, kernel="fwd", allow_tf32=True)
+    refusal = r"triton attention: float32 supports head_dim up to 128, got 256; use float16/bfloat16 inputs"
+    with pytest.raises(ValueError, match=refusal):
+        triton_attention.attention(*head_dim_256, allow_tf32=True, **masks)
+    with fused_transformer.use_backend("triton"), pytest.raises(ValueError, match=refusal):
+        fused_transformer.attention(*head_dim_256, **masks)
+    assert decisions == []  # refused before any plan lookup
 
 
 def test_tma_loads_strided_views_of_a_fused_projection_in_place(monkeypatch):

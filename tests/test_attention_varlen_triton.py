@@ -212,9 +212,11 @@ def test_functional_attention_varlen_dispatches_to_the_kernel(monkeypatch):
                                                window=(5, None), return_lse=True)
     assert len(calls) == 1 and calls[0].window == (5, None)
     ref, ref_lse = reference.attention_varlen(q, k, v, *args, is_causal=True, window=(5, None), return_lse=True)
+    base, base_lse = reference.attention_varlen(q.float(), k.float(), v.float(), *args, is_causal=True,
+                                                window=(5, None), return_lse=True)
     assert lse.shape == (2, sum(LENS_Q)) and lse.is_contiguous()
-    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
-    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+    assert_close_to_reference(out, ref, base, "out")
+    assert_close_to_reference(lse, ref_lse, base_lse, "lse")  # -inf where a sequence has no key, in both
 
 
 def test_varlen_ops_pass_opcheck():
@@ -336,7 +338,8 @@ def test_query_padding_combines_with_query_lengths():
     lengths = torch.tensor([30, 45, 45], device=DEVICE)
     out = triton_attention.attention(q.float(), k.float(), v.float(), query_lengths=lengths, **masks)
     combined = dict(masks, query_padding_mask=masks["query_padding_mask"] | _padding([30, 45, 45], 45))
-    torch.testing.assert_close(out.double(), reference.attention(q, k, v, **combined), atol=2e-5, rtol=0)
+    assert_close_to_reference(out, reference.attention(q, k, v, **combined),
+                              reference.attention(q.float(), k.float(), v.float(), **combined))
 
 
 @pytest.mark.parametrize("kind", ["query_padding_scattered", "window_causal_padding_per_sequence",
@@ -361,9 +364,10 @@ def test_functional_attention_passes_the_new_masks_to_the_kernel():
         out, lse = functional.attention(q.float(), k.float(), v.float(), return_lse=True, **masks)
         weights = functional.attention_weights(q.float(), k.float(), lse, **masks)
     ref, ref_lse = reference.attention(q, k, v, return_lse=True, **masks)
-    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
-    torch.testing.assert_close(weights.double(), reference.attention_weights(q, k, ref_lse, **masks), atol=2e-5,
-                               rtol=0)
+    base, base_lse = reference.attention(q.float(), k.float(), v.float(), return_lse=True, **masks)
+    assert_close_to_reference(out, ref, base, "out")
+    assert_close_to_reference(weights, reference.attention_weights(q, k, ref_lse, **masks),
+                              reference.attention_weights(q.float(), k.float(), base_lse, **masks), "weights")
 
 
 # --------------------------------------------------------------------------------- window tiles are skipped

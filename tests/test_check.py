@@ -58,14 +58,15 @@ def test_hook_breaks_only_the_named_op_and_backend(capsys, monkeypatch):
     code, out, _ = run_check(capsys, *args)
     assert code == 0 and rows(out) and all(result == "pass" for *_, result, _ in rows(out))
 
-    monkeypatch.setattr(check, "CORRUPT", {("layer_norm", "cpu")})
+    kernels = "triton" if DEVICE.type == "cuda" else "cpu"  # a kernel backend that runs on the device check picks
+    monkeypatch.setattr(check, "CORRUPT", {("layer_norm", kernels)})
     code, out, _ = run_check(capsys, *args)
     assert code == 1
-    assert "TEST HOOK: outputs perturbed before comparison for layer_norm on cpu" in out
+    assert f"TEST HOOK: outputs perturbed before comparison for layer_norm on {kernels}" in out
     found = rows(out)
     assert {b for op, b, *_ in found} == set(check.usable_backends(DEVICE))
     for op, backend, dtype, result, line in found:
-        broken = (op, backend) == ("layer_norm", "cpu")
+        broken = (op, backend) == ("layer_norm", kernels)
         assert result == ("FAIL" if broken else "pass"), line
         if broken:  # only the perturbed output fails, flagged as the hook's doing
             assert re.search(r"FAIL\s+y \(test hook\)$", line), line

@@ -11,7 +11,7 @@ from torch import nn
 
 import distributed_training
 import fused_transformer as ft
-from numerics import assert_close_to_reference
+from numerics import DEVICE, assert_close_to_reference
 
 D, HEADS, FF = 32, 4, 64
 
@@ -160,11 +160,11 @@ def test_compiled_training_matches_eager_and_never_recompiles(name):
 @pytest.mark.skipif(ft.backend.triton_unavailable_reason() is not None, reason="triton is not installed")
 @pytest.mark.parametrize("name", ["TransformerEncoderLayer", "TransformerDecoderLayer"])
 def test_compile_on_the_triton_backend_traces_its_custom_ops(name):
-    """The Triton ops are custom ops with fake kernels: on a GPU, or here under the interpreter, a compiled
-    training step has no graph break and matches eager."""
+    """The Triton ops are custom ops with fake kernels: on a GPU, or without one on CPU tensors under the
+    interpreter, a compiled training step has no graph break and matches eager."""
     _, fused = twins(name, dropout=0.1)
-    fused.train()
-    args = inputs()
+    fused.to(DEVICE).train()
+    args = [t.to(DEVICE) for t in inputs()]
     with ft.use_backend("triton"):
         torch._dynamo.reset()
         explanation = torch._dynamo.explain(lambda: call(name, fused, *args))()

@@ -1,9 +1,9 @@
 """torch's SDPA flash-attention registry: ``activate_flash_attention_impl("fused_transformer")`` routes
 ``F.scaled_dot_product_attention`` and ``varlen_attn`` to our kernels, and ``restore`` undoes it.
 
-CPU calls go through the dispatcher to the C++ kernels. The CUDA implementations (Triton) are called directly on
-CPU tensors under the Triton interpreter: their argument handling, layouts and the dropout seed kept in
-``rng_state`` are the same code a CUDA tensor runs."""
+CPU calls go through the dispatcher to the C++ kernels. The CUDA implementations (Triton) are called directly, on
+CUDA tensors where there is a GPU, else on CPU tensors under the Triton interpreter: their argument handling, layouts
+and the dropout seed kept in ``rng_state`` are the same code either way."""
 import contextlib
 from typing import Dict, List
 
@@ -15,7 +15,7 @@ import fused_transformer as ft
 from fused_transformer import reference
 from fused_transformer.integrations import sdpa
 
-from tests.numerics import assert_close_to_reference
+from tests.numerics import DEVICE, assert_close_to_reference
 
 attention_registry = pytest.importorskip("torch.nn.attention")
 if not hasattr(attention_registry, "register_flash_attention_impl"):
@@ -225,14 +225,14 @@ def test_flash_ops_keep_the_dropout_seed_for_their_backward():
 
 # ------------------------------------------------------------------------ CUDA's implementations (Triton)
 
-needs_interpreter = pytest.mark.skipif(
+needs_triton = pytest.mark.skipif(
     ft.backend.triton_unavailable_reason() is not None, reason="triton is not installed or too old")
 
 
-@needs_interpreter
+@needs_triton
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_sdpa_op_matches_reference(causal, kernel_calls):
-    q, k, v, dout = _tensors(torch.float32, kv_heads=2, lq=7, lk=7)
+    q, k, v, dout = (t.to(DEVICE) for t in _tensors(torch.float32, kv_heads=2, lq=7, lk=7))
     sdpa.set_route("ours")
     try:
         out, lse, _, _, max_q, max_k, rng_state, _, debug = sdpa.CUDA.sdpa_forward(q, k, v, 0.0, causal)
@@ -251,9 +251,10 @@ def test_triton_sdpa_op_matches_reference(causal, kernel_calls):
         assert (mine.double() - theirs).abs().max().item() < 1e-5, name
 
 
-@needs_interpreter
+@needs_triton
 def test_triton_flash_ops_packed_and_dense(kernel_calls):
     q, k, v, cu, longest = _packed(torch.float32)
+    q, k, v, cu = (t.to(DEVICE) for t in (q, k, v, cu))
     sdpa.set_route("ours")
     try:
         out, lse, rng_state, offset, _ = sdpa.CUDA.flash_forward(q, k, v, cu, cu, longest, longest, 0.0, False,

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fused_transformer as ft
+from tests.numerics import DEVICE
 
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=2e-5)}
 
@@ -426,17 +427,18 @@ def test_non_contiguous_inputs_match_torch():
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("mask_kind", ["kpm", "causal+kpm", "float_mask+kpm"])
 def test_encoder_layer_on_the_triton_backend_matches_torch(mask_kind, norm_first):
-    """Every op of the layer (attention, LayerNorm, feed-forward) on the Triton kernels, float32."""
+    """Every op of the layer (attention, LayerNorm, feed-forward) on the Triton kernels, float32, on the GPU when
+    there is one (else on CPU tensors under the interpreter), against torch.nn on the same device."""
     batch, length, dim = 3, 40, 32
     ref, ours = twins(nn.TransformerEncoderLayer, ft.TransformerEncoderLayer, dim, 4, 48, dropout=0.1,
                       activation="gelu", batch_first=True, norm_first=norm_first, dtype=torch.float32)
-    ref.eval(), ours.eval()
-    x = torch.randn(batch, length, dim)
-    kwargs = {"src_key_padding_mask": padding_mask(batch, length, [40, 33, 5])}
+    ref.eval().to(DEVICE), ours.eval().to(DEVICE)
+    x = torch.randn(batch, length, dim).to(DEVICE)
+    kwargs = {"src_key_padding_mask": padding_mask(batch, length, [40, 33, 5]).to(DEVICE)}
     if "causal" in mask_kind:
-        kwargs.update(src_mask=nn.Transformer.generate_square_subsequent_mask(length), is_causal=True)
+        kwargs.update(src_mask=nn.Transformer.generate_square_subsequent_mask(length, device=DEVICE), is_causal=True)
     if "float_mask" in mask_kind:
-        kwargs["src_mask"] = torch.randn(length, length)
+        kwargs["src_mask"] = torch.randn(length, length).to(DEVICE)
     with ft.use_backend("triton"):
         assert_same_forward_backward(ref, ours, [x], lambda m, x: m(x, **kwargs), torch.float32,
                                      padding=kwargs["src_key_padding_mask"])
@@ -447,13 +449,15 @@ def test_decoder_layer_and_attention_weights_on_the_triton_backend_match_torch()
     batch, lt, ls, dim = 2, 35, 37, 32
     ref, ours = twins(nn.TransformerDecoderLayer, ft.TransformerDecoderLayer, dim, 4, 48, dropout=0.0,
                       batch_first=True, norm_first=False, dtype=torch.float32)
-    tgt, memory = torch.randn(batch, lt, dim), torch.randn(batch, ls, dim)
-    kwargs = dict(tgt_mask=nn.Transformer.generate_square_subsequent_mask(lt), tgt_is_causal=True,
-                  tgt_key_padding_mask=padding_mask(batch, lt), memory_key_padding_mask=padding_mask(batch, ls, [37, 20]))
+    ref.to(DEVICE), ours.to(DEVICE)
+    tgt, memory = torch.randn(batch, lt, dim).to(DEVICE), torch.randn(batch, ls, dim).to(DEVICE)
+    kwargs = dict(tgt_mask=nn.Transformer.generate_square_subsequent_mask(lt, device=DEVICE), tgt_is_causal=True,
+                  tgt_key_padding_mask=padding_mask(batch, lt).to(DEVICE),
+                  memory_key_padding_mask=padding_mask(batch, ls, [37, 20]).to(DEVICE))
     with ft.use_backend("triton"):
         assert_same_forward_backward(ref, ours, [tgt, memory], lambda m, t, s: m(t, s, **kwargs), torch.float32,
                                      padding=kwargs["tgt_key_padding_mask"])
-        q = torch.randn(batch, lt, dim)
+        q = torch.randn(batch, lt, dim).to(DEVICE)
         for average in (True, False):
             options = dict(key_padding_mask=kwargs["memory_key_padding_mask"], average_attn_weights=average)
             expected_out, expected_weights = ref.multihead_attn(q, memory, memory, **options)
