@@ -6,13 +6,14 @@ testpaths is ``tests``). Options below; pytest-benchmark's own (``--benchmark-ma
 import pytest
 import torch
 
-from fused_transformer.tools import bench_cases
+from fused_transformer.tools import AUTO_DEVICE, bench_cases, resolve_device
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("fused_transformer benchmarks")
-    group.addoption("--bench-device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="cpu or cuda (default: cuda when there is one)")
+    group.addoption("--bench-device", default=AUTO_DEVICE,
+                    help="cpu, cuda, cuda:N or auto (the default: the current CUDA device when there is one, else cpu), "
+                         "as bench --device")
     group.addoption("--bench-dtype", choices=("float32", "float16", "bfloat16"), default=None,
                     help="default float32 on CPU, bfloat16 on CUDA (bench --dtype's spelling)")
     group.addoption("--bench-grid", choices=("small", "quick", "full"), default="small",
@@ -24,7 +25,10 @@ def pytest_addoption(parser):
 
 
 def bench_setup(config) -> bench_cases.Setup:
-    device = torch.device(config.getoption("--bench-device"))
+    try:
+        device = resolve_device(config.getoption("--bench-device"))
+    except ValueError as exc:
+        raise pytest.UsageError(f"--bench-device: {exc}") from None
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, None: None}[
         config.getoption("--bench-dtype")]
     if dtype is None:
@@ -42,8 +46,6 @@ def pytest_generate_tests(metafunc):
 def selected_cases(config):
     """The setup, and the (case, impl) pairs to parametrize over."""
     setup = bench_setup(config)
-    if setup.device.type == "cuda" and not torch.cuda.is_available():
-        raise pytest.UsageError("--bench-device cuda: no CUDA device is available here")
     grid, lengths = config.getoption("--bench-grid"), config.getoption("--bench-lengths")
     pairs = []
     for suite in config.getoption("--bench-suite") or bench_cases.SUITES:

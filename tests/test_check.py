@@ -131,7 +131,7 @@ def test_device_without_cuda_is_rejected(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["check", "--device", "cuda"])
     assert exc.value.code == 2
-    assert "CUDA is not available here" in capsys.readouterr().err
+    assert "argument --device: device 'cuda': no CUDA device is available here" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU triton is usable without the interpreter")

@@ -179,7 +179,8 @@ def test_verdicts_only_gives_the_same_verdicts_and_reads_sass_only_for_wgmma(res
                    if t == target and k.expect_tensor_cores) for target in (80, 90)]
     monkeypatch.setattr(report, "jobs_for", lambda modules: picked)
     for (_, index, target), verdict in zip(picked, report.compile_all(jobs=2, modules=[module], figures=False)):
-        [full] = [r for r in results if r.module == module and r.config == kernels[index].config and r.target == target]
+        [full] = [r for r in results if (r.module, r.name, r.config, r.target) == (module, kernels[index].name,
+                                                                                  kernels[index].config, target)]
         same = ("registers", "spill_bytes", "stack_bytes", "shared_bytes", "tensor_cores", "blocks_per_sm", "error")
         assert {f: getattr(verdict, f) for f in same} == {f: getattr(full, f) for f in same}, target
         assert verdict.ok and full.mma_counts

@@ -470,7 +470,7 @@ def test_demo_plans_its_steps_from_a_time_budget(capsys):
     (["--save-every", "0"], "argument --save-every: expected a positive integer, got '0'"),
     (["--save-every", "5"], "--save-every and --resume need --checkpoint PATH"),
     (["--resume"], "--save-every and --resume need --checkpoint PATH"),
-    (["--device", "gpu"], "--device 'gpu' is not a torch device"),
+    (["--device", "gpu"], "argument --device: device 'gpu' is not a torch device"),
 ])
 def test_demo_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
