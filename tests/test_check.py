@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from fused_transformer import __main__ as cli
-from fused_transformer.tools import check, check_cases, numerics
+from fused_transformer.tools import check, check_cases, numerics, resolve_device
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # what `check` picks by default
+DEVICE = resolve_device()  # what `check` picks by default
 ROW = re.compile(r"^(?P<op>\w+)\s+(?P<backend>triton|cpu|reference)\s+(?P<dtype>float32|float16|bfloat16)\s+.*?"
                  r"\s(?P<result>pass|FAIL|ERROR)(\s|$)")
 
