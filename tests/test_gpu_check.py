@@ -314,8 +314,8 @@ def _alive(pid):
 
 def test_a_record_left_by_an_earlier_run_does_not_pass_for_this_one(tmp_path):
     gpu_check_parts.write_record(str(tmp_path), gpu_check_parts.part_record("graphs", "passed"))
-    record = gpu_check.run_part("graphs", [sys.executable, "-c", "print('dying'); raise SystemExit(1)"],
-                                str(tmp_path), 30)
+    dying = [sys.executable, "-c", "print('dying'); raise SystemExit(1)"]
+    record = gpu_check.run_side_by_side({"graphs": dying}, str(tmp_path), 30)["graphs"]
     assert record["status"] == "failed" and "exit status 1" in record["reason"]
     assert "dying" in record["output_tail"] and (tmp_path / "graphs.log").read_text() == "dying\n"
 

@@ -220,12 +220,6 @@ def _ended_line(record: Mapping[str, object]) -> str:
             + (f": {record['reason']}" if record.get("reason") else ""))
 
 
-def run_part(part: str, command: Sequence[str], out: str, limit_s: float,
-             env: Optional[Mapping[str, str]] = None) -> dict:
-    """Run one part alone (``run_side_by_side`` with one) and return its record."""
-    return run_side_by_side({part: command}, out, limit_s, env)[part]
-
-
 def run_parts(asked: Sequence[str], out: str, budget_s: float, command_for: CommandFor, stamp: Optional[dict] = None,
               env: Optional[Mapping[str, str]] = None, say: Say = print,
               started: Optional[float] = None) -> Tuple[Dict[str, dict], dict]:
