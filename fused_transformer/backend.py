@@ -1,5 +1,5 @@
 """The one place that decides which implementation an op runs on: the backend's name (``current``) and the
-function that backend runs the op with (``implementation``).
+functions that backend runs the ops with (``ops``).
 
 Backends:
   ``"triton"``     Triton kernels (``fused_transformer.kernels``). CUDA tensors, or CPU tensors under the
@@ -21,8 +21,9 @@ import contextlib
 import importlib
 import os
 import threading
+import types
 import warnings
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -113,20 +114,23 @@ def current(device: "torch.device | str | None" = None, dtype: Optional[torch.dt
     """
     if not isinstance(device, torch.device):
         device = torch.device(device if device is not None else "cpu")
-    name = get_backend()
+    name = _scoped_choice if _scoped_choice is not None else _global_choice  # get_backend(), one call less
+    device_type = device.type
     if name == "auto":
         if dtype == torch.float64:
             return "reference"
-        if device.type == "cuda":
+        if device_type == "cuda":
             return "triton" if triton_unavailable_reason() is None else "reference"
-        if device.type != "cpu":
+        if device_type != "cpu":
             return "reference"
         return _auto_cpu_backend()
     if name == "triton":
         reason = triton_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"backend 'triton' is unavailable: {reason}")
-        if device.type == "cpu" and not triton_interpreting():
+        if device_type == "cuda":
+            return name
+        if device_type == "cpu" and not triton_interpreting():
             raise RuntimeError(
                 "backend 'triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
                 "before importing triton, or move the tensors to a CUDA device"
@@ -142,37 +146,32 @@ def current(device: "torch.device | str | None" = None, dtype: Optional[torch.dt
     return name
 
 
-# backend -> op -> the function it runs the op with, on the tensors of the call and its spec (contract.py):
-#   attention (q, k, v, masks, spec, alibi_slopes=None, sinks=None) and attention_varlen (q, k, v, cu_seqlens_q,
-#   cu_seqlens_k, max_seqlen_q, max_seqlen_k, spec, alibi_slopes=None, sinks=None) -> (out, lse), the LSE with the
-#   sinks in it; attention_weights (q, k, lse, masks, spec); layer_norm (x, weight, bias,
-#   residual, spec) -> y or (y, z); feed_forward (x, w1, b1, w2, b2, spec); attention_with_kvcache (q, cache,
-#   alibi_slopes, sinks, spec) -> (out [B, Lq, H, D], lse), the new keys already in the cache.
-# Filled on a backend's first use: importing the C++ extension or triton is its first use's cost, not the package's.
-_OPS: Dict[str, Dict[str, Callable]] = {}
+# The names of a backend's functions (contract.py writes down their interface); the reference has the composed ops
+# instead of the forward / backward pairs, autograd differentiating them.
+INTERFACE = ("attention_fwd", "attention_bwd", "attention_varlen_fwd", "attention_varlen_bwd", "attention_weights",
+             "attention_with_kvcache", "layer_norm_fwd", "layer_norm_bwd", "layer_norm_composed", "feed_forward_fwd",
+             "feed_forward_bwd", "feed_forward_composed", "DIFFERENTIABLE_LSE")
+REFERENCE_OPS = ("attention", "attention_varlen", "attention_weights", "attention_with_kvcache", "layer_norm",
+                 "feed_forward")
+# backend -> its functions, filled on its first use: importing the C++ extension or triton is its first use's cost,
+# not the package's.
+_OPS: Dict[str, types.SimpleNamespace] = {}
 
 
-def _import_ops(name: str) -> Dict[str, Callable]:
+def _import_ops(name: str) -> types.SimpleNamespace:
     if name == "triton":
-        from .kernels import attention, feed_forward, layer_norm
+        from .kernels import backend as triton_backend
 
-        return dict(attention=attention.run_attention, attention_varlen=attention.run_attention_varlen,
-                    attention_weights=attention.run_attention_weights, layer_norm=layer_norm.run_layer_norm,
-                    feed_forward=feed_forward.run_feed_forward,
-                    attention_with_kvcache=attention.run_attention_with_kvcache)
+        return types.SimpleNamespace(**{n: getattr(triton_backend, n) for n in INTERFACE})
     if name == "cpu":
         from . import cpu_ops
 
-        return dict(attention=cpu_ops.run_attention, attention_varlen=cpu_ops.run_attention_varlen,
-                    attention_weights=cpu_ops.run_attention_weights, layer_norm=cpu_ops.run_layer_norm,
-                    feed_forward=cpu_ops.run_feed_forward, attention_with_kvcache=cpu_ops.run_attention_with_kvcache)
+        return types.SimpleNamespace(**{n: getattr(cpu_ops, n) for n in INTERFACE})
     if name != "reference":
         raise ValueError(f"backend {name!r} has no ops of its own: name one of triton, cpu, reference")
     from . import reference
 
-    return dict(attention=reference.run_attention, attention_varlen=reference.run_attention_varlen,
-                attention_weights=reference.run_attention_weights, layer_norm=reference.run_layer_norm,
-                feed_forward=reference.run_feed_forward, attention_with_kvcache=reference.run_attention_with_kvcache)
+    return types.SimpleNamespace(**{n: getattr(reference, "run_" + n) for n in REFERENCE_OPS})
 
 
 @constant_for_compile
@@ -183,15 +182,13 @@ def _load(name: str) -> bool:
     return True
 
 
-def ops(name: str) -> Dict[str, Callable]:
-    """The functions backend ``name`` (not ``"auto"``) runs each op with, imported on first use. A function replaced
-    in this dict (a test's spy, a user's patch) is the one the functional ops call."""
-    _load(_check_name(name, "backend"))
-    return _OPS[name.lower()]
-
-
-def implementation(op: str, x: torch.Tensor) -> Callable:
-    """The function that runs ``op`` for tensors like ``x``, on the backend ``current`` picks for them."""
-    name = current(x.device, x.dtype)
-    _load(name)
-    return _OPS[name][op]
+def ops(name: str) -> types.SimpleNamespace:
+    """The functions backend ``name`` (not ``"auto"``) runs the ops with, imported on first use: for triton and cpu
+    ``INTERFACE``'s, for the reference ``REFERENCE_OPS``'. A function replaced here (a test's spy, a user's patch) is
+    the one the ops call."""
+    found = _OPS.get(name)
+    if found is None:
+        name = _check_name(name, "backend")
+        _load(name)
+        found = _OPS[name]
+    return found

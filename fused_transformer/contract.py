@@ -1,10 +1,40 @@
 """The op contract, written once: what every backend of every op accepts, how it lays out its results, and the
 checks that turn bad arguments into clear errors.
 
-``fused_transformer.functional`` runs these checks once and hands each backend (``reference``, ``cpu_ops``,
-``fused_transformer.kernels``) arguments that satisfy them; the attention ops also get one ``AttentionSpec``, the
+``fused_transformer.functional`` runs these checks once and hands the op's autograd Function
+(``fused_transformer.autograd``) arguments that satisfy them; the attention ops also get one ``AttentionSpec``, the
 call's flags resolved (causal alignment, window, dropout, scale), so no backend re-derives them. Nothing here
 imports another module of the package.
+
+The backend interface, below autograd. The Triton backend (``fused_transformer.kernels.backend``) and the C++ one
+(``fused_transformer.cpu_ops``) export these raw functions: no autograd, outputs allocated by the callee, every
+argument checked here before; ``fused_transformer.autograd`` writes each op's Function once above them::
+
+    attention_fwd(q, k, v, masks, spec, alibi_slopes, sinks, seed, float_output) -> (o, lse)
+    attention_bwd(do, dlse, q, k, v, o, lse, masks, spec, alibi_slopes, seed) -> (dq, dk, dv)
+    attention_varlen_fwd(q, k, v, seqs, spec, alibi_slopes, sinks, seed, float_output) -> (o, lse)
+    attention_varlen_bwd(do, dlse, q, k, v, o, lse, seqs, spec, alibi_slopes, seed) -> (dq, dk, dv)
+    attention_weights(q, k, lse, masks, spec) -> weights [B, H, Lq, Lk]
+    attention_with_kvcache(q, cache, alibi_slopes, sinks, spec, k_new, v_new) -> (out [B, Lq, H, D], lse)
+    layer_norm_fwd(x, weight, bias, residual, spec, seed, store_z) -> (y, z, mean, rstd)
+    layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, spec, seed, has_residual) -> (dx, dresidual, dweight, dbias)
+    feed_forward_fwd(x, w1, b1, w2, b2, spec, seed, keep) -> (y, saved)
+    feed_forward_bwd(dy, x, w1, b1, w2, saved, has_b2, spec, seed) -> (dx, dw1, db1, dw2, db2)
+    layer_norm_composed(x, weight, bias, residual, spec), feed_forward_composed(x, w1, b1, w2, b2, spec)
+
+Shapes: attention q ``[B, H, Lq, D]``, k / v ``[B, Hkv, Lk, D]``, o ``[B, H, Lq, D]`` (laid out as the backend
+writes it), lse ``[B, H, Lq]``; packed q ``[Tq, H, D]``, lse ``[H, Tq]``, ``seqs`` a ``PackedSequences``; lse in
+``stats_dtype``, the sinks in it, so the backward needs no sinks; ``dlse`` None when the LSE was not used; o in
+float32 with ``float_output`` (16-bit inputs whose sinks need a gradient, ``sinks_gradient``); ``seed`` from
+``draw_dropout_seed`` or None without dropout. layer_norm and feed_forward take rows ``[rows, N]`` (``as_rows``);
+``z`` is ``dropout(x) + residual`` (empty unless ``store_z``), ``mean`` / ``rstd`` per row in float32 (empty where
+a backend keeps none); ``saved`` the tensors a feed-forward backward reads beyond the inputs (``()`` unless
+``keep``: the backward then recomputes them); an absent parameter's gradient is empty. The ``*_composed`` entries
+(or None) serve a call with torch ops that autograd differentiates, where those are faster than the backend's
+kernels, and return None for the calls they leave to them. ``attention_with_kvcache`` is forward only: with
+``k_new`` / ``v_new`` (only for a backend whose function has ``appends_new_keys``) it writes them into the cache
+itself, else they are in the cache already. The reference backend (``fused_transformer.reference``) takes the same
+calls composed of torch ops and differentiated by autograd: the oracle does not go through the Functions it checks.
 """
 from __future__ import annotations
 
@@ -21,8 +51,24 @@ CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
 # ``(left, right)``: query i sees keys i + o - left .. i + o + right, a side that is None is unlimited; None: no window.
-# The one encoding of "no limit" above the kernels (which take their own: see their launchers).
+# The kernels take the two sides as ints, -1 for no limit (``window_bounds``, FlashAttention's convention).
 Window = Optional[Tuple[Optional[int], Optional[int]]]
+NO_LIMIT = -1
+
+
+def window_bounds(window: Window) -> Tuple[int, int]:
+    """``window`` (checked) as the kernels take it: ``(left, right)`` ints, ``NO_LIMIT`` for an unlimited side."""
+    if window is None:
+        return (NO_LIMIT, NO_LIMIT)
+    left, right = window
+    return (NO_LIMIT if left is None else left, NO_LIMIT if right is None else right)
+
+
+def window_of_bounds(left: Optional[int], right: Optional[int]) -> Window:
+    """The ``Window`` of kernel-style sides (None or negative: no limit), normalised as ``check_window`` does."""
+    left = None if left is None or left < 0 else int(left)
+    right = None if right is None or right < 0 else int(right)
+    return None if left is None and right is None else (left, right)
 
 
 class AttentionMasks(NamedTuple):
@@ -31,6 +77,7 @@ class AttentionMasks(NamedTuple):
     attn_mask: Optional[Tensor] = None  # bool True = may attend, or float added; broadcastable to [B, H, Lq, Lk]
     key_padding_mask: Optional[Tensor] = None  # [B, Lk] bool, True = padding
     query_padding_mask: Optional[Tensor] = None  # [B, Lq] bool, True = padding
+    query_lengths: Optional[Tensor] = None  # [B] integers, rows past them are padding (the Triton entry's option)
 
 
 class AttentionSpec(NamedTuple):
@@ -42,10 +89,20 @@ class AttentionSpec(NamedTuple):
     dropout_p: float  # in [0, 1)
     scale: float  # the factor the scores are multiplied by (softmax_scale resolved)
     softcap: Optional[float] = None  # None: no capping; else scaled scores become softcap * tanh(scores / softcap)
+    allow_tf32: bool = False  # float32 products in TF32 on tensor cores (the Triton entry's option)
 
     @property
     def bottom_right(self) -> bool:
         return self.causal_alignment == "bottom_right"
+
+
+class PackedSequences(NamedTuple):
+    """Where the sequences of an ``attention_varlen`` call lie (checked)."""
+
+    cu_seqlens_q: Tensor  # int32 [B + 1]
+    cu_seqlens_k: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
 
 
 class LayerNormSpec(NamedTuple):
@@ -54,6 +111,7 @@ class LayerNormSpec(NamedTuple):
     eps: float
     dropout_p: float
     prenorm: bool
+    rms_norm: bool = False  # RMSNorm: no mean subtracted (the Triton entry's option)
 
 
 class FeedForwardSpec(NamedTuple):
@@ -61,6 +119,8 @@ class FeedForwardSpec(NamedTuple):
 
     activation: str  # one of ACTIVATIONS
     dropout_p: float
+    recompute: bool = False  # keep only the inputs; the backward recomputes the pre-activation (Triton entry's option)
+    allow_tf32: bool = False  # float32 products in TF32 on tensor cores (the Triton entry's option)
 
 
 # The keyword arguments of functional's ops and their defaults, for the kernel-level entries that take them as
@@ -130,8 +190,10 @@ def heads_interleaved_strides(shape: Sequence[int]) -> Tuple[int, int, int, int]
 def empty_heads_interleaved(like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     """An empty tensor shaped as ``like`` ``[B, H, L, D]`` with ``heads_interleaved_strides``, in ``dtype`` (default:
     like's)."""
-    return torch.empty_strided(like.shape, heads_interleaved_strides(like.shape), dtype=dtype or like.dtype,
-                               device=like.device)
+    shape = like.shape
+    _, heads, length, head_dim = shape
+    return torch.empty_strided(shape, (length * heads * head_dim, head_dim, heads * head_dim, 1),
+                               dtype=dtype or like.dtype, device=like.device)
 
 
 def draw_dropout_seed(device: torch.device) -> Tensor:
@@ -234,6 +296,8 @@ def check_alibi_and_sinks(q: Tensor, batch: int, heads: int, alibi_slopes: Optio
                           sinks: Optional[Tensor]) -> None:
     """ALiBi slopes ``[H]`` or ``[B, H]`` and attention sinks ``[H]``: float32 (float64 too with float64 inputs), on
     q's device. The slopes are constants: no gradient flows to them."""
+    if alibi_slopes is None and sinks is None:
+        return
     dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
     for name, t, shapes in (("alibi_slopes", alibi_slopes, ((heads,), (batch, heads))), ("sinks", sinks, ((heads,),))):
         if t is None:
@@ -271,6 +335,14 @@ def sinks_gradient(sinks: Tensor, lse: Tensor, do: Tensor, out: Tensor, dlse: Op
     return per_row.sum(dims).to(sinks.dtype)
 
 
+def _plain_qkv(q: object, k: object, v: object, rank: int) -> bool:
+    """Whether q, k, v are tensors of ``rank`` dims in one float dtype on one device: what ``_check_qkv`` checks, in
+    one expression for the calls that pass (it says what is wrong with the others)."""
+    return (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and q.dtype in FLOAT_DTYPES
+            and k.dtype == q.dtype and v.dtype == q.dtype and q.dim() == rank and k.dim() == rank
+            and v.dim() == rank and k.device == q.device and v.device == q.device)
+
+
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, rank: int) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, rank=rank)
@@ -288,7 +360,8 @@ def _check_value_and_heads(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 def check_attention_args(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks) -> None:
     """The tensors of an ``attention`` call: q ``[B, H, Lq, D]``, k / v ``[B, Hkv, Lk, D]`` and the masks."""
-    _check_qkv(q, k, v, rank=4)
+    if not _plain_qkv(q, k, v, 4):
+        _check_qkv(q, k, v, rank=4)
     (batch, heads, lq, dim), (kb, _, lk, kd) = q.shape, k.shape
     if kb != batch or kd != dim:
         raise ValueError(

@@ -1,8 +1,10 @@
-"""The CPU backend: autograd Functions over the C++ kernels of ``csrc/`` (``torch.ops.fused_transformer_cpu``).
+"""The CPU backend: the C++ kernels of ``csrc/`` (``torch.ops.fused_transformer_cpu``) under the interface of
+``fused_transformer.contract`` (raw forward and backward functions; ``fused_transformer.autograd`` holds the
+Functions above them).
 
-This is the CPU analogue of ``kernels/*.py``: each op converts its masks and arguments once, calls the C++
-forward, and its ``torch.autograd.Function`` calls the C++ backward. Importing this module loads
-``fused_transformer._C`` (``backend.cpu_unavailable_reason()`` says why when that fails).
+This is the CPU analogue of ``fused_transformer.kernels.backend``: each function converts its masks and arguments
+and calls the C++ op. Importing this module loads ``fused_transformer._C`` (``backend.cpu_unavailable_reason()``
+says why when that fails).
 
 Kernels compute in float32 (float64 for float64 inputs); bfloat16 / float16 inputs are converted at the op
 boundary and results returned in the input dtype. Matrix products outside attention stay with ATen.
@@ -23,16 +25,16 @@ layer_norm: ``x``; feed_forward: the hidden activation ``[..., d_ff]``) is kept 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple, Type, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from . import _C  # noqa: F401  (registers torch.ops.fused_transformer_cpu)
-from . import contract, reference
+from . import reference
 from .contract import (
-    AttentionMasks, AttentionSpec, FeedForwardSpec, KVCache, KVCacheSpec, LayerNormSpec, Window, as_rows,
-    draw_dropout_seed, empty_heads_interleaved, stats_dtype,
+    AttentionMasks, AttentionSpec, FeedForwardSpec, KVCache, KVCacheSpec, LayerNormSpec, PackedSequences,
+    empty_heads_interleaved, stats_dtype, window_bounds,
 )
 
 Tensor = torch.Tensor
@@ -52,22 +54,8 @@ def _check_cpu(name: str, anchor: Tensor) -> None:
         raise ValueError(f"the cpu backend runs on CPU tensors; {name} is on {anchor.device}")
 
 
-class _NoGradContext:
-    """What a Function's ``forward`` gets for ``ctx`` when nothing needs a gradient: saving is a no-op."""
-
-    def save_for_backward(self, *tensors: Optional[Tensor]) -> None:
-        pass
-
-    def mark_non_differentiable(self, *tensors: Tensor) -> None:
-        pass
-
-
-def _apply(function: Type[torch.autograd.Function], *args: object) -> object:
-    """``function.apply(*args)``; when no tensor argument needs a gradient, its ``forward`` alone, without
-    autograd's per-call Python cost (about 20 us, as much as the kernel of a one-token decoding step)."""
-    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
-        return function.apply(*args)
-    return function.forward(_NoGradContext(), *args)
+# The LSE the C++ kernels return takes no gradient (their backward has no term for it).
+DIFFERENTIABLE_LSE = False
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -81,125 +69,80 @@ def _attention_bias(attn_mask: Optional[Tensor], dtype: torch.dtype) -> Optional
     return attn_mask.to(dtype)
 
 
-def _window_bounds(window: Window) -> Tuple[int, int]:
-    """``(left, right)`` as the C++ kernels take them: -1 for no limit."""
-    left, right = window if window is not None else (None, None)
-    return (-1 if left is None else left, -1 if right is None else right)
+def _dense_args(q: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> tuple:
+    """The C++ attention ops' masks and options: bias, key padding, query padding, is_causal, bottom_right,
+    window_left, window_right, scale, dropout_p."""
+    if masks.query_lengths is not None:
+        raise ValueError("query_lengths is an option of the Triton kernels' entry; pass a query_padding_mask")
+    return (_attention_bias(masks.attn_mask, stats_dtype(q.dtype)), masks.key_padding_mask,
+            masks.query_padding_mask, *_options(spec))
 
 
-def _float32_out_for_sinks(ctx, q: Tensor, sinks: Optional[Tensor], sinks_index: int) -> bool:
-    """Whether a Function keeps its output in float32 for the backward: when the sinks need a gradient and q is 16-bit.
-    That gradient sums ``exp(sink - lse) * rowsum(dO * out)`` over every row, and a 16-bit ``out`` would round each
-    term (twice PyTorch's own error at 16 bits); the q, k, v gradients then use the float32 ``out`` as well."""
-    needs = getattr(ctx, "needs_input_grad", None)  # _NoGradContext has none: nothing needs a gradient
-    return sinks is not None and bool(needs and needs[sinks_index]) and q.dtype in (torch.float16, torch.bfloat16)
+def _options(spec: AttentionSpec) -> tuple:
+    return (spec.is_causal, spec.bottom_right, *window_bounds(spec.window), spec.scale, spec.dropout_p)
 
 
-class AttentionFunction(torch.autograd.Function):
-    """Autograd over ``attention_fwd`` / ``attention_bwd``; ``attn_mask`` already converted by ``_attention_bias``.
-    ``options``: is_causal, bottom_right, window_left, window_right, scale, dropout_p. ``alibi_slopes`` are
-    constants; ``sinks`` get their gradient from ``contract.sinks_gradient`` (the kernels' backward needs no sinks:
-    the LSE holds them)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias, key_padding, query_padding, options, seed, softcap=None, alibi_slopes=None,
-                sinks=None):
-        exact = _float32_out_for_sinks(ctx, q, sinks, 10)  # the kernel converts to float32 anyway: no extra work
-        out, lse = _ops.attention_fwd(*((q.float(), k.float(), v.float()) if exact else (q, k, v)), bias, key_padding,
-                                      query_padding, *options, seed, softcap, alibi_slopes, sinks)
-        ctx.save_for_backward(q, k, v, out, lse, bias, key_padding, query_padding, seed, alibi_slopes, sinks)
-        ctx.options, ctx.softcap = options, softcap
-        ctx.mark_non_differentiable(lse)
-        return out.to(q.dtype) if exact else out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, bias, key_padding, query_padding, seed, alibi_slopes, sinks = ctx.saved_tensors
-        dq = dk = dv = dsinks = None
-        if any(ctx.needs_input_grad[:3]):
-            dq, dk, dv = _ops.attention_bwd(dout, q, k, v, out, lse, bias, key_padding, query_padding, *ctx.options,
-                                            seed, ctx.softcap, alibi_slopes)
-        if sinks is not None and ctx.needs_input_grad[10]:
-            dsinks = contract.sinks_gradient(sinks, lse, dout, out, None, head_dim_last=False)
-        return dq, dk, dv, None, None, None, None, None, None, None, dsinks
+def _exact(float_output: bool, *tensors: Tensor) -> Tuple[Tensor, ...]:
+    """The inputs in float32 when the output is kept in float32 (the kernels compute in float32 anyway)."""
+    return tuple(t.float() for t in tensors) if float_output else tensors
 
 
-def run_attention(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
-                  alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """``functional.attention`` on the C++ flash-attention kernel: ``(out, lse)``, the LSE ``[B, H, Lq]`` in float32
-    (float64 for float64), the sinks in it. A float ``attn_mask`` is not differentiated."""
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
+                  alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], seed: Optional[Tensor],
+                  float_output: bool) -> Tuple[Tensor, Tensor]:
+    """The C++ flash-attention forward: ``(o, lse)``, the LSE ``[B, H, Lq]`` in float32 (float64 for float64)."""
     _check_cpu("q", q)
-    attn_mask = masks.attn_mask
-    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
-        raise ValueError("the cpu backend does not compute gradients for attn_mask; use backend 'reference'")
-    bias = _attention_bias(attn_mask, stats_dtype(q.dtype))
-    options = (spec.is_causal, spec.bottom_right, *_window_bounds(spec.window), spec.scale, spec.dropout_p)
-    seed = draw_dropout_seed(q.device) if spec.dropout_p > 0.0 else None
-    return _apply(AttentionFunction, q, k, v, bias, masks.key_padding_mask, masks.query_padding_mask, options, seed,
-                  spec.softcap, alibi_slopes, sinks)
+    return _ops.attention_fwd(*_exact(float_output, q, k, v), *_dense_args(q, masks, spec), seed, spec.softcap,
+                              alibi_slopes, sinks)
 
 
-def run_attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-                               spec: KVCacheSpec, k_new: Optional[Tensor] = None,
-                               v_new: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """``functional.attention_with_kvcache`` on the C++ KV-cache kernel, which reads the cache in place (paged or not,
-    through its strides) with each sequence's length, the GQA heads of a KV head together. With ``k_new`` / ``v_new``
-    (see ``appends_new_keys`` below) the kernel first writes them into the cache, ``cache.lengths`` counting the keys
-    before them; without, the new keys are in the cache already."""
+def attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                  masks: AttentionMasks, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
+                  seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """The C++ backward; ``o`` in q's dtype or float32; ``dlse`` is None (``DIFFERENTIABLE_LSE``)."""
+    return _ops.attention_bwd(do, q, k, v, o, lse, *_dense_args(q, masks, spec), seed, spec.softcap, alibi_slopes)
+
+
+def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences, spec: AttentionSpec,
+                         alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], seed: Optional[Tensor],
+                         float_output: bool) -> Tuple[Tensor, Tensor]:
+    """The C++ forward on packed sequences: ``(o [Tq, H, D], lse [H, Tq])``, the sinks in the LSE."""
+    _check_cpu("q", q)
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = seqs
+    return _ops.attention_varlen_fwd(*_exact(float_output, q, k, v), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                     int(max_seqlen_k), *_options(spec), seed, spec.softcap, alibi_slopes, sinks)
+
+
+def attention_varlen_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
+                         lse: Tensor, seqs: PackedSequences, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
+                         seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """The C++ backward on packed sequences."""
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = seqs
+    return _ops.attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                     int(max_seqlen_k), *_options(spec), seed, spec.softcap, alibi_slopes)
+
+
+def attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                           spec: KVCacheSpec, k_new: Optional[Tensor] = None,
+                           v_new: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The C++ KV-cache kernel, which reads the cache in place (paged or not, through its strides) with each
+    sequence's length, the GQA heads of a KV head together. With ``k_new`` / ``v_new`` (see ``appends_new_keys``
+    below) the kernel first writes them into the cache, ``cache.lengths`` counting the keys before them; without,
+    the new keys are in the cache already."""
     _check_cpu("q", q)
     return _ops.attention_with_kvcache_fwd(q, cache.k, cache.v, cache.lengths, cache.block_table, k_new, v_new,
-                                           spec.is_causal, *_window_bounds(spec.window), spec.scale, spec.softcap,
+                                           spec.is_causal, *window_bounds(spec.window), spec.scale, spec.softcap,
                                            alibi_slopes, sinks)
 
 
 # functional.attention_with_kvcache hands this backend the new keys and values instead of appending them itself: the
 # kernel's one pass replaces two slice copies (or index_put_ calls) and the lengths' update, a sixth of a one-token
 # decoding step at batch 1.
-run_attention_with_kvcache.appends_new_keys = True
+attention_with_kvcache.appends_new_keys = True
 
 
-class AttentionVarlenFunction(torch.autograd.Function):
-    """Autograd over ``attention_varlen_fwd`` / ``attention_varlen_bwd``. ``options``: max_seqlen_q, max_seqlen_k,
-    is_causal, bottom_right, window_left, window_right, scale, dropout_p; softcap, ALiBi and sinks as in
-    ``AttentionFunction``."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, options, seed, softcap=None, alibi_slopes=None, sinks=None):
-        exact = _float32_out_for_sinks(ctx, q, sinks, 9)
-        out, lse = _ops.attention_varlen_fwd(*((q.float(), k.float(), v.float()) if exact else (q, k, v)), cu_seqlens_q,
-                                             cu_seqlens_k, *options, seed, softcap, alibi_slopes, sinks)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed, alibi_slopes, sinks)
-        ctx.options, ctx.softcap = options, softcap
-        ctx.mark_non_differentiable(lse)
-        return out.to(q.dtype) if exact else out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed, alibi_slopes, sinks = ctx.saved_tensors
-        dq = dk = dv = dsinks = None
-        if any(ctx.needs_input_grad[:3]):
-            dq, dk, dv = _ops.attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options,
-                                                   seed, ctx.softcap, alibi_slopes)
-        if sinks is not None and ctx.needs_input_grad[9]:
-            dsinks = contract.sinks_gradient(sinks, lse, dout, out, None, head_dim_last=True)
-        return dq, dk, dv, None, None, None, None, None, None, dsinks
-
-
-def run_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                         max_seqlen_k: int, spec: AttentionSpec, alibi_slopes: Optional[Tensor] = None,
-                         sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """``functional.attention_varlen`` on the C++ kernels: ``(out [Tq, H, D], lse [H, Tq])``, the sinks in the LSE."""
-    _check_cpu("q", q)
-    options = (int(max_seqlen_q), int(max_seqlen_k), spec.is_causal, spec.bottom_right, *_window_bounds(spec.window),
-               spec.scale, spec.dropout_p)
-    seed = draw_dropout_seed(q.device) if spec.dropout_p > 0.0 else None
-    return _apply(AttentionVarlenFunction, q, k, v, cu_seqlens_q, cu_seqlens_k, options, seed, spec.softcap,
-                  alibi_slopes, sinks)
-
-
-def run_attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tensor:
-    """``functional.attention_weights``: the result is the full ``[B, H, Lq, Lk]`` matrix, so there is nothing to fuse
-    and the reference computes it."""
+def attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tensor:
+    """The result is the full ``[B, H, Lq, Lk]`` matrix, so there is nothing to fuse and the reference computes it."""
     _check_cpu("q", q)
     return reference.run_attention_weights(q, k, lse, masks, spec)
 
@@ -207,97 +150,99 @@ def run_attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMas
 # ------------------------------------------------------------------------------------------ layer_norm
 
 
-class LayerNormFunction(torch.autograd.Function):
-    """Autograd over ``layer_norm_fwd`` / ``layer_norm_bwd``; x and residual already flattened to ``[rows, N]``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, dropout_p, seed, prenorm):
-        store_z = prenorm or residual is not None or dropout_p > 0.0
-        y, z, mean, rstd = _ops.layer_norm_fwd(x, weight, bias, residual, eps, dropout_p, seed, store_z)
-        ctx.save_for_backward(z if store_z else x, weight, bias, mean, rstd, seed)
-        ctx.dropout_p, ctx.has_residual = dropout_p, residual is not None
-        return (y, z) if prenorm else y
-
-    @staticmethod
-    def backward(ctx, dy, dz=None):
-        z, weight, bias, mean, rstd, seed = ctx.saved_tensors
-        dx, dresidual, dweight, dbias = _ops.layer_norm_bwd(
-            dy, dz, z, weight, bias, mean, rstd, ctx.dropout_p, seed, ctx.has_residual
-        )
-        return (
-            dx,
-            dweight if weight is not None else None,
-            dbias if bias is not None else None,
-            dresidual if ctx.has_residual else None,
-            None, None, None, None,
-        )
-
-
-def run_layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                   spec: LayerNormSpec) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """``functional.layer_norm`` on the C++ kernel: ``y = LayerNorm(dropout(x) + residual)`` over the last dim, and
-    ``z = dropout(x) + residual`` with ``prenorm``; statistics in float32."""
-    eps, dropout_p, prenorm = spec
+def layer_norm_composed(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                        spec: LayerNormSpec) -> Optional[Union[Tensor, Tuple[Tensor, Tensor]]]:
+    """ATen's add + ``layer_norm``, differentiated by autograd, where it is faster than ours (the module docstring):
+    float32 without dropout; None elsewhere."""
+    if (spec.dropout_p != 0.0 or x.dtype != torch.float32 or x.shape[-1] <= 1
+            or (weight is not None and weight.dtype != x.dtype) or (bias is not None and bias.dtype != x.dtype)):
+        return None
     _check_cpu("x", x)
-    if (dropout_p == 0.0 and x.dtype == torch.float32 and x.shape[-1] > 1
-            and (weight is None or weight.dtype == x.dtype) and (bias is None or bias.dtype == x.dtype)):
-        # ATen's is faster here (see the module docstring)
-        z = x if residual is None else x + residual
-        y = F.layer_norm(z, (x.shape[-1],), weight, bias, eps)
-        return (y, z) if prenorm else y
-    shape = x.shape
-    rows = as_rows(x)
-    residual_rows = as_rows(residual) if residual is not None else None
-    seed = draw_dropout_seed(x.device) if dropout_p > 0.0 else None
-    out = _apply(
-        LayerNormFunction, rows, weight, bias, residual_rows, float(eps), float(dropout_p), seed, bool(prenorm)
-    )
-    if prenorm:
-        y, z = out
-        return y.view(shape), z.view(shape)
-    return out.view(shape)
+    z = x if residual is None else x + residual
+    y = F.layer_norm(z, (x.shape[-1],), weight, bias, spec.eps)
+    return (y, z) if spec.prenorm else y
+
+
+def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                   spec: LayerNormSpec, seed: Optional[Tensor], store_z: bool) -> Tuple[Tensor, ...]:
+    """``y, z, mean, rstd`` of rows ``[rows, N]`` from the C++ kernel."""
+    _check_cpu("x", x)
+    if spec.rms_norm:
+        raise ValueError("the cpu backend has no RMSNorm; it is an option of the Triton kernels' entry")
+    return _ops.layer_norm_fwd(x, weight, bias, residual, spec.eps, spec.dropout_p, seed, store_z)
+
+
+def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                   mean: Tensor, rstd: Tensor, spec: LayerNormSpec, seed: Optional[Tensor],
+                   has_residual: bool) -> Tuple[Tensor, ...]:
+    """``dx, dresidual, dweight, dbias`` from the C++ kernel."""
+    return _ops.layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, spec.dropout_p, seed, has_residual)
 
 
 # ---------------------------------------------------------------------------------------- feed_forward
+# Without dropout ATen runs it all (``linear`` + activation + ``linear``, ``feed_forward_composed``); with dropout the
+# bias, activation and dropout of the hidden layer are one C++ pass (``bias_activation``) between ATen's products,
+# one in backward.
 
 
-class BiasActivationFunction(torch.autograd.Function):
-    """``dropout(act(h + bias))`` over ``h [..., F]``; keeps only ``h`` for the backward."""
-
-    @staticmethod
-    def forward(ctx, h, bias, activation, dropout_p, seed):
-        rows = as_rows(h)
-        out = _ops.bias_activation_fwd(rows, bias, activation, dropout_p, seed)
-        ctx.save_for_backward(rows, bias, seed)
-        ctx.activation, ctx.dropout_p = activation, dropout_p
-        return out.view(h.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        rows, bias, seed = ctx.saved_tensors
-        grad_pre = _ops.bias_activation_bwd(grad.reshape(rows.shape), rows, bias, ctx.activation, ctx.dropout_p, seed)
-        grad_bias = None
-        if bias is not None and ctx.needs_input_grad[1]:
-            grad_bias = grad_pre.sum(dim=0, dtype=stats_dtype(grad_pre.dtype)).to(bias.dtype)
-        return grad_pre.view(grad.shape), grad_bias, None, None, None
-
-
-def run_feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-                     spec: FeedForwardSpec) -> Tensor:
-    """``functional.feed_forward``: ``linear(dropout(act(linear(x, w1, b1))), w2, b2)`` with the matmuls on ATen and
-    the bias, activation and dropout in one C++ pass in between (and one in backward)."""
-    activation, dropout_p = spec
+def feed_forward_composed(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+                          spec: FeedForwardSpec) -> Optional[Tensor]:
+    """ATen's ``linear`` + activation + ``linear``, differentiated by autograd, without dropout (at least as fast as
+    ours there); None with dropout."""
+    if spec.dropout_p != 0.0:
+        return None
     _check_cpu("x", x)
-    if dropout_p == 0.0:  # ATen's, as the reference composes it, is at least as fast here (module docstring)
-        return reference.feed_forward(x, w1, b1, w2, b2, activation=activation)
-    seed = draw_dropout_seed(x.device)
-    if x.dtype in (torch.float16, torch.bfloat16):
-        # The bias must be added before the pre-activation is rounded to 16 bits, as ATen's addmm does: rounding
-        # first moves values near 0 across ReLU's kink, whose gradient then flips between 0 and 1.
-        hidden = _apply(BiasActivationFunction, F.linear(x, w1, b1), None, activation, float(dropout_p), seed)
+    return reference.feed_forward(x, w1, b1, w2, b2, activation=spec.activation)
+
+
+def _bias_in_kernel(x: Tensor, spec: FeedForwardSpec) -> bool:
+    """Whether the C++ pass adds b1 (float32 with dropout). In 16 bits the bias must be added before the
+    pre-activation is rounded, as ATen's addmm does: rounding first moves values near 0 across ReLU's kink, whose
+    gradient then flips between 0 and 1."""
+    return spec.dropout_p > 0.0 and x.dtype not in (torch.float16, torch.bfloat16)
+
+
+def _hidden(pre: Tensor, b1: Optional[Tensor], x: Tensor, spec: FeedForwardSpec, seed: Optional[Tensor]) -> Tensor:
+    if spec.dropout_p == 0.0:
+        return reference.ACTIVATIONS[spec.activation](pre)
+    bias = b1 if _bias_in_kernel(x, spec) else None
+    return _ops.bias_activation_fwd(pre, bias, spec.activation, spec.dropout_p, seed)
+
+
+def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+                     spec: FeedForwardSpec, seed: Optional[Tensor], keep: bool) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+    """``y`` of rows ``x [M, d_model]`` and, with ``keep``, ``(pre, hidden)`` for the backward: the pre-activation
+    (without b1 where the C++ pass adds it) and the activation after dropout."""
+    _check_cpu("x", x)
+    pre = F.linear(x, w1, None if _bias_in_kernel(x, spec) else b1)
+    hidden = _hidden(pre, b1, x, spec, seed)
+    return F.linear(hidden, w2, b2), ((pre, hidden) if keep else ())
+
+
+def feed_forward_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, saved: Tuple[Tensor, ...],
+                     has_b2: bool, spec: FeedForwardSpec, seed: Optional[Tensor]) -> Tuple[Tensor, ...]:
+    """``dx, dw1, db1, dw2, db2``; without ``saved``, the pre-activation and the hidden activation are recomputed (the
+    same dropout mask: the same seed)."""
+    bias_in_kernel = _bias_in_kernel(x, spec)
+    if saved:
+        pre, hidden = saved
     else:
-        hidden = _apply(BiasActivationFunction, F.linear(x, w1), b1, activation, float(dropout_p), seed)
-    return F.linear(hidden, w2, b2)
+        pre = F.linear(x, w1, None if bias_in_kernel else b1)
+        hidden = _hidden(pre, b1, x, spec, seed)
+    dhidden = dy.mm(w2)
+    dw2 = dy.t().mm(hidden)
+    if spec.dropout_p > 0.0:
+        dpre = _ops.bias_activation_bwd(dhidden, pre, b1 if bias_in_kernel else None, spec.activation,
+                                        spec.dropout_p, seed)
+    elif spec.activation == "relu":
+        dpre = torch.ops.aten.threshold_backward(dhidden, pre, 0)
+    else:
+        dpre = torch.ops.aten.gelu_backward(dhidden, pre, approximate="tanh" if spec.activation == "gelu_tanh"
+                                            else "none")
+    empty = x.new_empty((0,))
+    db1 = dpre.sum(dim=0, dtype=stats_dtype(dpre.dtype)).to(b1.dtype) if b1 is not None else empty
+    db2 = dy.sum(dim=0, dtype=stats_dtype(dy.dtype)).to(dy.dtype) if has_b2 else empty
+    return dpre.mm(w1), dpre.t().mm(x), db1, dw2, db2
 
 
 # ----------------------------------------------------------------------- shapes for torch.compile tracing

@@ -2,9 +2,10 @@
 
 Every backend implements the same contract (``fused_transformer.contract``), so the checks run here are the only
 ones a user meets for shapes, dtypes and devices; the kernels' launchers add only the limits of their own
-hardware path. After them each op hands its backend the call's tensors and one spec of everything else, checked
-and resolved (``AttentionSpec``: causal alignment, window, dropout, scale; ``LayerNormSpec``, ``FeedForwardSpec``);
-the attention ops return what was asked of the ``(out, lse)`` they get back.
+hardware path. After them each op hands its autograd Function (``fused_transformer.autograd``) the call's tensors,
+one spec of everything else, checked and resolved (``AttentionSpec``: causal alignment, window, dropout, scale;
+``LayerNormSpec``, ``FeedForwardSpec``), and the backend's name; the attention ops return what was asked of the
+``(out, lse)`` they get back.
 
 Under ``torch.autocast`` the ops follow autocast's own policy for what they replace: ``attention``,
 ``attention_weights`` and ``feed_forward`` (matrix products) run in the autocast dtype, ``layer_norm`` in
@@ -13,11 +14,12 @@ op runs with autocast off inside, so each backend sees one dtype.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Tuple, Union
 
 import torch
 
-from . import backend, contract
+from . import autograd, backend, contract
 from .contract import AttentionMasks, Window
 
 Tensor = torch.Tensor
@@ -47,20 +49,14 @@ def _autocast_all(dtype: Optional[torch.dtype], *args: object) -> Tuple[object, 
     return tuple(t.to(dtype) if isinstance(t, Tensor) and t.dtype in _AUTOCAST_ELIGIBLE else t for t in args)
 
 
-def _run(op: str, anchor: Tensor, autocast_dtype: Optional[torch.dtype], *args: object) -> object:
-    """``op`` on the backend for ``anchor``; with autocast switched off inside when it was on (the arguments
-    are already in the dtype it chose)."""
-    implementation = backend.implementation(op, anchor)
-    if autocast_dtype is None:
-        return implementation(*args)
-    with torch.autocast(anchor.device.type, enabled=False):
-        return implementation(*args)
+def _backend(anchor: Tensor) -> str:
+    return backend.current(anchor.device, anchor.dtype)
 
 
-def _score_tensors(alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-    """The attention backends' trailing ``(alibi_slopes, sinks)``, left out when both are None (the call's spec stays
-    its last argument, as before the two existed)."""
-    return () if alibi_slopes is None and sinks is None else (alibi_slopes, sinks)
+def _autocast_off(anchor: Tensor, cast: Optional[torch.dtype]) -> contextlib.AbstractContextManager:
+    """Autocast switched off on ``anchor``'s device when it was on (the arguments are already in the dtype it
+    chose), else nothing. The hot ops write the two branches out instead: entering even a null context costs."""
+    return contextlib.nullcontext() if cast is None else torch.autocast(anchor.device.type, enabled=False)
 
 
 # -------------------------------------------------------------------------------------------------- ops
@@ -142,7 +138,11 @@ def attention(
     contract.check_attention_args(q, k, v, masks)
     contract.check_alibi_and_sinks(q, q.shape[0], q.shape[1], alibi_slopes, sinks)
     spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale, softcap)
-    out, lse = _run("attention", q, cast, q, k, v, masks, spec, *_score_tensors(alibi_slopes, sinks))
+    if cast is None:
+        out, lse = autograd.attention(_backend(q), q, k, v, masks, spec, alibi_slopes, sinks)
+    else:
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = autograd.attention(_backend(q), q, k, v, masks, spec, alibi_slopes, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -194,8 +194,9 @@ def attention_varlen(
     spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale, softcap)
     contract.check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     contract.check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
-    out, lse = _run("attention_varlen", q, cast, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                    int(max_seqlen_k), spec, *_score_tensors(alibi_slopes, sinks))
+    seqs = contract.PackedSequences(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+    with _autocast_off(q, cast):
+        out, lse = autograd.attention_varlen(_backend(q), q, k, v, seqs, spec, alibi_slopes, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -256,7 +257,7 @@ def attention_with_kvcache(
     cache = contract.KVCache(k_cache, v_cache, lengths, block_table)
     host_lengths = contract.check_kvcache_values(lengths, new_len, cache.capacity, block_table, k_cache.shape[0],
                                                  k_cache.shape[1], known_length)
-    implementation = backend.implementation("attention_with_kvcache", q)
+    implementation = backend.ops(_backend(q)).attention_with_kvcache
     if new_len and getattr(implementation, "appends_new_keys", False):
         new_keys = (k_new, v_new)  # its kernel writes them itself (cpu_ops); cache.lengths count the keys before
     else:
@@ -268,11 +269,8 @@ def attention_with_kvcache(
         if new_len or known_length is not None:
             cache = contract.KVCache(k_cache, v_cache, lengths + new_len if new_len else lengths, block_table,
                                      None if known_length is None else known_length + new_len)
-    if cast is None:
+    with _autocast_off(q, cast):
         out, lse = implementation(q, cache, alibi_slopes, sinks, spec, *new_keys)
-    else:
-        with torch.autocast(q.device.type, enabled=False):
-            out, lse = implementation(q, cache, alibi_slopes, sinks, spec, *new_keys)
     return (out, lse) if return_lse else out
 
 
@@ -318,7 +316,8 @@ def attention_weights(
     spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, 0.0, scale)
     if not isinstance(lse, Tensor) or tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"lse must be a tensor of shape [B, H, Lq] = {list(q.shape[:3])}")
-    return _run("attention_weights", q, cast, q, k, lse, masks, spec)
+    with _autocast_off(q, cast):
+        return backend.ops(_backend(q)).attention_weights(q, k, lse, masks, spec)
 
 
 def layer_norm(
@@ -348,7 +347,10 @@ def layer_norm(
     cast = _autocast_dtype(x, matmul=False)
     x, weight, bias, residual = _autocast_all(cast, x, weight, bias, residual)
     spec = contract.layer_norm_spec(x, weight, bias, eps, residual, dropout_p, prenorm)
-    return _run("layer_norm", x, cast, x, weight, bias, residual, spec)
+    if cast is None:
+        return autograd.layer_norm(_backend(x), x, weight, bias, residual, spec)
+    with torch.autocast(x.device.type, enabled=False):
+        return autograd.layer_norm(_backend(x), x, weight, bias, residual, spec)
 
 
 def feed_forward(
@@ -377,4 +379,7 @@ def feed_forward(
     cast = _autocast_dtype(x, matmul=True)
     x, w1, b1, w2, b2 = _autocast_all(cast, x, w1, b1, w2, b2)
     spec = contract.feed_forward_spec(x, w1, b1, w2, b2, activation, dropout_p)
-    return _run("feed_forward", x, cast, x, w1, b1, w2, b2, spec)
+    if cast is None:
+        return autograd.feed_forward(_backend(x), x, w1, b1, w2, b2, spec)
+    with torch.autocast(x.device.type, enabled=False):
+        return autograd.feed_forward(_backend(x), x, w1, b1, w2, b2, spec)

@@ -282,21 +282,34 @@ def attention_weights(
 def run_attention(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
                   alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The reference backend's entry for ``functional.attention``: ``(out, lse)``."""
-    return attention(q, k, v, **masks._asdict(), **spec._asdict(), alibi_slopes=alibi_slopes, sinks=sinks,
+    if masks.query_lengths is not None:
+        raise ValueError("query_lengths is an option of the Triton kernels' entry; pass a query_padding_mask")
+    return attention(q, k, v, **_mask_options(masks), **_spec_options(spec), alibi_slopes=alibi_slopes, sinks=sinks,
                      return_lse=True)
+
+
+def _mask_options(masks: AttentionMasks) -> dict:
+    return dict(attn_mask=masks.attn_mask, key_padding_mask=masks.key_padding_mask,
+                query_padding_mask=masks.query_padding_mask)
+
+
+def _spec_options(spec: AttentionSpec) -> dict:
+    """The keyword arguments of ``attention`` a spec holds (the reference computes in full precision: no TF32)."""
+    return dict(is_causal=spec.is_causal, causal_alignment=spec.causal_alignment, window=spec.window,
+                dropout_p=spec.dropout_p, scale=spec.scale, softcap=spec.softcap)
 
 
 def run_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                          max_seqlen_k: int, spec: AttentionSpec, alibi_slopes: Optional[Tensor] = None,
                          sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The reference backend's entry for ``functional.attention_varlen``: ``(out, lse)``."""
-    return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **spec._asdict(),
+    return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **_spec_options(spec),
                             alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True)
 
 
 def run_attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tensor:
     """The reference backend's entry for ``functional.attention_weights``."""
-    return attention_weights(q, k, lse, **masks._asdict(), is_causal=spec.is_causal,
+    return attention_weights(q, k, lse, **_mask_options(masks), is_causal=spec.is_causal,
                              causal_alignment=spec.causal_alignment, window=spec.window, scale=spec.scale)
 
 

@@ -9,8 +9,25 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .._env import triton_interpreting as interpreting  # noqa: F401 (the kernels' name for it)
-from ..contract import as_rows, draw_dropout_seed  # noqa: F401 (re-exported for the kernel modules)
+from .._env import triton_interpreting
+from ..contract import draw_dropout_seed  # noqa: F401 (re-exported for the tests)
+
+# Whether the kernels run under the Triton interpreter: fixed when triton is imported (its knob is read then).
+INTERPRETING = triton_interpreting()
+
+
+def interpreting() -> bool:
+    """``INTERPRETING`` (a function, so that tests can stand in a GPU's answer)."""
+    return INTERPRETING
+
+
+# Triton's own cdiv and next_power_of_2 are constexpr functions since 3.9, a microsecond or two a host call.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 # TMA's addressing rules: base and every stride but the last (which is 1) in multiples of 16 bytes.
@@ -84,8 +101,8 @@ def dropout_keep_mask(seed: torch.Tensor, n_rows: int, n_cols: int, dropout_p: f
     if keep.numel() == 0:
         return keep
     block = 1024
-    _dropout_keep_mask_kernel[(triton.cdiv(keep.numel(), block),)](keep, seed.to(device), keep.numel(), dropout_p,
-                                                                   BLOCK=block)
+    _dropout_keep_mask_kernel.run(keep, seed.to(device), keep.numel(), dropout_p, BLOCK=block,
+                                  grid=(cdiv(keep.numel(), block),), warmup=False)
     return keep
 
 
@@ -126,7 +143,7 @@ def sum_rows(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if n_cols == 0:  # no column block to launch (a grid of 0 programs is an error on a GPU)
         return out
     if n_rows > _SUM_ROWS_CHUNK:
-        chunks = triton.cdiv(n_rows, _SUM_ROWS_CHUNK)
+        chunks = cdiv(n_rows, _SUM_ROWS_CHUNK)
         partial = torch.empty((chunks, n_cols), dtype=torch.float32, device=x.device)
         _launch_sum_rows(x, partial, _SUM_ROWS_CHUNK)
         x, n_rows = partial, chunks
@@ -136,8 +153,14 @@ def sum_rows(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 
 def _launch_sum_rows(x: torch.Tensor, out: torch.Tensor, rows_per_program: int) -> None:
     n_rows, n_cols = x.shape
-    grid = (triton.cdiv(n_cols, SUM_ROWS_BLOCK_COLS), out.shape[0])
-    _sum_rows_kernel[grid](
+    grid = (cdiv(n_cols, SUM_ROWS_BLOCK_COLS), out.shape[0])
+    _sum_rows_kernel.run(
         x, out, n_rows, n_cols, x.stride(0), out.stride(0), rows_per_program,
-        BLOCK_ROWS=SUM_ROWS_BLOCK_ROWS, BLOCK_COLS=SUM_ROWS_BLOCK_COLS,
+        BLOCK_ROWS=SUM_ROWS_BLOCK_ROWS, BLOCK_COLS=SUM_ROWS_BLOCK_COLS, grid=grid, warmup=False,
     )
+
+
+def traced() -> bool:
+    """Whether this call is being traced (``torch.compile``, ``torch.export``, a FakeTensor or proxy trace), where
+    the launchers run through their custom ops, rather than run eagerly, where they launch directly."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0

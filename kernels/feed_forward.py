@@ -28,9 +28,7 @@ import triton.language as tl
 
 from .. import contract
 from ..contract import FeedForwardSpec
-from ._common import (
-    as_rows, contiguous_last_dim, draw_dropout_seed, dropout_keep, interpreting, sum_rows,
-)
+from ._common import cdiv, contiguous_last_dim, dropout_keep, interpreting, sum_rows, traced
 from .aot import AotKernel
 from .targets import TARGETS, Target, target_of
 from .toolchain import TRITON_3_7, Version, installed
@@ -229,8 +227,8 @@ def _matmul(
     if m == 0 or n == 0:
         return out
     cfg = matmul_config(a.device, a.dtype, fused_epilogue=activation != "none")
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _matmul_kernel[grid](
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
+    _matmul_kernel.run(
         a, b, out, bias, pre, hidden, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         dropout_p, seed,
@@ -239,7 +237,7 @@ def _matmul(
         STORE_PRE=pre is not None and not activation_grad, HAS_DROPOUT=dropout_p > 0.0,
         DOT_PRECISION="tf32" if allow_tf32 else "ieee",
         UPCAST_OPERANDS=interpreting() and a.dtype != torch.float32,  # tl.dot on bf16 is wrong when interpreted
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=grid, warmup=False,
     )
     return out
 
@@ -254,11 +252,8 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
 
-@torch.library.custom_op("fused_transformer::feed_forward_fwd", mutates_args=())
-def feed_forward_fwd(
-    x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
-    dropout_p: float, seed: Optional[Tensor], store_pre: bool, allow_tf32: bool,
-) -> Tuple[Tensor, Tensor]:
+def _launch_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
+                dropout_p: float, seed: Optional[Tensor], store_pre: bool, allow_tf32: bool) -> Tuple[Tensor, Tensor]:
     """Forward on ``x [M, d_model]`` (last dim contiguous); returns ``y [M, d_out]`` and the pre-activation
     ``[M, d_ff]`` (empty unless ``store_pre``)."""
     _check_dtypes(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
@@ -271,17 +266,9 @@ def feed_forward_fwd(
     return y, pre if store_pre else _empty(x)
 
 
-@feed_forward_fwd.register_fake
-def _(x, w1, b1, w2, b2, activation, dropout_p, seed, store_pre, allow_tf32):
-    pre = x.new_empty((x.shape[0], w1.shape[0])) if store_pre else _empty(x)
-    return x.new_empty((x.shape[0], w2.shape[0])), pre
-
-
-@torch.library.custom_op("fused_transformer::feed_forward_bwd", mutates_args=())
-def feed_forward_bwd(
-    dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, pre: Optional[Tensor], has_b2: bool,
-    activation: str, dropout_p: float, seed: Optional[Tensor], allow_tf32: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _launch_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, pre: Optional[Tensor],
+                has_b2: bool, activation: str, dropout_p: float, seed: Optional[Tensor],
+                allow_tf32: bool) -> Tuple[Tensor, ...]:
     """Backward from ``dy [M, d_out]``; ``pre`` is the forward's pre-activation, or None to recompute it.
 
     Returns ``dx, dw1, db1, dw2, db2`` (a bias gradient is empty when that bias is absent).
@@ -299,52 +286,59 @@ def feed_forward_bwd(
     return dx, dw1, db1, dw2, db2
 
 
-@feed_forward_bwd.register_fake
+# ---------------------------------------------------------------------------------- the backend's entries
+# No composed forms here: every call runs the kernels.
+feed_forward_composed = None
+
+
+def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+                     spec: FeedForwardSpec, seed: Optional[Tensor], keep: bool) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+    """``y`` of rows ``x [M, d_model]`` and, with ``keep``, ``(pre,)`` for the backward (``_launch_fwd``); traced
+    through the custom op."""
+    _check_dtypes(x=x)
+    args = (contiguous_last_dim(x), w1, b1, w2, b2, spec.activation, spec.dropout_p, seed, keep, spec.allow_tf32)
+    y, pre = torch.ops.fused_transformer.feed_forward_fwd(*args) if traced() else _launch_fwd(*args)
+    return y, ((pre,) if keep else ())
+
+
+def feed_forward_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, saved: Tuple[Tensor, ...],
+                     has_b2: bool, spec: FeedForwardSpec, seed: Optional[Tensor]) -> Tuple[Tensor, ...]:
+    """``dx, dw1, db1, dw2, db2`` (``_launch_bwd``; without ``saved``, the pre-activation is recomputed); traced
+    through the custom op."""
+    args = (contiguous_last_dim(dy), x, w1, b1, w2, saved[0] if saved else None, has_b2, spec.activation,
+            spec.dropout_p, seed, spec.allow_tf32)
+    return torch.ops.fused_transformer.feed_forward_bwd(*args) if traced() else _launch_bwd(*args)
+
+
+@torch.library.custom_op("fused_transformer::feed_forward_fwd", mutates_args=())
+def _feed_forward_fwd_op(
+    x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
+    dropout_p: float, seed: Optional[Tensor], store_pre: bool, allow_tf32: bool,
+) -> Tuple[Tensor, Tensor]:
+    """``_launch_fwd`` as torch.compile and torch.export trace it."""
+    return _launch_fwd(x, w1, b1, w2, b2, activation, dropout_p, seed, store_pre, allow_tf32)
+
+
+@_feed_forward_fwd_op.register_fake
+def _(x, w1, b1, w2, b2, activation, dropout_p, seed, store_pre, allow_tf32):
+    pre = x.new_empty((x.shape[0], w1.shape[0])) if store_pre else _empty(x)
+    return x.new_empty((x.shape[0], w2.shape[0])), pre
+
+
+@torch.library.custom_op("fused_transformer::feed_forward_bwd", mutates_args=())
+def _feed_forward_bwd_op(
+    dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, pre: Optional[Tensor], has_b2: bool,
+    activation: str, dropout_p: float, seed: Optional[Tensor], allow_tf32: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``_launch_bwd`` as torch.compile and torch.export trace it."""
+    return _launch_bwd(dy, x, w1, b1, w2, pre, has_b2, activation, dropout_p, seed, allow_tf32)
+
+
+@_feed_forward_bwd_op.register_fake
 def _(dy, x, w1, b1, w2, pre, has_b2, activation, dropout_p, seed, allow_tf32):
     db1 = b1.new_empty(b1.shape) if b1 is not None else _empty(x)
     db2 = dy.new_empty((dy.shape[1],)) if has_b2 else _empty(x)
     return torch.empty_like(x), torch.empty_like(w1), db1, torch.empty_like(w2), db2
-
-
-# ---------------------------------------------------------------------------------------------- autograd
-
-
-class FeedForwardFunction(torch.autograd.Function):
-    """Autograd over ``feed_forward_fwd`` / ``feed_forward_bwd``; x is already flattened to ``[M, d_model]``."""
-
-    @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, activation, dropout_p, recompute, allow_tf32):
-        seed = draw_dropout_seed(x.device) if dropout_p > 0.0 else None
-        y, pre = torch.ops.fused_transformer.feed_forward_fwd(
-            x, w1, b1, w2, b2, activation, dropout_p, seed, not recompute, allow_tf32
-        )
-        ctx.save_for_backward(x, w1, b1, w2, None if recompute else pre, seed)
-        ctx.has_b2 = b2 is not None
-        ctx.activation, ctx.dropout_p, ctx.allow_tf32 = activation, dropout_p, allow_tf32
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w1, b1, w2, pre, seed = ctx.saved_tensors
-        dx, dw1, db1, dw2, db2 = torch.ops.fused_transformer.feed_forward_bwd(
-            contiguous_last_dim(dy), x, w1, b1, w2, pre, ctx.has_b2, ctx.activation, ctx.dropout_p, seed,
-            ctx.allow_tf32,
-        )
-        return (
-            dx, dw1, db1 if b1 is not None else None, dw2, db2 if ctx.has_b2 else None,
-            None, None, None, None,
-        )
-
-
-def run_feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-                     spec: FeedForwardSpec, recompute: bool = False, allow_tf32: bool = False) -> Tensor:
-    """The Triton backend's entry for ``functional.feed_forward`` (arguments checked there); ``recompute`` and
-    ``allow_tf32`` as in ``feed_forward``."""
-    _check_dtypes(x=x)
-    x_rows = as_rows(contiguous_last_dim(x))
-    y = FeedForwardFunction.apply(x_rows, w1, b1, w2, b2, spec.activation, spec.dropout_p, bool(recompute),
-                                  bool(allow_tf32))
-    return y.reshape(*x.shape[:-1], w2.shape[0])
 
 
 def feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], *,
@@ -358,11 +352,15 @@ def feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Op
         allow_tf32: float32 products on tensor cores in TF32 (default: exact float32).
 
     Inputs in float16 / bfloat16 / float32; dropout's mask comes from a Philox seed drawn from torch's generator,
-    so ``torch.manual_seed`` reproduces it.
+    so ``torch.manual_seed`` reproduces it. Its autograd is ``fused_transformer.autograd``'s (imported at call time).
     """
     options = contract.options_of("feed_forward", options, contract.FEED_FORWARD_OPTIONS)
     spec = contract.feed_forward_spec(x, w1, b1, w2, b2, options["activation"], options["dropout_p"])
-    return run_feed_forward(x, w1, b1, w2, b2, spec, recompute, allow_tf32)
+    _check_dtypes(x=x)
+    from ..autograd import feed_forward as feed_forward_on
+
+    return feed_forward_on("triton", x, w1, b1, w2, b2,
+                           spec._replace(recompute=bool(recompute), allow_tf32=bool(allow_tf32)))
 
 
 # ------------------------------------------------------------------------------------------------------ AOT

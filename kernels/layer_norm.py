@@ -40,8 +40,8 @@ import triton.language as tl
 from .. import contract
 from ..contract import LayerNormSpec
 from ._common import (
-    SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, as_rows, contiguous_last_dim, draw_dropout_seed,
-    dropout_keep, interpreting, sum_rows,
+    SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, cdiv, contiguous_last_dim, dropout_keep, interpreting,
+    next_power_of_2, sum_rows, traced,
 )
 from .aot import AotKernel
 from .targets import TARGETS, Target, target_of
@@ -204,7 +204,7 @@ def _layer_norm_bwd_kernel(
 
 
 def block_width(n_cols: int) -> int:
-    return max(triton.next_power_of_2(n_cols), 16)
+    return max(next_power_of_2(n_cols), 16)
 
 
 def warps_for(block_n: int) -> int:
@@ -228,7 +228,7 @@ MIN_ROWS_PER_PROGRAM = 8
 
 
 def backward_rows_per_program(n_rows: int, device: torch.device) -> int:
-    return max(triton.cdiv(n_rows, backward_programs(device)), MIN_ROWS_PER_PROGRAM)
+    return max(cdiv(n_rows, backward_programs(device)), MIN_ROWS_PER_PROGRAM)
 
 
 def _check_dtype(name: str, t: Optional[Tensor]) -> None:
@@ -261,7 +261,7 @@ def bwd_launch(n_cols: int, clusters: bool) -> BwdLaunch:
         return BwdLaunch(block_n, 1, 1, warps_for(block_n))
     if clusters:
         return BwdLaunch(block_n, 1, BWD_CLUSTER_CTAS, warps_for(block_n) // BWD_CLUSTER_CTAS)
-    return BwdLaunch(MAX_BWD_BLOCK, triton.cdiv(n_cols, MAX_BWD_BLOCK), 1, warps_for(MAX_BWD_BLOCK))
+    return BwdLaunch(MAX_BWD_BLOCK, cdiv(n_cols, MAX_BWD_BLOCK), 1, warps_for(MAX_BWD_BLOCK))
 
 
 def clusters_on(target: Target, triton: Optional[Version] = None) -> bool:
@@ -289,12 +289,9 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
 
-@torch.library.custom_op("fused_transformer::layer_norm_fwd", mutates_args=())
-def layer_norm_fwd(
-    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
-    dropout_p: float, seed: Optional[Tensor], rms_norm: bool, store_z: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Launch the forward on ``x`` / ``residual`` ``[rows, N]`` (last dim contiguous, any row stride).
+def _launch_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
+                dropout_p: float, seed: Optional[Tensor], rms_norm: bool, store_z: bool) -> Tuple[Tensor, ...]:
+    """The forward on ``x`` / ``residual`` ``[rows, N]`` (last dim contiguous, any row stride).
 
     Returns ``y [rows, N]``, ``z [rows, N]`` (empty unless ``store_z``), ``mean [rows]`` (float32, empty for
     RMSNorm) and ``rstd [rows]`` (float32).
@@ -311,31 +308,21 @@ def layer_norm_fwd(
     if y.numel() == 0:  # nothing to normalise; the statistics of an empty row are NaN (0 / 0)
         return y, z, mean.fill_(float("nan")), rstd.fill_(float("nan"))
     block_n = block_width(n_cols)
-    _layer_norm_fwd_kernel[(n_rows,)](
+    _layer_norm_fwd_kernel.run(
         x, residual, weight, bias, y, z if store_z else None, mean if not rms_norm else None, rstd,
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), z.stride(0) if store_z else 0,
         n_cols, eps, dropout_p, seed,
         BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, STORE_Z=store_z, IS_RMS_NORM=rms_norm,
-        num_warps=_launch_warps(block_n),
+        num_warps=_launch_warps(block_n), grid=(n_rows,), warmup=False,
     )
     return y, z, mean, rstd
 
 
-@layer_norm_fwd.register_fake
-def _(x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z):
-    n_rows = x.shape[0]
-    z = torch.empty_like(x) if store_z else _empty(x)
-    mean = x.new_empty((0 if rms_norm else n_rows,), dtype=torch.float32)
-    return torch.empty_like(x), z, mean, x.new_empty((n_rows,), dtype=torch.float32)
-
-
-@torch.library.custom_op("fused_transformer::layer_norm_bwd", mutates_args=())
-def layer_norm_bwd(
-    dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-    mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor], rms_norm: bool, has_residual: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Launch the backward; ``dy``, ``dz``, ``z`` are ``[rows, N]`` (last dim contiguous).
+def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor], rms_norm: bool,
+                has_residual: bool) -> Tuple[Tensor, ...]:
+    """The backward; ``dy``, ``dz``, ``z`` are ``[rows, N]`` (last dim contiguous).
 
     Returns ``dx``, ``dresidual`` (empty without a residual), ``dweight`` and ``dbias`` (empty when absent,
     else in the parameter's dtype).
@@ -346,12 +333,12 @@ def layer_norm_bwd(
     if n_cols == 0:  # every result is empty: no column block to launch
         return dx, dresidual, *(torch.empty_like(p) if p is not None else _empty(dx) for p in (weight, bias))
     rows_per_program = backward_rows_per_program(n_rows, z.device)
-    programs = max(triton.cdiv(n_rows, rows_per_program), 1)
+    programs = max(cdiv(n_rows, rows_per_program), 1)
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if weight is not None else None
     db_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if bias is not None else None
     # Launched even for zero rows: every program writes its (possibly zero) partial sums.
     launch = bwd_launch(n_cols, launches_clusters(z.device))
-    _layer_norm_bwd_kernel[(programs, launch.col_blocks)](
+    _layer_norm_bwd_kernel.run(
         z, dy, dz, weight, mean if not rms_norm else None, rstd, dx, dresidual if has_residual else None,
         dw_partial, db_partial,
         z.stride(0), dy.stride(0), dz.stride(0) if dz is not None else 0, dx.stride(0),
@@ -359,71 +346,71 @@ def layer_norm_bwd(
         n_rows, n_cols, rows_per_program, dropout_p, seed,
         BLOCK_N=launch.block_n, HAS_DZ=dz is not None, HAS_RESIDUAL=has_residual, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, IS_RMS_NORM=rms_norm,
-        SPLIT_COLS=launch.col_blocks > 1, num_warps=1 if interpreting() else launch.num_warps, num_ctas=launch.num_ctas,
+        SPLIT_COLS=launch.col_blocks > 1, num_warps=1 if interpreting() else launch.num_warps,
+        num_ctas=launch.num_ctas, grid=(programs, launch.col_blocks), warmup=False,
     )
     dweight = sum_rows(dw_partial, weight.dtype) if weight is not None else _empty(dx)
     dbias = sum_rows(db_partial, bias.dtype) if bias is not None else _empty(dx)
     return dx, dresidual, dweight, dbias
 
 
-@layer_norm_bwd.register_fake
+# ---------------------------------------------------------------------------------- the backend's entries
+# No composed form here: every call runs the kernels.
+layer_norm_composed = None
+
+
+def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                   spec: LayerNormSpec, seed: Optional[Tensor], store_z: bool) -> Tuple[Tensor, ...]:
+    """``y, z, mean, rstd`` of rows ``[rows, N]`` (``_launch_fwd``); traced through the custom op."""
+    _check_dtype("x", x)
+    x = contiguous_last_dim(x)
+    residual = contiguous_last_dim(residual) if residual is not None else None
+    args = (x, weight, bias, residual, spec.eps, spec.dropout_p, seed, spec.rms_norm, store_z)
+    return torch.ops.fused_transformer.layer_norm_fwd(*args) if traced() else _launch_fwd(*args)
+
+
+def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                   mean: Tensor, rstd: Tensor, spec: LayerNormSpec, seed: Optional[Tensor],
+                   has_residual: bool) -> Tuple[Tensor, ...]:
+    """``dx, dresidual, dweight, dbias`` (``_launch_bwd``); traced through the custom op."""
+    args = (contiguous_last_dim(dy), contiguous_last_dim(dz) if dz is not None else None, z, weight, bias, mean, rstd,
+            spec.dropout_p, seed, spec.rms_norm, has_residual)
+    return torch.ops.fused_transformer.layer_norm_bwd(*args) if traced() else _launch_bwd(*args)
+
+
+@torch.library.custom_op("fused_transformer::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd_op(
+    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
+    dropout_p: float, seed: Optional[Tensor], rms_norm: bool, store_z: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``_launch_fwd`` as torch.compile and torch.export trace it."""
+    return _launch_fwd(x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z)
+
+
+@_layer_norm_fwd_op.register_fake
+def _(x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z):
+    n_rows = x.shape[0]
+    z = torch.empty_like(x) if store_z else _empty(x)
+    mean = x.new_empty((0 if rms_norm else n_rows,), dtype=torch.float32)
+    return torch.empty_like(x), z, mean, x.new_empty((n_rows,), dtype=torch.float32)
+
+
+@torch.library.custom_op("fused_transformer::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd_op(
+    dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+    mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor], rms_norm: bool, has_residual: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``_launch_bwd`` as torch.compile and torch.export trace it."""
+    return _launch_bwd(dy, dz, z, weight, bias, mean, rstd, dropout_p, seed, rms_norm, has_residual)
+
+
+@_layer_norm_bwd_op.register_fake
 def _(dy, dz, z, weight, bias, mean, rstd, dropout_p, seed, rms_norm, has_residual):
     dx = torch.empty_like(z)
     dresidual = torch.empty_like(z) if has_residual else _empty(z)
     dweight = torch.empty_like(weight) if weight is not None else _empty(z)
     dbias = torch.empty_like(bias) if bias is not None else _empty(z)
     return dx, dresidual, dweight, dbias
-
-
-# ---------------------------------------------------------------------------------------------- autograd
-
-
-class LayerNormFunction(torch.autograd.Function):
-    """Autograd over ``layer_norm_fwd`` / ``layer_norm_bwd``; inputs are already flattened to ``[rows, N]``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, dropout_p, prenorm, rms_norm):
-        seed = draw_dropout_seed(x.device) if dropout_p > 0.0 else None
-        store_z = prenorm or residual is not None or dropout_p > 0.0
-        y, z, mean, rstd = torch.ops.fused_transformer.layer_norm_fwd(
-            x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z
-        )
-        ctx.save_for_backward(z if store_z else x, weight, bias, mean, rstd, seed)
-        ctx.dropout_p, ctx.rms_norm = dropout_p, rms_norm
-        ctx.has_residual = residual is not None
-        return (y, z) if prenorm else y
-
-    @staticmethod
-    def backward(ctx, dy, dz=None):
-        z, weight, bias, mean, rstd, seed = ctx.saved_tensors
-        dz = contiguous_last_dim(dz) if dz is not None else None
-        dx, dresidual, dweight, dbias = torch.ops.fused_transformer.layer_norm_bwd(
-            contiguous_last_dim(dy), dz, z, weight, bias, mean, rstd, ctx.dropout_p, seed, ctx.rms_norm,
-            ctx.has_residual,
-        )
-        return (
-            dx,
-            dweight if weight is not None else None,
-            dbias if bias is not None else None,
-            dresidual if ctx.has_residual else None,
-            None, None, None, None,
-        )
-
-
-def run_layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                   spec: LayerNormSpec, rms_norm: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """The Triton backend's entry for ``functional.layer_norm`` (arguments checked there); ``rms_norm`` as in
-    ``layer_norm``."""
-    _check_dtype("x", x)
-    shape = x.shape
-    x_rows = as_rows(contiguous_last_dim(x))
-    residual_rows = as_rows(contiguous_last_dim(residual)) if residual is not None else None
-    out = LayerNormFunction.apply(x_rows, weight, bias, residual_rows, spec.eps, spec.dropout_p, spec.prenorm,
-                                  bool(rms_norm))
-    if spec.prenorm:
-        y, z = out
-        return y.reshape(shape), z.reshape(shape)
-    return out.reshape(shape)
 
 
 def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float = 1e-5, *,
@@ -433,12 +420,16 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps:
 
     x ``[..., N]`` in float16 / bfloat16 / float32 with ``N <= 16384``, rows of any stride (the last dim is copied
     only if it is not contiguous); weight and bias in any of the three dtypes. Statistics are float32; dropout's
-    mask comes from a Philox seed drawn from torch's generator, so ``torch.manual_seed`` reproduces it.
+    mask comes from a Philox seed drawn from torch's generator, so ``torch.manual_seed`` reproduces it. Its autograd
+    is ``fused_transformer.autograd``'s (imported at call time: the one module above the kernels this calls).
     """
     options = contract.options_of("layer_norm", options, contract.LAYER_NORM_OPTIONS)
     spec = contract.layer_norm_spec(x, weight, bias, eps, options["residual"], options["dropout_p"],
                                     options["prenorm"])
-    return run_layer_norm(x, weight, bias, options["residual"], spec, rms_norm)
+    _check_dtype("x", x)
+    from ..autograd import layer_norm as layer_norm_on
+
+    return layer_norm_on("triton", x, weight, bias, options["residual"], spec._replace(rms_norm=bool(rms_norm)))
 
 
 # ------------------------------------------------------------------------------------------------------ AOT

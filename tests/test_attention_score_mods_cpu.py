@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fused_transformer as ft
-from fused_transformer import backend, reference
+from fused_transformer import backend, contract, reference
 from numerics import assert_close_to_reference
 
 UNAVAILABLE = backend.cpu_unavailable_reason()
@@ -213,8 +213,8 @@ def test_without_score_mods_the_results_are_bitwise_unchanged():
 
 
 def test_gradcheck_float64():
-    """The autograd Functions' gradients, the sinks' included, against finite differences."""
-    from fused_transformer import cpu_ops
+    """The autograd Functions' gradients over the C++ kernels, the sinks' included, against finite differences."""
+    from fused_transformer.autograd import AttentionFunction, AttentionVarlenFunction
 
     g = torch.Generator().manual_seed(11)
     q, k, v = randn(1, 2, 5, 8, generator=g), randn(1, 1, 6, 8, generator=g), randn(1, 1, 6, 8, generator=g)
@@ -224,16 +224,16 @@ def test_gradcheck_float64():
     for causal, bottom_right, window, q_padding in ((False, False, (-1, -1), None), (True, True, (-1, -1), None),
                                                     (False, True, (1, 2), query_padding)):
         def fn(q, k, v, sinks):
-            options = (causal, bottom_right, *window, 0.3, 0.0)
-            return cpu_ops.AttentionFunction.apply(q, k, v, None, key_padding, q_padding, options, None, 1.5, slopes,
-                                                   sinks)[0]
+            spec = contract.AttentionSpec(causal, "bottom_right" if bottom_right else "top_left",
+                                          contract.window_of_bounds(*window), 0.0, 0.3, 1.5)
+            return AttentionFunction.apply(q, k, v, sinks, None, key_padding, q_padding, None, slopes, spec, "cpu")[0]
 
         assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in (q, k, v, sinks)])
     cu_q, cu_k = cu_seqlens([2, 3]), cu_seqlens([4, 2])
     q, k, v = randn(5, 2, 8, generator=g), randn(6, 1, 8, generator=g), randn(6, 1, 8, generator=g)
 
     def varlen(q, k, v, sinks):
-        options = (3, 4, True, True, -1, -1, 0.3, 0.0)
-        return cpu_ops.AttentionVarlenFunction.apply(q, k, v, cu_q, cu_k, options, None, 2.0, slopes, sinks)[0]
+        spec = contract.AttentionSpec(True, "bottom_right", None, 0.0, 0.3, 2.0)
+        return AttentionVarlenFunction.apply(q, k, v, sinks, cu_q, cu_k, slopes, 3, 4, spec, "cpu")[0]
 
     assert torch.autograd.gradcheck(varlen, [t.clone().requires_grad_() for t in (q, k, v, sinks)])

@@ -269,11 +269,9 @@ def test_kernels_take_the_interior_loop_where_the_launcher_says_it_fits(monkeypa
         kernel = getattr(module, attr)
 
         class RecordLaunch:
-            def __getitem__(self, grid, kernel=kernel):
-                def run(*args, **constexprs):
-                    launched.append(constexprs["INTERIOR_LOOP"])
-                    return kernel[grid](*args, **constexprs)
-                return run
+            def run(self, *args, kernel=kernel, **constexprs):
+                launched.append(constexprs["INTERIOR_LOOP"])
+                return kernel.run(*args, **constexprs)
 
         monkeypatch.setattr(module, attr, RecordLaunch())
     (q, k, v, do, _), _ = _random_inputs(2, 2, 2, 100, 77, 16, seed=9)
@@ -388,12 +386,10 @@ def test_kernels_take_the_wide_tiles_exactly_without_an_attn_mask_or_dropout(mon
         def __init__(self, kernel_name, kernel):
             self.kernel_name, self.kernel = kernel_name, kernel
 
-        def __getitem__(self, grid):
-            def run(*args, **constexprs):
-                light = constexprs["MASK_KIND"] == launch.MASK_NONE and not constexprs["HAS_DROPOUT"]
-                launches.append((self.kernel_name, light))
-                return self.kernel[grid](*args, **constexprs)
-            return run
+        def run(self, *args, **constexprs):
+            light = constexprs["MASK_KIND"] == launch.MASK_NONE and not constexprs["HAS_DROPOUT"]
+            launches.append((self.kernel_name, light))
+            return self.kernel.run(*args, **constexprs)
 
     monkeypatch.setattr(configs, "plan", record_pick)
     for kernel_name, (module, attr) in zip(("fwd", "bwd_dq", "bwd_dkdv"), KERNELS):
@@ -589,13 +585,13 @@ def test_saved_tensors_grow_linearly_with_sequence_length():
 def test_functional_dispatches_to_the_kernel_on_the_triton_backend(monkeypatch):
     (q, k, v, _, _), _ = _random_inputs(1, 2, 2, 20, 20, 16, seed=8)
     calls = []
-    original = triton_attention.run_attention
+    original = backend.ops("triton").attention_fwd
 
-    def spy(q, k, v, masks, spec):
+    def spy(q, k, v, masks, spec, *args):
         calls.append(spec)
-        return original(q, k, v, masks, spec)
+        return original(q, k, v, masks, spec, *args)
 
-    monkeypatch.setitem(backend.ops("triton"), "attention", spy)
+    monkeypatch.setattr(backend.ops("triton"), "attention_fwd", spy)
     with backend.use_backend("triton"):
         out = functional.attention(q.float(), k.float(), v.float(), is_causal=True)
     assert len(calls) == 1 and calls[0].is_causal
@@ -653,14 +649,15 @@ def test_a_mask_that_requires_grad_is_refused_not_silently_ignored():
 
 
 class _GridRecorder:
-    """Stands in for a jit kernel: records the grid of each launch, then launches the real kernel."""
+    """Stands in for a jit kernel: records the grid of each launch, then launches the real kernel (the launchers call
+    ``kernel.run(..., grid=..., warmup=False)``, what ``kernel[grid](...)`` ends in)."""
 
     def __init__(self, kernel, grids):
         self.kernel, self.grids = kernel, grids
 
-    def __getitem__(self, grid):
+    def run(self, *args, grid, **kwargs):
         self.grids.append((self.kernel.__name__, grid))
-        return self.kernel[grid]
+        return self.kernel.run(*args, grid=grid, **kwargs)
 
 
 def test_grids_keep_batch_and_heads_on_separate_axes(monkeypatch):

@@ -199,13 +199,13 @@ def test_varlen_dropout_replays_exactly_in_the_reference(dtype):
 def test_functional_attention_varlen_dispatches_to_the_kernel(monkeypatch):
     (q, k, v, _, _), cu_q, cu_k = _packed_inputs(LENS_Q, LENS_K, 2, 1, 16, seed=8)
     calls = []
-    original = triton_attention.run_attention_varlen
+    original = backend.ops("triton").attention_varlen_fwd
 
-    def spy(*args):
-        calls.append(args[-1])
-        return original(*args)
+    def spy(q, k, v, seqs, spec, *args):
+        calls.append(spec)
+        return original(q, k, v, seqs, spec, *args)
 
-    monkeypatch.setitem(backend.ops("triton"), "attention_varlen", spy)
+    monkeypatch.setattr(backend.ops("triton"), "attention_varlen_fwd", spy)
     args = (cu_q, cu_k, max(LENS_Q), max(LENS_K))
     with backend.use_backend("triton"):
         out, lse = functional.attention_varlen(q.float(), k.float(), v.float(), *args, is_causal=True,

@@ -11,6 +11,9 @@ import torch
 
 import fused_transformer as ft
 from fused_transformer import backend, contract, reference
+from fused_transformer.autograd import (
+    AttentionFunction, AttentionVarlenFunction, FeedForwardFunction, LayerNormFunction,
+)
 from numerics import assert_close_to_reference
 
 UNAVAILABLE = backend.cpu_unavailable_reason()
@@ -159,7 +162,7 @@ def attention_dropout_case(dtype, dropout_p=0.3, large_tiles=False):
 def seeded_call(fn, manual_seed=1234):
     """Run ``fn`` after torch.manual_seed; return its result and the dropout seed the op drew."""
     torch.manual_seed(manual_seed)
-    seed = cpu_ops().draw_dropout_seed(torch.device("cpu"))
+    seed = contract.draw_dropout_seed(torch.device("cpu"))
     torch.manual_seed(manual_seed)
     return fn(), seed
 
@@ -250,11 +253,15 @@ def test_ops_without_gradients_give_the_same_results_outside_autograd():
                 assert torch.equal(a.detach(), b)
 
 
+def _spec(causal, bottom_right, window, dropout_p, scale=0.3):
+    return contract.AttentionSpec(causal, "bottom_right" if bottom_right else "top_left",
+                                  contract.window_of_bounds(*window), dropout_p, scale)
+
+
 def test_attention_gradcheck_float64():
-    ops = cpu_ops()
     g = torch.Generator().manual_seed(3)
     q, k, v = randn(1, 2, 5, 8, generator=g), randn(1, 1, 6, 8, generator=g), randn(1, 1, 6, 8, generator=g)
-    bias = ops._attention_bias(torch.randn(5, 6, dtype=torch.float64), torch.float64)
+    bias = torch.randn(5, 6, dtype=torch.float64)
     padding = torch.tensor([[False, True, False, False, False, True]])  # a hole and a padded tail
     query_padding = torch.tensor([[False, False, True, False, True]])
     # is_causal, bottom_right (offset Lk - Lq = 1), window, query padding, dropout
@@ -262,23 +269,23 @@ def test_attention_gradcheck_float64():
              (False, True, (1, 2), query_padding, 0.0), (True, True, (2, -1), query_padding, 0.3))
     for causal, bottom_right, window, q_padding, dropout_p in cases:
         def fn(q, k, v):
-            seed = torch.tensor([11])
-            options = (causal, bottom_right, *window, 0.3, dropout_p)
-            return ops.AttentionFunction.apply(q, k, v, bias, padding, q_padding, options, seed)[0]
+            torch.manual_seed(11)  # one dropout mask for every call gradcheck makes
+            return AttentionFunction.apply(q, k, v, None, bias, padding, q_padding, None, None,
+                                           _spec(causal, bottom_right, window, dropout_p), "cpu")[0]
 
         assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in (q, k, v)])
 
 
 def test_attention_varlen_gradcheck_float64():
-    ops = cpu_ops()
     g = torch.Generator().manual_seed(4)
     q, k, v = randn(9, 2, 8, generator=g), randn(11, 1, 8, generator=g), randn(11, 1, 8, generator=g)
     cu_q, cu_k = torch.tensor([0, 4, 4, 9], dtype=torch.int32), torch.tensor([0, 3, 5, 11], dtype=torch.int32)
     for causal, bottom_right, window, dropout_p in ((False, False, (-1, -1), 0.0), (True, True, (1, -1), 0.0),
                                                      (True, False, (-1, -1), 0.3), (False, True, (2, 1), 0.0)):
         def fn(q, k, v):
-            options = (5, 6, causal, bottom_right, *window, 0.3, dropout_p)
-            return ops.AttentionVarlenFunction.apply(q, k, v, cu_q, cu_k, options, torch.tensor([5]))[0]
+            torch.manual_seed(5)
+            return AttentionVarlenFunction.apply(q, k, v, None, cu_q, cu_k, None, 5, 6,
+                                                 _spec(causal, bottom_right, window, dropout_p), "cpu")[0]
 
         assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in (q, k, v)])
 
@@ -334,12 +341,12 @@ def test_layer_norm_matches_reference(dtype, hidden, rows, options):
 
 
 def test_layer_norm_gradcheck_float64_with_prenorm_output_used():
-    ops = cpu_ops()
     g = torch.Generator().manual_seed(9)
     leaves = [randn(4, 6, generator=g), randn(6, generator=g), randn(6, generator=g), randn(4, 6, generator=g)]
 
     def fn(x, weight, bias, residual):
-        y, z = ops.LayerNormFunction.apply(x, weight, bias, residual, 1e-5, 0.3, torch.tensor([17]), True)
+        torch.manual_seed(17)
+        y, z = LayerNormFunction.apply(x, weight, bias, residual, contract.LayerNormSpec(1e-5, 0.3, True), "cpu")
         return y, z * 0.5
 
     assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in leaves])
@@ -389,16 +396,19 @@ def test_feed_forward_relu_gradients_round_like_pytorch_in_16_bit(dtype):
     compare_all(ours, ref, [x, w1, b1, w2, b2], dtype, grad_out, ["out", "dx", "dw1", "db1", "dw2", "db2"])
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
-def test_bias_activation_gradcheck_float64(activation):
-    ops = cpu_ops()
+def test_feed_forward_gradcheck_float64(activation, dropout_p):
+    """Both CPU paths: ATen's products and activation without dropout, the C++ bias-activation pass with it."""
     g = torch.Generator().manual_seed(6)
-    h, bias = randn(5, 7, generator=g), randn(7, generator=g)
+    leaves = [randn(5, 4, generator=g), randn(7, 4, generator=g), randn(7, generator=g), randn(3, 7, generator=g),
+              randn(3, generator=g)]
 
-    def fn(h, bias):
-        return ops.BiasActivationFunction.apply(h, bias, activation, 0.3, torch.tensor([23]))
+    def fn(x, w1, b1, w2, b2):
+        torch.manual_seed(23)
+        return FeedForwardFunction.apply(x, w1, b1, w2, b2, contract.FeedForwardSpec(activation, dropout_p), "cpu")
 
-    assert torch.autograd.gradcheck(fn, [h.requires_grad_(), bias.requires_grad_()])
+    assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in leaves])
 
 
 # ---------------------------------------------------------------------------------- operator plumbing
@@ -426,8 +436,9 @@ def test_ops_trace_under_torch_compile_and_show_in_the_profiler():
 def test_non_cpu_tensors_are_rejected_clearly():
     q = torch.empty(1, 1, 2, 4, device="meta")
     with pytest.raises(ValueError, match="q is on meta"):
-        cpu_ops().run_attention(q, q, q, contract.AttentionMasks(), contract.attention_spec(4, False, "top_left",
-                                                                                            None, 0.0, None))
+        cpu_ops().attention_fwd(q, q, q, contract.AttentionMasks(), contract.attention_spec(4, False, "top_left",
+                                                                                            None, 0.0, None),
+                                None, None, None, False)
 
 
 def test_auto_backend_uses_the_cpu_kernels_for_float32_and_the_reference_for_float64():

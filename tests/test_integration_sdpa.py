@@ -43,15 +43,15 @@ def activated(route: str = "ours"):
 def kernel_calls(monkeypatch) -> Dict[str, List[str]]:
     """Which of our kernels ran, per device class and entry."""
     calls: Dict[str, List[str]] = {"cpu": [], "triton": []}
-    for kernels, device in ((sdpa._CppKernels, "cpu"), (sdpa._TritonKernels, "triton")):
+    for kernels in (sdpa.CPU.kernels, sdpa.CUDA.kernels):
         for entry in ("dense_fwd", "dense_bwd", "varlen_fwd", "varlen_bwd"):
-            original = getattr(kernels, entry).__func__
+            original = getattr(kernels, entry)
 
-            def spy(cls, *args, _original=original, _entry=entry, _device=device):
+            def spy(*args, _original=original, _entry=entry, _device=kernels.name):
                 calls[_device].append(_entry)
-                return _original(cls, *args)
+                return _original(*args)
 
-            monkeypatch.setattr(kernels, entry, classmethod(spy))
+            monkeypatch.setattr(kernels, entry, spy)
     return calls
 
 

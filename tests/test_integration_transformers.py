@@ -32,19 +32,19 @@ def registered():
 
 
 @contextlib.contextmanager
-def kernel_calls(monkeypatch, op="attention"):
-    """Record the spec of every call of the cpu backend's ``op`` (the functional op calls the entry in this dict)."""
+def kernel_calls(monkeypatch, op="attention_fwd"):
+    """Record the spec of every call of the cpu backend's ``op`` (the ops call the function of this namespace)."""
     specs = []
     ops = backend.ops("cpu")
-    original = ops[op]
+    original = getattr(ops, op)
 
     def spy(*args):
         specs.append(next(a for a in args if isinstance(a, AttentionSpec)))
         return original(*args)
 
-    monkeypatch.setitem(ops, op, spy)
+    monkeypatch.setattr(ops, op, spy)
     yield specs
-    monkeypatch.setitem(ops, op, original)
+    monkeypatch.setattr(ops, op, original)
 
 
 def llama(**overrides):
@@ -366,9 +366,9 @@ def test_trainable_bias_with_dropout_runs_on_the_reference(monkeypatch):
     ids, mask = token_batch(padding="right")
     with kernel_calls(monkeypatch) as kernel_specs:
         reference_calls = []
-        original = backend.ops("reference")["attention"]
-        monkeypatch.setitem(backend.ops("reference"), "attention",
-                            lambda *args: reference_calls.append(args[-1]) or original(*args))
+        original = backend.ops("reference").attention
+        monkeypatch.setattr(backend.ops("reference"), "attention",
+                            lambda *args: reference_calls.append(args[4]) or original(*args))
         model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
     relative_bias = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
     assert reference_calls and all(spec.dropout_p == 0.1 for spec in reference_calls)
@@ -388,7 +388,7 @@ def test_packed_batch_matches_each_sequence_alone(monkeypatch):
     cu_seq_lens = torch.tensor([0, 5, 8, 12], dtype=torch.int32)
     packed = dict(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=5, max_length_k=5)
     model.set_attn_implementation(DEFAULT_NAME)
-    with torch.no_grad(), kernel_calls(monkeypatch, "attention_varlen") as specs:
+    with torch.no_grad(), kernel_calls(monkeypatch, "attention_varlen_fwd") as specs:
         ours = model(ids, position_ids=position_ids, **packed).logits[0]
     assert len(specs) == model.config.num_hidden_layers and all(spec.is_causal for spec in specs)
     model.set_attn_implementation("eager")

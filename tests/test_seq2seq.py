@@ -191,8 +191,14 @@ def test_cached_decoding_runs_attention_with_kvcache(monkeypatch):
     src, _ = padded_batch()
     calls = []
     ops = ft.backend.ops("cpu")
-    original = ops["attention_with_kvcache"]
-    monkeypatch.setitem(ops, "attention_with_kvcache", lambda *args: calls.append(args[0].shape) or original(*args))
+    original = ops.attention_with_kvcache
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return original(*args)
+
+    spy.appends_new_keys = original.appends_new_keys
+    monkeypatch.setattr(ops, "attention_with_kvcache", spy)
     steps = []
     decode_step = model.decode_step
     monkeypatch.setattr(model, "decode_step", lambda *args: steps.append(1) or decode_step(*args))

@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import contract
+from .. import backend, contract
 
 Tensor = torch.Tensor
 
@@ -76,91 +76,42 @@ def prefers_ours(device_type: str, key_length: int, is_causal: bool) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------- kernels
-# One device's kernels behind one interface: q [B, H, Lq, D] (dense) or [T, H, D] (packed), window as
-# (left, right) with None for no limit, seed a one-element int64 tensor or None. Outputs as the kernels lay them
-# out; the ops below copy them into torch's layouts only where those differ.
+# One device's kernels behind one interface: q [B, H, Lq, D] (dense) or [T, H, D] (packed), window a
+# contract.Window, seed a one-element int64 tensor or None. Outputs as the kernels lay them out; the ops below copy
+# them into torch's layouts only where those differ.
 
 
-class _CppKernels:
-    """The C++ kernels of ``csrc/`` (``torch.ops.fused_transformer_cpu``): float32 / float64 accumulation."""
+class _Kernels:
+    """A backend's raw attention functions (``fused_transformer.contract``'s interface) as the aten ops call them."""
 
-    @staticmethod
-    def ops():
-        from .. import cpu_ops  # noqa: F401  (loads fused_transformer._C)
+    def __init__(self, name: str) -> None:
+        self.name = name
 
-        return torch.ops.fused_transformer_cpu
+    def _spec(self, is_causal: bool, bottom_right: bool, window: contract.Window, scale: float,
+              dropout_p: float) -> contract.AttentionSpec:
+        return contract.AttentionSpec(is_causal, "bottom_right" if bottom_right else "top_left", window, dropout_p,
+                                      scale)
 
-    @staticmethod
-    def _bounds(window):
-        from ..cpu_ops import _window_bounds  # the C++ kernels' encoding of a window (-1: no limit)
+    def dense_fwd(self, q, k, v, mask, is_causal, bottom_right, window, scale, dropout_p, seed):
+        spec = self._spec(is_causal, bottom_right, window, scale, dropout_p)
+        return backend.ops(self.name).attention_fwd(q, k, v, contract.AttentionMasks(mask), spec, None, None, seed,
+                                                    False)
 
-        return _window_bounds(window)
+    def dense_bwd(self, do, q, k, v, o, lse, mask, is_causal, bottom_right, window, scale, dropout_p, seed):
+        spec = self._spec(is_causal, bottom_right, window, scale, dropout_p)
+        return backend.ops(self.name).attention_bwd(do, None, q, k, v, o, lse, contract.AttentionMasks(mask), spec,
+                                                    None, seed)
 
-    @classmethod
-    def dense_fwd(cls, q, k, v, mask, is_causal, bottom_right, window, scale, dropout_p, seed):
-        return cls.ops().attention_fwd(q, k, v, mask, None, None, is_causal, bottom_right, *cls._bounds(window),
-                                       scale, dropout_p, seed)
+    def varlen_fwd(self, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, bottom_right, window, scale, dropout_p, seed):
+        spec = self._spec(is_causal, bottom_right, window, scale, dropout_p)
+        seqs = contract.PackedSequences(cu_q, cu_k, max_q, max_k)
+        return backend.ops(self.name).attention_varlen_fwd(q, k, v, seqs, spec, None, None, seed, False)
 
-    @classmethod
-    def dense_bwd(cls, do, q, k, v, o, lse, mask, is_causal, bottom_right, window, scale, dropout_p, seed):
-        return cls.ops().attention_bwd(do, q, k, v, o, lse, mask, None, None, is_causal, bottom_right,
-                                       *cls._bounds(window), scale, dropout_p, seed)
-
-    @classmethod
-    def varlen_fwd(cls, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, bottom_right, window, scale, dropout_p, seed):
-        return cls.ops().attention_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, bottom_right,
-                                              *cls._bounds(window), scale, dropout_p, seed)
-
-    @classmethod
-    def varlen_bwd(cls, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, is_causal, bottom_right, window, scale,
+    def varlen_bwd(self, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, is_causal, bottom_right, window, scale,
                    dropout_p, seed):
-        return cls.ops().attention_varlen_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, is_causal,
-                                              bottom_right, *cls._bounds(window), scale, dropout_p, seed)
-
-
-class _TritonKernels:
-    """The Triton kernels (``torch.ops.fused_transformer``): CUDA tensors, or CPU ones under the interpreter."""
-
-    @staticmethod
-    def ops():
-        from ..kernels.attention import ops  # noqa: F401  (defines torch.ops.fused_transformer.attention_*)
-
-        return torch.ops.fused_transformer
-
-    @staticmethod
-    def _last_dim_contiguous(*tensors):
-        from ..kernels._common import contiguous_last_dim
-
-        return [contiguous_last_dim(t) for t in tensors]
-
-    @classmethod
-    def dense_fwd(cls, q, k, v, mask, is_causal, bottom_right, window, scale, dropout_p, seed):
-        q, k, v = cls._last_dim_contiguous(q, k, v)
-        alignment = "bottom_right" if bottom_right else "top_left"
-        return cls.ops().attention_fwd(q, k, v, mask, None, None, None, is_causal, alignment, *window, dropout_p,
-                                       seed, scale, False)
-
-    @classmethod
-    def dense_bwd(cls, do, q, k, v, o, lse, mask, is_causal, bottom_right, window, scale, dropout_p, seed):
-        do, q, k, v, o = cls._last_dim_contiguous(do, q, k, v, o)
-        alignment = "bottom_right" if bottom_right else "top_left"
-        return cls.ops().attention_bwd(do, None, q, k, v, o, lse.contiguous(), mask, None, None, None, is_causal,
-                                       alignment, *window, dropout_p, seed, scale, False)
-
-    @classmethod
-    def varlen_fwd(cls, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, bottom_right, window, scale, dropout_p, seed):
-        q, k, v = cls._last_dim_contiguous(q, k, v)
-        alignment = "bottom_right" if bottom_right else "top_left"
-        return cls.ops().attention_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, alignment, *window,
-                                              dropout_p, seed, scale, False)
-
-    @classmethod
-    def varlen_bwd(cls, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, is_causal, bottom_right, window, scale,
-                   dropout_p, seed):
-        do, q, k, v, o = cls._last_dim_contiguous(do, q, k, v, o)
-        alignment = "bottom_right" if bottom_right else "top_left"
-        return cls.ops().attention_varlen_bwd(do, None, q, k, v, o, lse.contiguous(), cu_q, cu_k, max_q, max_k,
-                                              is_causal, alignment, *window, dropout_p, seed, scale, False)
+        spec = self._spec(is_causal, bottom_right, window, scale, dropout_p)
+        seqs = contract.PackedSequences(cu_q, cu_k, max_q, max_k)
+        return backend.ops(self.name).attention_varlen_bwd(do, None, q, k, v, o, lse, seqs, spec, None, seed)
 
 
 # -------------------------------------------------------------------------------------------- the aten ops
@@ -188,11 +139,9 @@ def _unsupported(q: Tensor, k: Tensor, v: Tensor, heads_dim: int) -> Optional[st
     return None
 
 
-def _window(left: Optional[int], right: Optional[int], is_causal: bool) -> Tuple[Optional[int], Optional[int]]:
-    """FlashAttention's window sizes (``None`` or negative: no limit) as our sides."""
-    left = None if left is None or left < 0 else int(left)
-    right = 0 if is_causal else (None if right is None or right < 0 else int(right))
-    return left, right
+def _window(left: Optional[int], right: Optional[int], is_causal: bool) -> contract.Window:
+    """FlashAttention's window sizes (``None`` or negative: no limit) as our window; causal keys end at the query."""
+    return contract.window_of_bounds(left, 0 if is_causal else right)
 
 
 def _seed_in(rng_state: Tensor) -> Tensor:
@@ -267,11 +216,6 @@ class _DeviceOps:
             why = "attn_mask's dtype"
         return why or self._route(self.sdpa_op, k.shape[2], is_causal)
 
-    def _mask(self, attn_mask: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
-        if attn_mask is None or attn_mask.dtype == torch.bool:
-            return attn_mask
-        return attn_mask.to(contract.stats_dtype(q.dtype)) if self.key == "CPU" else attn_mask
-
     def sdpa_forward(self, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
                      attn_mask=None, scale=None):
         extra = () if self.key == "CPU" else (return_debug_mask,)
@@ -280,8 +224,8 @@ class _DeviceOps:
             kwargs = dict(scale=scale) if self.key != "CPU" else dict(attn_mask=attn_mask, scale=scale)
             return self.previous(self.sdpa_op, why, query, key, value, dropout_p, is_causal, *extra, **kwargs)
         seed = contract.draw_dropout_seed(query.device) if dropout_p > 0.0 else None
-        o, lse = self.kernels.dense_fwd(query, key, value, self._mask(attn_mask, query), is_causal,
-                                        not self.sdpa_top_left, (None, None),
+        o, lse = self.kernels.dense_fwd(query, key, value, attn_mask, is_causal,
+                                        not self.sdpa_top_left, None,
                                         contract.softmax_scale(query.shape[-1], scale), dropout_p, seed)
         out = _into(o, torch.empty_like(query))
         lse = _into(lse, self._sdpa_lse_layout(query))
@@ -303,8 +247,8 @@ class _DeviceOps:
             return self.previous(self.sdpa_op + "_backward", why, grad_out, query, key, value, out, logsumexp, *args,
                                  **kwargs)
         seed = _seed_in(rng_state) if dropout_p > 0.0 else None
-        grads = self.kernels.dense_bwd(grad_out, query, key, value, out, logsumexp, self._mask(attn_mask, query),
-                                       is_causal, not self.sdpa_top_left, (None, None),
+        grads = self.kernels.dense_bwd(grad_out, query, key, value, out, logsumexp, attn_mask,
+                                       is_causal, not self.sdpa_top_left, None,
                                        contract.softmax_scale(query.shape[-1], scale), dropout_p, seed)
         if self.key == "CPU":
             return tuple(_into(g, torch.empty_permuted(t.shape, (0, 2, 1, 3), dtype=t.dtype, device=t.device))
@@ -409,19 +353,15 @@ class _DeviceOps:
 
 
 def _cpu_kernels_available() -> bool:
-    from .. import backend
-
     return backend.cpu_unavailable_reason() is None
 
 
 def _triton_available() -> bool:
-    from .. import backend
-
     return backend.triton_unavailable_reason() is None
 
 
-CPU = _DeviceOps("CPU", _CppKernels, "_scaled_dot_product_flash_attention_for_cpu", True, _cpu_kernels_available)
-CUDA = _DeviceOps("CUDA", _TritonKernels, "_scaled_dot_product_flash_attention", False, _triton_available)
+CPU = _DeviceOps("CPU", _Kernels("cpu"), "_scaled_dot_product_flash_attention_for_cpu", True, _cpu_kernels_available)
+CUDA = _DeviceOps("CUDA", _Kernels("triton"), "_scaled_dot_product_flash_attention", False, _triton_available)
 DEVICES: Sequence[_DeviceOps] = (CPU, CUDA)
 
 

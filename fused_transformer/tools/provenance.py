@@ -34,8 +34,9 @@ def _root(name: str) -> Optional[str]:
 MEASURED = {
     "report": (("kernels", ""),),
     "bench": (("kernels", ""), ("csrc", ""), ("package", "contract.py"), ("package", "backend.py"),
-              ("package", "functional.py"), ("package", "cpu_ops.py"), ("package", "reference.py"),
-              ("package", "modules"), ("package", "tools/bench_cases.py"), ("package", "tools/bench_timing.py")),
+              ("package", "functional.py"), ("package", "autograd.py"), ("package", "cpu_ops.py"),
+              ("package", "reference.py"), ("package", "modules"), ("package", "tools/bench_cases.py"),
+              ("package", "tools/bench_timing.py")),
 }
 FINGERPRINT_LINE = re.compile(r"sources fingerprint `([0-9a-f]{12})`")
 

@@ -6,8 +6,11 @@ The package reads top-down, one pass a file: ``jit.py`` (the helpers the kernels
 ``fwd.py`` (forward kernel and launcher), ``bwd.py`` (dq and dk/dv kernels and launcher), ``weights.py`` (the
 probabilities for ``need_weights``), ``decode.py`` (split-KV decoding over a contiguous or paged KV cache, and its
 backend entry), ``launch.py`` (masks, sizes and grids in kernel form), ``configs.py`` (the tile plan every launch and
-the AOT report read), ``ops.py`` (custom ops, autograd, the backend's entries) and ``aot.py`` (what the report
-compiles).
+the AOT report read), ``ops.py`` (the backend's raw entries, and the custom ops that tracing goes through) and
+``aot.py`` (what the report compiles).
+
+The entries below add the kernel-level options to the functional ops; their autograd is
+``fused_transformer.autograd``'s one Function per op, the only module above the kernels they call (at call time).
 """
 from typing import Optional, Tuple, Union
 
@@ -17,16 +20,19 @@ from ... import contract
 from ...contract import AttentionMasks
 from .aot import aot_configs
 from .configs import INTERPRETER_TILE, TILE_ROWS, Plan, Tile, TileRow, head_dim_bucket, plan
-from .decode import attention_decode, decode_splits, programs_per_sm, run_attention_with_kvcache
-from .ops import attention_keep_mask, run_attention, run_attention_varlen, run_attention_weights
+from .decode import attention_decode, attention_with_kvcache, decode_splits, programs_per_sm
+from .ops import (
+    attention_bwd, attention_fwd, attention_keep_mask, attention_varlen_bwd, attention_varlen_fwd,
+    attention_weights as weights_of_lse,
+)
 
 Tensor = torch.Tensor
 
 __all__ = [
-    "attention", "attention_varlen", "attention_weights", "attention_keep_mask", "run_attention",
-    "run_attention_varlen", "run_attention_weights", "plan", "Plan", "Tile", "TileRow", "TILE_ROWS",
-    "INTERPRETER_TILE", "head_dim_bucket", "aot_configs", "attention_decode", "decode_splits", "programs_per_sm",
-    "run_attention_with_kvcache",
+    "attention", "attention_varlen", "attention_weights", "attention_keep_mask", "attention_fwd", "attention_bwd",
+    "attention_varlen_fwd", "attention_varlen_bwd", "weights_of_lse", "attention_with_kvcache", "plan", "Plan",
+    "Tile", "TileRow", "TILE_ROWS", "INTERPRETER_TILE", "head_dim_bucket", "aot_configs", "attention_decode",
+    "decode_splits", "programs_per_sm",
 ]
 
 
@@ -50,11 +56,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, query_lengths: Optional[Tensor
     contract.check_attention_args(q, k, v, masks)
     alibi_slopes, sinks = options["alibi_slopes"], options["sinks"]
     contract.check_alibi_and_sinks(q, q.shape[0], q.shape[1], alibi_slopes, sinks)
-    spec = _spec(q, options)
+    spec = _spec(q, options, allow_tf32)
     if query_lengths is not None and tuple(query_lengths.shape) != (q.shape[0],):
         raise ValueError(f"query_lengths must be [batch={q.shape[0]}], got shape {tuple(query_lengths.shape)}")
-    o, lse = run_attention(q, k, v, masks, spec, alibi_slopes, sinks, query_lengths=query_lengths,
-                           allow_tf32=allow_tf32)
+    from ...autograd import attention as attention_on
+
+    o, lse = attention_on("triton", q, k, v, masks._replace(query_lengths=query_lengths), spec, alibi_slopes, sinks)
     return (o, lse) if options["return_lse"] else o
 
 
@@ -67,22 +74,26 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     contract.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     alibi_slopes, sinks = options["alibi_slopes"], options["sinks"]
     contract.check_alibi_and_sinks(q, cu_seqlens_q.shape[0] - 1, q.shape[1], alibi_slopes, sinks)
-    spec = _spec(q, options)
-    o, lse = run_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, spec, alibi_slopes,
-                                  sinks, allow_tf32=allow_tf32)
+    spec = _spec(q, options, allow_tf32)
+    from ...autograd import attention_varlen as attention_varlen_on
+
+    seqs = contract.PackedSequences(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+    o, lse = attention_varlen_on("triton", q, k, v, seqs, spec, alibi_slopes, sinks)
     return (o, lse) if options["return_lse"] else o
 
 
 def attention_weights(q: Tensor, k: Tensor, lse: Tensor, *, query_lengths: Optional[Tensor] = None,
                       **options: object) -> Tensor:
-    """``fused_transformer.functional.attention_weights`` on Triton (``run_attention_weights``), plus
-    ``query_lengths`` as in ``attention``."""
+    """``fused_transformer.functional.attention_weights`` on Triton (``weights_of_lse``), plus ``query_lengths`` as in
+    ``attention``."""
     options = contract.options_of("attention_weights", options, contract.ATTENTION_WEIGHTS_OPTIONS)
-    masks = AttentionMasks(options["attn_mask"], options["key_padding_mask"], options["query_padding_mask"])
+    masks = AttentionMasks(options["attn_mask"], options["key_padding_mask"], options["query_padding_mask"],
+                           query_lengths)
     contract.check_attention_args(q, k, k, masks)
-    return run_attention_weights(q, k, lse, masks, _spec(q, options), query_lengths)
+    return weights_of_lse(q, k, lse, masks, _spec(q, options, False))
 
 
-def _spec(q: Tensor, options: dict) -> contract.AttentionSpec:
-    return contract.attention_spec(q.shape[-1], options["is_causal"], options["causal_alignment"], options["window"],
+def _spec(q: Tensor, options: dict, allow_tf32: bool) -> contract.AttentionSpec:
+    spec = contract.attention_spec(q.shape[-1], options["is_causal"], options["causal_alignment"], options["window"],
                                    options.get("dropout_p", 0.0), options["scale"], options.get("softcap"))
+    return spec._replace(allow_tf32=bool(allow_tf32))

@@ -12,13 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import dropout_keep
+from ...contract import AttentionSpec
+from .._common import cdiv, dropout_keep
 from .configs import head_dim_bucket
 from .jit import (
     _alibi_slope, _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _real_rows, _row_index,
     _sequence, _stat_base, _tanh, _tile_mask, _tma_tile, _unmasked_keys_end, _visible_keys, _visible_queries,
 )
-from .launch import LOG2E, Layout, MaskArgs, grid, output_layout, plan_launch, tiles_of, tma_can_load
+from .launch import (
+    Layout, MaskArgs, grid, output_layout, plan_launch, shared_args, shared_constexprs, tiles_of, tma_can_load,
+)
 
 Tensor = torch.Tensor
 
@@ -400,35 +403,34 @@ def attention_dkdv_kernel(
 
 
 def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-               dq: Tensor, dk: Tensor, dv: Tensor, layout: Layout, masks: MaskArgs, dropout_p: float,
-               seed: Optional[Tensor], scale: float, allow_tf32: bool) -> None:
+               dq: Tensor, dk: Tensor, dv: Tensor, layout: Layout, masks: MaskArgs, spec: AttentionSpec,
+               seed: Optional[Tensor]) -> None:
     """The dq kernel, then the dk/dv kernel, dense or packed (``layout``), writing ``dq``, ``dk`` and ``dv``."""
     o, do = output_layout(o), output_layout(do)
     block_d = head_dim_bucket(layout.head_dim)
     delta = torch.empty_like(lse)  # lse's shape and layout
-    common_args = (
-        *masks.pointer_args(), *layout.q_strides, *layout.k_strides, *layout.v_strides, *masks.stride_args(),
-        layout.heads, layout.kv_group, layout.n_queries, layout.n_keys, *masks.offset_args(), scale * LOG2E,
-        dropout_p, seed, *masks.score_args(),
-    )
-    common_constexprs = dict(BLOCK_D=block_d, HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0,
-                             **masks.constexprs(), **masks.score_constexprs())
+    common_args = shared_args(layout, masks, spec.scale, spec.dropout_p, seed)
+    common_constexprs = shared_constexprs(layout, masks, spec.dropout_p, block_d)
     # Both kernels load alike: through TMA only if it can address every input and output.
     addressable = tma_can_load((q, k, v, o, do, dk, dv))
-    plan = plan_launch("bwd_dq", q.dtype, q.device, layout.head_dim, masks, dropout_p, allow_tf32, addressable)
+    plan = plan_launch("bwd_dq", q.dtype, q.device, layout.head_dim, masks, spec.dropout_p, spec.allow_tf32,
+                       addressable)
     tile, use_tma = plan.tile, plan.use_tma
     q_in, o_in, do_in = (tiles_of(x, tile.block_m, block_d, use_tma) for x in (q, o, do))
     k_in, v_in = (tiles_of(x, tile.block_n, block_d, use_tma) for x in (k, v))
-    attention_dq_kernel[grid(triton.cdiv(layout.n_queries, tile.block_m), layout.batch, layout.heads)](
+    attention_dq_kernel.run(
         q_in, k_in, v_in, o_in, do_in, lse, dlse.contiguous() if dlse is not None else None, delta, dq,
         *common_args, HAS_DLSE=dlse is not None, **common_constexprs, **plan.constexprs(),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
+        grid=grid(cdiv(layout.n_queries, tile.block_m), layout.batch, layout.heads), warmup=False,
     )
-    plan = plan_launch("bwd_dkdv", q.dtype, q.device, layout.head_dim, masks, dropout_p, allow_tf32, addressable)
+    plan = plan_launch("bwd_dkdv", q.dtype, q.device, layout.head_dim, masks, spec.dropout_p, spec.allow_tf32,
+                       addressable)
     tile, use_tma = plan.tile, plan.use_tma
-    attention_dkdv_kernel[grid(triton.cdiv(layout.n_keys, tile.block_n), layout.batch, layout.kv_heads)](
+    attention_dkdv_kernel.run(
         tiles_of(q, tile.block_m, block_d, use_tma), tiles_of(k, tile.block_n, block_d, use_tma),
         tiles_of(v, tile.block_n, block_d, use_tma), tiles_of(do, tile.block_m, block_d, use_tma), lse, delta,
         *(tiles_of(t, tile.block_n, block_d, use_tma and t.dim() == 4) for t in (dk, dv)),  # dense: TMA stores
         *common_args, **common_constexprs, **plan.constexprs(), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        grid=grid(cdiv(layout.n_keys, tile.block_n), layout.batch, layout.kv_heads), warmup=False,
     )

@@ -30,7 +30,7 @@ import functools
 from typing import Optional, Tuple
 
 import torch
-import triton
+from .._common import next_power_of_2
 
 from ..targets import LARGE_SHARED_MEMORY, TARGETS, Target
 from ..toolchain import BEFORE_3_9, EVERY_RELEASE, TRITON_3_6, Version, VersionRange, installed
@@ -248,15 +248,19 @@ class Plan:
     upcast: bool  # bfloat16 dots in float32 (the interpreter computes bfloat16 dots wrongly)
 
     def constexprs(self) -> dict:
-        constexprs = dict(BLOCK_M=self.tile.block_m, BLOCK_N=self.tile.block_n, USE_TMA=self.use_tma,
-                          DOT_PRECISION=self.dot_precision, UPCAST=self.upcast)
-        if self.kernel != "weights":
-            constexprs["INTERIOR_LOOP"] = self.interior_loop
+        """The launch's tile constexprs (made once per plan: plans are cached; unpack, do not change, the dict)."""
+        constexprs = self.__dict__.get("_constexprs")
+        if constexprs is None:
+            constexprs = dict(BLOCK_M=self.tile.block_m, BLOCK_N=self.tile.block_n, USE_TMA=self.use_tma,
+                              DOT_PRECISION=self.dot_precision, UPCAST=self.upcast)
+            if self.kernel != "weights":
+                constexprs["INTERIOR_LOOP"] = self.interior_loop
+            object.__setattr__(self, "_constexprs", constexprs)
         return constexprs
 
 
 def head_dim_bucket(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def precision_of(dtype: torch.dtype, allow_tf32: bool = False) -> str:

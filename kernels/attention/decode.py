@@ -19,14 +19,15 @@ sink alone, lse = sink). With one split the decode kernel writes o and lse itsel
 The key cache is contiguous [B, Lmax, Hkv, D] or paged [num_blocks, block_size, Hkv, D], key p of sequence b in
 block block_table[b, p // block_size], row p % block_size (any block_size: each key's page is looked up).
 """
+import functools
 from typing import List, Optional, Tuple, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from ..._env import triton_interpreting
-from ...contract import KVCache, KVCacheSpec
+from ...contract import KVCache, KVCacheSpec, window_of_bounds
+from .._common import cdiv, interpreting as interpreting_now, traced
 from ..aot import AotKernel
 from ..targets import CAPABILITIES, Target
 from ..toolchain import Version
@@ -234,7 +235,7 @@ def decode_tile(rows: int, dtype: torch.dtype, interpreting: Optional[bool] = No
     """The tile of a decode launch with ``rows`` = Lq x (H / Hkv) rows per kv head: 16-bit inputs take 16 rows
     (tl.dot's least) for decoding, 64 for chunked prefill, and 64 keys a step; float32, whose exact products run on
     the CUDA cores, 16 x 16 (BM16_BN32 and BM64_BN16 spill up to 800 B at head_dim 128 under Triton 3.9)."""
-    if triton_interpreting() if interpreting is None else interpreting:
+    if interpreting_now() if interpreting is None else interpreting:
         return INTERPRETER_DECODE_TILE
     if dtype == torch.float32:
         return Tile(16, 16, 4, 2)
@@ -246,17 +247,22 @@ def decode_splits(batch: int, kv_heads: int, query_tiles: int, max_keys: int, sm
     splits >= sm_count``, under two waves), 1 when the grid fills the SMs already; never more than the key blocks
     (``cdiv(max_keys, block_n)``, so each split has one at least) nor ``MAX_SPLITS``."""
     programs = batch * kv_heads * query_tiles
-    key_blocks = triton.cdiv(max_keys, block_n)
+    key_blocks = cdiv(max_keys, block_n)
     if programs <= 0 or programs >= sm_count or key_blocks <= 1:
         return 1
-    return max(1, min(triton.cdiv(sm_count, programs), key_blocks, MAX_SPLITS))
+    return max(1, min(cdiv(sm_count, programs), key_blocks, MAX_SPLITS))
 
 
 def sm_count_of(device: torch.device) -> int:
     """The SMs of ``device`` (CUDA), else ``DEFAULT_SM_COUNT``."""
-    if device.type == "cuda" and not triton_interpreting():
-        return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "cuda" and not interpreting_now():
+        return _cuda_sm_count(device)
     return DEFAULT_SM_COUNT
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def programs_per_sm(batch: int, kv_heads: int, max_keys: int, lq: int, heads: int,
@@ -266,7 +272,7 @@ def programs_per_sm(batch: int, kv_heads: int, max_keys: int, lq: int, heads: in
     capability = target if isinstance(target, int) else target.capability
     sm_count = TYPICAL_SM_COUNT[capability]
     tile = decode_tile(lq * (heads // kv_heads), torch.bfloat16, interpreting=False)
-    query_tiles = triton.cdiv(lq * (heads // kv_heads), tile.block_m)
+    query_tiles = cdiv(lq * (heads // kv_heads), tile.block_m)
     splits = decode_splits(batch, kv_heads, query_tiles, max_keys, sm_count, tile.block_n)
     return batch * kv_heads * query_tiles * splits / sm_count
 
@@ -279,8 +285,9 @@ def attention_decode(
     is_causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float,
     softcap: Optional[float], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], num_splits: Optional[int],
 ) -> Tuple[Tensor, Tensor]:
-    """Attention of ``q`` over a KV cache, split over the keys (arguments checked by the caller), through the custom
-    op ``fused_transformer::attention_decode`` (``torch.compile`` traces it).
+    """Attention of ``q`` over a KV cache, split over the keys (arguments checked by the caller): the decode
+    kernel, then with more than one split the merge kernel; traced (``_common.traced``) through the custom op
+    ``fused_transformer::attention_decode``.
 
     Args:
         q: ``[B, Lq, H, D]`` (Lq >= 1), float16 / bfloat16 / float32, last dim contiguous.
@@ -306,15 +313,18 @@ def attention_decode(
         ``out [B, Lq, H, D]`` in q's dtype and ``lse [B, H, Lq]`` float32 (natural log, the sink included). A row
         that sees no key gives zeros and LSE -inf (with a sink: the sink's logit).
     """
-    return torch.ops.fused_transformer.attention_decode(
-        q, k_cache, v_cache, cache_lens, block_table, is_causal, window_left, window_right, scale, softcap,
-        alibi_slopes, sinks, num_splits)
+    args = (q, k_cache, v_cache, cache_lens, block_table, is_causal, window_left, window_right, scale, softcap,
+            alibi_slopes, sinks, num_splits)
+    if traced():
+        return torch.ops.fused_transformer.attention_decode(*args)
+    return _launch_decode(*args)
 
 
-def run_attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-                               spec: KVCacheSpec) -> Tuple[Tensor, Tensor]:
-    """The Triton backend's entry for ``functional.attention_with_kvcache`` (arguments checked there, the new keys
-    already in the cache): ``(out [B, Lq, H, D], lse [B, H, Lq])``."""
+def attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                           spec: KVCacheSpec, k_new: Optional[Tensor] = None,
+                           v_new: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The Triton backend's ``attention_with_kvcache`` (arguments checked, the new keys already in the cache: it has
+    no ``appends_new_keys``): ``(out [B, Lq, H, D], lse [B, H, Lq])``."""
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"triton attention_with_kvcache runs float16, bfloat16 and float32, got {q.dtype}; float64 "
                         "runs on the reference backend")
@@ -325,14 +335,12 @@ def run_attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional
                             sinks=sinks, num_splits=spec.num_splits)
 
 
-@torch.library.custom_op("fused_transformer::attention_decode", mutates_args=())
-def attention_decode_op(
+def _launch_decode(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_lens: Tensor, block_table: Optional[Tensor], is_causal: bool,
     window_left: Optional[int], window_right: Optional[int], scale: float, softcap: Optional[float],
     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], num_splits: Optional[int],
 ) -> Tuple[Tensor, Tensor]:
-    """The launches of ``attention_decode`` (same arguments, positional): the decode kernel, then with more than
-    one split the merge kernel."""
+    """The launches of ``attention_decode`` (same arguments, positional)."""
     batch, n_queries, heads, head_dim = q.shape
     paged = block_table is not None
     kv_heads = k_cache.shape[2]
@@ -346,7 +354,7 @@ def attention_decode_op(
 
     rows = n_queries * kv_group
     tile = decode_tile(rows, q.dtype)
-    query_tiles = triton.cdiv(rows, tile.block_m)
+    query_tiles = cdiv(rows, tile.block_m)
     if num_splits is None:
         num_splits = decode_splits(batch, kv_heads, query_tiles, max_keys, sm_count_of(q.device), tile.block_n)
     if num_splits < 1:
@@ -354,7 +362,7 @@ def attention_decode_op(
     if batch * kv_heads > MAX_GRID_YZ or query_tiles > MAX_GRID_YZ:
         raise ValueError(f"attention_decode: batch x kv_heads = {batch * kv_heads} and {query_tiles} row tiles must "
                          f"each be at most {MAX_GRID_YZ} (a CUDA grid axis); split the batch")
-    window = kernel_window(window_left, window_right, is_causal, n_queries + max_keys)
+    window = kernel_window(window_of_bounds(window_left, window_right), is_causal, n_queries + max_keys)
     block_d = head_dim_bucket(head_dim)
     split = num_splits > 1
     if split:
@@ -368,7 +376,7 @@ def attention_decode_op(
     else:
         alibi_strides = (0, 0)
     sinks = sinks.contiguous() if sinks is not None else None
-    _attention_decode_kernel[(num_splits, batch * kv_heads, query_tiles)](
+    _attention_decode_kernel.run(
         q, k_cache, v_cache, cache_lens, block_table, alibi_slopes, sinks, o_target, lse_target,
         q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(block_table.stride() if paged else (0, 0)), *alibi_strides,
@@ -377,19 +385,32 @@ def attention_decode_op(
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, HEAD_DIM=head_dim, PAGED=paged,
         IS_CAUSAL=is_causal, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None, SPLIT=split,
-        UPCAST=triton_interpreting() and q.dtype == torch.bfloat16, DOT_PRECISION="ieee",
+        UPCAST=interpreting_now() and q.dtype == torch.bfloat16, DOT_PRECISION="ieee",
         num_warps=tile.num_warps, num_stages=tile.num_stages,
+        grid=(num_splits, batch * kv_heads, query_tiles), warmup=False,
     )
     if split:
-        _attention_decode_merge_kernel[(triton.cdiv(rows, MERGE_ROWS), batch * kv_heads)](
+        _attention_decode_merge_kernel.run(
             o_target, lse_target, sinks, out, lse, n_queries, heads, kv_heads, kv_group, num_splits,
             BLOCK_M=MERGE_ROWS, BLOCK_D=block_d, HEAD_DIM=head_dim, HAS_SINKS=sinks is not None,
             num_warps=MERGE_WARPS,
+            grid=(cdiv(rows, MERGE_ROWS), batch * kv_heads), warmup=False,
         )
     return out, lse
 
 
-@attention_decode_op.register_fake
+@torch.library.custom_op("fused_transformer::attention_decode", mutates_args=())
+def _attention_decode_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_lens: Tensor, block_table: Optional[Tensor], is_causal: bool,
+    window_left: Optional[int], window_right: Optional[int], scale: float, softcap: Optional[float],
+    alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], num_splits: Optional[int],
+) -> Tuple[Tensor, Tensor]:
+    """``attention_decode`` as torch.compile and torch.export trace it."""
+    return _launch_decode(q, k_cache, v_cache, cache_lens, block_table, is_causal, window_left, window_right, scale,
+                          softcap, alibi_slopes, sinks, num_splits)
+
+
+@_attention_decode_op.register_fake
 def _(q, k_cache, v_cache, cache_lens, block_table, is_causal, window_left, window_right, scale, softcap,
       alibi_slopes, sinks, num_splits):
     batch, n_queries, heads, head_dim = q.shape

@@ -19,13 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import dropout_keep
+from ...contract import AttentionSpec
+from .._common import cdiv, dropout_keep
 from .jit import (
     _alibi_slope, _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _real_rows, _row_index,
     _sequence, _stat_base, _tile_mask, _tma_tile, _unmasked_keys_end, _visible_keys,
 )
 from .configs import head_dim_bucket
-from .launch import LOG2E, Layout, MaskArgs, grid, plan_launch, tiles_of, tma_can_load
+from .launch import Layout, MaskArgs, grid, plan_launch, shared_args, shared_constexprs, tiles_of, tma_can_load
 
 Tensor = torch.Tensor
 
@@ -210,18 +211,20 @@ def attention_fwd_kernel(
 
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout: Layout, masks: MaskArgs,
-               dropout_p: float, seed: Optional[Tensor], scale: float, allow_tf32: bool) -> None:
+               spec: AttentionSpec, seed: Optional[Tensor]) -> None:
     """The forward kernel, dense or packed (``layout``), writing ``o`` and ``lse``."""
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
     block_d = head_dim_bucket(layout.head_dim)
-    plan = plan_launch("fwd", q.dtype, q.device, layout.head_dim, masks, dropout_p, allow_tf32, tma_can_load((q, k, v)))
-    tile, use_tma = plan.tile, plan.use_tma
-    attention_fwd_kernel[grid(triton.cdiv(layout.n_queries, tile.block_m), layout.batch, layout.heads)](
-        tiles_of(q, tile.block_m, block_d, use_tma), tiles_of(k, tile.block_n, block_d, use_tma),
-        tiles_of(v, tile.block_n, block_d, use_tma), o, lse, *masks.pointer_args(), *layout.q_strides,
-        *layout.k_strides, *layout.v_strides, *masks.stride_args(), layout.heads, layout.kv_group, layout.n_queries,
-        layout.n_keys, *masks.offset_args(), scale * LOG2E, dropout_p, seed, *masks.score_args(),
-        BLOCK_D=block_d, HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0, **masks.constexprs(),
-        **masks.score_constexprs(),
-        **plan.constexprs(), num_warps=tile.num_warps, num_stages=tile.num_stages,
+    plan = plan_launch("fwd", q.dtype, q.device, layout.head_dim, masks, spec.dropout_p, spec.allow_tf32,
+                       tma_can_load((q, k, v)))
+    tile = plan.tile
+    if plan.use_tma:
+        q, k = tiles_of(q, tile.block_m, block_d, True), tiles_of(k, tile.block_n, block_d, True)
+        v = tiles_of(v, tile.block_n, block_d, True)
+    attention_fwd_kernel.run(
+        q, k, v, o, lse,
+        *shared_args(layout, masks, spec.scale, spec.dropout_p, seed),
+        **shared_constexprs(layout, masks, spec.dropout_p, block_d), **plan.constexprs(), num_warps=tile.num_warps,
+        num_stages=tile.num_stages, grid=grid(cdiv(layout.n_queries, tile.block_m), layout.batch, layout.heads),
+        warmup=False,
     )

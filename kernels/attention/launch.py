@@ -3,16 +3,16 @@ sizes and strides (``Layout``), grids, TMA descriptors, the input checks of the 
 layout. Dense outputs (o, dq, dk, dv) are [B, H, L, D] laid out as [B, L, H, D] (``empty_heads_interleaved``, the
 packed layout with sequence b starting at row b L), so that a module merges the heads with a view and hands back
 do in o's layout, which the backward reads without a copy."""
-import dataclasses
-from typing import Optional, Tuple, Union
+from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ... import contract
-from ..._env import triton_interpreting
-from ...contract import empty_heads_interleaved, heads_interleaved_strides
-from .._common import tma_addressable, tma_descriptor
+from ...contract import (
+    AttentionMasks, AttentionSpec, PackedSequences, Window, empty_heads_interleaved, heads_interleaved_strides,
+)
+from .._common import interpreting, tma_addressable, tma_descriptor
 from ..targets import Target, target_of
 from . import configs
 
@@ -25,8 +25,7 @@ LOG2E = 1.4426950408889634
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 
 
-@dataclasses.dataclass
-class MaskArgs:
+class MaskArgs(NamedTuple):
     """Everything the kernels need to know about the masks and where each sequence lies, in kernel form."""
 
     mask: Optional[Tensor]  # attn_mask viewed as [B, H, Lq, Lk] with stride 0 on broadcast dims
@@ -63,10 +62,6 @@ class MaskArgs:
         alibi_strides = self.alibi.stride() if self.alibi is not None else (0, 0)
         return (self.alibi, self.sinks, *alibi_strides, self.softcap * LOG2E if self.softcap is not None else 1.0)
 
-    def score_constexprs(self) -> dict:
-        return dict(HAS_SOFTCAP=self.softcap is not None, HAS_ALIBI=self.alibi is not None,
-                    HAS_SINKS=self.sinks is not None)
-
     @property
     def packed(self) -> bool:
         return self.cu_seqlens_q is not None
@@ -91,8 +86,7 @@ class MaskArgs:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
+class Layout(NamedTuple):
     """Sizes and (batch, head, row) strides of q, k and v as the kernels take them: dense ``[B, H, L, D]``, or
     packed ``[T, H, D]`` (batch stride 0: the kernels find each sequence's rows through cu_seqlens)."""
 
@@ -112,7 +106,7 @@ class Layout:
         if lq * heads > MAX_DENSE_OUTPUT_ROWS:
             raise ValueError(f"triton attention: q {tuple(q.shape)} has Lq x heads = {lq * heads} rows of o per "
                              f"batch element; at most {MAX_DENSE_OUTPUT_ROWS} are supported")
-        return Layout(batch, heads, kv_heads, lq, lk, head_dim, *(tuple(t.stride()[:3]) for t in (q, k, v)))
+        return Layout(batch, heads, kv_heads, lq, lk, head_dim, q.stride()[:3], k.stride()[:3], v.stride()[:3])
 
     @staticmethod
     def packed(q: Tensor, k: Tensor, v: Tensor, batch: int, max_seqlen_q: int, max_seqlen_k: int) -> "Layout":
@@ -142,6 +136,8 @@ def mask_offsets_need_int64(mask: Tensor) -> bool:
 
 def grid(tiles: int, batch: int, heads: int) -> Tuple[int, int, int]:
     """(tiles, heads, batch), the order ``jit._batch_head`` reads, within CUDA's limits or a clear error."""
+    if tiles <= MAX_GRID_X and heads <= MAX_GRID_YZ and batch <= MAX_GRID_YZ:
+        return (tiles, heads, batch)
     axes = (("tiles", tiles, MAX_GRID_X), ("heads", heads, MAX_GRID_YZ), ("batch", batch, MAX_GRID_YZ))
     for name, size, limit in axes:
         if size > limit:
@@ -158,26 +154,22 @@ def key_lengths(key_padding_mask: Tensor) -> Tensor:
     return torch.stack([contract.last_real_position(key_padding_mask), leading]).to(torch.int32)
 
 
-def kernel_window(window_left: Optional[int], window_right: Optional[int], is_causal: bool,
-                   unlimited: int) -> Optional[Tuple[int, int]]:
-    """``(left, right)`` as the kernels take it, None without a window. A side that is None, or wider than
-    ``unlimited`` (Lq + Lk, beyond which no alignment offset reaches a key), becomes ``unlimited``, so the
-    kernels' int32 sums stay in range; causal caps right at 0 (key j <= i + o)."""
-    if window_left is None and window_right is None:
+def kernel_window(window: Window, is_causal: bool, unlimited: int) -> Optional[Tuple[int, int]]:
+    """``window`` (``contract.Window``) as the kernels take it, None without one. A side that is None, or wider than
+    ``unlimited`` (Lq + Lk, beyond which no alignment offset reaches a key), becomes ``unlimited``, so the kernels'
+    int32 sums stay in range; causal caps right at 0 (key j <= i + o)."""
+    if window is None:
         return None
-    left = unlimited if window_left is None else min(int(window_left), unlimited)
-    right = unlimited if window_right is None else min(int(window_right), unlimited)
+    left = unlimited if window[0] is None else min(int(window[0]), unlimited)
+    right = unlimited if window[1] is None else min(int(window[1]), unlimited)
     return (left, min(right, 0) if is_causal else right)
 
 
-def mask_args(
-    q: Tensor, k: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
-    query_lengths: Optional[Tensor], is_causal: bool, causal_alignment: str,
-    query_padding_mask: Optional[Tensor] = None, window_left: Optional[int] = None,
-    window_right: Optional[int] = None, softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None,
-) -> MaskArgs:
+def mask_args(q: Tensor, k: Tensor, masks: AttentionMasks, spec: AttentionSpec, alibi_slopes: Optional[Tensor] = None,
+              sinks: Optional[Tensor] = None) -> MaskArgs:
+    """The masks of a dense launch (q ``[B, H, Lq, D]``, k ``[B, Hkv, Lk, D]``) in kernel form."""
     (batch, heads, lq, _), lk = q.shape, k.shape[2]
+    attn_mask, key_padding_mask, query_padding_mask, query_lengths = masks
     mask, mask_kind = None, MASK_NONE
     if attn_mask is not None:
         mask = attn_mask.expand(batch, heads, lq, lk)
@@ -198,33 +190,30 @@ def mask_args(
                 torch.arange(lq, device=q.device, dtype=torch.int32)[None, :] >= query_lens[:, None])
         query_padding = query_padding_mask.contiguous().view(torch.uint8)
         query_lens = contract.last_real_position(query_padding_mask).to(torch.int32)
-    window = kernel_window(window_left, window_right, is_causal, lq + lk)
-    aligned = causal_alignment == "bottom_right" and (is_causal or window is not None or alibi_slopes is not None)
-    return MaskArgs(
-        mask, mask_kind, padding, key_lens, query_lens, query_padding, None, None, is_causal,
-        causal_offset=lk - lq if aligned else 0, per_sequence_offset=aligned and query_padding is not None,
-        window=window, **score_modifiers(batch, heads, softcap, alibi_slopes, sinks),
-    )
+    window = kernel_window(spec.window, spec.is_causal, lq + lk)
+    aligned = spec.bottom_right and (spec.is_causal or window is not None or alibi_slopes is not None)
+    scores = () if spec.softcap is None and alibi_slopes is None and sinks is None else score_modifiers(
+        batch, heads, spec.softcap, alibi_slopes, sinks)
+    return MaskArgs(mask, mask_kind, padding, key_lens, query_lens, query_padding, None, None, spec.is_causal,
+                    lk - lq if aligned else 0, aligned and query_padding is not None, window, *scores)
 
 
 def score_modifiers(batch: int, heads: int, softcap: Optional[float], alibi_slopes: Optional[Tensor],
-                    sinks: Optional[Tensor]) -> dict:
+                    sinks: Optional[Tensor]) -> tuple:
     """MaskArgs' softcap, alibi and sinks fields: the slopes ``[H]`` or ``[B, H]`` viewed as ``[B, H]``."""
-    return dict(softcap=softcap, alibi=alibi_slopes.expand(batch, heads) if alibi_slopes is not None else None,
-                sinks=sinks.contiguous() if sinks is not None else None)
+    return (softcap, alibi_slopes.expand(batch, heads) if alibi_slopes is not None else None,
+            sinks.contiguous() if sinks is not None else None)
 
 
-def varlen_mask_args(
-    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
-    causal_alignment: str, window_left: Optional[int], window_right: Optional[int], heads: int = 0,
-    softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-) -> MaskArgs:
-    window = kernel_window(window_left, window_right, is_causal, max_seqlen_q + max_seqlen_k)
-    aligned = causal_alignment == "bottom_right" and (is_causal or window is not None or alibi_slopes is not None)
+def varlen_mask_args(seqs: PackedSequences, spec: AttentionSpec, heads: int, alibi_slopes: Optional[Tensor] = None,
+                     sinks: Optional[Tensor] = None) -> MaskArgs:
+    """The sequence bounds of a packed launch in kernel form."""
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = seqs
+    window = kernel_window(spec.window, spec.is_causal, max_seqlen_q + max_seqlen_k)
+    aligned = spec.bottom_right and (spec.is_causal or window is not None or alibi_slopes is not None)
     return MaskArgs(
-        None, MASK_NONE, None, None, None, None, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), is_causal,
-        causal_offset=0, per_sequence_offset=aligned, window=window,
-        **score_modifiers(cu_seqlens_q.shape[0] - 1, heads, softcap, alibi_slopes, sinks),
+        None, MASK_NONE, None, None, None, None, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), spec.is_causal,
+        0, aligned, window, *score_modifiers(cu_seqlens_q.shape[0] - 1, heads, spec.softcap, alibi_slopes, sinks),
     )
 
 
@@ -239,9 +228,10 @@ def tiles_of(x: Tensor, rows: int, block_d: int, use_tma: bool) -> Union[Tensor,
 
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"triton attention: {name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if not (q.dtype in SUPPORTED_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"triton attention: {name} must be float16, bfloat16 or float32, got {t.dtype}")
     head_dim = q.shape[-1]
     if not 0 <= head_dim <= configs.MAX_HEAD_DIM["bf16"]:
         raise ValueError(f"triton attention: head_dim={head_dim} is not supported (0..{configs.MAX_HEAD_DIM['bf16']})")
@@ -265,28 +255,55 @@ def output_layout(t: Tensor) -> Tensor:
     already is (as the gradient of a module's head merge is)."""
     if t.dim() != 4:
         return t.contiguous()
-    if all(size <= 1 or stride == want for size, stride, want in zip(t.shape, t.stride(),
-                                                                      heads_interleaved_strides(t.shape))):
+    strides, wanted = t.stride(), heads_interleaved_strides(t.shape)
+    if strides == wanted or all(size <= 1 or stride == want for size, stride, want in zip(t.shape, strides, wanted)):
         return t
     return empty_output(t).copy_(t)
 
 
 def launch_target(device: torch.device) -> Optional[Target]:
     """The target a launch on ``device`` plans for: None under the interpreter."""
-    return None if triton_interpreting() else target_of(device)
+    return None if interpreting() else target_of(device)
 
 
 def tma_can_load(inputs: Tuple[Tensor, ...]) -> bool:
     """Whether TMA can load (and store) every one of ``inputs`` here: the target has it (under the interpreter, when
     ``configs.TMA_UNDER_INTERPRETER``) and can address each (``_common.tma_addressable``)."""
-    has_tma = configs.TMA_UNDER_INTERPRETER if triton_interpreting() else target_of(inputs[0].device).tma
+    has_tma = configs.TMA_UNDER_INTERPRETER if interpreting() else target_of(inputs[0].device).tma
     return has_tma and all(map(tma_addressable, inputs))
+
+
+def shared_args(layout: Layout, masks: MaskArgs, scale: float, dropout_p: float, seed: Optional[Tensor]) -> tuple:
+    """The arguments the forward kernel and both backward kernels take, in this order, after their own tensors."""
+    return (*masks.pointer_args(), *layout.q_strides, *layout.k_strides, *layout.v_strides, *masks.stride_args(),
+            layout.heads, layout.kv_group, layout.n_queries, layout.n_keys, *masks.offset_args(), scale * LOG2E,
+            dropout_p, seed, *masks.score_args())
+
+
+def shared_constexprs(layout: Layout, masks: MaskArgs, dropout_p: float, block_d: int) -> dict:
+    """The constexprs the forward kernel and both backward kernels take (their tiles' come from the plan)."""
+    return dict(BLOCK_D=block_d, HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0,
+                HAS_SOFTCAP=masks.softcap is not None, HAS_ALIBI=masks.alibi is not None,
+                HAS_SINKS=masks.sinks is not None, **masks.constexprs())
+
+
+# The plans of the launches so far, by what decides them (``plan_launch``). A replaced ``configs.plan`` (a test that
+# records or changes the plans) is asked at every launch instead.
+_PLANS: Dict[tuple, configs.Plan] = {}
+_PLANNER = configs.plan
 
 
 def plan_launch(kernel: str, dtype: torch.dtype, device: torch.device, head_dim: int, masks: MaskArgs,
                 dropout_p: float, allow_tf32: bool, tma_loadable: bool) -> configs.Plan:
     """``configs.plan`` for a ``kernel`` launch with these masks and dropout, on inputs TMA can load or not
-    (``tma_can_load``)."""
-    return configs.plan(kernel, dtype, head_dim, launch_target(device), allow_tf32=allow_tf32,
-                        tma_addressable=tma_loadable, light=masks.light(dropout_p), packed=masks.packed,
-                        score_mods=masks.modifies_scores)
+    (``tma_can_load``): planned once per kind of launch."""
+    light, packed, score_mods = masks.light(dropout_p), masks.packed, masks.modifies_scores
+    key = (kernel, dtype, device, head_dim, allow_tf32, tma_loadable, light, packed, score_mods,
+           configs.TMA_UNDER_INTERPRETER)
+    plan = _PLANS.get(key)
+    if plan is None or configs.plan is not _PLANNER:
+        plan = configs.plan(kernel, dtype, head_dim, launch_target(device), allow_tf32=allow_tf32,
+                            tma_addressable=tma_loadable, light=light, packed=packed, score_mods=score_mods)
+        if configs.plan is _PLANNER:
+            _PLANS[key] = plan
+    return plan

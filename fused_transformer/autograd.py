@@ -1,0 +1,242 @@
+"""One autograd Function per op, written once above the backends' raw functions (the interface in
+``fused_transformer.contract``): ``fused_transformer.functional`` checks a call's arguments, then hands them here
+with the name of the backend that runs it.
+
+What each Function owns, for every backend alike: the dropout seed, the float-output rule for the sinks' gradient,
+what is saved for the backward, which gradients are computed, and the no-grad fast path: when no input needs a
+gradient the op calls its backend's forward directly, without autograd's per-call cost (about 20 us, as much as
+the kernel of a one-token decoding step). The reference backend, differentiated by autograd through its torch ops,
+is called directly (it is the oracle these Functions are checked against), as is a backend's composed form of
+layer_norm or feed_forward where it has one for the call (ATen's, where it beats the C++ kernels).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple, Union
+
+import torch
+
+from . import backend
+from .contract import (
+    AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, PackedSequences, as_rows, draw_dropout_seed,
+    sinks_gradient,
+)
+
+Tensor = torch.Tensor
+
+
+def _needs_grad(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd must record the call: grad mode is on and one of ``tensors`` requires a gradient."""
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                return True
+    return False
+
+
+def _seed(p: float, device: torch.device) -> Optional[Tensor]:
+    return draw_dropout_seed(device) if p > 0.0 else None
+
+
+def _float_output(ctx, q: Tensor, sinks: Optional[Tensor]) -> bool:
+    """Whether the forward keeps o in float32 for the backward: for sinks that need a gradient, whose sum over every
+    row (``contract.sinks_gradient``) must not see o's rounding to 16 bits (twice PyTorch's own error). The caller
+    gets o in q's dtype (through a cast only then: under torch 2.11, a compiled graph that returned
+    ``o.to(o.dtype)``, an alias of a saved tensor, gave wrong gradients)."""
+    return sinks is not None and bool(ctx.needs_input_grad[3]) and q.dtype in (torch.float16, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+
+def _attention_forward(ctx, q: Tensor, sinks: Optional[Tensor], spec: AttentionSpec, name: str,
+                       run: Callable[..., Tuple[Tensor, Tensor]]) -> Tuple[Optional[Tensor], Tensor, Tensor]:
+    """What both attention Functions' forwards do around ``run(ops, seed, float_output)``, the backend's call:
+    ``(seed, o, lse)``, o as the backward reads it."""
+    ops = backend.ops(name)
+    seed = _seed(spec.dropout_p, q.device)
+    float_output = _float_output(ctx, q, sinks)
+    o, lse = run(ops, seed, float_output)
+    ctx.spec, ctx.name, ctx.float_output = spec, name, float_output
+    ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None (no zeros to write and read)
+    if not ops.DIFFERENTIABLE_LSE:
+        ctx.mark_non_differentiable(lse)
+    return seed, o, lse
+
+
+def _attention_backward(ctx, do: Optional[Tensor], dlse: Optional[Tensor], q: Tensor, o: Tensor, lse: Tensor,
+                        sinks: Optional[Tensor], packed: bool,
+                        run: Callable[..., Tuple[Tensor, Tensor, Tensor]]) -> Tuple[Optional[Tensor], ...]:
+    """What both attention Functions' backwards do around ``run(ops, do)``: ``(dq, dk, dv, dsinks)``."""
+    needs_q, needs_k, needs_v, needs_sinks = ctx.needs_input_grad[:4]
+    do = torch.zeros_like(o, dtype=q.dtype) if do is None else do  # only the LSE was used
+    dq = dk = dv = dsinks = None
+    if needs_q or needs_k or needs_v:
+        dq, dk, dv = run(backend.ops(ctx.name), do)
+    if needs_sinks:
+        dsinks = sinks_gradient(sinks, lse, do, o, dlse, head_dim_last=packed)
+    return dq, dk, dv, dsinks
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Autograd over a backend's ``attention_fwd`` / ``attention_bwd``. Differentiable: q, k, v, sinks (theirs from
+    the saved LSE and o) and the LSE where the backend takes its gradient; masks and ALiBi slopes are constants."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, attn_mask, key_padding_mask, query_padding_mask, query_lengths, alibi_slopes,
+                spec: AttentionSpec, name: str):
+        masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask, query_lengths)
+        seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, lambda ops, seed, float_output: ops.attention_fwd(
+            q, k, v, masks, spec, alibi_slopes, sinks, seed, float_output))
+        ctx.save_for_backward(q, k, v, o, lse, sinks, alibi_slopes, seed, *masks)
+        return (o.to(q.dtype) if ctx.float_output else o), lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, sinks, alibi_slopes, seed, *masks = ctx.saved_tensors
+        masks = AttentionMasks(*masks)
+        grads = _attention_backward(ctx, do, dlse, q, o, lse, sinks, False, lambda ops, do: ops.attention_bwd(
+            do, dlse, q, k, v, o, lse, masks, ctx.spec, alibi_slopes, seed))
+        return *grads, None, None, None, None, None, None, None
+
+
+class AttentionVarlenFunction(torch.autograd.Function):
+    """Autograd over a backend's ``attention_varlen_fwd`` / ``attention_varlen_bwd``, as ``AttentionFunction``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q: int, max_seqlen_k: int,
+                spec: AttentionSpec, name: str):
+        seqs = PackedSequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, lambda ops, seed, float_output: (
+            ops.attention_varlen_fwd(q, k, v, seqs, spec, alibi_slopes, sinks, seed, float_output)))
+        ctx.save_for_backward(q, k, v, o, lse, sinks, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k)
+        ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+        return (o.to(q.dtype) if ctx.float_output else o), lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, sinks, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        seqs = PackedSequences(cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens)
+        grads = _attention_backward(ctx, do, dlse, q, o, lse, sinks, True, lambda ops, do: ops.attention_varlen_bwd(
+            do, dlse, q, k, v, o, lse, seqs, ctx.spec, alibi_slopes, seed))
+        return *grads, None, None, None, None, None, None, None
+
+
+def _check_constant_mask(attn_mask: Optional[Tensor], name: str) -> None:
+    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"attn_mask requires grad, but backend {name!r} treats masks as constants (no gradient); "
+                         "pass attn_mask.detach(), or use the reference backend to differentiate the mask")
+
+
+def attention(name: str, q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
+              alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of checked arguments on backend ``name``."""
+    ops = backend.ops(name)
+    if name == "reference":
+        return ops.attention(q, k, v, masks, spec, alibi_slopes, sinks)
+    _check_constant_mask(masks.attn_mask, name)
+    if _needs_grad(q, k, v, sinks):
+        return AttentionFunction.apply(q, k, v, sinks, *masks, alibi_slopes, spec, name)
+    return ops.attention_fwd(q, k, v, masks, spec, alibi_slopes, sinks, _seed(spec.dropout_p, q.device), False)
+
+
+def attention_varlen(name: str, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences, spec: AttentionSpec,
+                     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of checked arguments on packed sequences, on backend ``name``."""
+    ops = backend.ops(name)
+    if name == "reference":
+        return ops.attention_varlen(q, k, v, *seqs, spec, alibi_slopes, sinks)
+    if _needs_grad(q, k, v, sinks):
+        return AttentionVarlenFunction.apply(q, k, v, sinks, seqs.cu_seqlens_q, seqs.cu_seqlens_k, alibi_slopes,
+                                             int(seqs.max_seqlen_q), int(seqs.max_seqlen_k), spec, name)
+    return ops.attention_varlen_fwd(q, k, v, seqs, spec, alibi_slopes, sinks, _seed(spec.dropout_p, q.device), False)
+
+
+# ------------------------------------------------------------------------------------------ layer_norm
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """Autograd over a backend's ``layer_norm_fwd`` / ``layer_norm_bwd`` on rows ``[rows, N]``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, spec: LayerNormSpec, name: str):
+        seed = _seed(spec.dropout_p, x.device)
+        # z (the normalised sum) is what the backward reads when it is not x itself
+        keeps_sum = residual is not None or spec.dropout_p > 0.0
+        y, z, mean, rstd = backend.ops(name).layer_norm_fwd(x, weight, bias, residual, spec, seed,
+                                                            spec.prenorm or keeps_sum)
+        ctx.save_for_backward(z if keeps_sum else x, weight, bias, mean, rstd, seed)
+        ctx.spec, ctx.name, ctx.has_residual = spec, name, residual is not None
+        return (y, z) if spec.prenorm else y
+
+    @staticmethod
+    def backward(ctx, dy, dz=None):
+        z, weight, bias, mean, rstd, seed = ctx.saved_tensors
+        dx, dresidual, dweight, dbias = backend.ops(ctx.name).layer_norm_bwd(
+            dy, dz, z, weight, bias, mean, rstd, ctx.spec, seed, ctx.has_residual)
+        return (dx, dweight if weight is not None else None, dbias if bias is not None else None,
+                dresidual if ctx.has_residual else None, None, None)
+
+
+def layer_norm(name: str, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+               spec: LayerNormSpec) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``y``, or ``(y, z)`` with ``spec.prenorm``, of checked arguments ``[..., N]`` on backend ``name``."""
+    ops = backend.ops(name)
+    if name == "reference":
+        return ops.layer_norm(x, weight, bias, residual, spec)
+    if ops.layer_norm_composed is not None:
+        composed = ops.layer_norm_composed(x, weight, bias, residual, spec)
+        if composed is not None:
+            return composed
+    shape = x.shape
+    x_rows = as_rows(x)
+    residual_rows = as_rows(residual) if residual is not None else None
+    if _needs_grad(x, weight, bias, residual):
+        out = LayerNormFunction.apply(x_rows, weight, bias, residual_rows, spec, name)
+    else:
+        y, z, _, _ = ops.layer_norm_fwd(x_rows, weight, bias, residual_rows, spec, _seed(spec.dropout_p, x.device),
+                                        spec.prenorm)
+        out = (y, z) if spec.prenorm else y
+    if spec.prenorm:
+        y, z = out
+        return y.view(shape), z.view(shape)
+    return out.view(shape)
+
+
+# ---------------------------------------------------------------------------------------- feed_forward
+
+
+class FeedForwardFunction(torch.autograd.Function):
+    """Autograd over a backend's ``feed_forward_fwd`` / ``feed_forward_bwd`` on rows ``x [M, d_model]``."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, spec: FeedForwardSpec, name: str):
+        seed = _seed(spec.dropout_p, x.device)
+        y, saved = backend.ops(name).feed_forward_fwd(x, w1, b1, w2, b2, spec, seed, not spec.recompute)
+        ctx.save_for_backward(x, w1, b1, w2, seed, *saved)
+        ctx.spec, ctx.name, ctx.has_b2 = spec, name, b2 is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w1, b1, w2, seed, *saved = ctx.saved_tensors
+        dx, dw1, db1, dw2, db2 = backend.ops(ctx.name).feed_forward_bwd(dy, x, w1, b1, w2, tuple(saved), ctx.has_b2,
+                                                                        ctx.spec, seed)
+        return dx, dw1, db1 if b1 is not None else None, dw2, db2 if ctx.has_b2 else None, None, None
+
+
+def feed_forward(name: str, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+                 spec: FeedForwardSpec) -> Tensor:
+    """``linear2(dropout(act(linear1(x))))`` of checked arguments ``[..., d_model]`` on backend ``name``."""
+    ops = backend.ops(name)
+    if name == "reference":
+        return ops.feed_forward(x, w1, b1, w2, b2, spec)
+    if ops.feed_forward_composed is not None:
+        composed = ops.feed_forward_composed(x, w1, b1, w2, b2, spec)
+        if composed is not None:
+            return composed
+    x_rows = as_rows(x)
+    if _needs_grad(x, w1, b1, w2, b2):
+        y = FeedForwardFunction.apply(x_rows, w1, b1, w2, b2, spec, name)
+    else:
+        y, _ = ops.feed_forward_fwd(x_rows, w1, b1, w2, b2, spec, _seed(spec.dropout_p, x.device), False)
+    return y.view(*x.shape[:-1], w2.shape[0])
