@@ -5,8 +5,9 @@
                                       [--threads N] [--backend NAME] [--no-plots] [--no-progress]
 
 Runs the suites of ``fused_transformer.tools.bench_cases`` (attention, layer_norm, feed_forward, encoder_layer,
-decoder_layer; all by default), prints one table row per measurement as it goes, and writes to ``--out``
-(default ``bench-results/``):
+decoder_layer, decode_step, decode, module_call; all by default) and, only when named, ``overhead``
+(``fused_transformer.tools.bench_overhead``: the host time of one call of each op and module on a tiny input), prints
+one table row per measurement as it goes, and writes to ``--out`` (default ``bench-results/``):
 
 - ``bench_<device>.csv``, one row per (case, implementation), columns ``COLUMNS``:
   ``suite, case, mode, impl`` (what was measured: ``case`` is the mask or shape, ``mode`` fwd / fwd+bwd for the
@@ -19,11 +20,13 @@ decoder_layer; all by default), prints one table row per measurement as it goes,
   was measured: ``cuda_max_allocated`` or ``cpu_profiler_alloc``); ``baseline`` (the implementation the
   speed-up is against: sdpa's default dispatch, torch, torch.nn) and ``speedup`` (baseline ms / this ms: > 1 means
   faster than the baseline, 1.0 for the baseline itself); ``note`` (the backend ours ran on, the backend SDPA's
-  default dispatch picked).
+  default dispatch picked; for the overhead suite, the host microseconds per call and ours' ratios to thin and to
+  torch).
 - ``<suite>_<device>_throughput.png``: TFLOP/s (attention, feed-forward) or tokens/s (layer_norm, layers) against
   the sequence length, one line per implementation, one panel per case and mode;
 - ``<suite>_<device>_memory.png``: peak memory against the sequence length, same panels (a suite measured at one
-  length only, as ``module_call``, gets bars per case instead);
+  length only, as ``module_call``, gets bars per case instead); no plots for the overhead suite, whose table (in
+  ``bench_<device>.md``) is its figure;
 - ``bench_<device>.md``: each case of ours against its baseline as markdown tables, headed by the command, date,
   machine, versions and a fingerprint of the sources measured (``bench_summary``).
 
@@ -46,7 +49,9 @@ from fused_transformer._progress import tqdm
 
 import fused_transformer as ft
 from fused_transformer.interrupts import Interrupted
-from fused_transformer.tools import add_device_option, bench_summary, bench_work, make_folder, positive_seconds
+from fused_transformer.tools import (
+    add_device_option, bench_overhead, bench_summary, bench_work, make_folder, positive_seconds,
+)
 from fused_transformer.tools import bench_cases as suites
 from fused_transformer.tools.bench_cases import Case, Setup
 from fused_transformer.tools.bench_plots import plot_suite
@@ -57,6 +62,7 @@ COLUMNS = (
     "d_ff", "causal", "padding", "ms", "tflops", "tokens_per_s", "gb_per_s", "bw_of_peak", "peak_mem_mb",
     "mem_measure", "baseline", "speedup", "note",
 )
+SUITE_CHOICES = (*suites.SUITES, bench_overhead.SUITE)  # the overhead suite runs only when named
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # as check spells them
 Row = Dict[str, object]
 
@@ -74,6 +80,7 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str]) -> I
         failures.append(f"{case.id}: {_first_line(exc)}")
         yield _row(case, setup, case.baseline, None, None, f"FAILED to build the case: {_first_line(exc)}")
         return
+    overhead = case.suite == bench_overhead.SUITE
     accepted, memory = {}, {}
     for impl in case.impls:
         fn = built.fns[impl]
@@ -100,7 +107,7 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str]) -> I
     notes = built.notes
     try:
         with _quiet(case.suite == "attention"):
-            times = time_ms(accepted, built.grads, setup.device, min_time)
+            times = (bench_overhead.host_ms if overhead else time_ms)(accepted, built.grads, setup.device, min_time)
     except (RuntimeError, ValueError, NotImplementedError) as exc:  # out of memory, say
         failures.append(f"{case.id}: {_first_line(exc)}")
         yield _row(case, setup, case.baseline, None, None, f"FAILED while timing: {_first_line(exc)}")
@@ -109,7 +116,10 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str]) -> I
         del built, accepted  # the inputs, before the next case allocates its own
         _free_device_memory(setup.device)
     for impl, ms in times.items():
-        yield _row(case, setup, impl, ms, memory[impl], _note(notes, setup, impl), times.get(case.baseline))
+        note = _note(notes, setup, impl)
+        if overhead:
+            note = "; ".join(filter(None, [note, bench_overhead.ratio_note(case, times, impl)]))
+        yield _row(case, setup, impl, ms, memory[impl], note, times.get(case.baseline))
 
 
 def _row(case: Case, setup: Setup, impl: str, ms: Optional[float], mem: Optional[float], note: str,
@@ -139,7 +149,9 @@ def _mem_measure(device: torch.device) -> str:
 def _note(notes: Dict[str, str], setup: Setup, impl: str) -> str:
     if impl == "ours":
         with ft.use_backend(setup.backend):
-            return f"backend {ft.current(setup.device, setup.dtype)}"
+            backend = ft.current(setup.device, setup.dtype)
+        return f"backend {backend}" + (" (interpreter, launches skipped)" if bench_overhead.skips_launches(setup)
+                                       else "")
     return notes.get(impl, "")
 
 
@@ -176,7 +188,7 @@ def _rate(row: Row) -> str:
     return text
 
 
-TABLE = "{case:<14}{mode:<9}{seq_len:>6}  {impl:<22}{ms:>10}  {rate:<34}{mem:>10}{speedup:>10}"
+TABLE = "{case:<13} {mode:<8} {seq_len:>5}  {impl:<22}{ms:>10}  {rate:<34}{mem:>10}{speedup:>10}"
 
 
 def say(text: str = "") -> None:
@@ -186,7 +198,8 @@ def say(text: str = "") -> None:
 
 
 def print_header(suite: str, setup: Setup, baseline: str) -> None:
-    say(f"\n== {suite}: {suites.describe(suite, setup)}; {setup.device.type} {str(setup.dtype)[6:]}; "
+    describe = bench_overhead.describe(setup) if suite == bench_overhead.SUITE else suites.describe(suite, setup)
+    say(f"\n== {suite}: {describe}; {setup.device.type} {str(setup.dtype)[6:]}; "
         f"speed-up = {baseline} ms / ms (> 1: faster than {baseline})")
     say(TABLE.format(case="case", mode="mode", seq_len="L", impl="impl", ms="ms", rate="throughput",
                      mem="peak MB", speedup="speed-up"))
@@ -229,8 +242,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="fewer sequence lengths and shorter timings (about 1-2 minutes on a 2-core CPU)")
     add_device_option(parser, "measures on")
-    parser.add_argument("--suite", action="append", metavar="NAME", choices=suites.SUITES,
-                        help=f"a suite to run, one of {', '.join(suites.SUITES)}; repeat for several (default: all)")
+    parser.add_argument("--suite", action="append", metavar="NAME", choices=SUITE_CHOICES,
+                        help=f"a suite to run, one of {', '.join(SUITE_CHOICES)}; repeat for several (default: all "
+                        f"but {bench_overhead.SUITE}, which runs only when named)")
     parser.add_argument("--lengths", type=_lengths, metavar="L,L,...",
                         help="sequence lengths, e.g. 128,256 (default: per suite and device)")
     parser.add_argument("--dtype", choices=DTYPES, help="default float32 on CPU, bfloat16 on CUDA")
@@ -256,6 +270,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
             ft.current(args.device, args.dtype)
         except RuntimeError as exc:
             parser.error(f"--backend {args.backend}: {exc}")
+    if bench_overhead.SUITE in (args.suite or ()):
+        reason = bench_overhead.unusable_reason(Setup(args.device, args.dtype, args.backend))
+        if reason:
+            parser.error(f"--suite {bench_overhead.SUITE}: {reason}")
     make_folder(parser, f"--out {args.out!r}", args.out)
     return args
 
@@ -295,7 +313,9 @@ def run(args: argparse.Namespace, command: Optional[List[str]] = None, recap: Op
     rows: List[Row] = []
     failures: List[str] = []
     started = time.perf_counter()
-    suite_cases = {name: suites.cases(name, setup, args.lengths, args.quick) for name in names}
+    suite_setups = {name: bench_overhead.setup_for(setup) if name == bench_overhead.SUITE else setup for name in names}
+    suite_cases = {name: bench_overhead.cases(suite_setups[name]) if name == bench_overhead.SUITE
+                   else suites.cases(name, setup, args.lengths, args.quick) for name in names}
     # Rows go to a new file as they are measured; the previous CSV is replaced only by a complete run.
     partial_path = csv_path + ".partial"
     bar = tqdm(total=sum(map(len, suite_cases.values())), unit="case", file=sys.stderr, dynamic_ncols=True,
@@ -305,16 +325,20 @@ def run(args: argparse.Namespace, command: Optional[List[str]] = None, recap: Op
             writer = csv.DictWriter(f, fieldnames=COLUMNS)
             writer.writeheader()
             for name, cases in suite_cases.items():
-                suite_started = time.perf_counter()
-                print_header(name, setup, cases[0].baseline)
-                for case in cases:
-                    bar.set_description(f"{name} {case.case} {case.mode} L{case.seq_len}")
-                    for row in measure(case, setup, args.min_time, failures):
-                        print_row(row)
-                        rows.append(row)
-                        writer.writerow({key: _csv_value(value) for key, value in row.items()})
-                        f.flush()
-                    bar.update()
+                suite_started, suite_setup = time.perf_counter(), suite_setups[name]
+                print_header(name, suite_setup, cases[0].baseline)
+                overhead = name == bench_overhead.SUITE
+                with bench_overhead.conditions(suite_setup) if overhead else contextlib.nullcontext():
+                    for case in cases:
+                        bar.set_description(f"{name} {case.case} {case.mode} L{case.seq_len}")
+                        for row in measure(case, suite_setup, args.min_time, failures):
+                            print_row(row)
+                            rows.append(row)
+                            writer.writerow({key: _csv_value(value) for key, value in row.items()})
+                            f.flush()
+                        bar.update()
+                if overhead:
+                    say("\n".join(["", *bench_overhead.table(rows)]))
                 say(f"({name}: {len(cases)} cases in {time.perf_counter() - suite_started:.0f} s)")
             os.fsync(f.fileno())
     except KeyboardInterrupt:
@@ -330,7 +354,8 @@ def run(args: argparse.Namespace, command: Optional[List[str]] = None, recap: Op
         except ImportError:
             print("matplotlib is NOT INSTALLED: no plots written (pip install matplotlib, or the [bench] extra)")
         else:
-            written += [path for name in names for path in plot_suite(rows, name, setup, args.out)]
+            written += [path for name in names if name != bench_overhead.SUITE  # its table is the figure
+                        for path in plot_suite(rows, name, setup, args.out)]
     summary_path = os.path.join(args.out, f"bench_{setup.device.type}.md")
     with open(summary_path, "w") as f:
         f.write(bench_summary.markdown(rows, setup, command or ["bench"], written[1:]))

@@ -531,29 +531,43 @@ MODULE_CALL_MODULES = {  # case label -> the class, in torch.nn and in fused_tra
 }
 
 
-def _build_module_call(setup: Setup, name: str, length: int, train: bool) -> Built:
+def module_twins(setup: Setup, name: str, d_model: int, heads: int, d_ff: int) -> Tuple[nn.Module, nn.Module]:
+    """``torch.nn``'s module ``name`` and ours holding the same weights (dropout ``DROPOUT``, batch_first)."""
     torch.manual_seed(0)
-    batch, d_model, heads, d_ff = (MODULE_CALL_SHAPE[k] for k in ("batch", "d_model", "heads", "d_ff"))
     factory = dict(device=setup.device, dtype=setup.dtype)
     args = {"LayerNorm": (d_model,), "MultiheadAttention": (d_model, heads)}.get(name, (d_model, heads, d_ff))
     kwargs = {} if name == "LayerNorm" else dict(dropout=DROPOUT, batch_first=True)
     theirs = getattr(nn, name)(*args, **kwargs, **factory)
     ours = getattr(ft, name)(*args, **kwargs, **factory)
     ours.load_state_dict(theirs.state_dict())
-    x, grad = _randn(setup, batch, length, d_model, grad=train), _randn(setup, batch, length, d_model)
+    return theirs, ours
 
-    def call(module: nn.Module) -> Callable[[], Tensor]:
-        if name == "MultiheadAttention":
-            return lambda: module(x, x, x, need_weights=False)[0]
-        if name == "TransformerDecoderLayer":
-            return lambda: module(x, x)
-        return lambda: module(x)
 
-    fns = {}
-    for impl, module in (("torch.nn", theirs), ("ours", ours)):
+def module_call(module: nn.Module, name: str, x: Tensor) -> Callable[[], Tensor]:
+    """One call of ``module`` (a ``module_twins`` module) on ``x`` ``[B, L, d_model]``: self-attention, the decoder
+    attending to ``x`` as its memory."""
+    if name == "MultiheadAttention":
+        return lambda: module(x, x, x, need_weights=False)[0]
+    if name == "TransformerDecoderLayer":
+        return lambda: module(x, x)
+    return lambda: module(x)
+
+
+def module_calls(theirs: nn.Module, ours: nn.Module, name: str, x: Tensor,
+                 train: bool) -> Dict[str, Callable[[], Tensor]]:
+    """``{"torch.nn": call, "ours": call}`` of the ``module_twins`` on ``x``, in training mode or not."""
+    for module in (theirs, ours):
         module.train(train)
-        fn = call(module) if impl == "torch.nn" else _on_backend(setup.backend, call(module))
-        fns[impl] = _forward_backward(fn, grad) if train else _forward(fn)
+    return {"torch.nn": module_call(theirs, name, x), "ours": module_call(ours, name, x)}
+
+
+def _build_module_call(setup: Setup, name: str, length: int, train: bool) -> Built:
+    batch, d_model, heads, d_ff = (MODULE_CALL_SHAPE[k] for k in ("batch", "d_model", "heads", "d_ff"))
+    theirs, ours = module_twins(setup, name, d_model, heads, d_ff)
+    x, grad = _randn(setup, batch, length, d_model, grad=train), _randn(setup, batch, length, d_model)
+    fns = module_calls(theirs, ours, name, x, train)
+    fns["ours"] = _on_backend(setup.backend, fns["ours"])
+    fns = {impl: _forward_backward(fn, grad) if train else _forward(fn) for impl, fn in fns.items()}
     return Built(fns, [x, *theirs.parameters(), *ours.parameters()])
 
 

@@ -7,7 +7,7 @@ import os
 import statistics
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from fused_transformer.tools import provenance
+from fused_transformer.tools import bench_overhead, provenance
 from fused_transformer.tools.bench_cases import Setup, describe
 from fused_transformer.tools.bench_work import finite
 
@@ -48,6 +48,10 @@ def markdown(rows: Sequence[Row], setup: Setup, command: Sequence[str], plots: S
     for suite in dict.fromkeys(r["suite"] for r in rows):
         ours = [r for r in rows if r["suite"] == suite and r["impl"] == "ours"]
         if not ours:
+            continue
+        if suite == bench_overhead.SUITE:  # host microseconds and ratios to thin, not milliseconds
+            lines += [f"## {suite}", "", bench_overhead.describe(bench_overhead.setup_for(setup)) + ".", "",
+                      *bench_overhead.table(rows), ""]
             continue
         baseline = ours[0]["baseline"]
         lines += [f"## {suite}", "", describe(suite, setup) + ".", "",

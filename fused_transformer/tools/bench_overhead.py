@@ -1,0 +1,351 @@
+"""``python -m fused_transformer bench --suite overhead``: the host time of one call of every public op and module on a
+tiny input, that is, the Python and dispatch overhead we add to each call.
+
+Cases (``cases``), on batch 2, 2 heads, L 8, head dim 16, d_model 32, d_ff 64:
+
+- ops: ``ft.attention`` forward (under ``no_grad``) and forward+backward; ``ft.attention_varlen`` forward (two packed
+  sequences of 8 and 5 tokens); ``ft.attention_with_kvcache``, one decoding step (one new key and value appended to
+  a contiguous cache holding 7, one query per sequence); ``ft.layer_norm`` with a residual and ``ft.feed_forward``
+  (GELU), forward and forward+backward.
+- modules: ``ft.LayerNorm``, ``ft.MultiheadAttention`` (``need_weights=False``), ``ft.TransformerEncoderLayer`` and
+  ``ft.TransformerDecoderLayer`` (dropout 0.1, batch_first), an eval call under ``no_grad`` and a training step.
+
+Each op is measured three ways in the same run: ``torch``, torch's own equivalent (SDPA, on the cache after the same
+write for the decoding step and with a block-diagonal mask for the packed sequences; ``F.layer_norm(x + r)``;
+``F.linear -> F.gelu -> F.linear``); ``thin``, ``ThinFunction``, an autograd Function over the op's input tensors
+that only allocates its output and, in backward, the gradients: the least a fused op can cost on the host; and
+``ours``. Modules are measured against the ``torch.nn`` module holding the same weights. The figures that matter
+are ours / thin (``TARGETS``) and ours / torch; forward+backward and training steps take the gradients with
+``torch.autograd.grad``, so that no ``.grad`` has to be reset between calls.
+
+Time (``host_ms``): blocks of N back-to-back calls, synchronised before and after each block but never inside it
+(on a GPU, kernels this small keep up with the host, so the time is the host's), divided by N; the
+implementations of a case take turns block by block, and the result is the median over the blocks. On CPU, "ours"
+runs on the Triton backend under the Triton interpreter with every kernel launch skipped (``launches_skipped``), on
+one torch thread: only our Python path and the allocations it makes are timed, which is what a GPU's host would run.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import statistics
+import time
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import fused_transformer as ft
+from fused_transformer.tools.bench_cases import Built, Case, Setup, module_calls, module_twins
+
+SUITE = "overhead"
+BATCH, HEADS, SEQ_LEN, HEAD_DIM, D_MODEL, D_FF = 2, 2, 8, 16, 32, 64
+VARLEN_LENGTHS = (8, 5)  # the packed sequences of attention_varlen
+OPS = {  # op -> its modes
+    "attention": ("fwd", "fwd+bwd"), "attention_varlen": ("fwd",), "attention_with_kvcache": ("fwd",),
+    "layer_norm": ("fwd", "fwd+bwd"), "feed_forward": ("fwd", "fwd+bwd"),
+}
+MODULES = ("LayerNorm", "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer")
+# The issue's targets for ours / thin (CPU, launches skipped): (op, mode) -> the largest ratio allowed.
+TARGETS = {
+    ("attention", "fwd"): 4.0, ("attention", "fwd+bwd"): 2.5, ("layer_norm", "fwd"): 4.0,
+    ("layer_norm", "fwd+bwd"): 4.0, ("feed_forward", "fwd"): 5.0, ("feed_forward", "fwd+bwd"): 5.0,
+}
+WARMUP_CALLS = 3
+MIN_CALLS = 5  # per block
+BLOCKS = 5
+
+
+# ------------------------------------------------------------------------------------------- conditions
+
+
+def setup_for(setup: Setup) -> Setup:
+    """The setup the suite runs on: ``auto`` on CPU becomes ``triton`` (under the interpreter, launches skipped);
+    any other choice, and CUDA, are kept."""
+    if setup.device.type == "cpu" and setup.backend == "auto":
+        return Setup(setup.device, setup.dtype, "triton")
+    return setup
+
+
+def unusable_reason(setup: Setup) -> Optional[str]:
+    """None when ours can run on ``setup_for(setup)``, else why not (on CPU: the Triton interpreter is off)."""
+    backend = setup_for(setup).backend
+    with ft.use_backend(backend):
+        try:
+            ft.current(setup.device, setup.dtype)
+        except RuntimeError as exc:
+            return (f"the overhead suite runs ours on backend {backend!r}, which cannot run here: {exc} "
+                    "(python -m fused_transformer sets it when torch sees no GPU)")
+    return None
+
+
+_skipped = {"active": False, "launches": 0}  # what launches_skipped is doing, for host_ms's check
+
+
+def _skipped_launch(self: object, *args: object, grid: object, warmup: bool, **kwargs: object) -> None:
+    """``InterpretedFunction.run`` that runs nothing."""
+    _skipped["launches"] += 1
+
+
+@contextlib.contextmanager
+def launches_skipped() -> Iterator[None]:
+    """Every Triton kernel launch under the interpreter (``kernel[grid](...)``, which ends in
+    ``InterpretedFunction.run``) returns at once without running the kernel; restored on exit."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run, active = InterpretedFunction.run, _skipped["active"]
+    InterpretedFunction.run = _skipped_launch
+    _skipped["active"] = True
+    try:
+        yield
+    finally:
+        InterpretedFunction.run, _skipped["active"] = run, active
+
+
+def skips_launches(setup: Setup) -> bool:
+    """Whether the suite skips ours' kernel launches on ``setup`` (a ``setup_for`` one): the Triton backend on CPU."""
+    return setup.device.type == "cpu" and setup.backend == "triton"
+
+
+@contextlib.contextmanager
+def conditions(setup: Setup) -> Iterator[None]:
+    """What the suite runs under: the backend chosen once (no call pays a ``use_backend`` of its own), and on CPU one
+    torch thread and, on the Triton backend, every launch skipped."""
+    threads = torch.get_num_threads()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ft.use_backend(setup.backend))
+        if setup.device.type == "cpu":
+            torch.set_num_threads(1)
+            stack.callback(torch.set_num_threads, threads)
+        if skips_launches(setup):
+            stack.enter_context(launches_skipped())
+        yield
+
+
+def describe(setup: Setup) -> str:
+    """The suite's shapes and conditions in words (the table's header)."""
+    where = ("ours on the Triton backend under the interpreter, every kernel launch skipped" if skips_launches(setup)
+             else f"ours on backend {setup.backend}") + (", 1 torch thread" if setup.device.type == "cpu" else "")
+    return (f"batch {BATCH}, {HEADS} heads, L {SEQ_LEN}, head dim {HEAD_DIM}, d_model {D_MODEL}, d_ff {D_FF}: host "
+            f"time of one call, N back-to-back calls between two synchronisations, median of {BLOCKS} blocks; {where}")
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+def host_ms(fns: Dict[str, Callable[[], object]], grads: Sequence[Tensor], device: torch.device,
+            min_time: float) -> Dict[str, float]:
+    """Median milliseconds per call of each implementation over ``BLOCKS`` blocks of back-to-back calls lasting about
+    ``min_time / BLOCKS`` each, the implementations taking turns; ``grads`` are not touched (the cases take their
+    gradients with ``torch.autograd.grad``). The signature of ``bench_timing.time_ms``."""
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def block(fn: Callable[[], object], calls: int) -> float:
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / calls
+
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # as timeit does: a collection inside a block would land on whichever call triggered it
+    try:
+        calls = {}
+        for name, fn in fns.items():
+            launches = _skipped["launches"]
+            block(fn, WARMUP_CALLS)
+            if name == "ours" and _skipped["active"] and _skipped["launches"] == launches:
+                # Then ours ran another path than the Triton kernels' (or launched them some other way than
+                # InterpretedFunction.run, which would then run them): its time would not be what this suite says.
+                raise RuntimeError("ours launched no Triton kernel while launches were skipped")
+            calls[name] = max(MIN_CALLS, round(min_time / BLOCKS / block(fn, MIN_CALLS)))
+        times: Dict[str, List[float]] = {name: [] for name in fns}
+        for _ in range(BLOCKS):
+            for name, fn in fns.items():
+                times[name].append(block(fn, calls[name]))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {name: statistics.median(seconds) * 1e3 for name, seconds in times.items()}
+
+
+def ratio_note(case: Case, times: Dict[str, float], impl: str) -> str:
+    """The CSV note of one row: its host microseconds, and for ours its ratios to thin and to the baseline."""
+    note = f"host {times[impl] * 1e3:.1f} us/call"
+    if impl != "ours":
+        return note
+    if "thin" in times:
+        target = TARGETS.get((case.case, case.mode))
+        note += f"; ours/thin {times['ours'] / times['thin']:.2f}x" + (f" (target <= {target:g}x)" if target else "")
+    return note + f"; ours/{case.baseline} {times['ours'] / times[case.baseline]:.2f}x"
+
+
+# ------------------------------------------------------------------------------------------------- cases
+
+
+class ThinFunction(torch.autograd.Function):
+    """The least an op over these tensors can cost on the host: autograd's bookkeeping, an output allocated like the
+    first input, and in backward a gradient allocated for each input that needs one. No arithmetic."""
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor, *others: Tensor) -> Tensor:
+        ctx.save_for_backward(x, *others)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        return tuple(torch.empty_like(t) if needed else None
+                     for t, needed in zip(ctx.saved_tensors, ctx.needs_input_grad))
+
+
+def _forward(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        with torch.no_grad():
+            return fn()
+    return run
+
+
+def _forward_backward(fn: Callable[[], Tensor], inputs: Sequence[Tensor], grad: Tensor) -> Callable[[], object]:
+    wanted = [t for t in inputs if t.requires_grad]
+
+    def run() -> object:
+        return torch.autograd.grad(fn(), wanted, grad)
+    return run
+
+
+def _randn(setup: Setup, *shape: int, grad: bool = False) -> Tensor:
+    return torch.randn(*shape, device=setup.device, dtype=setup.dtype).requires_grad_(grad)
+
+
+def _attention(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
+    q, k, v = (_randn(setup, BATCH, HEADS, SEQ_LEN, HEAD_DIM, grad=grad) for _ in range(3))
+    return [q, k, v], {"torch": lambda: F.scaled_dot_product_attention(q, k, v),
+                       "ours": lambda: ft.attention(q, k, v)}
+
+
+def _attention_varlen(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
+    tokens = sum(VARLEN_LENGTHS)
+    q, k, v = (_randn(setup, tokens, HEADS, HEAD_DIM, grad=grad) for _ in range(3))
+    lengths = torch.tensor(VARLEN_LENGTHS, device=setup.device)
+    cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    sequence = torch.repeat_interleave(torch.arange(len(VARLEN_LENGTHS), device=setup.device), lengths)
+    same_sequence = sequence[:, None] == sequence[None, :]  # SDPA's one call over the packed tokens
+
+    def sdpa() -> Tensor:
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              attn_mask=same_sequence).transpose(0, 1)
+
+    longest = max(VARLEN_LENGTHS)
+    return [q, k, v, cu_seqlens], {
+        "torch": sdpa, "ours": lambda: ft.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, longest, longest)}
+
+
+def _attention_with_kvcache(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
+    k_cache, v_cache = (_randn(setup, BATCH, SEQ_LEN, HEADS, HEAD_DIM) for _ in range(2))
+    q, k_new, v_new = (_randn(setup, BATCH, 1, HEADS, HEAD_DIM) for _ in range(3))
+    cached = torch.full((BATCH,), SEQ_LEN - 1, dtype=torch.int32, device=setup.device)
+
+    def sdpa() -> Tensor:
+        k_cache[:, SEQ_LEN - 1:] = k_new
+        v_cache[:, SEQ_LEN - 1:] = v_new
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2),
+                                              v_cache.transpose(1, 2)).transpose(1, 2)
+
+    return [q, k_cache, v_cache, cached, k_new, v_new], {"torch": sdpa, "ours": lambda: ft.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=cached, k_new=k_new, v_new=v_new)}
+
+
+def _layer_norm(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
+    x, residual = (_randn(setup, BATCH, SEQ_LEN, D_MODEL, grad=grad) for _ in range(2))
+    weight, bias = (_randn(setup, D_MODEL, grad=grad) for _ in range(2))
+    return [x, weight, bias, residual], {
+        "torch": lambda: F.layer_norm(x + residual, (D_MODEL,), weight, bias),
+        "ours": lambda: ft.layer_norm(x, weight, bias, residual=residual)}
+
+
+def _feed_forward(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
+    x = _randn(setup, BATCH, SEQ_LEN, D_MODEL, grad=grad)
+    w1, b1 = _randn(setup, D_FF, D_MODEL, grad=grad), _randn(setup, D_FF, grad=grad)
+    w2, b2 = _randn(setup, D_MODEL, D_FF, grad=grad), _randn(setup, D_MODEL, grad=grad)
+    return [x, w1, b1, w2, b2], {
+        "torch": lambda: F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2),
+        "ours": lambda: ft.feed_forward(x, w1, b1, w2, b2, activation="gelu")}
+
+
+OP_INPUTS = {
+    "attention": _attention, "attention_varlen": _attention_varlen, "attention_with_kvcache": _attention_with_kvcache,
+    "layer_norm": _layer_norm, "feed_forward": _feed_forward,
+}
+
+
+def _build_op(setup: Setup, op: str, backward: bool) -> Built:
+    """torch, thin and ours on the same inputs; every op's output is shaped as its first input."""
+    torch.manual_seed(0)
+    inputs, calls = OP_INPUTS[op](setup, backward)
+    calls = {"torch": calls["torch"], "thin": lambda: ThinFunction.apply(*inputs), "ours": calls["ours"]}
+    if not backward:
+        return Built({name: _forward(fn) for name, fn in calls.items()})
+    grad = torch.randn_like(inputs[0])
+    return Built({name: _forward_backward(fn, inputs, grad) for name, fn in calls.items()})
+
+
+def _build_module(setup: Setup, name: str, train: bool) -> Built:
+    theirs, ours = module_twins(setup, name, D_MODEL, HEADS, D_FF)
+    x, grad = _randn(setup, BATCH, SEQ_LEN, D_MODEL, grad=train), _randn(setup, BATCH, SEQ_LEN, D_MODEL)
+    parameters = {"torch.nn": list(theirs.parameters()), "ours": list(ours.parameters())}
+    return Built({impl: _forward_backward(fn, [x, *parameters[impl]], grad) if train else _forward(fn)
+                  for impl, fn in module_calls(theirs, ours, name, x, train).items()})
+
+
+def cases(setup: Setup) -> List[Case]:
+    """Every case of the suite: the ops (torch, thin, ours), then the modules (torch.nn, ours)."""
+    found = []
+    for op, modes in OPS.items():
+        attention = op.startswith("attention")
+        for mode in modes:
+            found.append(Case(
+                SUITE, op, mode, SEQ_LEN, BATCH, ("torch", "thin", "ours"),
+                heads=HEADS if attention else None, head_dim=HEAD_DIM if attention else None,
+                d_model=None if attention else D_MODEL, d_ff=D_FF if op == "feed_forward" else None,
+                new_tokens={"attention_varlen": sum(VARLEN_LENGTHS), "attention_with_kvcache": BATCH}.get(op),
+                build=functools.partial(_build_op, setup, op, mode == "fwd+bwd")))
+    for name in MODULES:
+        for mode in ("eval", "train"):
+            found.append(Case(
+                SUITE, name, mode, SEQ_LEN, BATCH, ("torch.nn", "ours"),
+                heads=None if name == "LayerNorm" else HEADS,
+                head_dim=None if name == "LayerNorm" else D_MODEL // HEADS, d_model=D_MODEL,
+                d_ff=D_FF if name.endswith("Layer") else None,
+                build=functools.partial(_build_module, setup, name, mode == "train")))
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ tables
+
+
+def table(rows: Sequence[Dict[str, object]]) -> List[str]:
+    """The suite's figures as a markdown table: host microseconds of ours, thin and the baseline, and the ratios."""
+    lines = ["| op / module | mode | ours us | thin us | torch us | ours/thin | target | ours/torch |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    measured: Dict[Tuple[object, object], Dict[str, float]] = {}
+    for row in rows:
+        if row["suite"] == SUITE and row["ms"] is not None:
+            measured.setdefault((row["case"], row["mode"]), {})[str(row["impl"])] = float(row["ms"]) * 1e3
+    for (case, mode), us in measured.items():
+        baseline = us.get("torch", us.get("torch.nn"))
+        target = TARGETS.get((case, mode))
+
+        def cell(value: Optional[float], unit: str = "", digits: int = 1) -> str:
+            return f"{value:.{digits}f}{unit}" if value is not None else "-"
+
+        lines.append(" | ".join([
+            f"| {case}", str(mode), cell(us.get("ours")), cell(us.get("thin")), cell(baseline),
+            cell(us["ours"] / us["thin"] if "ours" in us and "thin" in us else None, "x", 2),
+            f"<= {target:g}x" if target else "-",
+            cell(us["ours"] / baseline if "ours" in us and baseline else None, "x", 2)]) + " |")
+    return lines
