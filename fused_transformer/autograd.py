@@ -48,14 +48,21 @@ def _float_output(ctx, q: Tensor, sinks: Optional[Tensor]) -> bool:
 # ------------------------------------------------------------------------------------------- attention
 
 
+def _prepared() -> Optional[dict]:
+    """What a backend's attention forward leaves for the backward of the same call (``prepared`` in the interface):
+    a dict in eager mode; None in a graph torch.compile traces, whose custom ops leave nothing."""
+    return None if torch.compiler.is_compiling() else {}
+
+
 def _attention_forward(ctx, q: Tensor, sinks: Optional[Tensor], spec: AttentionSpec, name: str,
                        run: Callable[..., Tuple[Tensor, Tensor]]) -> Tuple[Optional[Tensor], Tensor, Tensor]:
-    """What both attention Functions' forwards do around ``run(ops, seed, float_output)``, the backend's call:
-    ``(seed, o, lse)``, o as the backward reads it."""
+    """What both attention Functions' forwards do around ``run(ops, seed, float_output, prepared)``, the backend's
+    call: ``(seed, o, lse)``, o as the backward reads it."""
     ops = backend.ops(name)
     seed = _seed(spec.dropout_p, q.device)
     float_output = _float_output(ctx, q, sinks)
-    o, lse = run(ops, seed, float_output)
+    ctx.prepared = _prepared()
+    o, lse = run(ops, seed, float_output, ctx.prepared)
     ctx.spec, ctx.name, ctx.float_output = spec, name, float_output
     ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None (no zeros to write and read)
     if not ops.DIFFERENTIABLE_LSE:
@@ -85,8 +92,8 @@ class AttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, attn_mask, key_padding_mask, query_padding_mask, query_lengths, alibi_slopes,
                 spec: AttentionSpec, name: str):
         masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask, query_lengths)
-        seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, lambda ops, seed, float_output: ops.attention_fwd(
-            q, k, v, masks, spec, alibi_slopes, sinks, seed, float_output))
+        seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, lambda ops, seed, float_output, prepared: (
+            ops.attention_fwd(q, k, v, masks, spec, alibi_slopes, sinks, seed, float_output, prepared)))
         ctx.save_for_backward(q, k, v, o, lse, sinks, alibi_slopes, seed, *masks)
         return (o.to(q.dtype) if ctx.float_output else o), lse
 
@@ -95,7 +102,7 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, sinks, alibi_slopes, seed, *masks = ctx.saved_tensors
         masks = AttentionMasks(*masks)
         grads = _attention_backward(ctx, do, dlse, q, o, lse, sinks, False, lambda ops, do: ops.attention_bwd(
-            do, dlse, q, k, v, o, lse, masks, ctx.spec, alibi_slopes, seed))
+            do, dlse, q, k, v, o, lse, masks, ctx.spec, alibi_slopes, seed, ctx.prepared))
         return *grads, None, None, None, None, None, None, None
 
 
@@ -106,8 +113,8 @@ class AttentionVarlenFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q: int, max_seqlen_k: int,
                 spec: AttentionSpec, name: str):
         seqs = PackedSequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, lambda ops, seed, float_output: (
-            ops.attention_varlen_fwd(q, k, v, seqs, spec, alibi_slopes, sinks, seed, float_output)))
+        seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, lambda ops, seed, float_output, prepared: (
+            ops.attention_varlen_fwd(q, k, v, seqs, spec, alibi_slopes, sinks, seed, float_output, prepared)))
         ctx.save_for_backward(q, k, v, o, lse, sinks, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k)
         ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
         return (o.to(q.dtype) if ctx.float_output else o), lse
@@ -117,7 +124,7 @@ class AttentionVarlenFunction(torch.autograd.Function):
         q, k, v, o, lse, sinks, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         seqs = PackedSequences(cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens)
         grads = _attention_backward(ctx, do, dlse, q, o, lse, sinks, True, lambda ops, do: ops.attention_varlen_bwd(
-            do, dlse, q, k, v, o, lse, seqs, ctx.spec, alibi_slopes, seed))
+            do, dlse, q, k, v, o, lse, seqs, ctx.spec, alibi_slopes, seed, ctx.prepared))
         return *grads, None, None, None, None, None, None, None
 
 

@@ -10,10 +10,10 @@ The backend interface, below autograd. The Triton backend (``fused_transformer.k
 (``fused_transformer.cpu_ops``) export these raw functions: no autograd, outputs allocated by the callee, every
 argument checked here before; ``fused_transformer.autograd`` writes each op's Function once above them::
 
-    attention_fwd(q, k, v, masks, spec, alibi_slopes, sinks, seed, float_output) -> (o, lse)
-    attention_bwd(do, dlse, q, k, v, o, lse, masks, spec, alibi_slopes, seed) -> (dq, dk, dv)
-    attention_varlen_fwd(q, k, v, seqs, spec, alibi_slopes, sinks, seed, float_output) -> (o, lse)
-    attention_varlen_bwd(do, dlse, q, k, v, o, lse, seqs, spec, alibi_slopes, seed) -> (dq, dk, dv)
+    attention_fwd(q, k, v, masks, spec, alibi_slopes, sinks, seed, float_output, prepared=None) -> (o, lse)
+    attention_bwd(do, dlse, q, k, v, o, lse, masks, spec, alibi_slopes, seed, prepared=None) -> (dq, dk, dv)
+    attention_varlen_fwd(q, k, v, seqs, spec, alibi_slopes, sinks, seed, float_output, prepared=None) -> (o, lse)
+    attention_varlen_bwd(do, dlse, q, k, v, o, lse, seqs, spec, alibi_slopes, seed, prepared=None) -> (dq, dk, dv)
     attention_weights(q, k, lse, masks, spec) -> weights [B, H, Lq, Lk]
     attention_with_kvcache(q, cache, alibi_slopes, sinks, spec, k_new, v_new) -> (out [B, Lq, H, D], lse)
     layer_norm_fwd(x, weight, bias, residual, spec, seed, store_z) -> (y, z, mean, rstd)
@@ -26,7 +26,9 @@ Shapes: attention q ``[B, H, Lq, D]``, k / v ``[B, Hkv, Lk, D]``, o ``[B, H, Lq,
 writes it), lse ``[B, H, Lq]``; packed q ``[Tq, H, D]``, lse ``[H, Tq]``, ``seqs`` a ``PackedSequences``; lse in
 ``stats_dtype``, the sinks in it, so the backward needs no sinks; ``dlse`` None when the LSE was not used; o in
 float32 with ``float_output`` (16-bit inputs whose sinks need a gradient, ``sinks_gradient``); ``seed`` from
-``draw_dropout_seed`` or None without dropout. layer_norm and feed_forward take rows ``[rows, N]`` (``as_rows``);
+``draw_dropout_seed`` or None without dropout; ``prepared`` a dict the forward may fill with what it derived from its
+arguments (the masks and strides in the kernels' form), handed unchanged to the backward of the same call, which
+then need not derive it again (None: nothing kept). layer_norm and feed_forward take rows ``[rows, N]`` (``as_rows``);
 ``z`` is ``dropout(x) + residual`` (empty unless ``store_z``), ``mean`` / ``rstd`` per row in float32 (empty where
 a backend keeps none); ``saved`` the tensors a feed-forward backward reads beyond the inputs (``()`` unless
 ``keep``: the backward then recomputes them); an absent parameter's gradient is empty. The ``*_composed`` entries
@@ -190,10 +192,7 @@ def heads_interleaved_strides(shape: Sequence[int]) -> Tuple[int, int, int, int]
 def empty_heads_interleaved(like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     """An empty tensor shaped as ``like`` ``[B, H, L, D]`` with ``heads_interleaved_strides``, in ``dtype`` (default:
     like's)."""
-    shape = like.shape
-    _, heads, length, head_dim = shape
-    return torch.empty_strided(shape, (length * heads * head_dim, head_dim, heads * head_dim, 1),
-                               dtype=dtype or like.dtype, device=like.device)
+    return like.new_empty_strided(like.shape, heads_interleaved_strides(like.shape), dtype=dtype)
 
 
 def draw_dropout_seed(device: torch.device) -> Tensor:
@@ -351,7 +350,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, rank: int) -> None:
 
 
 def _check_value_and_heads(q: Tensor, k: Tensor, v: Tensor) -> None:
-    if tuple(v.shape) != tuple(k.shape):
+    if v.shape != k.shape:
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     heads, kv_heads = q.shape[1], k.shape[1]  # [B, H, L, D] or packed [T, H, D]
     if kv_heads == 0 or heads % kv_heads != 0:
@@ -380,8 +379,10 @@ def check_attention_args(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks)
         shape = tuple(attn_mask.shape)
         if len(shape) > 4 or any(s not in (1, t) for s, t in zip(shape[::-1], target[::-1])):
             raise ValueError(f"attn_mask of shape {shape} does not broadcast to [B, H, Lq, Lk] = {list(target)}")
-    check_padding_mask("key_padding_mask", masks.key_padding_mask, batch, lk, q)
-    check_padding_mask("query_padding_mask", masks.query_padding_mask, batch, lq, q)
+    if masks.key_padding_mask is not None:
+        check_padding_mask("key_padding_mask", masks.key_padding_mask, batch, lk, q)
+    if masks.query_padding_mask is not None:
+        check_padding_mask("query_padding_mask", masks.query_padding_mask, batch, lq, q)
 
 
 def check_varlen_args(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: object, cu_seqlens_k: object,

@@ -269,9 +269,11 @@ def test_kernels_take_the_interior_loop_where_the_launcher_says_it_fits(monkeypa
         kernel = getattr(module, attr)
 
         class RecordLaunch:
-            def run(self, *args, kernel=kernel, **constexprs):
-                launched.append(constexprs["INTERIOR_LOOP"])
-                return kernel.run(*args, **constexprs)
+            arg_names = kernel.arg_names
+
+            def run(self, *args, kernel=kernel, **options):
+                launched.append(dict(zip(kernel.arg_names, args))["INTERIOR_LOOP"])
+                return kernel.run(*args, **options)
 
         monkeypatch.setattr(module, attr, RecordLaunch())
     (q, k, v, do, _), _ = _random_inputs(2, 2, 2, 100, 77, 16, seed=9)
@@ -384,12 +386,13 @@ def test_kernels_take_the_wide_tiles_exactly_without_an_attn_mask_or_dropout(mon
 
     class RecordLaunch:
         def __init__(self, kernel_name, kernel):
-            self.kernel_name, self.kernel = kernel_name, kernel
+            self.kernel_name, self.kernel, self.arg_names = kernel_name, kernel, kernel.arg_names
 
-        def run(self, *args, **constexprs):
+        def run(self, *args, **options):
+            constexprs = dict(zip(self.arg_names, args))
             light = constexprs["MASK_KIND"] == launch.MASK_NONE and not constexprs["HAS_DROPOUT"]
             launches.append((self.kernel_name, light))
-            return self.kernel.run(*args, **constexprs)
+            return self.kernel.run(*args, **options)
 
     monkeypatch.setattr(configs, "plan", record_pick)
     for kernel_name, (module, attr) in zip(("fwd", "bwd_dq", "bwd_dkdv"), KERNELS):
@@ -653,7 +656,7 @@ class _GridRecorder:
     ``kernel.run(..., grid=..., warmup=False)``, what ``kernel[grid](...)`` ends in)."""
 
     def __init__(self, kernel, grids):
-        self.kernel, self.grids = kernel, grids
+        self.kernel, self.grids, self.arg_names = kernel, grids, kernel.arg_names
 
     def run(self, *args, grid, **kwargs):
         self.grids.append((self.kernel.__name__, grid))

@@ -8,6 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fused_transformer as ft
 from fused_transformer import autograd, backend, functional
 from fused_transformer.kernels.attention import launch
+from fused_transformer.kernels.attention.fwd import attention_fwd_kernel
 
 CALLS = {
     "attention_fwd": lambda q, x, w: ft.attention(q, q, q, is_causal=True),
@@ -63,14 +64,20 @@ def _node_names(node, depth: int = 2) -> set:
     return {type(node).__name__}.union(*(_node_names(n, depth - 1) for n, _ in node.next_functions))
 
 
-def test_plans_are_made_once_per_kind_of_launch(monkeypatch):
-    monkeypatch.setattr(launch, "_PLANS", {})
+def test_launch_options_are_made_once_per_kind_of_launch(monkeypatch):
+    monkeypatch.setattr(launch, "_LAUNCHES", {})
     q, _, _ = _inputs()
     with backend.use_backend("triton"):
         ft.attention(q, q, q)
-        planned = dict(launch._PLANS)
+        planned = dict(launch._LAUNCHES)
         ft.attention(q, q, q)
         ft.attention(q * 2, q, q)
-    assert len(planned) == 1 and launch._PLANS == planned
-    (plan,) = planned.values()
-    assert plan.constexprs() is plan.constexprs()
+        assert len(planned) == 1 and launch._LAUNCHES == planned
+        ft.attention(q, q, q, is_causal=True)
+    assert len(launch._LAUNCHES) == 2
+    (found,) = planned.values()
+    # the constexprs, positional: the kernel's last parameters, in its order
+    names = attention_fwd_kernel.arg_names[-len(found.constexprs):]
+    constexprs = dict(zip(names, found.constexprs))
+    assert constexprs == {**constexprs, **found.plan.constexprs(), "IS_CAUSAL": False, "HEAD_DIM": 16}
+    assert found.num_warps == found.plan.tile.num_warps

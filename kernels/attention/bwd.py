@@ -19,9 +19,7 @@ from .jit import (
     _alibi_slope, _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _real_rows, _row_index,
     _sequence, _stat_base, _tanh, _tile_mask, _tma_tile, _unmasked_keys_end, _visible_keys, _visible_queries,
 )
-from .launch import (
-    Layout, MaskArgs, grid, output_layout, plan_launch, shared_args, shared_constexprs, tiles_of, tma_can_load,
-)
+from .launch import Layout, MaskArgs, grid, launch_options, output_layout, tiles_of, tma_can_load
 
 Tensor = torch.Tensor
 
@@ -404,33 +402,38 @@ def attention_dkdv_kernel(
 
 def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                dq: Tensor, dk: Tensor, dv: Tensor, layout: Layout, masks: MaskArgs, spec: AttentionSpec,
-               seed: Optional[Tensor]) -> None:
-    """The dq kernel, then the dk/dv kernel, dense or packed (``layout``), writing ``dq``, ``dk`` and ``dv``."""
-    o, do = output_layout(o), output_layout(do)
-    block_d = head_dim_bucket(layout.head_dim)
+               args: tuple) -> None:
+    """The dq kernel, then the dk/dv kernel, dense or packed (``layout``), writing ``dq``, ``dk`` and ``dv``;
+    ``args`` are ``shared_args``'."""
     delta = torch.empty_like(lse)  # lse's shape and layout
-    common_args = shared_args(layout, masks, spec.scale, spec.dropout_p, seed)
-    common_constexprs = shared_constexprs(layout, masks, spec.dropout_p, block_d)
+    block_d = head_dim_bucket(layout.head_dim)
     # Both kernels load alike: through TMA only if it can address every input and output.
     addressable = tma_can_load((q, k, v, o, do, dk, dv))
-    plan = plan_launch("bwd_dq", q.dtype, q.device, layout.head_dim, masks, spec.dropout_p, spec.allow_tf32,
-                       addressable)
-    tile, use_tma = plan.tile, plan.use_tma
-    q_in, o_in, do_in = (tiles_of(x, tile.block_m, block_d, use_tma) for x in (q, o, do))
-    k_in, v_in = (tiles_of(x, tile.block_n, block_d, use_tma) for x in (k, v))
+    dq_launch = launch_options("bwd_dq", attention_dq_kernel, q, layout.head_dim, masks, spec.dropout_p,
+                               spec.allow_tf32, addressable, has_dlse=dlse is not None)
+    dkdv_launch = launch_options("bwd_dkdv", attention_dkdv_kernel, q, layout.head_dim, masks, spec.dropout_p,
+                                 spec.allow_tf32, addressable)
+    dq_tile, dkdv_tile = dq_launch.plan.tile, dkdv_launch.plan.tile
+    if dq_launch.plan.use_tma and dkdv_launch.plan.use_tma:  # TMA reads o and do in any layout
+        q_in, o_in, do_in = (tiles_of(x, dq_tile.block_m, block_d, True) for x in (q, o, do))
+        k_in, v_in = (tiles_of(x, dq_tile.block_n, block_d, True) for x in (k, v))
+    else:  # the pointer path reads them in the layout the forward wrote o in
+        q_in, k_in, v_in, o_in, do_in = q, k, v, output_layout(o), output_layout(do)
     attention_dq_kernel.run(
-        q_in, k_in, v_in, o_in, do_in, lse, dlse.contiguous() if dlse is not None else None, delta, dq,
-        *common_args, HAS_DLSE=dlse is not None, **common_constexprs, **plan.constexprs(),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
-        grid=grid(cdiv(layout.n_queries, tile.block_m), layout.batch, layout.heads), warmup=False,
+        q_in, k_in, v_in, o_in, do_in, lse, dlse.contiguous() if dlse is not None else None, delta, dq, *args,
+        *dq_launch.constexprs, num_warps=dq_launch.num_warps, num_stages=dq_launch.num_stages,
+        grid=grid(cdiv(layout.n_queries, dq_tile.block_m), layout.batch, layout.heads), warmup=False,
     )
-    plan = plan_launch("bwd_dkdv", q.dtype, q.device, layout.head_dim, masks, spec.dropout_p, spec.allow_tf32,
-                       addressable)
-    tile, use_tma = plan.tile, plan.use_tma
+    dk_out, dv_out = dk, dv
+    if dkdv_launch.plan.use_tma:  # the descriptors of the dq launch where its tiles have the same rows
+        if dkdv_tile.block_m != dq_tile.block_m:
+            q_in, do_in = (tiles_of(x, dkdv_tile.block_m, block_d, True) for x in (q, do))
+        if dkdv_tile.block_n != dq_tile.block_n:
+            k_in, v_in = (tiles_of(x, dkdv_tile.block_n, block_d, True) for x in (k, v))
+        if dk.dim() == 4:  # dense: TMA stores as well
+            dk_out, dv_out = (tiles_of(t, dkdv_tile.block_n, block_d, True) for t in (dk, dv))
     attention_dkdv_kernel.run(
-        tiles_of(q, tile.block_m, block_d, use_tma), tiles_of(k, tile.block_n, block_d, use_tma),
-        tiles_of(v, tile.block_n, block_d, use_tma), tiles_of(do, tile.block_m, block_d, use_tma), lse, delta,
-        *(tiles_of(t, tile.block_n, block_d, use_tma and t.dim() == 4) for t in (dk, dv)),  # dense: TMA stores
-        *common_args, **common_constexprs, **plan.constexprs(), num_warps=tile.num_warps, num_stages=tile.num_stages,
-        grid=grid(cdiv(layout.n_keys, tile.block_n), layout.batch, layout.kv_heads), warmup=False,
+        q_in, k_in, v_in, do_in, lse, delta, dk_out, dv_out, *args, *dkdv_launch.constexprs,
+        num_warps=dkdv_launch.num_warps, num_stages=dkdv_launch.num_stages,
+        grid=grid(cdiv(layout.n_keys, dkdv_tile.block_n), layout.batch, layout.kv_heads), warmup=False,
     )

@@ -30,8 +30,8 @@ import functools
 from typing import Optional, Tuple
 
 import torch
-from .._common import next_power_of_2
 
+from .._common import next_power_of_2
 from ..targets import LARGE_SHARED_MEMORY, TARGETS, Target
 from ..toolchain import BEFORE_3_9, EVERY_RELEASE, TRITON_3_6, Version, VersionRange, installed
 
@@ -248,14 +248,11 @@ class Plan:
     upcast: bool  # bfloat16 dots in float32 (the interpreter computes bfloat16 dots wrongly)
 
     def constexprs(self) -> dict:
-        """The launch's tile constexprs (made once per plan: plans are cached; unpack, do not change, the dict)."""
-        constexprs = self.__dict__.get("_constexprs")
-        if constexprs is None:
-            constexprs = dict(BLOCK_M=self.tile.block_m, BLOCK_N=self.tile.block_n, USE_TMA=self.use_tma,
-                              DOT_PRECISION=self.dot_precision, UPCAST=self.upcast)
-            if self.kernel != "weights":
-                constexprs["INTERIOR_LOOP"] = self.interior_loop
-            object.__setattr__(self, "_constexprs", constexprs)
+        """The launch's tile constexprs."""
+        constexprs = dict(BLOCK_M=self.tile.block_m, BLOCK_N=self.tile.block_n, USE_TMA=self.use_tma,
+                          DOT_PRECISION=self.dot_precision, UPCAST=self.upcast)
+        if self.kernel != "weights":
+            constexprs["INTERIOR_LOOP"] = self.interior_loop
         return constexprs
 
 

@@ -21,12 +21,12 @@ import triton.language as tl
 
 from ...contract import AttentionSpec
 from .._common import cdiv, dropout_keep
+from .configs import head_dim_bucket
 from .jit import (
     _alibi_slope, _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _real_rows, _row_index,
     _sequence, _stat_base, _tile_mask, _tma_tile, _unmasked_keys_end, _visible_keys,
 )
-from .configs import head_dim_bucket
-from .launch import Layout, MaskArgs, grid, plan_launch, shared_args, shared_constexprs, tiles_of, tma_can_load
+from .launch import Layout, MaskArgs, grid, launch_options, tiles_of, tma_can_load
 
 Tensor = torch.Tensor
 
@@ -211,20 +211,18 @@ def attention_fwd_kernel(
 
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout: Layout, masks: MaskArgs,
-               spec: AttentionSpec, seed: Optional[Tensor]) -> None:
-    """The forward kernel, dense or packed (``layout``), writing ``o`` and ``lse``."""
+               spec: AttentionSpec, args: tuple) -> None:
+    """The forward kernel, dense or packed (``layout``), writing ``o`` and ``lse``; ``args`` are ``shared_args``'."""
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
-    block_d = head_dim_bucket(layout.head_dim)
-    plan = plan_launch("fwd", q.dtype, q.device, layout.head_dim, masks, spec.dropout_p, spec.allow_tf32,
-                       tma_can_load((q, k, v)))
-    tile = plan.tile
-    if plan.use_tma:
+    launch = launch_options("fwd", attention_fwd_kernel, q, layout.head_dim, masks, spec.dropout_p, spec.allow_tf32,
+                            tma_can_load((q, k, v)))
+    tile = launch.plan.tile
+    if launch.plan.use_tma:
+        block_d = head_dim_bucket(layout.head_dim)
         q, k = tiles_of(q, tile.block_m, block_d, True), tiles_of(k, tile.block_n, block_d, True)
         v = tiles_of(v, tile.block_n, block_d, True)
     attention_fwd_kernel.run(
-        q, k, v, o, lse,
-        *shared_args(layout, masks, spec.scale, spec.dropout_p, seed),
-        **shared_constexprs(layout, masks, spec.dropout_p, block_d), **plan.constexprs(), num_warps=tile.num_warps,
-        num_stages=tile.num_stages, grid=grid(cdiv(layout.n_queries, tile.block_m), layout.batch, layout.heads),
-        warmup=False,
+        q, k, v, o, lse, *args, *launch.constexprs,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        grid=grid(cdiv(layout.n_queries, tile.block_m), layout.batch, layout.heads), warmup=False,
     )

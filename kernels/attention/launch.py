@@ -1,6 +1,6 @@
 """The launch plumbing the attention kernels share: the masks and sequence bounds in kernel form (``MaskArgs``),
 sizes and strides (``Layout``), grids, TMA descriptors, the input checks of the hardware path, and the output
-layout. Dense outputs (o, dq, dk, dv) are [B, H, L, D] laid out as [B, L, H, D] (``empty_heads_interleaved``, the
+layout. Dense outputs (o, dq, dk, dv) are [B, H, L, D] laid out as [B, L, H, D] (``empty_output``, the
 packed layout with sequence b starting at row b L), so that a module merges the heads with a view and hands back
 do in o's layout, which the backward reads without a copy."""
 from typing import Dict, NamedTuple, Optional, Tuple, Union
@@ -9,9 +9,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ... import contract
-from ...contract import (
-    AttentionMasks, AttentionSpec, PackedSequences, Window, empty_heads_interleaved, heads_interleaved_strides,
-)
+from ...contract import AttentionMasks, AttentionSpec, PackedSequences, Window, heads_interleaved_strides
 from .._common import interpreting, tma_addressable, tma_descriptor
 from ..targets import Target, target_of
 from . import configs
@@ -76,14 +74,23 @@ class MaskArgs(NamedTuple):
         (``configs``' light launches)."""
         return self.mask_kind == MASK_NONE and dropout_p == 0.0 and not self.modifies_scores
 
-    def constexprs(self) -> dict:
-        return dict(
-            MASK_KIND=self.mask_kind, HAS_PADDING=self.padding is not None,
-            HAS_QUERY_LENS=self.query_lens is not None, HAS_QUERY_PADDING=self.query_padding is not None,
-            IS_CAUSAL=self.is_causal, HAS_WINDOW=self.window is not None,
-            PER_SEQUENCE_OFFSET=self.per_sequence_offset, VARLEN=self.packed,
-            MASK_OFFSETS_64=self.mask is not None and mask_offsets_need_int64(self.mask),
-        )
+    def kind(self) -> tuple:
+        """What the kernels specialise on (``KIND_CONSTEXPRS``' values, in order): launches of one kind share their
+        constexprs and plan."""
+        return (self.mask_kind, self.padding is not None, self.query_lens is not None, self.query_padding is not None,
+                self.is_causal, self.window is not None, self.per_sequence_offset, self.cu_seqlens_q is not None,
+                self.mask is not None and mask_offsets_need_int64(self.mask), self.softcap is not None,
+                self.alibi is not None, self.sinks is not None)
+
+    def constexprs(self, score_modifiers: bool = True) -> dict:
+        """The kernels' constexprs of the masks and, with ``score_modifiers``, of the score modifiers (the forward
+        and backward kernels take them, the weights kernel does not)."""
+        names = KIND_CONSTEXPRS if score_modifiers else KIND_CONSTEXPRS[:-3]
+        return dict(zip(names, self.kind()))
+
+
+KIND_CONSTEXPRS = ("MASK_KIND", "HAS_PADDING", "HAS_QUERY_LENS", "HAS_QUERY_PADDING", "IS_CAUSAL", "HAS_WINDOW",
+                   "PER_SEQUENCE_OFFSET", "VARLEN", "MASK_OFFSETS_64", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_SINKS")
 
 
 class Layout(NamedTuple):
@@ -244,9 +251,10 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 def empty_output(like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     """An empty output shaped as ``like`` in the layout the kernels write: dense ``[B, H, L, D]`` laid out as
-    ``[B, L, H, D]``, packed ``[T, H, D]`` contiguous; in ``dtype`` (default: like's)."""
+    ``[B, L, H, D]`` (``contract.heads_interleaved_strides``), packed ``[T, H, D]`` contiguous; in ``dtype`` (default:
+    like's)."""
     if like.dim() == 4:
-        return empty_heads_interleaved(like, dtype)
+        return like.new_empty_strided(like.shape, heads_interleaved_strides(like.shape), dtype=dtype)
     return torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
 
 
@@ -258,7 +266,7 @@ def output_layout(t: Tensor) -> Tensor:
     strides, wanted = t.stride(), heads_interleaved_strides(t.shape)
     if strides == wanted or all(size <= 1 or stride == want for size, stride, want in zip(t.shape, strides, wanted)):
         return t
-    return empty_output(t).copy_(t)
+    return t.new_empty_strided(t.shape, wanted).copy_(t)
 
 
 def launch_target(device: torch.device) -> Optional[Target]:
@@ -280,30 +288,44 @@ def shared_args(layout: Layout, masks: MaskArgs, scale: float, dropout_p: float,
             dropout_p, seed, *masks.score_args())
 
 
-def shared_constexprs(layout: Layout, masks: MaskArgs, dropout_p: float, block_d: int) -> dict:
-    """The constexprs the forward kernel and both backward kernels take (their tiles' come from the plan)."""
-    return dict(BLOCK_D=block_d, HEAD_DIM=layout.head_dim, HAS_DROPOUT=dropout_p > 0.0,
-                HAS_SOFTCAP=masks.softcap is not None, HAS_ALIBI=masks.alibi is not None,
-                HAS_SINKS=masks.sinks is not None, **masks.constexprs())
+class Launch(NamedTuple):
+    """What a kind of launch shares (``launch_options``): its plan, and the values of the kernel's constexpr
+    parameters, which come last in its signature, in their order (positional: cheaper to pass than keywords)."""
+
+    plan: configs.Plan
+    constexprs: tuple
+    num_warps: int
+    num_stages: int
 
 
-# The plans of the launches so far, by what decides them (``plan_launch``). A replaced ``configs.plan`` (a test that
-# records or changes the plans) is asked at every launch instead.
-_PLANS: Dict[tuple, configs.Plan] = {}
+# The launches so far, by what decides them (``launch_options``). A replaced ``configs.plan`` (a test that records or
+# changes the plans) is asked at every launch instead.
+_LAUNCHES: Dict[tuple, Launch] = {}
 _PLANNER = configs.plan
 
 
-def plan_launch(kernel: str, dtype: torch.dtype, device: torch.device, head_dim: int, masks: MaskArgs,
-                dropout_p: float, allow_tf32: bool, tma_loadable: bool) -> configs.Plan:
-    """``configs.plan`` for a ``kernel`` launch with these masks and dropout, on inputs TMA can load or not
-    (``tma_can_load``): planned once per kind of launch."""
-    light, packed, score_mods = masks.light(dropout_p), masks.packed, masks.modifies_scores
-    key = (kernel, dtype, device, head_dim, allow_tf32, tma_loadable, light, packed, score_mods,
+def launch_options(kernel: str, jit_kernel: object, q: Tensor, head_dim: int, masks: MaskArgs, dropout_p: float,
+                   allow_tf32: bool, tma_loadable: bool, has_dlse: bool = False) -> Launch:
+    """The ``Launch`` of ``jit_kernel`` (``configs.plan``'s ``kernel``) on ``q``'s dtype and device with these masks
+    and dropout, on inputs TMA can load or not (``tma_can_load``), reading the LSE's gradient or not (the dq
+    kernel): made once per kind of launch."""
+    key = (kernel, q.dtype, q.device, head_dim, allow_tf32, tma_loadable, dropout_p > 0.0, has_dlse, masks.kind(),
            configs.TMA_UNDER_INTERPRETER)
-    plan = _PLANS.get(key)
-    if plan is None or configs.plan is not _PLANNER:
-        plan = configs.plan(kernel, dtype, head_dim, launch_target(device), allow_tf32=allow_tf32,
-                            tma_addressable=tma_loadable, light=light, packed=packed, score_mods=score_mods)
+    found = _LAUNCHES.get(key)
+    if found is None or configs.plan is not _PLANNER:
+        plan = configs.plan(kernel, q.dtype, head_dim, launch_target(q.device), allow_tf32=allow_tf32,
+                            tma_addressable=tma_loadable, light=masks.light(dropout_p), packed=masks.packed,
+                            score_mods=masks.modifies_scores)
+        values = dict(BLOCK_D=configs.head_dim_bucket(head_dim), HEAD_DIM=head_dim,
+                      **masks.constexprs(score_modifiers=kernel != "weights"), **plan.constexprs())
+        if kernel != "weights":
+            values["HAS_DROPOUT"] = dropout_p > 0.0
+        if kernel == "bwd_dq":
+            values["HAS_DLSE"] = has_dlse
+        names = jit_kernel.arg_names[len(jit_kernel.arg_names) - len(values):]
+        if sorted(names) != sorted(values):
+            raise AssertionError(f"the {kernel} kernel's last parameters {names} are not its constexprs {sorted(values)}")
+        found = Launch(plan, tuple(values[name] for name in names), plan.tile.num_warps, plan.tile.num_stages)
         if configs.plan is _PLANNER:
-            _PLANS[key] = plan
-    return plan
+            _LAUNCHES[key] = found
+    return found

@@ -10,7 +10,7 @@ from ...contract import AttentionMasks, AttentionSpec, PackedSequences, Window, 
 from .._common import contiguous_last_dim, dropout_keep_mask, traced
 from .bwd import launch_bwd
 from .fwd import launch_fwd
-from .launch import Layout, check_inputs, empty_output, mask_args, varlen_mask_args
+from .launch import Layout, check_inputs, empty_output, mask_args, shared_args, varlen_mask_args
 from .weights import launch_weights
 
 Tensor = torch.Tensor
@@ -20,35 +20,47 @@ Tensor = torch.Tensor
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
          sinks: Optional[Tensor], seed: Optional[Tensor], float_output: bool, masks: Optional[AttentionMasks] = None,
-         seqs: Optional[PackedSequences] = None) -> Tuple[Tensor, Tensor]:
-    """The forward launch: dense with ``masks``, packed with ``seqs``."""
+         seqs: Optional[PackedSequences] = None, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
+    """The forward launch: dense with ``masks``, packed with ``seqs``; its layout, masks and arguments in kernel form
+    go into ``prepared`` for the backward."""
     check_inputs(q, k, v)
     o = empty_output(q, torch.float32 if float_output else None)
-    lse_shape = q.shape[:3] if seqs is None else (q.shape[1], q.shape[0])
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    lse = q.new_empty(q.shape[:3] if seqs is None else (q.shape[1], q.shape[0]), dtype=torch.float32)
     if lse.numel() == 0:  # no query row: a grid of 0 programs is an error on a GPU
         return o, lse
     if seqs is None:
         layout, kernel_masks = Layout.dense(q, k, v), mask_args(q, k, masks, spec, alibi_slopes, sinks)
     else:
         layout, kernel_masks = _packed(q, k, v, seqs), varlen_mask_args(seqs, spec, q.shape[1], alibi_slopes, sinks)
-    launch_fwd(q, k, v, o, lse, layout, kernel_masks, spec, seed)
+    args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
+    if prepared is not None:
+        prepared["launch"] = (layout, kernel_masks, args)
+    launch_fwd(q, k, v, o, lse, layout, kernel_masks, spec, args)
     return o, lse
 
 
 def _bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
          spec: AttentionSpec, alibi_slopes: Optional[Tensor], seed: Optional[Tensor],
-         masks: Optional[AttentionMasks] = None,
-         seqs: Optional[PackedSequences] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """The backward launches (the dq kernel, then the dk/dv kernel): dense with ``masks``, packed with ``seqs``."""
+         masks: Optional[AttentionMasks] = None, seqs: Optional[PackedSequences] = None,
+         prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """The backward launches (the dq kernel, then the dk/dv kernel): dense with ``masks``, packed with ``seqs``, the
+    forward's layout, masks and arguments in kernel form taken from ``prepared`` where it left them."""
     dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    if seqs is None:
-        layout, kernel_masks = Layout.dense(q, k, v), mask_args(q, k, masks, spec, alibi_slopes)
+    launch = prepared.get("launch") if prepared is not None else None
+    if launch is not None:
+        layout, kernel_masks, args = launch
+        if kernel_masks.sinks is not None:  # in the LSE: the backward kernels take none
+            kernel_masks = kernel_masks._replace(sinks=None)
+            args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
     else:
-        layout, kernel_masks = _packed(q, k, v, seqs), varlen_mask_args(seqs, spec, q.shape[1], alibi_slopes)
-    launch_bwd(do, dlse, q, k, v, o, lse, dq, dk, dv, layout, kernel_masks, spec, seed)
+        if seqs is None:
+            layout, kernel_masks = Layout.dense(q, k, v), mask_args(q, k, masks, spec, alibi_slopes)
+        else:
+            layout, kernel_masks = _packed(q, k, v, seqs), varlen_mask_args(seqs, spec, q.shape[1], alibi_slopes)
+        args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
+    launch_bwd(do, dlse, q, k, v, o, lse, dq, dk, dv, layout, kernel_masks, spec, args)
     return dq, dk, dv
 
 
@@ -80,52 +92,54 @@ def _flat_masks(masks: AttentionMasks) -> tuple:
 
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
                   alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], seed: Optional[Tensor],
-                  float_output: bool) -> Tuple[Tensor, Tensor]:
+                  float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """``o [B, H, Lq, D]`` laid out as ``[B, Lq, H, D]`` (float32 with ``float_output``) and the float32 LSE."""
-    q, k, v = contiguous_last_dim(q), contiguous_last_dim(k), contiguous_last_dim(v)
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = contiguous_last_dim(q), contiguous_last_dim(k), contiguous_last_dim(v)
     if traced():
         return torch.ops.fused_transformer.attention_fwd(
             q, k, v, *_flat_masks(masks), spec.is_causal, spec.causal_alignment, *_sides(spec.window),
             spec.dropout_p, seed, spec.scale, spec.allow_tf32, spec.softcap, alibi_slopes, sinks, float_output)
-    return _fwd(q, k, v, spec, alibi_slopes, sinks, seed, float_output, masks=masks)
+    return _fwd(q, k, v, spec, alibi_slopes, sinks, seed, float_output, masks=masks, prepared=prepared)
 
 
 def attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                   masks: AttentionMasks, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
-                  seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+                  seed: Optional[Tensor], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` laid out as o; o in q's dtype or float32 (``float_output``)."""
-    q, k, v = contiguous_last_dim(q), contiguous_last_dim(k), contiguous_last_dim(v)
-    o, lse = o.to(q.dtype), lse.contiguous()
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = contiguous_last_dim(q), contiguous_last_dim(k), contiguous_last_dim(v)
+    o, lse = (o if o.dtype == q.dtype else o.to(q.dtype)), lse.contiguous()
     if traced():
         return torch.ops.fused_transformer.attention_bwd(
             do, dlse, q, k, v, o, lse, *_flat_masks(masks), spec.is_causal, spec.causal_alignment,
             *_sides(spec.window), spec.dropout_p, seed, spec.scale, spec.allow_tf32, spec.softcap, alibi_slopes)
-    return _bwd(do, dlse, q, k, v, o, lse, spec, alibi_slopes, seed, masks=masks)
+    return _bwd(do, dlse, q, k, v, o, lse, spec, alibi_slopes, seed, masks=masks, prepared=prepared)
 
 
 def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences, spec: AttentionSpec,
                          alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], seed: Optional[Tensor],
-                         float_output: bool) -> Tuple[Tensor, Tensor]:
+                         float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """``o [Tq, H, D]`` (float32 with ``float_output``) and the float32 LSE ``[H, Tq]``."""
     q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
     if traced():
         return torch.ops.fused_transformer.attention_varlen_fwd(
             q, k, v, *seqs, spec.is_causal, spec.causal_alignment, *_sides(spec.window), spec.dropout_p, seed,
             spec.scale, spec.allow_tf32, spec.softcap, alibi_slopes, sinks, float_output)
-    return _fwd(q, k, v, spec, alibi_slopes, sinks, seed, float_output, seqs=seqs)
+    return _fwd(q, k, v, spec, alibi_slopes, sinks, seed, float_output, seqs=seqs, prepared=prepared)
 
 
 def attention_varlen_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
                          lse: Tensor, seqs: PackedSequences, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
-                         seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+                         seed: Optional[Tensor], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq [Tq, H, D], dk, dv [Tk, Hkv, D]``."""
     q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
-    o, lse = o.to(q.dtype), lse.contiguous()
+    o, lse = (o if o.dtype == q.dtype else o.to(q.dtype)), lse.contiguous()
     if traced():
         return torch.ops.fused_transformer.attention_varlen_bwd(
             do, dlse, q, k, v, o, lse, *seqs, spec.is_causal, spec.causal_alignment, *_sides(spec.window),
             spec.dropout_p, seed, spec.scale, spec.allow_tf32, spec.softcap, alibi_slopes)
-    return _bwd(do, dlse, q, k, v, o, lse, spec, alibi_slopes, seed, seqs=seqs)
+    return _bwd(do, dlse, q, k, v, o, lse, spec, alibi_slopes, seed, seqs=seqs, prepared=prepared)
 
 
 def attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tensor:

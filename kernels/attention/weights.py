@@ -5,10 +5,9 @@ import torch
 import triton
 import triton.language as tl
 from .._common import cdiv
-
 from .configs import head_dim_bucket
 from .jit import _batch_head, _dot, _mask_scores, _real_rows, _sequence, _tile_mask, _tma_tile
-from .launch import LOG2E, Layout, MaskArgs, grid, plan_launch, tiles_of, tma_can_load
+from .launch import LOG2E, Layout, MaskArgs, grid, launch_options, tiles_of, tma_can_load
 
 Tensor = torch.Tensor
 
@@ -75,15 +74,14 @@ def attention_weights_kernel(
 def launch_weights(q: Tensor, k: Tensor, lse: Tensor, weights: Tensor, layout: Layout, masks: MaskArgs,
                    scale: float) -> None:
     """The probabilities kernel, writing ``weights`` ``[B, H, Lq, Lk]`` (dense inputs only)."""
-    block_d = head_dim_bucket(layout.head_dim)
-    plan = plan_launch("weights", q.dtype, q.device, layout.head_dim, masks, 0.0, False, tma_can_load((q, k)))
-    tile, use_tma = plan.tile, plan.use_tma
+    launch = launch_options("weights", attention_weights_kernel, q, layout.head_dim, masks, 0.0, False,
+                            tma_can_load((q, k)))
+    tile, use_tma, block_d = launch.plan.tile, launch.plan.use_tma, head_dim_bucket(layout.head_dim)
     tiles = cdiv(layout.n_queries, tile.block_m) * cdiv(layout.n_keys, tile.block_n)
     attention_weights_kernel.run(
         tiles_of(q, tile.block_m, block_d, use_tma), tiles_of(k, tile.block_n, block_d, use_tma), lse, weights,
         *masks.pointer_args(), *layout.q_strides, *layout.k_strides, *masks.stride_args(), layout.heads,
-        layout.kv_group, layout.n_queries, layout.n_keys, *masks.offset_args(), scale * LOG2E,
-        BLOCK_D=block_d, HEAD_DIM=layout.head_dim, **masks.constexprs(), **plan.constexprs(),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
-        grid=grid(tiles, layout.batch, layout.heads), warmup=False,
+        layout.kv_group, layout.n_queries, layout.n_keys, *masks.offset_args(), scale * LOG2E, *launch.constexprs,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, grid=grid(tiles, layout.batch, layout.heads),
+        warmup=False,
     )
