@@ -414,21 +414,25 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
     dkdv_launch = launch_options("bwd_dkdv", attention_dkdv_kernel, q, layout.head_dim, masks, spec.dropout_p,
                                  spec.allow_tf32, addressable)
     dq_tile, dkdv_tile = dq_launch.plan.tile, dkdv_launch.plan.tile
-    if dq_launch.plan.use_tma and dkdv_launch.plan.use_tma:  # TMA reads o and do in any layout
+    dq_tma, dkdv_tma = dq_launch.plan.use_tma, dkdv_launch.plan.use_tma
+    if not (dq_tma and dkdv_tma):  # the pointer path reads o and do in o's layout; TMA in any
+        o, do = output_layout(o), output_layout(do)
+    q_in, k_in, v_in, o_in, do_in = q, k, v, o, do
+    if dq_tma:
         q_in, o_in, do_in = (tiles_of(x, dq_tile.block_m, block_d, True) for x in (q, o, do))
         k_in, v_in = (tiles_of(x, dq_tile.block_n, block_d, True) for x in (k, v))
-    else:  # the pointer path reads them in the layout the forward wrote o in
-        q_in, k_in, v_in, o_in, do_in = q, k, v, output_layout(o), output_layout(do)
     attention_dq_kernel.run(
         q_in, k_in, v_in, o_in, do_in, lse, dlse.contiguous() if dlse is not None else None, delta, dq, *args,
         *dq_launch.constexprs, num_warps=dq_launch.num_warps, num_stages=dq_launch.num_stages,
         grid=grid(cdiv(layout.n_queries, dq_tile.block_m), layout.batch, layout.heads), warmup=False,
     )
     dk_out, dv_out = dk, dv
-    if dkdv_launch.plan.use_tma:  # the descriptors of the dq launch where its tiles have the same rows
-        if dkdv_tile.block_m != dq_tile.block_m:
+    if not dkdv_tma:
+        q_in, k_in, v_in, do_in = q, k, v, do
+    else:  # the dq launch's descriptors serve where its tiles have the same rows
+        if not dq_tma or dkdv_tile.block_m != dq_tile.block_m:
             q_in, do_in = (tiles_of(x, dkdv_tile.block_m, block_d, True) for x in (q, do))
-        if dkdv_tile.block_n != dq_tile.block_n:
+        if not dq_tma or dkdv_tile.block_n != dq_tile.block_n:
             k_in, v_in = (tiles_of(x, dkdv_tile.block_n, block_d, True) for x in (k, v))
         if dk.dim() == 4:  # dense: TMA stores as well
             dk_out, dv_out = (tiles_of(t, dkdv_tile.block_n, block_d, True) for t in (dk, dv))

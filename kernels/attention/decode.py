@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ...contract import KVCache, KVCacheSpec, window_of_bounds
-from .._common import cdiv, interpreting as interpreting_now, traced
+from .._common import cdiv, interpreting as interpreting_now, positional_constexprs, traced
 from ..aot import AotKernel
 from ..targets import CAPABILITIES, Target
 from ..toolchain import Version
@@ -382,10 +382,9 @@ def _launch_decode(
         *(block_table.stride() if paged else (0, 0)), *alibi_strides,
         n_queries, heads, kv_heads, kv_group, max_keys, page_size, *(window if window is not None else (0, 0)),
         scale, softcap if softcap is not None else 1.0,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, HEAD_DIM=head_dim, PAGED=paged,
-        IS_CAUSAL=is_causal, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None, SPLIT=split,
-        UPCAST=interpreting_now() and q.dtype == torch.bfloat16, DOT_PRECISION="ieee",
+        *_decode_constexprs(tile, head_dim, paged, is_causal, window is not None, softcap is not None,
+                            alibi_slopes is not None, sinks is not None, split,
+                            interpreting_now() and q.dtype == torch.bfloat16),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
         grid=(num_splits, batch * kv_heads, query_tiles), warmup=False,
     )
@@ -397,6 +396,16 @@ def _launch_decode(
             grid=(cdiv(rows, MERGE_ROWS), batch * kv_heads), warmup=False,
         )
     return out, lse
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_constexprs(tile: Tile, head_dim: int, paged: bool, is_causal: bool, has_window: bool, has_softcap: bool,
+                       has_alibi: bool, has_sinks: bool, split: bool, upcast: bool) -> tuple:
+    """The decode kernel's constexprs for a launch of this kind, by position."""
+    return positional_constexprs(_attention_decode_kernel, dict(
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=head_dim_bucket(head_dim), HEAD_DIM=head_dim,
+        PAGED=paged, IS_CAUSAL=is_causal, HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi,
+        HAS_SINKS=has_sinks, SPLIT=split, UPCAST=upcast, DOT_PRECISION="ieee"))
 
 
 @torch.library.custom_op("fused_transformer::attention_decode", mutates_args=())

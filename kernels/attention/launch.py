@@ -10,7 +10,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ... import contract
 from ...contract import AttentionMasks, AttentionSpec, PackedSequences, Window, heads_interleaved_strides
-from .._common import interpreting, tma_addressable, tma_descriptor
+from .._common import interpreting, positional_constexprs, tma_addressable, tma_descriptor
 from ..targets import Target, target_of
 from . import configs
 
@@ -289,8 +289,8 @@ def shared_args(layout: Layout, masks: MaskArgs, scale: float, dropout_p: float,
 
 
 class Launch(NamedTuple):
-    """What a kind of launch shares (``launch_options``): its plan, and the values of the kernel's constexpr
-    parameters, which come last in its signature, in their order (positional: cheaper to pass than keywords)."""
+    """What a kind of launch shares (``launch_options``): its plan, the values of the kernel's constexpr parameters
+    (``_common.positional_constexprs``), its warps and stages."""
 
     plan: configs.Plan
     constexprs: tuple
@@ -322,10 +322,7 @@ def launch_options(kernel: str, jit_kernel: object, q: Tensor, head_dim: int, ma
             values["HAS_DROPOUT"] = dropout_p > 0.0
         if kernel == "bwd_dq":
             values["HAS_DLSE"] = has_dlse
-        names = jit_kernel.arg_names[len(jit_kernel.arg_names) - len(values):]
-        if sorted(names) != sorted(values):
-            raise AssertionError(f"the {kernel} kernel's last parameters {names} are not its constexprs {sorted(values)}")
-        found = Launch(plan, tuple(values[name] for name in names), plan.tile.num_warps, plan.tile.num_stages)
+        found = Launch(plan, positional_constexprs(jit_kernel, values), plan.tile.num_warps, plan.tile.num_stages)
         if configs.plan is _PLANNER:
             _LAUNCHES[key] = found
     return found

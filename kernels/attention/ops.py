@@ -94,8 +94,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: 
                   alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], seed: Optional[Tensor],
                   float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """``o [B, H, Lq, D]`` laid out as ``[B, Lq, H, D]`` (float32 with ``float_output``) and the float32 LSE."""
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        q, k, v = contiguous_last_dim(q), contiguous_last_dim(k), contiguous_last_dim(v)
+    q, k, v = contiguous_last_dim(q), contiguous_last_dim(k), contiguous_last_dim(v)
     if traced():
         return torch.ops.fused_transformer.attention_fwd(
             q, k, v, *_flat_masks(masks), spec.is_causal, spec.causal_alignment, *_sides(spec.window),
@@ -107,8 +106,7 @@ def attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
                   masks: AttentionMasks, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
                   seed: Optional[Tensor], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` laid out as o; o in q's dtype or float32 (``float_output``)."""
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        q, k, v = contiguous_last_dim(q), contiguous_last_dim(k), contiguous_last_dim(v)
+    q, k, v = contiguous_last_dim(q), contiguous_last_dim(k), contiguous_last_dim(v)
     o, lse = (o if o.dtype == q.dtype else o.to(q.dtype)), lse.contiguous()
     if traced():
         return torch.ops.fused_transformer.attention_bwd(
