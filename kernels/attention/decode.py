@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...contract import KVCache, KVCacheSpec, window_of_bounds
+from ...contract import KVCache, KVCacheSpec, window_bounds, window_of_bounds
 from .._common import cdiv, interpreting as interpreting_now, positional_constexprs, traced
 from ..aot import AotKernel
 from ..targets import CAPABILITIES, Target
@@ -328,7 +328,7 @@ def attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Ten
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"triton attention_with_kvcache runs float16, bfloat16 and float32, got {q.dtype}; float64 "
                         "runs on the reference backend")
-    left, right = spec.window if spec.window is not None else (None, None)
+    left, right = window_bounds(spec.window)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, cache.k, cache.v))
     return attention_decode(q, k, v, cache.lengths, cache.block_table, is_causal=spec.is_causal, window_left=left,
                             window_right=right, scale=spec.scale, softcap=spec.softcap, alibi_slopes=alibi_slopes,

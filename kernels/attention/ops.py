@@ -6,11 +6,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...contract import AttentionMasks, AttentionSpec, PackedSequences, Window, window_of_bounds
+from ...contract import AttentionMasks, AttentionSpec, PackedSequences, window_bounds, window_of_bounds
 from .._common import contiguous_last_dim, dropout_keep_mask, traced
 from .bwd import launch_bwd
 from .fwd import launch_fwd
-from .launch import Layout, check_inputs, empty_output, mask_args, shared_args, varlen_mask_args
+from .launch import Layout, MaskArgs, check_inputs, empty_output, mask_args, shared_args, varlen_mask_args
 from .weights import launch_weights
 
 Tensor = torch.Tensor
@@ -28,10 +28,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slopes: Opt
     lse = q.new_empty(q.shape[:3] if seqs is None else (q.shape[1], q.shape[0]), dtype=torch.float32)
     if lse.numel() == 0:  # no query row: a grid of 0 programs is an error on a GPU
         return o, lse
-    if seqs is None:
-        layout, kernel_masks = Layout.dense(q, k, v), mask_args(q, k, masks, spec, alibi_slopes, sinks)
-    else:
-        layout, kernel_masks = _packed(q, k, v, seqs), varlen_mask_args(seqs, spec, q.shape[1], alibi_slopes, sinks)
+    layout, kernel_masks = _kernel_form(q, k, v, spec, alibi_slopes, sinks, masks, seqs)
     args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
     if prepared is not None:
         prepared["launch"] = (layout, kernel_masks, args)
@@ -55,17 +52,20 @@ def _bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o:
             kernel_masks = kernel_masks._replace(sinks=None)
             args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
     else:
-        if seqs is None:
-            layout, kernel_masks = Layout.dense(q, k, v), mask_args(q, k, masks, spec, alibi_slopes)
-        else:
-            layout, kernel_masks = _packed(q, k, v, seqs), varlen_mask_args(seqs, spec, q.shape[1], alibi_slopes)
+        layout, kernel_masks = _kernel_form(q, k, v, spec, alibi_slopes, None, masks, seqs)
         args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
     launch_bwd(do, dlse, q, k, v, o, lse, dq, dk, dv, layout, kernel_masks, spec, args)
     return dq, dk, dv
 
 
-def _packed(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences) -> Layout:
-    return Layout.packed(q, k, v, seqs.cu_seqlens_q.shape[0] - 1, seqs.max_seqlen_q, seqs.max_seqlen_k)
+def _kernel_form(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
+                 sinks: Optional[Tensor], masks: Optional[AttentionMasks],
+                 seqs: Optional[PackedSequences]) -> Tuple[Layout, MaskArgs]:
+    """The layout and the masks of a launch in kernel form: dense with ``masks``, packed with ``seqs``."""
+    if seqs is None:
+        return Layout.dense(q, k, v), mask_args(q, k, masks, spec, alibi_slopes, sinks)
+    return (Layout.packed(q, k, v, seqs.cu_seqlens_q.shape[0] - 1, seqs.max_seqlen_q, seqs.max_seqlen_k),
+            varlen_mask_args(seqs, spec, q.shape[1], alibi_slopes, sinks))
 
 
 def _weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tensor:
@@ -81,10 +81,6 @@ def _weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: Att
 # ----------------------------------------------------------------------------- the backend's entries
 
 
-def _sides(window: Window) -> Tuple[Optional[int], Optional[int]]:
-    return (None, None) if window is None else window
-
-
 def _flat_masks(masks: AttentionMasks) -> tuple:
     """The masks in the custom ops' order."""
     return masks.attn_mask, masks.key_padding_mask, masks.query_lengths, masks.query_padding_mask
@@ -97,7 +93,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: 
     q, k, v = contiguous_last_dim(q), contiguous_last_dim(k), contiguous_last_dim(v)
     if traced():
         return torch.ops.fused_transformer.attention_fwd(
-            q, k, v, *_flat_masks(masks), spec.is_causal, spec.causal_alignment, *_sides(spec.window),
+            q, k, v, *_flat_masks(masks), spec.is_causal, spec.causal_alignment, *window_bounds(spec.window),
             spec.dropout_p, seed, spec.scale, spec.allow_tf32, spec.softcap, alibi_slopes, sinks, float_output)
     return _fwd(q, k, v, spec, alibi_slopes, sinks, seed, float_output, masks=masks, prepared=prepared)
 
@@ -111,7 +107,7 @@ def attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     if traced():
         return torch.ops.fused_transformer.attention_bwd(
             do, dlse, q, k, v, o, lse, *_flat_masks(masks), spec.is_causal, spec.causal_alignment,
-            *_sides(spec.window), spec.dropout_p, seed, spec.scale, spec.allow_tf32, spec.softcap, alibi_slopes)
+            *window_bounds(spec.window), spec.dropout_p, seed, spec.scale, spec.allow_tf32, spec.softcap, alibi_slopes)
     return _bwd(do, dlse, q, k, v, o, lse, spec, alibi_slopes, seed, masks=masks, prepared=prepared)
 
 
@@ -122,7 +118,7 @@ def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences,
     q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
     if traced():
         return torch.ops.fused_transformer.attention_varlen_fwd(
-            q, k, v, *seqs, spec.is_causal, spec.causal_alignment, *_sides(spec.window), spec.dropout_p, seed,
+            q, k, v, *seqs, spec.is_causal, spec.causal_alignment, *window_bounds(spec.window), spec.dropout_p, seed,
             spec.scale, spec.allow_tf32, spec.softcap, alibi_slopes, sinks, float_output)
     return _fwd(q, k, v, spec, alibi_slopes, sinks, seed, float_output, seqs=seqs, prepared=prepared)
 
@@ -135,7 +131,7 @@ def attention_varlen_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tenso
     o, lse = (o if o.dtype == q.dtype else o.to(q.dtype)), lse.contiguous()
     if traced():
         return torch.ops.fused_transformer.attention_varlen_bwd(
-            do, dlse, q, k, v, o, lse, *seqs, spec.is_causal, spec.causal_alignment, *_sides(spec.window),
+            do, dlse, q, k, v, o, lse, *seqs, spec.is_causal, spec.causal_alignment, *window_bounds(spec.window),
             spec.dropout_p, seed, spec.scale, spec.allow_tf32, spec.softcap, alibi_slopes)
     return _bwd(do, dlse, q, k, v, o, lse, spec, alibi_slopes, seed, seqs=seqs, prepared=prepared)
 
@@ -147,7 +143,7 @@ def attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, 
     q, k, lse = contiguous_last_dim(q), contiguous_last_dim(k), lse.float()
     if traced():
         return torch.ops.fused_transformer.attention_weights(
-            q, k, lse, *_flat_masks(masks), spec.is_causal, spec.causal_alignment, *_sides(spec.window), spec.scale)
+            q, k, lse, *_flat_masks(masks), spec.is_causal, spec.causal_alignment, *window_bounds(spec.window), spec.scale)
     return _weights(q, k, lse, masks, spec)
 
 
