@@ -2,7 +2,7 @@
 and its replay, and a deterministic row reduction. What each GPU has is kernels/targets.py's."""
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import triton
@@ -48,6 +48,108 @@ def tma_descriptor(x: torch.Tensor, block_shape: List[int]) -> TensorDescriptor:
     aligned = TMA_ALIGNMENT // x.element_size()
     strides = [stride if n > 1 else aligned for n, stride in zip(x.shape[:-1], x.stride()[:-1])] + [1]
     return TensorDescriptor(x, list(x.shape), strides, list(block_shape))
+
+
+# ------------------------------------------------------------------------------------------- launches
+# ``JITFunction.run`` binds and specializes every argument, builds a cache key as a string and checks the kernel's
+# globals at every launch: on an H200's host, half of an attention forward's host time. ``launch_kernel`` keeps the
+# compiled kernel that run returned under a key of its own, and calls its launcher directly the next time.
+# Its key is finer than Triton's or equal to it (``launch_key``, checked against Triton's specialization by the
+# tests), so a reused kernel is one Triton would have picked. Under the interpreter every launch goes through run.
+
+
+def _runtime_key(arg: object) -> object:
+    """What Triton specializes a non-constexpr argument on, or finer: an int on == 1, divisibility by 16 and its
+    type (i32, i64, u64); a tensor on its dtype and 16-byte alignment; a descriptor on its dtype and block shape."""
+    kind = type(arg)
+    if kind is int:
+        return arg if arg == 1 else (arg & 15 == 0, -0x80000000 <= arg <= 0x7FFFFFFF, arg < 0x8000000000000000)
+    if arg is None or kind is float or kind is bool:
+        return kind
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() & 15 == 0
+    if kind is TensorDescriptor:
+        return TensorDescriptor, arg.base.dtype, tuple(arg.block_shape)
+    raise TypeError(f"no launch key for a {kind.__name__}")
+
+
+# Per kernel: how many leading parameters are not constexprs (None when a constexpr is followed by another kind).
+_RUNTIME_PARAMS: Dict[object, Optional[int]] = {}
+# Compiled kernels by launch_key; emptied when it grows past _MAX_COMPILED (a key per shape class, not per call).
+_COMPILED: Dict[tuple, object] = {}
+_MAX_COMPILED = 4096
+
+
+def _runtime_params(kernel: object) -> Optional[int]:
+    found = _RUNTIME_PARAMS.get(kernel, -1)
+    if found == -1:
+        flags = [param.is_constexpr for param in kernel.params]
+        runtime = flags.index(True) if True in flags else len(flags)
+        found = runtime if all(flags[runtime:]) else None
+        if getattr(kernel, "pre_run_hooks", None):  # hooks run from JITFunction.run only
+            found = None
+        _RUNTIME_PARAMS[kernel] = found
+    return found
+
+
+def launch_key(kernel: object, args: tuple, options: tuple) -> Optional[tuple]:
+    """The key ``launch_kernel`` reuses a compiled kernel under, None where it cannot (the arguments are not all of the
+    kernel's parameters, its constexprs are not its last, or an argument is of a kind it does not know)."""
+    runtime = _runtime_params(kernel)
+    if runtime is None or len(args) != len(kernel.params):
+        return None
+    try:
+        return (kernel, options, *args[runtime:], *map(_runtime_key, args[:runtime]))
+    except TypeError:
+        return None
+
+
+def current_device() -> int:
+    """The device Triton launches on (JITFunction.run's)."""
+    return triton.runtime.driver.active.get_current_device()
+
+
+def current_stream(device: int) -> int:
+    """Triton's current stream on ``device``."""
+    return triton.runtime.driver.active.get_current_stream(device)
+
+
+def launch_kernel(kernel: object, grid: Tuple[int, ...], args: tuple, num_warps: int,
+                  num_stages: Optional[int] = None, num_ctas: int = 1, **constexprs: object) -> None:
+    """``kernel[grid](*args, **constexprs, num_warps=..., num_stages=..., num_ctas=...)``: through
+    ``JITFunction.run`` the first time a ``launch_key`` is seen, to its compiled kernel directly after that.
+    ``args`` are the kernel's parameters by position; the constexprs, its last parameters, may end them or come by
+    name."""
+    if interpreting():
+        kernel.run(*args, grid=grid, warmup=False, num_warps=num_warps, num_stages=num_stages, num_ctas=num_ctas,
+                   **constexprs)
+        return
+    if constexprs:
+        args = (*args, *positional_constexprs(kernel, constexprs))
+    options = {"num_warps": num_warps, "num_ctas": num_ctas}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    device = current_device()
+    key = launch_key(kernel, args, (device, num_warps, num_stages, num_ctas))
+    try:
+        compiled = _COMPILED.get(key) if key is not None else None
+    except TypeError:  # a constexpr value that cannot be hashed
+        key = compiled = None
+    if compiled is None:
+        compiled = kernel.run(*args, grid=grid, warmup=False, **options)
+        if hasattr(compiled, "result"):  # a compilation that was asynchronous
+            compiled = compiled.result()
+        if key is not None and all(hasattr(compiled, name) for name in ("function", "packed_metadata")):
+            if len(_COMPILED) >= _MAX_COMPILED:
+                _COMPILED.clear()
+            _COMPILED[key] = compiled
+        return
+    stream = current_stream(device)
+    hooks = triton.knobs.runtime
+    grid_y = grid[1] if len(grid) > 1 else 1
+    grid_z = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
+                 compiled.launch_metadata(grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
 
 
 def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
@@ -101,8 +203,8 @@ def dropout_keep_mask(seed: torch.Tensor, n_rows: int, n_cols: int, dropout_p: f
     if keep.numel() == 0:
         return keep
     block = 1024
-    _dropout_keep_mask_kernel.run(keep, seed.to(device), keep.numel(), dropout_p, BLOCK=block,
-                                  grid=(cdiv(keep.numel(), block),), warmup=False)
+    launch_kernel(_dropout_keep_mask_kernel, (cdiv(keep.numel(), block),), (keep, seed.to(device), keep.numel(),
+                  dropout_p), 4, BLOCK=block)
     return keep
 
 
@@ -154,10 +256,8 @@ def sum_rows(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 def _launch_sum_rows(x: torch.Tensor, out: torch.Tensor, rows_per_program: int) -> None:
     n_rows, n_cols = x.shape
     grid = (cdiv(n_cols, SUM_ROWS_BLOCK_COLS), out.shape[0])
-    _sum_rows_kernel.run(
-        x, out, n_rows, n_cols, x.stride(0), out.stride(0), rows_per_program,
-        BLOCK_ROWS=SUM_ROWS_BLOCK_ROWS, BLOCK_COLS=SUM_ROWS_BLOCK_COLS, grid=grid, warmup=False,
-    )
+    launch_kernel(_sum_rows_kernel, grid, (x, out, n_rows, n_cols, x.stride(0), out.stride(0), rows_per_program), 4,
+                  BLOCK_ROWS=SUM_ROWS_BLOCK_ROWS, BLOCK_COLS=SUM_ROWS_BLOCK_COLS)
 
 
 def traced() -> bool:
@@ -166,11 +266,18 @@ def traced() -> bool:
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
+_CONSTEXPR_ORDER: Dict[tuple, Tuple[str, ...]] = {}
+
+
 def positional_constexprs(jit_kernel: object, values: Dict[str, object]) -> tuple:
     """``values``, the constexprs of a launch of ``jit_kernel``, in the order of its signature, whose last parameters
     they must be: passed by position, they cost a launch a quarter of what keywords do."""
-    names = jit_kernel.arg_names[len(jit_kernel.arg_names) - len(values):]
-    if sorted(names) != sorted(values):
-        raise AssertionError(f"{getattr(jit_kernel, '__name__', jit_kernel)}'s last parameters {names} are not the "
-                             f"constexprs {sorted(values)}")
+    key = (jit_kernel, *values)
+    names = _CONSTEXPR_ORDER.get(key)
+    if names is None:
+        names = tuple(jit_kernel.arg_names[len(jit_kernel.arg_names) - len(values):])
+        if sorted(names) != sorted(values):
+            raise AssertionError(f"{getattr(jit_kernel, '__name__', jit_kernel)}'s last parameters {list(names)} are "
+                                 f"not the constexprs {sorted(values)}")
+        _CONSTEXPR_ORDER[key] = names
     return tuple(values[name] for name in names)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .. import contract
 from ..contract import FeedForwardSpec
-from ._common import cdiv, contiguous_last_dim, dropout_keep, interpreting, sum_rows, traced
+from ._common import cdiv, contiguous_last_dim, dropout_keep, interpreting, launch_kernel, sum_rows, traced
 from .aot import AotKernel
 from .targets import TARGETS, Target, target_of
 from .toolchain import TRITON_3_7, Version, installed
@@ -228,16 +228,16 @@ def _matmul(
         return out
     cfg = matmul_config(a.device, a.dtype, fused_epilogue=activation != "none")
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
-    _matmul_kernel.run(
-        a, b, out, bias, pre, hidden, m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        dropout_p, seed,
+    launch_kernel(
+        _matmul_kernel, grid,
+        (a, b, out, bias, pre, hidden, m, n, k,
+         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+         dropout_p, seed), cfg.num_warps, cfg.num_stages,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         HAS_BIAS=bias is not None, ACTIVATION=activation, ACTIVATION_GRAD=activation_grad,
         STORE_PRE=pre is not None and not activation_grad, HAS_DROPOUT=dropout_p > 0.0,
         DOT_PRECISION="tf32" if allow_tf32 else "ieee",
         UPCAST_OPERANDS=interpreting() and a.dtype != torch.float32,  # tl.dot on bf16 is wrong when interpreted
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=grid, warmup=False,
     )
     return out
 

@@ -41,7 +41,7 @@ from .. import contract
 from ..contract import LayerNormSpec
 from ._common import (
     SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, cdiv, contiguous_last_dim, dropout_keep, interpreting,
-    next_power_of_2, sum_rows, traced,
+    launch_kernel, next_power_of_2, sum_rows, traced,
 )
 from .aot import AotKernel
 from .targets import TARGETS, Target, target_of
@@ -308,13 +308,13 @@ def _launch_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], res
     if y.numel() == 0:  # nothing to normalise; the statistics of an empty row are NaN (0 / 0)
         return y, z, mean.fill_(float("nan")), rstd.fill_(float("nan"))
     block_n = block_width(n_cols)
-    _layer_norm_fwd_kernel.run(
-        x, residual, weight, bias, y, z if store_z else None, mean if not rms_norm else None, rstd,
-        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), z.stride(0) if store_z else 0,
-        n_cols, eps, dropout_p, seed,
+    launch_kernel(
+        _layer_norm_fwd_kernel, (n_rows,),
+        (x, residual, weight, bias, y, z if store_z else None, mean if not rms_norm else None, rstd,
+         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), z.stride(0) if store_z else 0,
+         n_cols, eps, dropout_p, seed), _launch_warps(block_n),
         BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, STORE_Z=store_z, IS_RMS_NORM=rms_norm,
-        num_warps=_launch_warps(block_n), grid=(n_rows,), warmup=False,
     )
     return y, z, mean, rstd
 
@@ -338,16 +338,17 @@ def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Te
     db_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if bias is not None else None
     # Launched even for zero rows: every program writes its (possibly zero) partial sums.
     launch = bwd_launch(n_cols, launches_clusters(z.device))
-    _layer_norm_bwd_kernel.run(
-        z, dy, dz, weight, mean if not rms_norm else None, rstd, dx, dresidual if has_residual else None,
-        dw_partial, db_partial,
-        z.stride(0), dy.stride(0), dz.stride(0) if dz is not None else 0, dx.stride(0),
-        dresidual.stride(0) if has_residual else 0,
-        n_rows, n_cols, rows_per_program, dropout_p, seed,
+    launch_kernel(
+        _layer_norm_bwd_kernel, (programs, launch.col_blocks),
+        (z, dy, dz, weight, mean if not rms_norm else None, rstd, dx, dresidual if has_residual else None,
+         dw_partial, db_partial,
+         z.stride(0), dy.stride(0), dz.stride(0) if dz is not None else 0, dx.stride(0),
+         dresidual.stride(0) if has_residual else 0,
+         n_rows, n_cols, rows_per_program, dropout_p, seed),
+        1 if interpreting() else launch.num_warps, num_ctas=launch.num_ctas,
         BLOCK_N=launch.block_n, HAS_DZ=dz is not None, HAS_RESIDUAL=has_residual, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, IS_RMS_NORM=rms_norm,
-        SPLIT_COLS=launch.col_blocks > 1, num_warps=1 if interpreting() else launch.num_warps,
-        num_ctas=launch.num_ctas, grid=(programs, launch.col_blocks), warmup=False,
+        SPLIT_COLS=launch.col_blocks > 1,
     )
     dweight = sum_rows(dw_partial, weight.dtype) if weight is not None else _empty(dx)
     dbias = sum_rows(db_partial, bias.dtype) if bias is not None else _empty(dx)

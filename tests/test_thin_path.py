@@ -1,14 +1,23 @@
 """The thin path (docs/layout.md, "The route of a call"): an eager call launches its Triton kernel without going
 through a custom op, a traced call goes through one; a call that needs no gradient records no autograd node, one
 that does records the op's one Function, whichever backend runs it."""
+from types import SimpleNamespace
+
 import pytest
 import torch
+import triton
 from torch.fx.experimental.proxy_tensor import make_fx
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import make_backend
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import fused_transformer as ft
 from fused_transformer import autograd, backend, functional
-from fused_transformer.kernels.attention import launch
+from fused_transformer.kernels import _common
+from fused_transformer.kernels.attention import configs, launch
 from fused_transformer.kernels.attention.fwd import attention_fwd_kernel
+from tests.numerics import DEVICE
 
 CALLS = {
     "attention_fwd": lambda q, x, w: ft.attention(q, q, q, is_causal=True),
@@ -18,10 +27,10 @@ CALLS = {
 }
 
 
-def _inputs():
+def _inputs(device: str = DEVICE):
     generator = torch.Generator().manual_seed(0)
-    return (torch.randn(1, 2, 8, 16, generator=generator), torch.randn(4, 32, generator=generator),
-            torch.randn(32, generator=generator))
+    return tuple(t.to(device) for t in (torch.randn(1, 2, 8, 16, generator=generator),
+                                        torch.randn(4, 32, generator=generator), torch.randn(32, generator=generator)))
 
 
 def _profiled_ops(fn) -> set:
@@ -44,7 +53,7 @@ def test_eager_calls_skip_the_custom_op_and_traced_calls_go_through_it(op):
 def test_one_function_per_op_records_autograd_only_when_a_gradient_is_needed(name):
     if name == "cpu" and backend.cpu_unavailable_reason() is not None:
         pytest.skip(backend.cpu_unavailable_reason())
-    q, x, w = _inputs()
+    q, x, w = _inputs("cpu" if name == "cpu" else DEVICE)
     with backend.use_backend(name):
         assert ft.attention(q, q, q).grad_fn is None
         with torch.no_grad():
@@ -81,3 +90,112 @@ def test_launch_options_are_made_once_per_kind_of_launch(monkeypatch):
     constexprs = dict(zip(names, found.constexprs))
     assert constexprs == {**constexprs, **found.plan.constexprs(), "IS_CAUSAL": False, "HEAD_DIM": 16}
     assert found.num_warps == found.plan.tile.num_warps
+
+
+# ------------------------------------------------------------------------------ launches (kernels/_common.py)
+
+
+def _launch_samples() -> list:
+    x = torch.randn(64, 64)
+    b = x.to(torch.bfloat16)
+    ints = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, -2**31, -2**31 - 16, 2**40, 2**63 - 16,
+            2**63, 2**64 - 16]
+    return [*ints, 0.0, 0.5, 1.0, True, False, None, x, x[:, 1:], x[4:], b, b[:, 1:], b[:, 8:],
+            torch.nn.Parameter(x), TensorDescriptor(b, [64, 64], [64, 1], [16, 64]),
+            TensorDescriptor(b[:, 8:], [64, 56], [64, 1], [16, 64]), TensorDescriptor(b, [64, 64], [64, 1], [32, 64]),
+            TensorDescriptor(x, [64, 64], [64, 1], [16, 64])]
+
+
+def test_launch_keys_are_as_fine_as_tritons_specialization():
+    """Two arguments with one launch key are alike to Triton's own specialization (on an sm_90 target), so a kernel
+    compiled for one is the kernel Triton launches for the other."""
+    backend_class = type(make_backend(GPUTarget("cuda", 90, 32)))
+    samples = _launch_samples()
+    keys = [_common._runtime_key(a) for a in samples]
+    tritons = [native_specialize_impl(backend_class, a, False, True, True) for a in samples]
+    assert len(set(map(str, tritons))) > 10  # the samples span what Triton tells apart
+    for a, key_a, triton_a in zip(samples, keys, tritons):
+        for b, key_b, triton_b in zip(samples, keys, tritons):
+            if key_a == key_b:
+                assert triton_a == triton_b, (a, b)
+
+
+class _Compiled:
+    """A compiled kernel's parts that launch_kernel reads; records its launches."""
+    function, packed_metadata = "function", "packed"
+
+    def __init__(self):
+        self.launches = []
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("metadata", grid, stream)
+
+    def run(self, *launch_args):
+        self.launches.append(launch_args)
+
+
+class _Kernel:
+    """A JITFunction's parts that launch_kernel reads: (X, n, scale, BLOCK: constexpr)."""
+    arg_names = ["X", "n", "scale", "BLOCK"]
+    params = [SimpleNamespace(is_constexpr=name == "BLOCK") for name in arg_names]
+
+    def __init__(self):
+        self.compiled = []
+
+    def run(self, *args, grid, warmup, **options):
+        assert not warmup
+        self.compiled.append((args, grid, options, _Compiled()))
+        return self.compiled[-1][-1]
+
+
+def test_launches_reuse_the_compiled_kernel_of_a_key_seen_before(monkeypatch):
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    monkeypatch.setattr(_common, "current_device", lambda: 0)
+    monkeypatch.setattr(_common, "current_stream", lambda device: 7)
+    monkeypatch.setattr(_common, "_COMPILED", {})
+    kernel, x = _Kernel(), torch.randn(64)
+    _common.launch_kernel(kernel, (3,), (x, 16, 0.5), 4, BLOCK=64)
+    assert [(args, grid, options) for args, grid, options, _ in kernel.compiled] == [
+        ((x, 16, 0.5, 64), (3,), dict(num_warps=4, num_ctas=1))]
+    y = x * 2
+    _common.launch_kernel(kernel, (5, 2), (y, 32, 0.25, 64), 4)  # other values, the kernel Triton would launch
+    hooks = triton.knobs.runtime
+    (first,) = kernel.compiled
+    assert first[-1].launches == [(5, 2, 1, 7, "function", "packed", ("metadata", (5, 2), 7), hooks.launch_enter_hook,
+                                   hooks.launch_exit_hook, y, 32, 0.25, 64)]
+    for args, options in [((x, 17, 0.5), {}), ((x[1:], 16, 0.5), {}), ((x, 1, 0.5), {}), ((x, 2**31, 0.5), {}),
+                          ((x.double(), 16, 0.5), {}), ((x, 16, None), {}), ((x, 16, 0.5), dict(num_warps=8)),
+                          ((x, 16, 0.5), dict(num_stages=2))]:
+        compiles = len(kernel.compiled)
+        _common.launch_kernel(kernel, (1,), args, **{"num_warps": 4, **options}, BLOCK=64)
+        assert len(kernel.compiled) == compiles + 1, (args, options)
+    compiles = len(kernel.compiled)
+    _common.launch_kernel(kernel, (1,), (x, 16, 0.5), 4, BLOCK=128)  # a constexpr: its value
+    for _ in range(2):
+        _common.launch_kernel(kernel, (1,), (x, 16, 0.5), 4)  # not every parameter given: through run
+    monkeypatch.setattr(_common, "interpreting", lambda: True)  # the interpreter: every launch through run
+    _common.launch_kernel(kernel, (1,), (x, 16, 0.5), 4, BLOCK=64)
+    assert len(kernel.compiled) == compiles + 4
+
+
+def test_small_launches_read_through_pointers_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "target_of", lambda device: SimpleNamespace(tma=True))
+    q = torch.randn(2, 4, 64, 64, dtype=torch.bfloat16)
+    small = launch.Layout.dense(q, q, q)
+    large = small._replace(n_queries=4096, n_keys=4096)  # 2**27 scores
+    assert not launch.tma_can_load((q, q, q), small)
+    assert launch.tma_can_load((q, q, q), large)
+    assert not launch.tma_can_load((q, q[..., 1:], q), large)  # a base TMA cannot address
+    monkeypatch.setattr(configs, "TMA_MIN_SCORES", 0)
+    assert launch.tma_can_load((q, q, q), small)
+
+
+def test_a_launch_with_an_unhashable_constexpr_goes_through_run(monkeypatch):
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    monkeypatch.setattr(_common, "current_device", lambda: 0)
+    monkeypatch.setattr(_common, "_COMPILED", {})
+    kernel = _Kernel()
+    for _ in range(2):
+        _common.launch_kernel(kernel, (1,), (torch.randn(4), 16, 0.5), 4, BLOCK=[64])
+    assert len(kernel.compiled) == 2 and _common._COMPILED == {}

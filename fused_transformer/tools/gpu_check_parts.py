@@ -55,7 +55,7 @@ GPU_TEST_FILES = (
     "tests/test_attention_decode_triton.py", "tests/test_attention_kvcache.py", "tests/test_layer_norm_triton.py",
     "tests/test_feed_forward_triton.py", "tests/test_drop_in.py", "tests/test_modules.py", "tests/test_edges.py",
     "tests/test_integration_sdpa.py", "tests/test_check.py", "tests/test_seq2seq.py", "tests/test_checkpoints.py",
-    "tests/test_backend.py", "tests/test_targets.py",
+    "tests/test_backend.py", "tests/test_targets.py", "tests/test_thin_path.py",
 )
 # overhead first: its fixed tiny shapes take seconds, and a part stopped by its limit keeps the rows it measured.
 BENCH_SUITES = ("overhead", "attention", "layer_norm", "feed_forward", "encoder_layer")

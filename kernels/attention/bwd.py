@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ...contract import AttentionSpec
-from .._common import cdiv, dropout_keep
+from .._common import cdiv, dropout_keep, launch_kernel
 from .configs import head_dim_bucket
 from .jit import (
     _alibi_slope, _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _real_rows, _row_index,
@@ -408,7 +408,7 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
     delta = torch.empty_like(lse)  # lse's shape and layout
     block_d = head_dim_bucket(layout.head_dim)
     # Both kernels load alike: through TMA only if it can address every input and output.
-    addressable = tma_can_load((q, k, v, o, do, dk, dv))
+    addressable = tma_can_load((q, k, v, o, do, dk, dv), layout)
     dq_launch = launch_options("bwd_dq", attention_dq_kernel, q, layout.head_dim, masks, spec.dropout_p,
                                spec.allow_tf32, addressable, has_dlse=dlse is not None)
     dkdv_launch = launch_options("bwd_dkdv", attention_dkdv_kernel, q, layout.head_dim, masks, spec.dropout_p,
@@ -421,11 +421,9 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
     if dq_tma:
         q_in, o_in, do_in = (tiles_of(x, dq_tile.block_m, block_d, True) for x in (q, o, do))
         k_in, v_in = (tiles_of(x, dq_tile.block_n, block_d, True) for x in (k, v))
-    attention_dq_kernel.run(
-        q_in, k_in, v_in, o_in, do_in, lse, dlse.contiguous() if dlse is not None else None, delta, dq, *args,
-        *dq_launch.constexprs, num_warps=dq_launch.num_warps, num_stages=dq_launch.num_stages,
-        grid=grid(cdiv(layout.n_queries, dq_tile.block_m), layout.batch, layout.heads), warmup=False,
-    )
+    launch_kernel(attention_dq_kernel, grid(cdiv(layout.n_queries, dq_tile.block_m), layout.batch, layout.heads),
+                  (q_in, k_in, v_in, o_in, do_in, lse, dlse.contiguous() if dlse is not None else None, delta, dq,
+                   *args, *dq_launch.constexprs), dq_launch.num_warps, dq_launch.num_stages)
     dk_out, dv_out = dk, dv
     if not dkdv_tma:
         q_in, k_in, v_in, do_in = q, k, v, do
@@ -436,8 +434,6 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
             k_in, v_in = (tiles_of(x, dkdv_tile.block_n, block_d, True) for x in (k, v))
         if dk.dim() == 4:  # dense: TMA stores as well
             dk_out, dv_out = (tiles_of(t, dkdv_tile.block_n, block_d, True) for t in (dk, dv))
-    attention_dkdv_kernel.run(
-        q_in, k_in, v_in, do_in, lse, delta, dk_out, dv_out, *args, *dkdv_launch.constexprs,
-        num_warps=dkdv_launch.num_warps, num_stages=dkdv_launch.num_stages,
-        grid=grid(cdiv(layout.n_keys, dkdv_tile.block_n), layout.batch, layout.kv_heads), warmup=False,
-    )
+    launch_kernel(attention_dkdv_kernel, grid(cdiv(layout.n_keys, dkdv_tile.block_n), layout.batch, layout.kv_heads),
+                  (q_in, k_in, v_in, do_in, lse, delta, dk_out, dv_out, *args, *dkdv_launch.constexprs),
+                  dkdv_launch.num_warps, dkdv_launch.num_stages)

@@ -229,6 +229,10 @@ INTERPRETER_TILE = Tile(32, 32, 1, 1)
 # Whether the interpreter takes the TMA path (tests switch it on to check it against the pointer path; the
 # interpreter reads descriptors as a GPU does, out-of-bounds blocks zero-filled).
 TMA_UNDER_INTERPRETER = False
+# A launch computing fewer scores (batch x heads x Lq x Lk) reads through pointers: each host TMA descriptor costs a
+# launch about 5 us on an H200's host (3 in the forward, up to 11 in the backward), more than the few-microsecond
+# kernel below this size gains from TMA. 2**24 scores are about 15 us of forward at head dim 64.
+TMA_MIN_SCORES = 1 << 24
 # float32 loads through TMA only in the tf32 forwards that have rows for it: exact float32 products run on the CUDA
 # cores from registers, where staging the tiles in shared memory gains nothing (13 of those configs spilled with TMA
 # on sm_90), and the tf32 backward's 64-row tiles spill.

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ...contract import KVCache, KVCacheSpec, window_bounds, window_of_bounds
-from .._common import cdiv, interpreting as interpreting_now, positional_constexprs, traced
+from .._common import cdiv, interpreting as interpreting_now, launch_kernel, positional_constexprs, traced
 from ..aot import AotKernel
 from ..targets import CAPABILITIES, Target
 from ..toolchain import Version
@@ -376,7 +376,7 @@ def _launch_decode(
     else:
         alibi_strides = (0, 0)
     sinks = sinks.contiguous() if sinks is not None else None
-    _attention_decode_kernel.run(
+    launch_kernel(_attention_decode_kernel, (num_splits, batch * kv_heads, query_tiles), (
         q, k_cache, v_cache, cache_lens, block_table, alibi_slopes, sinks, o_target, lse_target,
         q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(block_table.stride() if paged else (0, 0)), *alibi_strides,
@@ -385,16 +385,11 @@ def _launch_decode(
         *_decode_constexprs(tile, head_dim, paged, is_causal, window is not None, softcap is not None,
                             alibi_slopes is not None, sinks is not None, split,
                             interpreting_now() and q.dtype == torch.bfloat16),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
-        grid=(num_splits, batch * kv_heads, query_tiles), warmup=False,
-    )
+    ), tile.num_warps, tile.num_stages)
     if split:
-        _attention_decode_merge_kernel.run(
-            o_target, lse_target, sinks, out, lse, n_queries, heads, kv_heads, kv_group, num_splits,
-            BLOCK_M=MERGE_ROWS, BLOCK_D=block_d, HEAD_DIM=head_dim, HAS_SINKS=sinks is not None,
-            num_warps=MERGE_WARPS,
-            grid=(cdiv(rows, MERGE_ROWS), batch * kv_heads), warmup=False,
-        )
+        launch_kernel(_attention_decode_merge_kernel, (cdiv(rows, MERGE_ROWS), batch * kv_heads),
+                      (o_target, lse_target, sinks, out, lse, n_queries, heads, kv_heads, kv_group, num_splits),
+                      MERGE_WARPS, BLOCK_M=MERGE_ROWS, BLOCK_D=block_d, HEAD_DIM=head_dim, HAS_SINKS=sinks is not None)
     return out, lse
 
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ...contract import AttentionSpec
-from .._common import cdiv, dropout_keep
+from .._common import cdiv, dropout_keep, launch_kernel
 from .configs import head_dim_bucket
 from .jit import (
     _alibi_slope, _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _real_rows, _row_index,
@@ -215,14 +215,11 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout: 
     """The forward kernel, dense or packed (``layout``), writing ``o`` and ``lse``; ``args`` are ``shared_args``'."""
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
     launch = launch_options("fwd", attention_fwd_kernel, q, layout.head_dim, masks, spec.dropout_p, spec.allow_tf32,
-                            tma_can_load((q, k, v)))
+                            tma_can_load((q, k, v), layout))
     tile = launch.plan.tile
     if launch.plan.use_tma:
         block_d = head_dim_bucket(layout.head_dim)
         q, k = tiles_of(q, tile.block_m, block_d, True), tiles_of(k, tile.block_n, block_d, True)
         v = tiles_of(v, tile.block_n, block_d, True)
-    attention_fwd_kernel.run(
-        q, k, v, o, lse, *args, *launch.constexprs,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
-        grid=grid(cdiv(layout.n_queries, tile.block_m), layout.batch, layout.heads), warmup=False,
-    )
+    launch_kernel(attention_fwd_kernel, grid(cdiv(layout.n_queries, tile.block_m), layout.batch, layout.heads),
+                  (q, k, v, o, lse, *args, *launch.constexprs), launch.num_warps, launch.num_stages)

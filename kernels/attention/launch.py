@@ -274,10 +274,15 @@ def launch_target(device: torch.device) -> Optional[Target]:
     return None if interpreting() else target_of(device)
 
 
-def tma_can_load(inputs: Tuple[Tensor, ...]) -> bool:
-    """Whether TMA can load (and store) every one of ``inputs`` here: the target has it (under the interpreter, when
-    ``configs.TMA_UNDER_INTERPRETER``) and can address each (``_common.tma_addressable``)."""
-    has_tma = configs.TMA_UNDER_INTERPRETER if interpreting() else target_of(inputs[0].device).tma
+def tma_can_load(inputs: Tuple[Tensor, ...], layout: Layout) -> bool:
+    """Whether the launch on ``layout`` loads (and stores) ``inputs`` through TMA: the target has it (under the
+    interpreter, when ``configs.TMA_UNDER_INTERPRETER``), the launch has ``configs.TMA_MIN_SCORES`` scores to compute
+    at least, and TMA can address each input (``_common.tma_addressable``)."""
+    if interpreting():
+        has_tma = configs.TMA_UNDER_INTERPRETER
+    else:
+        has_tma = (layout.batch * layout.heads * layout.n_queries * layout.n_keys >= configs.TMA_MIN_SCORES
+                   and target_of(inputs[0].device).tma)
     return has_tma and all(map(tma_addressable, inputs))
 
 

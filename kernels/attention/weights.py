@@ -4,7 +4,7 @@
 import torch
 import triton
 import triton.language as tl
-from .._common import cdiv
+from .._common import cdiv, launch_kernel
 from .configs import head_dim_bucket
 from .jit import _batch_head, _dot, _mask_scores, _real_rows, _sequence, _tile_mask, _tma_tile
 from .launch import LOG2E, Layout, MaskArgs, grid, launch_options, tiles_of, tma_can_load
@@ -75,13 +75,11 @@ def launch_weights(q: Tensor, k: Tensor, lse: Tensor, weights: Tensor, layout: L
                    scale: float) -> None:
     """The probabilities kernel, writing ``weights`` ``[B, H, Lq, Lk]`` (dense inputs only)."""
     launch = launch_options("weights", attention_weights_kernel, q, layout.head_dim, masks, 0.0, False,
-                            tma_can_load((q, k)))
+                            tma_can_load((q, k), layout))
     tile, use_tma, block_d = launch.plan.tile, launch.plan.use_tma, head_dim_bucket(layout.head_dim)
     tiles = cdiv(layout.n_queries, tile.block_m) * cdiv(layout.n_keys, tile.block_n)
-    attention_weights_kernel.run(
+    launch_kernel(attention_weights_kernel, grid(tiles, layout.batch, layout.heads), (
         tiles_of(q, tile.block_m, block_d, use_tma), tiles_of(k, tile.block_n, block_d, use_tma), lse, weights,
         *masks.pointer_args(), *layout.q_strides, *layout.k_strides, *masks.stride_args(), layout.heads,
         layout.kv_group, layout.n_queries, layout.n_keys, *masks.offset_args(), scale * LOG2E, *launch.constexprs,
-        num_warps=launch.num_warps, num_stages=launch.num_stages, grid=grid(tiles, layout.batch, layout.heads),
-        warmup=False,
-    )
+    ), launch.num_warps, launch.num_stages)
