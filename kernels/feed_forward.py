@@ -1,37 +1,39 @@
-"""Fused feed-forward ``y = dropout(act(x @ w1^T + b1)) @ w2^T + b2`` on one tiled Triton matmul.
+"""Feed-forward ``y = dropout(act(x @ w1^T + b1)) @ w2^T + b2``: the products on torch's GEMMs (cuBLAS on a GPU,
+the biases in their epilogue), the activation and dropout of the hidden layer in one Triton pass between them.
 
-The matmul ``C = epilogue(A @ B)`` takes A ``[M, K]`` and B ``[K, N]`` through their strides, so the
-transposed operands of the linears and of the backward are views, never copies. Its epilogue, chosen by
-constexpr flags, serves every product of the op:
+On an H200 cuBLAS ran these products at 465-640 TFLOP/s where our own Triton matmul with the epilogue fused reached
+260-400, so fusing the epilogue into our GEMM lost more than the memory pass it saved. What cuBLAS cannot fuse is
+one elementwise kernel, in two modes:
 
-    forward   hidden = dropout(act(x @ w1^T + b1))     HAS_BIAS, ACTIVATION, HAS_DROPOUT (+ STORE_PRE: pre)
-              y      = hidden @ w2^T + b2             HAS_BIAS
-    backward  dpre   = (dy @ w2) * act'(pre) * keep / (1 - p)      ACTIVATION_GRAD, HAS_DROPOUT
-                       (the same epilogue rewrites hidden = dropout(act(pre)) for dw2)
-              dw2 = dy^T @ hidden,  dw1 = dpre^T @ x,  dx = dpre @ w1         plain
-              db2 = sum_rows(dy),   db1 = sum_rows(dpre)                     deterministic reductions
+    forward   pre    = x @ w1^T + b1                        torch (addmm), x's dtype
+              hidden = dropout(act(pre))                    _activation_kernel
+              y      = hidden @ w2^T + b2                   torch (addmm)
+    backward  dpre   = (dy @ w2) * act'(pre) * keep / (1 - p)
+              hidden = dropout(act(pre)), again for dw2     _activation_kernel with ACTIVATION_GRAD
+              dw2 = dy^T @ hidden,  dw1 = dpre^T @ x,  dx = dpre @ w1     torch
+              db2 = sum_rows(dy),   db1 = sum_rows(dpre)                 deterministic reductions
 
-Between forward and backward only the pre-activation ``x @ w1^T + b1`` is kept (x's dtype); with
-``recompute=True`` not even that: the backward recomputes it with one more matmul. The pre-activation is
-rounded to x's dtype before the activation, as ``F.linear`` would, so forward and backward agree exactly.
+Without dropout there is nothing to fuse: ATen runs the op (``feed_forward_composed``), as ``torch.nn`` does. Between
+forward and backward only the pre-activation is kept (x's dtype); with ``recompute=True`` not even that: the backward
+recomputes it with one more product. The pre-activation is rounded to x's dtype before the activation, as
+``F.linear`` rounds it, so forward and backward agree exactly.
 
 Dropout keep-mask: element (token, unit) of the hidden ``[M, d_ff]`` is kept when ``dropout_keep(SEED,
 token * d_ff + unit, p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, M, d_ff, p, device)``
 replays it.
 """
-import dataclasses
-from typing import List, Optional, Tuple
+import contextlib
+from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import contract
+from .. import contract, reference
 from ..contract import FeedForwardSpec
-from ._common import cdiv, contiguous_last_dim, dropout_keep, interpreting, launch_kernel, sum_rows, traced
+from ._common import cdiv, contiguous_last_dim, dropout_keep, launch_kernel, sum_rows, traced
 from .aot import AotKernel
-from .targets import TARGETS, Target, target_of
-from .toolchain import TRITON_3_7, Version, installed
+from .toolchain import Version
 
 Tensor = torch.Tensor
 
@@ -73,173 +75,70 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _matmul_kernel(
-    A,  # [M, K] any strides
-    B,  # [K, N] any strides
-    C,  # [M, N] output
-    BIAS,  # [N] (HAS_BIAS)
-    PRE,  # [M, N] like C: pre-activation, written (STORE_PRE) or read (ACTIVATION_GRAD)
-    HIDDEN,  # [M, N] like C: dropout(act(PRE)), written with ACTIVATION_GRAD
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    dropout_p, SEED,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACTIVATION_GRAD: tl.constexpr, STORE_PRE: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr,
+def _activation_kernel(
+    PRE,  # [M, N] contiguous: x @ w1^T + b1 in x's dtype
+    DHIDDEN,  # [M, N] contiguous: dy @ w2 (ACTIVATION_GRAD)
+    OUT,  # [M, N]: dropout(act(PRE)), or with ACTIVATION_GRAD d PRE
+    HIDDEN,  # [M, N]: dropout(act(PRE)), written with ACTIVATION_GRAD (for dw2)
+    n_elements, dropout_p, SEED,
+    BLOCK: tl.constexpr, ACTIVATION: tl.constexpr, ACTIVATION_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
-    # Grouped ordering: GROUP_M row-tiles share each column-tile of B while it is still in L2.
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_group = GROUP_M * tiles_n
-    first_tile_m = (pid // tiles_per_group) * GROUP_M
-    group_size_m = tl.minimum(tiles_m - first_tile_m, GROUP_M)
-    pid_m = first_tile_m + (pid % tiles_per_group) % group_size_m
-    pid_n = (pid % tiles_per_group) // group_size_m
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Edges are masked (rows / columns past M / N load zeros and are never stored): unlike wrapping the
-    # indices around, this keeps the offsets contiguous, so the loads stay vectorised.
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    a_ptrs = A + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
-    b_ptrs = B + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
-        if UPCAST_OPERANDS:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-
-    mask = mask_m[:, None] & mask_n[None, :]
-    c_offsets = offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-    if HAS_BIAS:
-        acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    # The flat index of (token, unit) is token * d_ff + unit: the dropout offset of that element.
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    pre = tl.load(PRE + offsets, mask=mask, other=0.0).to(tl.float32)
+    hidden = _activation(pre, ACTIVATION)
     if HAS_DROPOUT:
-        keep = dropout_keep(SEED, offs_m[:, None].to(tl.int64) * N + offs_n[None, :], dropout_p)
-        keep_scale = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+        keep_scale = tl.where(dropout_keep(SEED, offsets, dropout_p), 1.0 / (1.0 - dropout_p), 0.0)
+        hidden *= keep_scale
     if ACTIVATION_GRAD:
-        pre = tl.load(PRE + c_offsets, mask=mask, other=0.0).to(tl.float32)
-        hidden = _activation(pre, ACTIVATION)
-        acc *= _activation_grad(pre, ACTIVATION)
+        grad = tl.load(DHIDDEN + offsets, mask=mask, other=0.0).to(tl.float32) * _activation_grad(pre, ACTIVATION)
         if HAS_DROPOUT:
-            hidden *= keep_scale
-            acc *= keep_scale
-        tl.store(HIDDEN + c_offsets, hidden.to(HIDDEN.dtype.element_ty), mask=mask)
-    elif ACTIVATION != "none":
-        acc = acc.to(C.dtype.element_ty).to(tl.float32)
-        if STORE_PRE:
-            tl.store(PRE + c_offsets, acc.to(PRE.dtype.element_ty), mask=mask)
-        acc = _activation(acc, ACTIVATION)
-        if HAS_DROPOUT:
-            acc *= keep_scale
-    tl.store(C + c_offsets, acc.to(C.dtype.element_ty), mask=mask)
+            grad *= keep_scale
+        tl.store(OUT + offsets, grad.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(HIDDEN + offsets, hidden.to(HIDDEN.dtype.element_ty), mask=mask)
+    else:
+        tl.store(OUT + offsets, hidden.to(OUT.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------- launchers
 
-
-@dataclasses.dataclass(frozen=True)
-class MatmulConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
+# Elements per program: 8 per thread of 4 warps, one 16-byte load of bfloat16 each.
+BLOCK = 1024
+NUM_WARPS = 4
 
 
-# (GPU generation, dtype, fused epilogue) -> tile config. Hopper (sm_90) has the larger shared memory; the other
-# targets (sm_80 / 86 / 89) get the Ampere configs (``generation_of``). float32 tiles are smaller: ieee float32 runs
-# on the CUDA cores.
-# The fused epilogue (activation, its derivative, Philox dropout on 64-bit offsets) needs many registers per
-# output element, so those products take half-width tiles: full ones spill (python -m fused_transformer report).
-MATMUL_CONFIGS = {
-    ("sm_90", torch.float16, False): MatmulConfig(128, 128, 64, 8, 8, 4),
-    ("sm_90", torch.bfloat16, False): MatmulConfig(128, 128, 64, 8, 8, 4),
-    ("sm_90", torch.float32, False): MatmulConfig(128, 64, 32, 8, 8, 3),
-    ("sm_80", torch.float16, False): MatmulConfig(128, 128, 32, 8, 8, 4),
-    ("sm_80", torch.bfloat16, False): MatmulConfig(128, 128, 32, 8, 8, 4),
-    ("sm_80", torch.float32, False): MatmulConfig(128, 64, 16, 8, 8, 3),
-    ("sm_90", torch.float16, True): MatmulConfig(128, 64, 64, 8, 8, 4),
-    ("sm_90", torch.bfloat16, True): MatmulConfig(128, 64, 64, 8, 8, 4),
-    ("sm_90", torch.float32, True): MatmulConfig(64, 64, 32, 8, 4, 3),
-    ("sm_80", torch.float16, True): MatmulConfig(128, 64, 32, 8, 8, 4),
-    ("sm_80", torch.bfloat16, True): MatmulConfig(128, 64, 32, 8, 8, 4),
-    ("sm_80", torch.float32, True): MatmulConfig(64, 64, 32, 8, 4, 3),
-}
-# (Triton releases, generation, dtype, fused epilogue) -> the config that replaces MATMUL_CONFIGS' there: an older
-# register allocator spills some of the tiles tuned under 3.9 (kernels/toolchain.py). sm_90's float32 weight-gradient
-# product stacks 8 B under 3.7 with 32-wide K steps; 16-wide ones keep its output tile and compile clean.
-RELEASE_CONFIGS = {
-    (TRITON_3_7, "sm_90", torch.float32, False): MatmulConfig(128, 64, 16, 8, 8, 3),
-}
-INTERPRETER_CONFIG = MatmulConfig(64, 64, 64, 8, 1, 1)
+def _activation_pass(pre: Tensor, activation: str, dropout_p: float, seed: Optional[Tensor],
+                     dhidden: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``dropout(act(pre))`` for a contiguous ``pre``; given ``dhidden`` (pre's shape, contiguous), ``(dpre,
+    dropout(act(pre)))`` instead."""
+    out = torch.empty_like(pre)
+    hidden = torch.empty_like(pre) if dhidden is not None else None
+    n = pre.numel()
+    if n:
+        launch_kernel(_activation_kernel, (cdiv(n, BLOCK),), (pre, dhidden, out, hidden, n, dropout_p, seed),
+                      NUM_WARPS, BLOCK=BLOCK, ACTIVATION=activation, ACTIVATION_GRAD=dhidden is not None,
+                      HAS_DROPOUT=dropout_p > 0.0)
+    return out if dhidden is None else (out, hidden)
 
 
-def generation_of(target: Target) -> str:
-    """The MATMUL_CONFIGS generation ``target`` runs (a newer GPU runs its closest target's: ``target_of``)."""
-    return "sm_90" if target.capability >= 90 else "sm_80"
+def _linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+    """``F.linear``'s product on ``x [M, K]``: the bias added in the GEMM's epilogue, before the one rounding."""
+    return torch.addmm(b, x, w.t()) if b is not None else x.mm(w.t())
 
 
-def config_name(cfg: MatmulConfig) -> str:
-    return (f"BM{cfg.block_m}_BN{cfg.block_n}_BK{cfg.block_k}_G{cfg.group_m}"
-            f"_w{cfg.num_warps}_s{cfg.num_stages}")
+def _needs_tf32_switch(x: Tensor, allow_tf32: bool) -> bool:
+    return allow_tf32 and x.dtype == torch.float32 and x.is_cuda and not torch.backends.cuda.matmul.allow_tf32
 
 
-def matmul_config_for(generation: str, dtype: torch.dtype, fused_epilogue: bool,
-                      triton: Optional[Version] = None) -> MatmulConfig:
-    """The tile config of a ``generation`` GPU's product in ``dtype`` under Triton release ``triton`` (default: the
-    installed one): ``RELEASE_CONFIGS``' where one holds for that release, else ``MATMUL_CONFIGS``'."""
-    version = installed() if triton is None else triton
-    for (releases, *key), cfg in RELEASE_CONFIGS.items():
-        if tuple(key) == (generation, dtype, fused_epilogue) and version in releases:
-            return cfg
-    return MATMUL_CONFIGS[(generation, dtype, fused_epilogue)]
-
-
-def matmul_config(device: torch.device, dtype: torch.dtype, fused_epilogue: bool) -> MatmulConfig:
-    if interpreting():
-        return INTERPRETER_CONFIG
-    return matmul_config_for(generation_of(target_of(device)), dtype, fused_epilogue)
-
-
-def _matmul(
-    a: Tensor, b: Tensor, out_dtype: torch.dtype, *, bias: Optional[Tensor] = None, activation: str = "none",
-    activation_grad: bool = False, pre: Optional[Tensor] = None, hidden: Optional[Tensor] = None,
-    dropout_p: float = 0.0, seed: Optional[Tensor] = None, allow_tf32: bool = False,
-) -> Tensor:
-    """``epilogue(a @ b)`` for ``a [M, K]``, ``b [K, N]`` of any strides; returns a new ``[M, N]``.
-
-    ``pre`` / ``hidden`` are ``[M, N]`` contiguous: ``pre`` is written when an activation is applied
-    (forward), read and ``hidden`` written with ``activation_grad`` (backward).
-    """
-    (m, k), n = a.shape, b.shape[1]
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    if m == 0 or n == 0:
-        return out
-    cfg = matmul_config(a.device, a.dtype, fused_epilogue=activation != "none")
-    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
-    launch_kernel(
-        _matmul_kernel, grid,
-        (a, b, out, bias, pre, hidden, m, n, k,
-         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-         dropout_p, seed), cfg.num_warps, cfg.num_stages,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        HAS_BIAS=bias is not None, ACTIVATION=activation, ACTIVATION_GRAD=activation_grad,
-        STORE_PRE=pre is not None and not activation_grad, HAS_DROPOUT=dropout_p > 0.0,
-        DOT_PRECISION="tf32" if allow_tf32 else "ieee",
-        UPCAST_OPERANDS=interpreting() and a.dtype != torch.float32,  # tl.dot on bf16 is wrong when interpreted
-    )
-    return out
+@contextlib.contextmanager
+def _tf32_products() -> Iterator[None]:
+    """torch's CUDA matmuls in TF32 for the duration (``allow_tf32``), the setting restored after."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def _check_dtypes(**tensors: Optional[Tensor]) -> None:
@@ -259,10 +158,11 @@ def _launch_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Opt
     _check_dtypes(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
-    pre = torch.empty((x.shape[0], w1.shape[0]), dtype=x.dtype, device=x.device) if store_pre else None
-    hidden = _matmul(x, w1.t(), x.dtype, bias=b1, activation=activation, pre=pre, dropout_p=dropout_p, seed=seed,
-                     allow_tf32=allow_tf32)
-    y = _matmul(hidden, w2.t(), x.dtype, bias=b2, allow_tf32=allow_tf32)
+    if _needs_tf32_switch(x, allow_tf32):
+        with _tf32_products():
+            return _launch_fwd(x, w1, b1, w2, b2, activation, dropout_p, seed, store_pre, False)
+    pre = _linear(x, w1, b1)
+    y = _linear(_activation_pass(pre, activation, dropout_p, seed), w2, b2)
     return y, pre if store_pre else _empty(x)
 
 
@@ -273,22 +173,30 @@ def _launch_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Ten
 
     Returns ``dx, dw1, db1, dw2, db2`` (a bias gradient is empty when that bias is absent).
     """
+    if _needs_tf32_switch(x, allow_tf32):
+        with _tf32_products():
+            return _launch_bwd(dy, x, w1, b1, w2, pre, has_b2, activation, dropout_p, seed, False)
     if pre is None:
-        pre = _matmul(x, w1.t(), x.dtype, bias=b1, allow_tf32=allow_tf32)
-    hidden = torch.empty_like(pre)
-    dpre = _matmul(dy, w2, x.dtype, activation=activation, activation_grad=True, pre=pre, hidden=hidden,
-                   dropout_p=dropout_p, seed=seed, allow_tf32=allow_tf32)
-    dw2 = _matmul(dy.t(), hidden, w2.dtype, allow_tf32=allow_tf32)
-    dw1 = _matmul(dpre.t(), x, w1.dtype, allow_tf32=allow_tf32)
-    dx = _matmul(dpre, w1, x.dtype, allow_tf32=allow_tf32)
+        pre = _linear(x, w1, b1)
+    dpre, hidden = _activation_pass(pre, activation, dropout_p, seed, dhidden=dy.mm(w2))
     db1 = sum_rows(dpre, b1.dtype) if b1 is not None else _empty(x)
     db2 = sum_rows(dy, dy.dtype) if has_b2 else _empty(x)
-    return dx, dw1, db1, dw2, db2
+    return dpre.mm(w1), dpre.t().mm(x), db1, dy.t().mm(hidden), db2
 
 
 # ---------------------------------------------------------------------------------- the backend's entries
-# No composed forms here: every call runs the kernels.
-feed_forward_composed = None
+
+
+def feed_forward_composed(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+                          spec: FeedForwardSpec) -> Optional[Tensor]:
+    """ATen's ``linear`` + activation + ``linear``, differentiated by autograd, where there is nothing to fuse:
+    without dropout (and without ``recompute``, which only our backward honours); None elsewhere."""
+    if spec.dropout_p != 0.0 or spec.recompute:
+        return None
+    _check_dtypes(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
+    if _needs_tf32_switch(x, spec.allow_tf32):
+        return None  # TF32 products on the kernel path, whose backward switches them on as well
+    return reference.feed_forward(x, w1, b1, w2, b2, activation=spec.activation)
 
 
 def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
@@ -343,12 +251,12 @@ def _(dy, x, w1, b1, w2, pre, has_b2, activation, dropout_p, seed, allow_tf32):
 
 def feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], *,
                  recompute: bool = False, allow_tf32: bool = False, **options: object) -> Tensor:
-    """``fused_transformer.functional.feed_forward`` on fused Triton matmuls, checked as there (``options``:
-    ``activation``, ``dropout_p``), plus two kernel-level options.
+    """``fused_transformer.functional.feed_forward`` on this backend (torch's products, the Triton activation pass),
+    checked as there (``options``: ``activation``, ``dropout_p``), plus two kernel-level options.
 
     Args:
         recompute: keep nothing but the inputs for the backward, which recomputes the pre-activation
-            ``[tokens, d_ff]`` with one more matmul (saves that much memory between forward and backward).
+            ``[tokens, d_ff]`` with one more product (saves that much memory between forward and backward).
         allow_tf32: float32 products on tensor cores in TF32 (default: exact float32).
 
     Inputs in float16 / bfloat16 / float32; dropout's mask comes from a Philox seed drawn from torch's generator,
@@ -367,46 +275,20 @@ def feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Op
 
 
 def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
-    """Every matmul variant the op launches on a GPU with Triton release ``triton`` (default: the installed one),
-    for each (generation, dtype) config, with the memory layouts of the real calls (unit strides as constants) and
-    GELU, the costliest activation."""
-    # (variant, fused epilogue, epilogue constexprs, A's unit stride, B's unit stride)
-    variants = (
-        ("linear1_fwd", True, {"HAS_BIAS": True, "ACTIVATION": "gelu", "ACTIVATION_GRAD": False, "STORE_PRE": True,
-                               "HAS_DROPOUT": True}, "stride_ak", "stride_bk"),
-        ("linear2_fwd", False, {"HAS_BIAS": True, "ACTIVATION": "none", "ACTIVATION_GRAD": False,
-                                "STORE_PRE": False, "HAS_DROPOUT": False}, "stride_ak", "stride_bk"),
-        ("dpre_bwd", True, {"HAS_BIAS": False, "ACTIVATION": "gelu", "ACTIVATION_GRAD": True, "STORE_PRE": False,
-                            "HAS_DROPOUT": True}, "stride_ak", "stride_bn"),
-        ("weight_grad", False, {"HAS_BIAS": False, "ACTIVATION": "none", "ACTIVATION_GRAD": False,
-                                "STORE_PRE": False, "HAS_DROPOUT": False}, "stride_am", "stride_bn"),
-        ("input_grad", False, {"HAS_BIAS": False, "ACTIVATION": "none", "ACTIVATION_GRAD": False,
-                               "STORE_PRE": False, "HAS_DROPOUT": False}, "stride_ak", "stride_bn"),
-    )
-    type_names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+    """The activation pass as the op launches it on a GPU (``triton``, the release, changes nothing here), forward and
+    backward, in each dtype, with GELU and dropout (the costliest epilogue)."""
     configs = []
-    for generation, dtype, fused in MATMUL_CONFIGS:
-        cfg = matmul_config_for(generation, dtype, fused, triton)
-        ptr = "*" + type_names[dtype]
-        for variant, variant_fused, epilogue, unit_a, unit_b in variants:
-            if variant_fused != fused:
-                continue
-            signature = {
-                "A": ptr, "B": ptr, "C": ptr, "BIAS": ptr, "PRE": ptr, "HIDDEN": ptr, "M": "i32", "N": "i32",
-                "K": "i32", "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32",
-                "stride_cm": "i32", "stride_cn": "constexpr", "dropout_p": "fp32", "SEED": "*i64",
-            }
-            signature[unit_a] = signature[unit_b] = "constexpr"
+    for ty in ("fp16", "bf16", "fp32"):
+        for grad in (False, True):
+            ptr = "*" + ty
+            signature = {"PRE": ptr, "DHIDDEN": ptr if grad else "constexpr", "OUT": ptr,
+                         "HIDDEN": ptr if grad else "constexpr", "n_elements": "i32", "dropout_p": "fp32",
+                         "SEED": "*i64"}
+            constexprs = {"BLOCK": BLOCK, "ACTIVATION": "gelu", "ACTIVATION_GRAD": grad, "HAS_DROPOUT": True}
+            if not grad:
+                constexprs.update(DHIDDEN=None, HIDDEN=None)
             configs.append(AotKernel(
-                name=f"ffn_matmul_{variant}", config=f"{generation}/{type_names[dtype]}/{config_name(cfg)}",
-                fn=_matmul_kernel, signature=signature,
-                constexprs={
-                    unit_a: 1, unit_b: 1, "stride_cn": 1, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                    "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "DOT_PRECISION": "ieee",
-                    "UPCAST_OPERANDS": False, **epilogue,
-                },
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                targets=tuple(t.capability for t in TARGETS if generation_of(t) == generation),
-                expect_tensor_cores=dtype != torch.float32,
+                name="ffn_activation_bwd" if grad else "ffn_activation_fwd", config=f"{ty}/BLOCK={BLOCK}",
+                fn=_activation_kernel, signature=signature, constexprs=constexprs, num_warps=NUM_WARPS, num_stages=1,
             ))
     return configs

@@ -7,7 +7,6 @@ import torch
 
 from fused_transformer import backend, functional, reference
 from fused_transformer.kernels import feed_forward as triton_ffn
-from fused_transformer.kernels._common import interpreting
 from tests.kernel_checks import DTYPES, check_against_reference, replayed_keep_mask
 from tests.numerics import DEVICE, assert_close_to_reference
 
@@ -80,15 +79,14 @@ def test_feed_forward_variants(dtype, variant):
 
 
 @pytest.fixture
-def small_tiles(monkeypatch):
-    """Under the interpreter, 16x16x16 tiles in groups of 2: many tiles, a partial last group, partial edges."""
-    if interpreting():
-        monkeypatch.setattr(triton_ffn, "INTERPRETER_CONFIG", triton_ffn.MatmulConfig(16, 16, 16, 2, 1, 1))
+def small_blocks(monkeypatch):
+    """64-element blocks of the activation pass: many programs, a partial last one (37 x 50 is 1850 elements)."""
+    monkeypatch.setattr(triton_ffn, "BLOCK", 64)
 
 
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_feed_forward_many_tiles(small_tiles, dtype, recompute):
+def test_feed_forward_many_blocks(small_blocks, dtype, recompute):
     torch.manual_seed(11)
     inputs = _random_inputs((37,), 40, 50, 33, dtype)
     _check(inputs, activation="gelu", dropout_p=0.25, recompute=recompute)

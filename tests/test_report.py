@@ -35,12 +35,6 @@ def test_matmuls_use_tensor_cores(results):
     assert all(r.tensor_cores for r in matmuls)
 
 
-def test_hopper_and_ampere_configs_compile_only_for_their_target(results):
-    for r in results:
-        if r.module.endswith("feed_forward"):  # sm_86 / sm_89 run the sm_80 configs
-            assert r.config.startswith("sm_90/" if r.target == 90 else "sm_80/"), (r.config, r.target)
-
-
 def test_every_target_users_have_is_compiled(results):
     assert {r.target for r in results} == {80, 86, 89, 90}
     by_kernel = {}
@@ -94,22 +88,14 @@ def test_layer_norm_configs_do_not_depend_on_the_interpreter():
     assert warps[16384] == layer_norm.warps_for(16384) > 1
 
 
-def test_feed_forward_configs_cover_every_matmul_config():
-    configs = feed_forward.aot_configs()
-    for generation, dtype, fused in feed_forward.MATMUL_CONFIGS:
-        cfg = feed_forward.matmul_config_for(generation, dtype, fused)
-        described = feed_forward.config_name(cfg)
-        targets = tuple(t.capability for t in TARGETS if feed_forward.generation_of(t) == generation)
-        matching = [k for k in configs if k.config.endswith(described) and k.config.startswith(generation)
-                    and k.targets == targets]
-        variants = {k.name for k in matching}
-        if fused:
-            assert {"ffn_matmul_linear1_fwd", "ffn_matmul_dpre_bwd"} <= variants, (generation, dtype)
-        else:
-            assert {"ffn_matmul_linear2_fwd", "ffn_matmul_weight_grad", "ffn_matmul_input_grad"} <= variants
-        for k in matching:
-            assert (k.num_warps, k.num_stages) == (cfg.num_warps, cfg.num_stages)
-            assert k.expect_tensor_cores == (dtype != torch.float32)
+def test_feed_forward_configs_are_the_launched_activation_pass_in_every_dtype():
+    configs = {(k.name, k.config): k for k in feed_forward.aot_configs()}
+    for ty in ("fp16", "bf16", "fp32"):
+        for name in ("ffn_activation_fwd", "ffn_activation_bwd"):
+            k = configs[(name, f"{ty}/BLOCK={feed_forward.BLOCK}")]
+            assert (k.num_warps, k.constexprs["BLOCK"]) == (feed_forward.NUM_WARPS, feed_forward.BLOCK)
+            assert k.constexprs["ACTIVATION_GRAD"] == name.endswith("bwd") and k.constexprs["HAS_DROPOUT"]
+            assert not k.expect_tensor_cores and k.targets == tuple(t.capability for t in TARGETS)
 
 
 def test_problems_are_reported():
@@ -173,8 +159,8 @@ def test_report_writes_its_markdown_with_where_it_comes_from(results, monkeypatc
 def test_verdicts_only_gives_the_same_verdicts_and_reads_sass_only_for_wgmma(results, monkeypatch):
     """Without figures (CI's older releases), a config compiles as with them: the same registers, spills, shared
     memory and tensor cores; only sm_90's wgmma matmuls are disassembled, for their serialization verdict."""
-    module = "fused_transformer.kernels.feed_forward"
-    kernels = feed_forward.aot_configs()
+    module = "fused_transformer.kernels.attention"
+    kernels = importlib.import_module(module).aot_configs()
     picked = [next((module, i, t) for i, k in enumerate(kernels) for t in k.targets
                    if t == target and k.expect_tensor_cores) for target in (80, 90)]
     monkeypatch.setattr(report, "jobs_for", lambda modules: picked)
@@ -317,8 +303,7 @@ def test_exact_float32_attention_has_no_mma(results):
 def test_every_kernel_with_mmas_has_a_main_loop(results):
     # The weights kernel computes one (query tile, key tile) block per program: no loop.
     with_mma = [r for r in results if r.mma_counts and r.name != "attention_weights"]
-    assert {r.name for r in with_mma} >= {"attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv",
-                                           "ffn_matmul_linear1_fwd"}
+    assert {r.name for r in with_mma} >= {"attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv"}
     for r in with_mma:
         assert 0 < r.loop_mma_instructions < r.loop_instructions, (r.name, r.config, r.target)
         assert r.loop_mma_instructions <= sum(count for _, count in r.mma_counts)

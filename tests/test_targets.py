@@ -3,7 +3,7 @@ launchers read it from there."""
 import pytest
 import torch
 
-from fused_transformer.kernels import feed_forward, layer_norm, toolchain
+from fused_transformer.kernels import layer_norm, toolchain
 from fused_transformer.kernels.targets import BY_CAPABILITY, CAPABILITIES, TARGETS, closest_target
 
 
@@ -23,15 +23,6 @@ def test_known_targets_map_to_themselves():
 ])
 def test_an_unknown_gpu_gets_the_closest_known_target(capability, shared_memory, expected):
     assert closest_target(capability, shared_memory) is BY_CAPABILITY[expected]
-
-
-def test_feed_forward_on_a_newer_gpu_takes_its_closest_targets_tiles(monkeypatch):
-    monkeypatch.setattr(feed_forward, "interpreting", lambda: False)
-    for capability, shared_memory, generation in ((100, 232448, "sm_90"), (90, 232448, "sm_90"), (89, 101376, "sm_80"),
-                                                  (120, 101376, "sm_80")):
-        monkeypatch.setattr(feed_forward, "target_of", lambda device: closest_target(capability, shared_memory))
-        cfg = feed_forward.matmul_config(torch.device("cuda", 0), torch.bfloat16, fused_epilogue=True)
-        assert cfg == feed_forward.matmul_config_for(generation, torch.bfloat16, True), capability
 
 
 def test_layer_norm_clusters_follow_the_target(monkeypatch):

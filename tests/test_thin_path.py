@@ -22,8 +22,9 @@ from tests.numerics import DEVICE
 CALLS = {
     "attention_fwd": lambda q, x, w: ft.attention(q, q, q, is_causal=True),
     "layer_norm_fwd": lambda q, x, w: functional.layer_norm(x, w, w),
+    # with dropout: without it, ATen runs the op (feed_forward_composed)
     "feed_forward_fwd": lambda q, x, w: functional.feed_forward(x, w[:, None].expand(32, 32), None,
-                                                                w[None, :].expand(32, 32), None),
+                                                                w[None, :].expand(32, 32), None, dropout_p=0.1),
 }
 
 

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from fused_transformer import backend
-from fused_transformer.kernels import feed_forward, layer_norm, toolchain
+from fused_transformer.kernels import layer_norm, toolchain
 from fused_transformer.kernels.attention import TILE_ROWS, aot, configs
 from fused_transformer.kernels.targets import BY_CAPABILITY, TARGETS
 
@@ -104,18 +104,6 @@ def test_the_report_under_each_release_compiles_its_plans(version):
                                          triton=version)
                         name = aot.config_name(precision, head_dim, p.tile, "/varlen" if packed else "", p.use_tma)
                         assert (name, target.capability) in listed, (version, name, target.name)
-
-
-def test_feed_forward_takes_release_configs_only_under_their_releases():
-    short = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-    assert feed_forward.RELEASE_CONFIGS
-    for (releases, generation, dtype, fused), cfg in feed_forward.RELEASE_CONFIGS.items():
-        for version in toolchain.TESTED:
-            expected = cfg if version in releases else feed_forward.MATMUL_CONFIGS[(generation, dtype, fused)]
-            assert feed_forward.matmul_config_for(generation, dtype, fused, version) == expected
-            compiled = {k.config for k in feed_forward.aot_configs(triton=version)}
-            assert f"{generation}/{short[dtype]}/{feed_forward.config_name(expected)}" in compiled
-
 
 
 # -------------------------------------------------------------------------------------------- the interpreter
