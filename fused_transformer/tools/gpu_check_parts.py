@@ -61,8 +61,8 @@ GPU_TEST_FILES = (
 BENCH_SUITES = ("overhead", "attention", "layer_norm", "feed_forward", "encoder_layer")
 BENCH_LENGTHS = (1024, 4096)  # bench --quick's on CUDA; with less time, the longest are kept
 # Estimates for an H100 / H200 (docs/gpu-check.md: to be confirmed by a GPU run): the start (imports, CUDA, compiling
-# the kernels that the parts before left out of Triton's cache), then per length 180 timed implementations
-# (attention: 24 shapes x 6, the others 36) at about 0.25 s each under triton.testing.do_bench.
+# the kernels that the parts before left out of Triton's cache), then per length 184 timed implementations
+# (attention: 24 shapes x 6, the others 40) at about 0.25 s each under triton.testing.do_bench.
 BENCH_START_S = 60.0
 BENCH_LENGTH_S = 45.0
 # A part's process sees one GPU (CUDA_VISIBLE_DEVICES): this one, named with its index, as torch.cuda.set_device needs.
