@@ -185,15 +185,16 @@ class LayerNormFunction(torch.autograd.Function):
 
 
 def layer_norm(name: str, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-               spec: LayerNormSpec) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """``y``, or ``(y, z)`` with ``spec.prenorm``, of checked arguments ``[..., N]`` on backend ``name``."""
+               spec: LayerNormSpec, composed: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``y``, or ``(y, z)`` with ``spec.prenorm``, of checked arguments ``[..., N]`` on backend ``name``: through the
+    backend's composed form where it has one for the call, unless not ``composed`` (a backend's kernel entry)."""
     ops = backend.ops(name)
     if name == "reference":
         return ops.layer_norm(x, weight, bias, residual, spec)
-    if ops.layer_norm_composed is not None:
-        composed = ops.layer_norm_composed(x, weight, bias, residual, spec)
-        if composed is not None:
-            return composed
+    if composed and ops.layer_norm_composed is not None:
+        result = ops.layer_norm_composed(x, weight, bias, residual, spec)
+        if result is not None:
+            return result
     shape = x.shape
     x_rows = as_rows(x)
     residual_rows = as_rows(residual) if residual is not None else None

@@ -165,9 +165,7 @@ def layer_norm_composed(x: Tensor, weight: Optional[Tensor], bias: Optional[Tens
             or (weight is not None and weight.dtype != x.dtype) or (bias is not None and bias.dtype != x.dtype)):
         return None
     _check_cpu("x", x)
-    z = x if residual is None else x + residual
-    y = F.layer_norm(z, (x.shape[-1],), weight, bias, spec.eps)
-    return (y, z) if spec.prenorm else y
+    return reference.layer_norm_aten(x, weight, bias, residual, spec.eps, spec.prenorm)
 
 
 def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],

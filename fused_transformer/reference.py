@@ -399,6 +399,15 @@ def layer_norm(
     return (y, z) if prenorm else y
 
 
+def layer_norm_aten(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                    eps: float, prenorm: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``layer_norm`` without dropout as torch.nn computes it: ATen's add, then ``F.layer_norm`` (the backends'
+    composed form, where a fused kernel gains nothing)."""
+    z = x if residual is None else x + residual
+    y = F.layer_norm(z, (x.shape[-1],), weight, bias, eps)
+    return (y, z) if prenorm else y
+
+
 def feed_forward(
     x: Tensor,
     w1: Tensor,

@@ -73,22 +73,27 @@ def _runtime_key(arg: object) -> object:
     raise TypeError(f"no launch key for a {kind.__name__}")
 
 
-# Per kernel: how many leading parameters are not constexprs (None when a constexpr is followed by another kind).
-_RUNTIME_PARAMS: Dict[object, Optional[int]] = {}
+# Per kernel: how many leading parameters are not constexprs (None when a constexpr is followed by another kind). The
+# caches here key kernels by id: hashing a JITFunction takes a lock (its cache_key), a microsecond a launch. Kernels
+# are module globals, alive as long as their entries.
+_RUNTIME_PARAMS: Dict[int, Tuple[object, Optional[int]]] = {}
 # Compiled kernels by launch_key; emptied when it grows past _MAX_COMPILED (a key per shape class, not per call).
 _COMPILED: Dict[tuple, object] = {}
 _MAX_COMPILED = 4096
 
 
 def _runtime_params(kernel: object) -> Optional[int]:
-    found = _RUNTIME_PARAMS.get(kernel, -1)
-    if found == -1:
+    entry = _RUNTIME_PARAMS.get(id(kernel))
+    if entry is not None and entry[0] is kernel:
+        return entry[1]
+    found = None  # not a JITFunction (a test's wrapper that records launches): through its run
+    if hasattr(kernel, "params"):
         flags = [param.is_constexpr for param in kernel.params]
         runtime = flags.index(True) if True in flags else len(flags)
         found = runtime if all(flags[runtime:]) else None
         if getattr(kernel, "pre_run_hooks", None):  # hooks run from JITFunction.run only
             found = None
-        _RUNTIME_PARAMS[kernel] = found
+    _RUNTIME_PARAMS[id(kernel)] = (kernel, found)
     return found
 
 
@@ -99,7 +104,7 @@ def launch_key(kernel: object, args: tuple, options: tuple) -> Optional[tuple]:
     if runtime is None or len(args) != len(kernel.params):
         return None
     try:
-        return (kernel, options, *args[runtime:], *map(_runtime_key, args[:runtime]))
+        return (id(kernel), options, *args[runtime:], *map(_runtime_key, args[:runtime]))
     except TypeError:
         return None
 
@@ -146,10 +151,15 @@ def launch_kernel(kernel: object, grid: Tuple[int, ...], args: tuple, num_warps:
         return
     stream = current_stream(device)
     hooks = triton.knobs.runtime
+    enter_hook = hooks.launch_enter_hook
+    # The metadata only an enter hook reads (a profiler's): None, as launch_metadata gives, where no hook is set
+    # (None up to Triton 3.6, an empty HookChain since 3.7, whose launch_metadata builds it anyway).
+    has_hook = enter_hook is not None and bool(getattr(enter_hook, "calls", True))
+    metadata = compiled.launch_metadata(grid, stream, *args) if has_hook else None
     grid_y = grid[1] if len(grid) > 1 else 1
     grid_z = grid[2] if len(grid) > 2 else 1
-    compiled.run(grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata(grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
+    compiled.run(grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, metadata, enter_hook,
+                 hooks.launch_exit_hook, *args)
 
 
 def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
@@ -241,22 +251,24 @@ def sum_rows(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``x.sum(0)`` for a 2-D ``x`` (last dim contiguous), accumulated in float32 in a fixed order (no atomics),
     returned in ``out_dtype``."""
     n_rows, n_cols = x.shape
-    out = torch.empty((n_cols,), dtype=out_dtype, device=x.device)
+    out = x.new_empty((n_cols,), dtype=out_dtype)
     if n_cols == 0:  # no column block to launch (a grid of 0 programs is an error on a GPU)
         return out
     if n_rows > _SUM_ROWS_CHUNK:
         chunks = cdiv(n_rows, _SUM_ROWS_CHUNK)
-        partial = torch.empty((chunks, n_cols), dtype=torch.float32, device=x.device)
-        _launch_sum_rows(x, partial, _SUM_ROWS_CHUNK)
+        partial = x.new_empty((chunks, n_cols), dtype=torch.float32)
+        _launch_sum_rows(x, partial, chunks, _SUM_ROWS_CHUNK)
         x, n_rows = partial, chunks
-    _launch_sum_rows(x, out[None, :], max(n_rows, 1))
+    _launch_sum_rows(x, out, 1, max(n_rows, 1))
     return out
 
 
-def _launch_sum_rows(x: torch.Tensor, out: torch.Tensor, rows_per_program: int) -> None:
+def _launch_sum_rows(x: torch.Tensor, out: torch.Tensor, chunks: int, rows_per_program: int) -> None:
+    """Rows ``[c * rows_per_program, ...)`` of ``x`` summed into row ``c`` of the contiguous ``out`` (``chunks`` rows,
+    or one as a 1-D tensor)."""
     n_rows, n_cols = x.shape
-    grid = (cdiv(n_cols, SUM_ROWS_BLOCK_COLS), out.shape[0])
-    launch_kernel(_sum_rows_kernel, grid, (x, out, n_rows, n_cols, x.stride(0), out.stride(0), rows_per_program), 4,
+    launch_kernel(_sum_rows_kernel, (cdiv(n_cols, SUM_ROWS_BLOCK_COLS), chunks),
+                  (x, out, n_rows, n_cols, x.stride(0), n_cols, rows_per_program), 4,
                   BLOCK_ROWS=SUM_ROWS_BLOCK_ROWS, BLOCK_COLS=SUM_ROWS_BLOCK_COLS)
 
 
@@ -266,18 +278,18 @@ def traced() -> bool:
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
-_CONSTEXPR_ORDER: Dict[tuple, Tuple[str, ...]] = {}
+_CONSTEXPR_ORDER: Dict[tuple, Tuple[object, Tuple[str, ...]]] = {}  # by id(kernel), as _RUNTIME_PARAMS
 
 
 def positional_constexprs(jit_kernel: object, values: Dict[str, object]) -> tuple:
     """``values``, the constexprs of a launch of ``jit_kernel``, in the order of its signature, whose last parameters
     they must be: passed by position, they cost a launch a quarter of what keywords do."""
-    key = (jit_kernel, *values)
-    names = _CONSTEXPR_ORDER.get(key)
-    if names is None:
+    key = (id(jit_kernel), *values)
+    kernel, names = _CONSTEXPR_ORDER.get(key, (None, None))
+    if kernel is not jit_kernel:
         names = tuple(jit_kernel.arg_names[len(jit_kernel.arg_names) - len(values):])
         if sorted(names) != sorted(values):
             raise AssertionError(f"{getattr(jit_kernel, '__name__', jit_kernel)}'s last parameters {list(names)} are "
                                  f"not the constexprs {sorted(values)}")
-        _CONSTEXPR_ORDER[key] = names
+        _CONSTEXPR_ORDER[key] = (jit_kernel, names)
     return tuple(values[name] for name in names)

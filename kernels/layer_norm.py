@@ -26,6 +26,10 @@ and dresidual (s) when present; with SPLIT_COLS over C column blocks dy and z ar
 Each program writes 4 bytes per column per partial (dweight, dbias) and walks at least MIN_ROWS_PER_PROGRAM
 rows: at most 8 / 8 = 1 byte per element (``sum_rows`` reads them once more).
 
+Without dropout there is nothing to fuse that ATen does not: on a GPU the backend's calls of LayerNorm without
+dropout (in x's dtype) run ATen's add + ``F.layer_norm`` (``layer_norm_composed``), as torch.nn does; the kernel entry
+``layer_norm`` always runs the kernels, and so does every call under the interpreter.
+
 Dropout keep-mask: element (row, col) of x viewed as [rows, N] is kept when ``dropout_keep(SEED, row * N +
 col, p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, rows, N, p, device)`` replays it.
 """
@@ -37,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import contract
+from .. import contract, reference
 from ..contract import LayerNormSpec
 from ._common import (
     SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, cdiv, contiguous_last_dim, dropout_keep, interpreting,
@@ -301,10 +305,10 @@ def _launch_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], res
     n_rows, n_cols = x.shape
     if n_cols > MAX_HIDDEN:
         raise ValueError(f"triton layer_norm supports hidden sizes up to {MAX_HIDDEN}, got {n_cols}")
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    z = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if store_z else _empty(x)
-    mean = torch.empty((0 if rms_norm else n_rows,), dtype=torch.float32, device=x.device)
-    rstd = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
+    y = x.new_empty((n_rows, n_cols))
+    z = x.new_empty((n_rows, n_cols)) if store_z else _empty(x)
+    mean = x.new_empty((0 if rms_norm else n_rows,), dtype=torch.float32)
+    rstd = x.new_empty((n_rows,), dtype=torch.float32)
     if y.numel() == 0:  # nothing to normalise; the statistics of an empty row are NaN (0 / 0)
         return y, z, mean.fill_(float("nan")), rstd.fill_(float("nan"))
     block_n = block_width(n_cols)
@@ -328,14 +332,14 @@ def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Te
     else in the parameter's dtype).
     """
     n_rows, n_cols = z.shape
-    dx = torch.empty((n_rows, n_cols), dtype=z.dtype, device=z.device)
+    dx = z.new_empty((n_rows, n_cols))
     dresidual = torch.empty_like(dx) if has_residual else _empty(dx)
     if n_cols == 0:  # every result is empty: no column block to launch
         return dx, dresidual, *(torch.empty_like(p) if p is not None else _empty(dx) for p in (weight, bias))
     rows_per_program = backward_rows_per_program(n_rows, z.device)
     programs = max(cdiv(n_rows, rows_per_program), 1)
-    dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if weight is not None else None
-    db_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=z.device) if bias is not None else None
+    dw_partial = z.new_empty((programs, n_cols), dtype=torch.float32) if weight is not None else None
+    db_partial = z.new_empty((programs, n_cols), dtype=torch.float32) if bias is not None else None
     # Launched even for zero rows: every program writes its (possibly zero) partial sums.
     launch = bwd_launch(n_cols, launches_clusters(z.device))
     launch_kernel(
@@ -356,8 +360,19 @@ def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Te
 
 
 # ---------------------------------------------------------------------------------- the backend's entries
-# No composed form here: every call runs the kernels.
-layer_norm_composed = None
+
+
+def layer_norm_composed(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                        spec: LayerNormSpec) -> Optional[Union[Tensor, Tuple[Tensor, Tensor]]]:
+    """ATen's add + ``layer_norm`` (differentiated by autograd) on a GPU where there is no dropout to fuse: on an H200
+    its LayerNorm moves data at twice our kernel's rate and its host path is a fifth of ours. None with dropout, for
+    RMSNorm, for parameters in another dtype than x's, and under the interpreter (CPU tensors, whose ATen bfloat16
+    backward sums the weight and bias gradients less exactly than the 2x rule allows): the kernels run those."""
+    if (interpreting() or spec.dropout_p != 0.0 or spec.rms_norm or x.shape[-1] <= 1
+            or (weight is not None and weight.dtype != x.dtype) or (bias is not None and bias.dtype != x.dtype)):
+        return None
+    _check_dtype("x", x)
+    return reference.layer_norm_aten(x, weight, bias, residual, spec.eps, spec.prenorm)
 
 
 def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
@@ -430,7 +445,8 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps:
     _check_dtype("x", x)
     from ..autograd import layer_norm as layer_norm_on
 
-    return layer_norm_on("triton", x, weight, bias, options["residual"], spec._replace(rms_norm=bool(rms_norm)))
+    return layer_norm_on("triton", x, weight, bias, options["residual"], spec._replace(rms_norm=bool(rms_norm)),
+                         composed=False)
 
 
 # ------------------------------------------------------------------------------------------------------ AOT

@@ -752,10 +752,23 @@ def tma_available() -> bool:
     return interpreting() or target_of(torch.device(DEVICE)).tma
 
 
+# The coarsest precision each output dtype is computed in: float32 launches may run tf32 products.
+_COMPUTE_EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -11}
+
+
 def _assert_same(tma, pointer, names):
-    """The TMA path loads the values the pointer path loads (zeros past the bounds) into the same arithmetic."""
+    """The TMA path loads the values the pointer path loads (zeros past the bounds) into the same arithmetic: the
+    same bits under the interpreter, whose plans give both paths one tile. On a GPU the TMA rows have tiles of their
+    own, which sum in another order: the two agree to a few roundings of the precision computed in."""
     for name, got, expected in zip(names, tma, pointer):
-        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True, msg=f"{name}: TMA vs pointer path")
+        msg = f"{name}: TMA vs pointer path"
+        if interpreting():
+            torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True, msg=msg)
+            continue
+        tolerance = 8 * _COMPUTE_EPS[expected.dtype]
+        finite = expected[expected.isfinite()]
+        scale = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance * scale, equal_nan=True, msg=msg)
 
 
 @pytest.mark.parametrize("batch,lq,lk,heads,kv_heads,head_dim,dtype,mask_kind", [

@@ -54,10 +54,10 @@ def test_layer_norm_matches_reference(dtype, hidden, variant):
     keep = _replayed_keep_mask(7, inputs["x"], dropout_p) if dropout_p > 0 else None
     out_grads = [torch.randn_like(inputs["x"]) for _ in range(2)]
 
-    def kernel_fn(x, weight, bias, residual):
+    def kernel_fn(x, weight, bias, residual):  # the kernel entry: the kernels even where ATen runs the op
         torch.manual_seed(7)
-        with backend.use_backend("triton"):
-            return functional.layer_norm(x, weight, bias, EPS, residual=residual, dropout_p=dropout_p, prenorm=prenorm)
+        return triton_layer_norm.layer_norm(x, weight, bias, EPS, residual=residual, dropout_p=dropout_p,
+                                            prenorm=prenorm)
 
     def reference_fn(x, weight, bias, residual):
         return reference.layer_norm(
@@ -65,6 +65,34 @@ def test_layer_norm_matches_reference(dtype, hidden, variant):
         )
 
     check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
+
+
+def test_aten_runs_what_has_no_dropout_to_fuse(monkeypatch):
+    """On the Triton backend on a GPU, layer_norm without dropout is ATen's add + F.layer_norm (torch.nn's values, bit
+    for bit); with dropout, RMSNorm, or parameters in another dtype, the kernels run it. (Under the interpreter every
+    call runs the kernels: a GPU's answer stands in here.)"""
+    monkeypatch.setattr(triton_layer_norm, "interpreting", lambda: False)
+    launched = []
+    launch = triton_layer_norm._launch_fwd
+    monkeypatch.setattr(triton_layer_norm, "_launch_fwd", lambda *args: launched.append(args) or launch(*args))
+    inputs = _random_inputs((2, 5, 24), torch.bfloat16, weight=True, bias=True, residual=True)
+    x, weight, bias, residual = (inputs[name] for name in ("x", "weight", "bias", "residual"))
+    with backend.use_backend("triton"):
+        y, z = functional.layer_norm(x, weight, bias, EPS, residual=residual, prenorm=True)
+        plain = functional.layer_norm(x, weight, None, EPS)
+        assert not launched
+        torch.testing.assert_close(z, x + residual, rtol=0, atol=0)
+        torch.testing.assert_close(y, torch.nn.functional.layer_norm(x + residual, (24,), weight, bias, EPS), rtol=0,
+                                   atol=0)
+        torch.testing.assert_close(plain, torch.nn.functional.layer_norm(x, (24,), weight, None, EPS), rtol=0, atol=0)
+        functional.layer_norm(x, weight, bias, EPS, residual=residual, dropout_p=0.1)
+        functional.layer_norm(x, weight.float(), bias, EPS)
+        triton_layer_norm.layer_norm(x, weight, bias, EPS, rms_norm=True)
+        triton_layer_norm.layer_norm(x, weight, bias, EPS)  # the kernel entry
+        assert len(launched) == 4
+        monkeypatch.setattr(triton_layer_norm, "interpreting", interpreting)
+        functional.layer_norm(x, weight, bias, EPS)
+    assert len(launched) == 5 - (not interpreting())
 
 
 @pytest.mark.parametrize(

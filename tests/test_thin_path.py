@@ -21,8 +21,8 @@ from tests.numerics import DEVICE
 
 CALLS = {
     "attention_fwd": lambda q, x, w: ft.attention(q, q, q, is_causal=True),
-    "layer_norm_fwd": lambda q, x, w: functional.layer_norm(x, w, w),
-    # with dropout: without it, ATen runs the op (feed_forward_composed)
+    # with dropout: without it, ATen runs the op (layer_norm_composed, feed_forward_composed)
+    "layer_norm_fwd": lambda q, x, w: functional.layer_norm(x, w, w, dropout_p=0.1),
     "feed_forward_fwd": lambda q, x, w: functional.feed_forward(x, w[:, None].expand(32, 32), None,
                                                                 w[None, :].expand(32, 32), None, dropout_p=0.1),
 }
@@ -162,8 +162,18 @@ def test_launches_reuse_the_compiled_kernel_of_a_key_seen_before(monkeypatch):
     _common.launch_kernel(kernel, (5, 2), (y, 32, 0.25, 64), 4)  # other values, the kernel Triton would launch
     hooks = triton.knobs.runtime
     (first,) = kernel.compiled
-    assert first[-1].launches == [(5, 2, 1, 7, "function", "packed", ("metadata", (5, 2), 7), hooks.launch_enter_hook,
-                                   hooks.launch_exit_hook, y, 32, 0.25, 64)]
+    no_hook = hooks.launch_enter_hook  # None up to Triton 3.6, an empty HookChain since: no launch metadata
+    assert first[-1].launches == [(5, 2, 1, 7, "function", "packed", None, no_hook, hooks.launch_exit_hook, y, 32,
+                                   0.25, 64)]
+    hooked = [print]
+    if hasattr(triton.knobs, "HookChain"):
+        hooked.append(triton.knobs.HookChain())
+        hooked[-1].add(print)
+    for hook in hooked:  # a profiler's hook: the metadata it reads
+        monkeypatch.setattr(hooks, "launch_enter_hook", hook)
+        _common.launch_kernel(kernel, (5, 2), (y, 32, 0.25, 64), 4)
+        assert first[-1].launches[-1][6:8] == (("metadata", (5, 2), 7), hook)
+    monkeypatch.setattr(hooks, "launch_enter_hook", no_hook)
     for args, options in [((x, 17, 0.5), {}), ((x[1:], 16, 0.5), {}), ((x, 1, 0.5), {}), ((x, 2**31, 0.5), {}),
                           ((x.double(), 16, 0.5), {}), ((x, 16, None), {}), ((x, 16, 0.5), dict(num_warps=8)),
                           ((x, 16, 0.5), dict(num_stages=2))]:

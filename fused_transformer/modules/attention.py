@@ -52,12 +52,19 @@ class MultiheadAttention(FusedTwin, nn.MultiheadAttention):
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         batch, tgt_len, _ = query.shape
 
-        q, k, v = self._project_inputs(query, key, value)
-        if self.bias_k is not None:
-            k = torch.cat([k, self.bias_k.expand(batch, 1, -1)], dim=1)
-            v = torch.cat([v, self.bias_v.expand(batch, 1, -1)], dim=1)
         heads, head_dim = self.num_heads, self.head_dim
-        q, k, v = (t.view(batch, t.shape[1], heads, head_dim).transpose(1, 2) for t in (q, k, v))
+        if query is key and key is value and self._qkv_same_embed_dim and self.bias_k is None:
+            # Self-attention: the packed product split into heads by one view and one unbind (its parts, then a view
+            # each, take two calls more); unbound from the [B, L, 3, H, D] view, whose backward stacks the three
+            # gradients in that layout, with no copy.
+            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)
+            q, k, v = (t.transpose(1, 2) for t in qkv.view(batch, tgt_len, 3, heads, head_dim).unbind(2))
+        else:
+            q, k, v = self._project_inputs(query, key, value)
+            if self.bias_k is not None:
+                k = torch.cat([k, self.bias_k.expand(batch, 1, -1)], dim=1)
+                v = torch.cat([v, self.bias_v.expand(batch, 1, -1)], dim=1)
+            q, k, v = (t.view(batch, t.shape[1], heads, head_dim).transpose(1, 2) for t in (q, k, v))
         if self.add_zero_attn:
             k = torch.cat([k, k.new_zeros(batch, self.num_heads, 1, self.head_dim)], dim=2)
             v = torch.cat([v, v.new_zeros(batch, self.num_heads, 1, self.head_dim)], dim=2)
@@ -135,18 +142,18 @@ class MultiheadAttention(FusedTwin, nn.MultiheadAttention):
         """The input projections, one matrix product for self-attention and two for shared key/value."""
         e = self.embed_dim
         bias = self.in_proj_bias
+        w = self.in_proj_weight
+        # A packed product's parts by unbind (backward: one stack of the gradients), not by slicing (backward: one
+        # zero-filled full-width gradient per part, then summed).
+        if self._qkv_same_embed_dim and query is key and key is value:
+            qkv = F.linear(query, w, bias)
+            return qkv.view(*qkv.shape[:-1], 3, e).unbind(-2)
         # tensor_split, not split: a C method (no Python wrapper per call), and three parts even when e = 0.
         b_q, b_k, b_v = (None, None, None) if bias is None else bias.tensor_split(3)
         if not self._qkv_same_embed_dim:
             return (F.linear(query, self.q_proj_weight, b_q), F.linear(key, self.k_proj_weight, b_k),
                     F.linear(value, self.v_proj_weight, b_v))
-        w = self.in_proj_weight
-        # A packed product's parts by unbind (backward: one stack of the gradients), not by slicing (backward: one
-        # zero-filled full-width gradient per part, then summed).
         if key is value:
-            if query is key:
-                qkv = F.linear(query, w, bias)
-                return qkv.view(*qkv.shape[:-1], 3, e).unbind(-2)
             kv_bias = None if bias is None else bias[e:]
             kv = F.linear(key, w[e:], kv_bias)
             return (F.linear(query, w[:e], b_q), *kv.view(*kv.shape[:-1], 2, e).unbind(-2))

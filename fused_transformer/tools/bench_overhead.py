@@ -6,16 +6,17 @@ Cases (``cases``), on batch 2, 2 heads, L 8, head dim 16, d_model 32, d_ff 64:
 - ops: ``ft.attention`` forward (under ``no_grad``) and forward+backward; ``ft.attention_varlen`` forward (two packed
   sequences of 8 and 5 tokens); ``ft.attention_with_kvcache``, one decoding step (one new key and value appended to
   a contiguous cache holding 7, one query per sequence); ``ft.layer_norm`` with a residual and ``ft.feed_forward``
-  (GELU), forward and forward+backward.
+  (GELU), both with dropout 0.1 (``FUSED_DROPOUT``; without it ATen runs the feed-forward, and on a GPU the
+  LayerNorm), forward and forward+backward.
 - modules: ``ft.LayerNorm``, ``ft.MultiheadAttention`` (``need_weights=False``), ``ft.TransformerEncoderLayer`` and
   ``ft.TransformerDecoderLayer`` (dropout 0.1, batch_first), an eval call under ``no_grad`` and a training step.
 
 Each op is measured three ways in the same run: ``torch``, torch's own equivalent (SDPA, on the cache after the same
-write for the decoding step and with a block-diagonal mask for the packed sequences; ``F.layer_norm(x + r)``;
-``F.linear -> F.gelu -> F.linear``); ``thin``, ``ThinFunction``, an autograd Function over the op's input tensors
-that only allocates its output and, in backward, the gradients: the least a fused op can cost on the host; and
-``ours``. Modules are measured against the ``torch.nn`` module holding the same weights. The figures that matter
-are ours / thin (``TARGETS``) and ours / torch; forward+backward and training steps take the gradients with
+write for the decoding step and with a block-diagonal mask for the packed sequences; ``F.layer_norm(F.dropout(x) +
+r)``; ``F.linear -> F.gelu -> F.dropout -> F.linear``); ``thin``, ``ThinFunction``, an autograd Function over the op's
+input tensors that only allocates its output and, in backward, the gradients: the least a fused op can cost on the
+host; and ``ours``. Modules are measured against the ``torch.nn`` module holding the same weights. The figures that
+matter are ours / thin (``TARGETS``) and ours / torch; forward+backward and training steps take the gradients with
 ``torch.autograd.grad``, so that no ``.grad`` has to be reset between calls.
 
 Time (``host_ms``): blocks of N back-to-back calls, synchronised before and after each block but never inside it
@@ -42,8 +43,9 @@ from fused_transformer.tools.bench_cases import Built, Case, Setup, module_calls
 
 SUITE = "overhead"
 BATCH, HEADS, SEQ_LEN, HEAD_DIM, D_MODEL, D_FF = 2, 2, 8, 16, 32, 64
-# The feed-forward's dropout: without one, ATen runs the op (feed_forward_composed) and no launch of ours is timed.
-FEED_FORWARD_DROPOUT = 0.1
+# The dropout of layer_norm and feed_forward: without one, ATen runs the feed-forward, and on a GPU the LayerNorm
+# (their backends' composed forms), and no launch of ours would be timed.
+FUSED_DROPOUT = 0.1
 VARLEN_LENGTHS = (8, 5)  # the packed sequences of attention_varlen
 OPS = {  # op -> its modes
     "attention": ("fwd", "fwd+bwd"), "attention_varlen": ("fwd",), "attention_with_kvcache": ("fwd",),
@@ -161,9 +163,10 @@ def host_ms(fns: Dict[str, Callable[[], object]], grads: Sequence[Tensor], devic
         for name, fn in fns.items():
             launches = _skipped["launches"]
             block(fn, WARMUP_CALLS)
-            if name == "ours" and _skipped["active"] and _skipped["launches"] == launches:
-                # Then ours ran another path than the Triton kernels' (or launched them some other way than
+            if name == "ours" and "thin" in fns and _skipped["active"] and _skipped["launches"] == launches:
+                # Then the op ran another path than the Triton kernels' (or launched them some other way than
                 # InterpretedFunction.run, which would then run them): its time would not be what this suite says.
+                # A module may run ATen alone (on a GPU ft.LayerNorm without dropout, as torch.nn does).
                 raise RuntimeError("ours launched no Triton kernel while launches were skipped")
             calls[name] = max(MIN_CALLS, round(min_time / BLOCKS / block(fn, MIN_CALLS)))
         times: Dict[str, List[float]] = {name: [] for name in fns}
@@ -266,8 +269,8 @@ def _layer_norm(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Calla
     x, residual = (_randn(setup, BATCH, SEQ_LEN, D_MODEL, grad=grad) for _ in range(2))
     weight, bias = (_randn(setup, D_MODEL, grad=grad) for _ in range(2))
     return [x, weight, bias, residual], {
-        "torch": lambda: F.layer_norm(x + residual, (D_MODEL,), weight, bias),
-        "ours": lambda: ft.layer_norm(x, weight, bias, residual=residual)}
+        "torch": lambda: F.layer_norm(F.dropout(x, FUSED_DROPOUT) + residual, (D_MODEL,), weight, bias),
+        "ours": lambda: ft.layer_norm(x, weight, bias, residual=residual, dropout_p=FUSED_DROPOUT)}
 
 
 def _feed_forward(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
@@ -275,8 +278,8 @@ def _feed_forward(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Cal
     w1, b1 = _randn(setup, D_FF, D_MODEL, grad=grad), _randn(setup, D_FF, grad=grad)
     w2, b2 = _randn(setup, D_MODEL, D_FF, grad=grad), _randn(setup, D_MODEL, grad=grad)
     return [x, w1, b1, w2, b2], {
-        "torch": lambda: F.linear(F.dropout(F.gelu(F.linear(x, w1, b1)), FEED_FORWARD_DROPOUT), w2, b2),
-        "ours": lambda: ft.feed_forward(x, w1, b1, w2, b2, activation="gelu", dropout_p=FEED_FORWARD_DROPOUT)}
+        "torch": lambda: F.linear(F.dropout(F.gelu(F.linear(x, w1, b1)), FUSED_DROPOUT), w2, b2),
+        "ours": lambda: ft.feed_forward(x, w1, b1, w2, b2, activation="gelu", dropout_p=FUSED_DROPOUT)}
 
 
 OP_INPUTS = {
