@@ -400,12 +400,16 @@ def layer_norm(
 
 
 def layer_norm_aten(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                    eps: float, prenorm: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """``layer_norm`` without dropout as torch.nn computes it: ATen's add, then ``F.layer_norm`` (the backends'
-    composed form, where a fused kernel gains nothing)."""
+                    spec: LayerNormSpec) -> Optional[Union[Tensor, Tuple[Tensor, Tensor]]]:
+    """``layer_norm`` as torch.nn computes it, ATen's add then ``F.layer_norm`` (the backends' composed form, where
+    a fused kernel gains nothing); None where that is not the call: with dropout, for RMSNorm, for rows of one
+    feature or fewer, or for parameters in another dtype than x's."""
+    if (spec.dropout_p != 0.0 or spec.rms_norm or x.shape[-1] <= 1
+            or (weight is not None and weight.dtype != x.dtype) or (bias is not None and bias.dtype != x.dtype)):
+        return None
     z = x if residual is None else x + residual
-    y = F.layer_norm(z, (x.shape[-1],), weight, bias, eps)
-    return (y, z) if prenorm else y
+    y = F.layer_norm(z, (x.shape[-1],), weight, bias, spec.eps)
+    return (y, z) if spec.prenorm else y
 
 
 def feed_forward(

@@ -74,8 +74,8 @@ def _runtime_key(arg: object) -> object:
 
 
 # Per kernel: how many leading parameters are not constexprs (None when a constexpr is followed by another kind). The
-# caches here key kernels by id: hashing a JITFunction takes a lock (its cache_key), a microsecond a launch. Kernels
-# are module globals, alive as long as their entries.
+# caches here key kernels by id: hashing a JITFunction takes a lock (its cache_key), a microsecond a launch. Each
+# kernel's entry here holds it, so its id is never reused while any cache keys by it.
 _RUNTIME_PARAMS: Dict[int, Tuple[object, Optional[int]]] = {}
 # Compiled kernels by launch_key; emptied when it grows past _MAX_COMPILED (a key per shape class, not per call).
 _COMPILED: Dict[tuple, object] = {}

@@ -134,11 +134,12 @@ def _needs_tf32_switch(x: Tensor, allow_tf32: bool) -> bool:
 @contextlib.contextmanager
 def _tf32_products() -> Iterator[None]:
     """torch's CUDA matmuls in TF32 for the duration (``allow_tf32``), the setting restored after."""
+    before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def _check_dtypes(**tensors: Optional[Tensor]) -> None:

@@ -365,14 +365,14 @@ def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Te
 def layer_norm_composed(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
                         spec: LayerNormSpec) -> Optional[Union[Tensor, Tuple[Tensor, Tensor]]]:
     """ATen's add + ``layer_norm`` (differentiated by autograd) on a GPU where there is no dropout to fuse: on an H200
-    its LayerNorm moves data at twice our kernel's rate and its host path is a fifth of ours. None with dropout, for
-    RMSNorm, for parameters in another dtype than x's, and under the interpreter (CPU tensors, whose ATen bfloat16
-    backward sums the weight and bias gradients less exactly than the 2x rule allows): the kernels run those."""
-    if (interpreting() or spec.dropout_p != 0.0 or spec.rms_norm or x.shape[-1] <= 1
-            or (weight is not None and weight.dtype != x.dtype) or (bias is not None and bias.dtype != x.dtype)):
+    its LayerNorm moves data at twice our kernel's rate and its host path is a fifth of ours. None where
+    ``reference.layer_norm_aten`` is not the call (dropout, RMSNorm, parameters in another dtype than x's) and under
+    the interpreter (CPU tensors, whose ATen bfloat16 backward sums the weight and bias gradients less exactly than
+    the 2x rule allows): the kernels run those."""
+    if interpreting():
         return None
     _check_dtype("x", x)
-    return reference.layer_norm_aten(x, weight, bias, residual, spec.eps, spec.prenorm)
+    return reference.layer_norm_aten(x, weight, bias, residual, spec)
 
 
 def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
