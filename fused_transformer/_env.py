@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Dict, TypeVar
+from typing import Callable, Dict, List, TypeVar
 
 T = TypeVar("T")
+# What was derived from the facts below (``on_facts_forgotten``): dropped whenever one of them is recomputed.
+_DERIVED: List[Callable[[], None]] = []
 
 
 def constant_for_compile(fn: Callable[..., T]) -> Callable[..., T]:
@@ -18,8 +20,9 @@ def constant_for_compile(fn: Callable[..., T]) -> Callable[..., T]:
 
 
 def computed_once(fn: Callable[[], T]) -> Callable[[], T]:
-    """``fn()`` computed at the first call only (``cache_clear()`` forgets it), and a constant to torch.compile.
-    Not ``functools.lru_cache``: torch.compile traces through that wrapper into ``fn``."""
+    """``fn()`` computed at the first call only, and a constant to torch.compile. ``cache_clear()`` forgets it and
+    everything derived from these facts (a test that changes one). Not ``functools.lru_cache``: torch.compile traces
+    through that wrapper into ``fn``."""
     results: Dict[str, T] = {}
 
     @functools.wraps(fn)
@@ -28,11 +31,22 @@ def computed_once(fn: Callable[[], T]) -> Callable[[], T]:
             results["value"] = fn()
         return results["value"]
 
-    once.cache_clear = results.clear  # type: ignore[attr-defined]
+    def cache_clear() -> None:
+        results.clear()
+        for forget in _DERIVED:
+            forget()
+
+    once.cache_clear = cache_clear  # type: ignore[attr-defined]
     return constant_for_compile(once)
 
 
-@constant_for_compile
+def on_facts_forgotten(forget: Callable[[], None]) -> None:
+    """Call ``forget`` whenever a ``computed_once`` fact is forgotten (what it cached from them is stale then)."""
+    _DERIVED.append(forget)
+
+
+@computed_once
 def triton_interpreting() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
+    """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``), as Triton read it
+    when it made the kernels: once per process."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

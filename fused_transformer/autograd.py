@@ -33,6 +33,20 @@ def _needs_grad(*tensors: Optional[Tensor]) -> bool:
     return False
 
 
+def _eager_apply(function: type) -> Callable[..., object]:
+    """``function.apply``, straight into autograd's own (C++) apply in eager calls. torch's Python layer above it
+    serves torch.compile and functorch transforms, which still get it; outside them it only looks for functorch
+    wrappers left over from a finished transform among the arguments, one by one (about 4 us of a 60 us attention
+    forward + backward on the host)."""
+    autograd_apply = super(torch.autograd.Function, function).apply
+
+    def apply(*args: object) -> object:
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            return function.apply(*args)
+        return autograd_apply(*args)
+    return apply
+
+
 def _seed(p: float, device: torch.device) -> Optional[Tensor]:
     return draw_dropout_seed(device) if p > 0.0 else None
 
@@ -48,26 +62,28 @@ def _float_output(ctx, q: Tensor, sinks: Optional[Tensor]) -> bool:
 # ------------------------------------------------------------------------------------------- attention
 
 
-def _prepared() -> Optional[dict]:
-    """What a backend's attention forward leaves for the backward of the same call (``prepared`` in the interface):
-    a dict in eager mode; None in a graph torch.compile traces, whose custom ops leave nothing."""
-    return None if torch.compiler.is_compiling() else {}
-
-
-def _attention_forward(ctx, q: Tensor, sinks: Optional[Tensor], spec: AttentionSpec, name: str,
+def _attention_forward(ctx, q: Tensor, sinks: Optional[Tensor], spec: AttentionSpec, name: str, with_lse: bool,
                        run: Callable[..., Tuple[Tensor, Tensor]]) -> Tuple[Optional[Tensor], Tensor, Tensor]:
     """What both attention Functions' forwards do around ``run(ops, seed, float_output, prepared)``, the backend's
-    call: ``(seed, o, lse)``, o as the backward reads it."""
+    call: ``(seed, o, lse)``, o as the backward reads it; the LSE an output only ``with_lse``."""
     ops = backend.ops(name)
     seed = _seed(spec.dropout_p, q.device)
     float_output = _float_output(ctx, q, sinks)
-    ctx.prepared = _prepared()
+    # What the backend's forward leaves for the backward of the same call (``prepared`` in the interface): nothing
+    # in a graph torch.compile traces, whose custom ops keep nothing.
+    ctx.prepared = None if torch.compiler.is_compiling() else {}
     o, lse = run(ops, seed, float_output, ctx.prepared)
     ctx.spec, ctx.name, ctx.float_output = spec, name, float_output
-    ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None (no zeros to write and read)
-    if not ops.DIFFERENTIABLE_LSE:
-        ctx.mark_non_differentiable(lse)
+    if with_lse:
+        ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None (no zeros to write and read)
+        if not ops.DIFFERENTIABLE_LSE:
+            ctx.mark_non_differentiable(lse)
     return seed, o, lse
+
+
+def _attention_outputs(ctx, q: Tensor, o: Tensor, lse: Tensor, with_lse: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    out = o.to(q.dtype) if ctx.float_output else o
+    return (out, lse) if with_lse else out
 
 
 def _attention_backward(ctx, do: Optional[Tensor], dlse: Optional[Tensor], q: Tensor, o: Tensor, lse: Tensor,
@@ -85,25 +101,27 @@ def _attention_backward(ctx, do: Optional[Tensor], dlse: Optional[Tensor], q: Te
 
 
 class AttentionFunction(torch.autograd.Function):
-    """Autograd over a backend's ``attention_fwd`` / ``attention_bwd``. Differentiable: q, k, v, sinks (theirs from
-    the saved LSE and o) and the LSE where the backend takes its gradient; masks and ALiBi slopes are constants."""
+    """Autograd over a backend's ``attention_fwd`` / ``attention_bwd``: ``(o, lse)``, or o alone unless ``with_lse``
+    (one output less for autograd to track). Differentiable: q, k, v, sinks (theirs from the saved LSE and o) and the
+    LSE where the backend takes its gradient; masks and ALiBi slopes are constants."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, attn_mask, key_padding_mask, query_padding_mask, query_lengths, alibi_slopes,
-                spec: AttentionSpec, name: str):
+                spec: AttentionSpec, name: str, with_lse: bool = True):
         masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask, query_lengths)
-        seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, lambda ops, seed, float_output, prepared: (
-            ops.attention_fwd(q, k, v, masks, spec, alibi_slopes, sinks, seed, float_output, prepared)))
+        seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, with_lse, lambda ops, seed, float_output,
+                                          prepared: ops.attention_fwd(q, k, v, masks, spec, alibi_slopes, sinks, seed,
+                                                                      float_output, prepared))
         ctx.save_for_backward(q, k, v, o, lse, sinks, alibi_slopes, seed, *masks)
-        return (o.to(q.dtype) if ctx.float_output else o), lse
+        return _attention_outputs(ctx, q, o, lse, with_lse)
 
     @staticmethod
-    def backward(ctx, do, dlse):
+    def backward(ctx, do, dlse=None):
         q, k, v, o, lse, sinks, alibi_slopes, seed, *masks = ctx.saved_tensors
         masks = AttentionMasks(*masks)
         grads = _attention_backward(ctx, do, dlse, q, o, lse, sinks, False, lambda ops, do: ops.attention_bwd(
             do, dlse, q, k, v, o, lse, masks, ctx.spec, alibi_slopes, seed, ctx.prepared))
-        return *grads, None, None, None, None, None, None, None
+        return *grads, None, None, None, None, None, None, None, None
 
 
 class AttentionVarlenFunction(torch.autograd.Function):
@@ -111,21 +129,26 @@ class AttentionVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q: int, max_seqlen_k: int,
-                spec: AttentionSpec, name: str):
+                spec: AttentionSpec, name: str, with_lse: bool = True):
         seqs = PackedSequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, lambda ops, seed, float_output, prepared: (
-            ops.attention_varlen_fwd(q, k, v, seqs, spec, alibi_slopes, sinks, seed, float_output, prepared)))
+        seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, with_lse, lambda ops, seed, float_output,
+                                          prepared: ops.attention_varlen_fwd(q, k, v, seqs, spec, alibi_slopes, sinks,
+                                                                             seed, float_output, prepared))
         ctx.save_for_backward(q, k, v, o, lse, sinks, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k)
         ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
-        return (o.to(q.dtype) if ctx.float_output else o), lse
+        return _attention_outputs(ctx, q, o, lse, with_lse)
 
     @staticmethod
-    def backward(ctx, do, dlse):
+    def backward(ctx, do, dlse=None):
         q, k, v, o, lse, sinks, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         seqs = PackedSequences(cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens)
         grads = _attention_backward(ctx, do, dlse, q, o, lse, sinks, True, lambda ops, do: ops.attention_varlen_bwd(
             do, dlse, q, k, v, o, lse, seqs, ctx.spec, alibi_slopes, seed, ctx.prepared))
-        return *grads, None, None, None, None, None, None, None
+        return *grads, None, None, None, None, None, None, None, None
+
+
+_attention_apply = _eager_apply(AttentionFunction)
+_attention_varlen_apply = _eager_apply(AttentionVarlenFunction)
 
 
 def _check_constant_mask(attn_mask: Optional[Tensor], name: str) -> None:
@@ -134,27 +157,41 @@ def _check_constant_mask(attn_mask: Optional[Tensor], name: str) -> None:
                          "pass attn_mask.detach(), or use the reference backend to differentiate the mask")
 
 
+def _tracked_lse(return_lse: bool) -> bool:
+    """Whether an attention Function returns the LSE: when the caller asked for it, and always in a graph
+    torch.compile traces (one form of the Function there, whatever the caller asks; the saving is eager's)."""
+    return return_lse or torch.compiler.is_compiling()
+
+
 def attention(name: str, q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
-              alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """``(out, lse)`` of checked arguments on backend ``name``."""
+              alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+              return_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(out, lse)`` of checked arguments on backend ``name``; lse may be None unless ``return_lse``."""
     ops = backend.ops(name)
     if name == "reference":
         return ops.attention(q, k, v, masks, spec, alibi_slopes, sinks)
-    _check_constant_mask(masks.attn_mask, name)
+    if masks.attn_mask is not None:
+        _check_constant_mask(masks.attn_mask, name)
     if _needs_grad(q, k, v, sinks):
-        return AttentionFunction.apply(q, k, v, sinks, *masks, alibi_slopes, spec, name)
+        if _tracked_lse(return_lse):
+            return _attention_apply(q, k, v, sinks, *masks, alibi_slopes, spec, name)
+        return _attention_apply(q, k, v, sinks, *masks, alibi_slopes, spec, name, False), None
     return ops.attention_fwd(q, k, v, masks, spec, alibi_slopes, sinks, _seed(spec.dropout_p, q.device), False)
 
 
 def attention_varlen(name: str, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences, spec: AttentionSpec,
-                     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """``(out, lse)`` of checked arguments on packed sequences, on backend ``name``."""
+                     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                     return_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(out, lse)`` of checked arguments on packed sequences, on backend ``name``; lse may be None unless
+    ``return_lse``."""
     ops = backend.ops(name)
     if name == "reference":
         return ops.attention_varlen(q, k, v, *seqs, spec, alibi_slopes, sinks)
     if _needs_grad(q, k, v, sinks):
-        return AttentionVarlenFunction.apply(q, k, v, sinks, seqs.cu_seqlens_q, seqs.cu_seqlens_k, alibi_slopes,
-                                             int(seqs.max_seqlen_q), int(seqs.max_seqlen_k), spec, name)
+        with_lse = _tracked_lse(return_lse)
+        out = _attention_varlen_apply(q, k, v, sinks, seqs.cu_seqlens_q, seqs.cu_seqlens_k, alibi_slopes,
+                                        int(seqs.max_seqlen_q), int(seqs.max_seqlen_k), spec, name, with_lse)
+        return out if with_lse else (out, None)
     return ops.attention_varlen_fwd(q, k, v, seqs, spec, alibi_slopes, sinks, _seed(spec.dropout_p, q.device), False)
 
 
@@ -184,6 +221,9 @@ class LayerNormFunction(torch.autograd.Function):
                 dresidual if ctx.has_residual else None, None, None)
 
 
+_layer_norm_apply = _eager_apply(LayerNormFunction)
+
+
 def layer_norm(name: str, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
                spec: LayerNormSpec, composed: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``y``, or ``(y, z)`` with ``spec.prenorm``, of checked arguments ``[..., N]`` on backend ``name``: through the
@@ -199,7 +239,7 @@ def layer_norm(name: str, x: Tensor, weight: Optional[Tensor], bias: Optional[Te
     x_rows = as_rows(x)
     residual_rows = as_rows(residual) if residual is not None else None
     if _needs_grad(x, weight, bias, residual):
-        out = LayerNormFunction.apply(x_rows, weight, bias, residual_rows, spec, name)
+        out = _layer_norm_apply(x_rows, weight, bias, residual_rows, spec, name)
     else:
         y, z, _, _ = ops.layer_norm_fwd(x_rows, weight, bias, residual_rows, spec, _seed(spec.dropout_p, x.device),
                                         spec.prenorm)
@@ -232,6 +272,9 @@ class FeedForwardFunction(torch.autograd.Function):
         return dx, dw1, db1 if b1 is not None else None, dw2, db2 if ctx.has_b2 else None, None, None
 
 
+_feed_forward_apply = _eager_apply(FeedForwardFunction)
+
+
 def feed_forward(name: str, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
                  spec: FeedForwardSpec) -> Tensor:
     """``linear2(dropout(act(linear1(x))))`` of checked arguments ``[..., d_model]`` on backend ``name``."""
@@ -244,7 +287,7 @@ def feed_forward(name: str, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Ten
             return composed
     x_rows = as_rows(x)
     if _needs_grad(x, w1, b1, w2, b2):
-        y = FeedForwardFunction.apply(x_rows, w1, b1, w2, b2, spec, name)
+        y = _feed_forward_apply(x_rows, w1, b1, w2, b2, spec, name)
     else:
         y, _ = ops.feed_forward_fwd(x_rows, w1, b1, w2, b2, spec, _seed(spec.dropout_p, x.device), False)
     return y.view(*x.shape[:-1], w2.shape[0])

@@ -27,7 +27,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ._env import computed_once, constant_for_compile, triton_interpreting
+from ._env import computed_once, constant_for_compile, on_facts_forgotten, triton_interpreting
 
 BACKENDS = ("auto", "triton", "cpu", "reference")
 ENV_VAR = "FUSED_TRANSFORMER_BACKEND"
@@ -106,6 +106,12 @@ def _auto_cpu_backend() -> str:
     return "reference"
 
 
+# (choice, device type, dtype) -> the backend ``current`` resolved them to, in eager calls: the facts it reads are
+# computed once (forgetting one forgets these), and the choice is in the key.
+_RESOLVED: Dict[tuple, str] = {}
+on_facts_forgotten(_RESOLVED.clear)
+
+
 def current(device: "torch.device | str | None" = None, dtype: Optional[torch.dtype] = None) -> str:
     """The backend an op would run on for tensors on ``device`` (default: the CPU) of ``dtype``.
 
@@ -115,6 +121,16 @@ def current(device: "torch.device | str | None" = None, dtype: Optional[torch.dt
     if not isinstance(device, torch.device):
         device = torch.device(device if device is not None else "cpu")
     name = _scoped_choice if _scoped_choice is not None else _global_choice  # get_backend(), one call less
+    if torch.compiler.is_compiling():  # a traced call guards on the choice, not on this cache
+        return _resolve(name, device, dtype)
+    key = (name, device.type, dtype)
+    found = _RESOLVED.get(key)
+    if found is None:
+        found = _RESOLVED[key] = _resolve(name, device, dtype)
+    return found
+
+
+def _resolve(name: str, device: torch.device, dtype: Optional[torch.dtype]) -> str:
     device_type = device.type
     if name == "auto":
         if dtype == torch.float64:

@@ -277,7 +277,11 @@ def _check_flags(is_causal: object, causal_alignment: object, scale: object) -> 
 
 def attention_spec(head_dim: int, is_causal: object, causal_alignment: object, window: object, dropout_p: object,
                    scale: object, softcap: object = None) -> AttentionSpec:
-    """The checked ``AttentionSpec`` of a call with these flags on inputs of ``head_dim``."""
+    """The checked ``AttentionSpec`` of a call with these flags on inputs of ``head_dim`` (the common flags in one
+    condition, the checks below for the rest)."""
+    if (window is None and scale is None and softcap is None and is_causal.__class__ is bool
+            and dropout_p.__class__ is float and 0.0 <= dropout_p < 1.0 and causal_alignment in CAUSAL_ALIGNMENTS):
+        return AttentionSpec(is_causal, causal_alignment, None, dropout_p, softmax_scale(head_dim))  # as checked
     _check_flags(is_causal, causal_alignment, scale)
     return AttentionSpec(is_causal, causal_alignment, check_window(window), check_dropout(dropout_p),
                          softmax_scale(head_dim, scale), check_softcap(softcap))
@@ -429,9 +433,21 @@ def check_cu_seqlens_values(name: str, cu: Tensor, total: int, max_seqlen: int) 
         raise ValueError(f"{name} holds a sequence of {max(lengths)} tokens, more than {max_name}={max_seqlen}")
 
 
+def _plain_param(p: Optional[Tensor], x: Tensor) -> bool:
+    """Whether ``p`` is None or a float tensor ``[N]`` on x's device (``layer_norm_spec``'s checks, passed)."""
+    return p is None or (isinstance(p, Tensor) and p.dtype in FLOAT_DTYPES and p.device == x.device
+                         and p.dim() == 1 and p.shape[0] == x.shape[-1])
+
+
 def layer_norm_spec(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: object,
                     residual: Optional[Tensor], dropout_p: object, prenorm: object) -> LayerNormSpec:
     """The checked ``LayerNormSpec`` of a ``layer_norm`` call on these tensors."""
+    if (isinstance(x, Tensor) and x.dtype in FLOAT_DTYPES and x.dim() > 0 and eps.__class__ is float and eps >= 0
+            and dropout_p.__class__ is float and 0.0 <= dropout_p < 1.0 and prenorm.__class__ is bool
+            and _plain_param(weight, x) and _plain_param(bias, x) and (residual is None or (
+                isinstance(residual, Tensor) and residual.dtype == x.dtype and residual.device == x.device
+                and residual.shape == x.shape))):
+        return LayerNormSpec(eps, dropout_p, prenorm)  # checked: the common case, in one expression
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dim (the normalised one), got a scalar")

@@ -37,6 +37,8 @@ _AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
 def _autocast_dtype(anchor: object, matmul: bool) -> Optional[torch.dtype]:
     """The dtype ``torch.autocast`` runs the op in on ``anchor``'s device, None when autocast is off there:
     the autocast dtype for matrix products, float32 for normalisation."""
+    if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled():
+        return None  # an eager call with autocast off everywhere: one question instead of a device's
     if not isinstance(anchor, Tensor) or not torch.is_autocast_enabled(anchor.device.type):
         return None
     return torch.get_autocast_dtype(anchor.device.type) if matmul else torch.float32
@@ -133,16 +135,18 @@ def attention(
         reach the row, where SDPA, which adds those masks as ``-inf``, gives NaN.
     """
     cast = _autocast_dtype(q, matmul=True)
-    q, k, v = _autocast_all(cast, q, k, v)
+    if cast is not None:
+        q, k, v = _autocast_all(cast, q, k, v)
     masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask)
     contract.check_attention_args(q, k, v, masks)
-    contract.check_alibi_and_sinks(q, q.shape[0], q.shape[1], alibi_slopes, sinks)
+    if alibi_slopes is not None or sinks is not None:
+        contract.check_alibi_and_sinks(q, q.shape[0], q.shape[1], alibi_slopes, sinks)
     spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale, softcap)
     if cast is None:
-        out, lse = autograd.attention(_backend(q), q, k, v, masks, spec, alibi_slopes, sinks)
+        out, lse = autograd.attention(_backend(q), q, k, v, masks, spec, alibi_slopes, sinks, return_lse)
     else:
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = autograd.attention(_backend(q), q, k, v, masks, spec, alibi_slopes, sinks)
+            out, lse = autograd.attention(_backend(q), q, k, v, masks, spec, alibi_slopes, sinks, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -196,7 +200,8 @@ def attention_varlen(
     contract.check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     seqs = contract.PackedSequences(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
     with _autocast_off(q, cast):
-        out, lse = autograd.attention_varlen(_backend(q), q, k, v, seqs, spec, alibi_slopes, sinks)
+        out, lse = autograd.attention_varlen(_backend(q), q, k, v, seqs, spec, alibi_slopes, sinks,
+                                              return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -345,7 +350,8 @@ def layer_norm(
         gradients then empty or zeros).
     """
     cast = _autocast_dtype(x, matmul=False)
-    x, weight, bias, residual = _autocast_all(cast, x, weight, bias, residual)
+    if cast is not None:
+        x, weight, bias, residual = _autocast_all(cast, x, weight, bias, residual)
     spec = contract.layer_norm_spec(x, weight, bias, eps, residual, dropout_p, prenorm)
     if cast is None:
         return autograd.layer_norm(_backend(x), x, weight, bias, residual, spec)

@@ -167,6 +167,14 @@ def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def contiguous_last_dims(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """``contiguous_last_dim`` of each of ``tensors``, in one call where none needs a copy (the common case)."""
+    for x in tensors:
+        if x.stride(-1) != 1:
+            return tuple(map(contiguous_last_dim, tensors))
+    return tensors
+
+
 # ------------------------------------------------------------------------------------- dropout keep-mask
 # Convention: element (row, col) of a [rows, cols] tensor is kept when tl.rand(seed, row * cols + col) >= p.
 # Kernels regenerate the mask from the seed in backward instead of storing it. The seed is a one-element int64

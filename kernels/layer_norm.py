@@ -240,6 +240,14 @@ def _check_dtype(name: str, t: Optional[Tensor]) -> None:
         raise TypeError(f"triton layer_norm: {name} must be float16, bfloat16 or float32, got {t.dtype}")
 
 
+def _check_dtypes(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor]) -> None:
+    if not (x.dtype in SUPPORTED_DTYPES and (weight is None or weight.dtype in SUPPORTED_DTYPES)
+            and (bias is None or bias.dtype in SUPPORTED_DTYPES)
+            and (residual is None or residual.dtype in SUPPORTED_DTYPES)):
+        for name, t in (("x", x), ("weight", weight), ("bias", bias), ("residual", residual)):
+            _check_dtype(name, t)
+
+
 # Backward rows wider than MAX_BWD_BLOCK do not fit in one block's registers next to the per-program dweight /
 # dbias sums: a cluster of BWD_CLUSTER_CTAS blocks holds each row where the GPU has clusters (sm_90+); elsewhere
 # they are split over programs of MAX_BWD_BLOCK columns (SPLIT_COLS), each reading every block of its rows (dy and
@@ -300,8 +308,7 @@ def _launch_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], res
     Returns ``y [rows, N]``, ``z [rows, N]`` (empty unless ``store_z``), ``mean [rows]`` (float32, empty for
     RMSNorm) and ``rstd [rows]`` (float32).
     """
-    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("residual", residual)):
-        _check_dtype(name, t)
+    _check_dtypes(x, weight, bias, residual)
     n_rows, n_cols = x.shape
     if n_cols > MAX_HIDDEN:
         raise ValueError(f"triton layer_norm supports hidden sizes up to {MAX_HIDDEN}, got {n_cols}")
@@ -378,7 +385,7 @@ def layer_norm_composed(x: Tensor, weight: Optional[Tensor], bias: Optional[Tens
 def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
                    spec: LayerNormSpec, seed: Optional[Tensor], store_z: bool) -> Tuple[Tensor, ...]:
     """``y, z, mean, rstd`` of rows ``[rows, N]`` (``_launch_fwd``); traced through the custom op."""
-    _check_dtype("x", x)
+    _check_dtypes(x, weight, bias, residual)
     x = contiguous_last_dim(x)
     residual = contiguous_last_dim(residual) if residual is not None else None
     args = (x, weight, bias, residual, spec.eps, spec.dropout_p, seed, spec.rms_norm, store_z)

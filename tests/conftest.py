@@ -54,6 +54,19 @@ def _float32_matmuls_in_float32():
 
 
 @pytest.fixture
+def interpreter_off(monkeypatch):
+    """As a process started without TRITON_INTERPRET would see it: the fact is read once per process, so it is
+    forgotten here (with what the backend derived from it) and again when the test ends."""
+    from fused_transformer import backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    backend.triton_interpreting.cache_clear()
+    yield
+    monkeypatch.undo()
+    backend.triton_interpreting.cache_clear()
+
+
+@pytest.fixture
 def interpreter_rounds_to_nearest():
     """The Triton interpreter truncates float32 -> bfloat16 casts where a GPU rounds to nearest: make it round,
     so interpreted kernels are held to the GPU's rounding error, not twice that."""

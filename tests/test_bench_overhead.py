@@ -100,8 +100,7 @@ def test_the_default_run_leaves_the_overhead_suite_out():
     assert bench.parse_args(["--no-plots"]).suite is None  # run() then takes bench_cases.SUITES
 
 
-def test_without_the_interpreter_the_overhead_suite_is_an_argparse_error(monkeypatch, capsys, tmp_path):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+def test_without_the_interpreter_the_overhead_suite_is_an_argparse_error(interpreter_off, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         bench.main(["--suite", "overhead", "--device", "cpu", "--out", str(tmp_path)])
     err = capsys.readouterr().err

@@ -135,8 +135,7 @@ def test_device_without_cuda_is_rejected(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU triton is usable without the interpreter")
-def test_requested_backend_that_cannot_run_fails_loudly(capsys, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+def test_requested_backend_that_cannot_run_fails_loudly(capsys, interpreter_off):
     code, out, _ = run_check(capsys, "--quick", "--op", "layer_norm", "--backend", "triton", "--backend", "reference")
     assert code == 1
     assert "not usable here (requested): backend 'triton' on CPU tensors needs the Triton interpreter" in out

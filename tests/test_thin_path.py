@@ -210,3 +210,54 @@ def test_a_launch_with_an_unhashable_constexpr_goes_through_run(monkeypatch):
     for _ in range(2):
         _common.launch_kernel(kernel, (1,), (torch.randn(4), 16, 0.5), 4, BLOCK=[64])
     assert len(kernel.compiled) == 2 and _common._COMPILED == {}
+
+
+def test_the_lse_is_an_output_of_the_function_only_when_asked_for():
+    """Without ``return_lse`` the Function has one output (one less for autograd to track); the gradients do not
+    depend on it, and an asked-for LSE still carries its own."""
+    q, _, _ = _inputs()
+    leaves = [q.clone().requires_grad_() for _ in range(3)]
+    grad = torch.randn_like(q)
+    with backend.use_backend("triton"):
+        out = ft.attention(*leaves, is_causal=True)
+        alone = torch.autograd.grad(out, leaves, grad)
+        out_lse, lse = ft.attention(*leaves, is_causal=True, return_lse=True)
+        with_lse = torch.autograd.grad(out_lse, leaves, grad, retain_graph=True)
+        lse_grads = torch.autograd.grad(lse.sum(), leaves)
+    assert out_lse.grad_fn is lse.grad_fn  # one node, two outputs
+    for a, b in zip(alone, with_lse):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert all(g.abs().sum() > 0 for g in lse_grads[:2])
+
+
+def test_a_plain_dense_call_reuses_its_launch_form(monkeypatch):
+    """The layout, kernel-form masks and shared arguments of a dense call without masks are made once per shapes,
+    strides and spec; the seed of each call takes its place among the cached arguments."""
+    from fused_transformer.contract import AttentionMasks, attention_spec
+    from fused_transformer.kernels.attention import ops
+
+    monkeypatch.setattr(ops, "_PLAIN_FORMS", {})
+    q, _, _ = _inputs()
+    spec = attention_spec(q.shape[-1], True, "top_left", None, 0.1, None)
+    masks = AttentionMasks(None, None, None, None)
+    seeds = [torch.tensor([n]) for n in (7, 8)]
+    made = [ops._launch_form(q, q, q, spec, None, None, masks, None, seed) for seed in seeds]
+    assert len(ops._PLAIN_FORMS) == 1
+    monkeypatch.setattr(ops, "_PLAIN_FORMS", {})
+    fresh = ops._launch_form(q, q, q, spec, None, None, masks, None, seeds[1])
+    assert made[1][:2] == fresh[:2] and len(made[1][2]) == len(fresh[2])
+    assert all(a is b or a == b for a, b in zip(made[1][2], fresh[2]))
+    assert seeds[0] in made[0][2] and seeds[1] in made[1][2] and seeds[0] not in made[1][2]
+    padding = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool)
+    ops._launch_form(q, q, q, spec, None, None, AttentionMasks(None, padding, None, None), None, seeds[0])
+    assert len(ops._PLAIN_FORMS) == 1  # a call with a mask tensor is never cached
+
+
+def test_the_backend_is_resolved_once_per_choice_device_and_dtype(monkeypatch):
+    monkeypatch.setattr(backend, "_RESOLVED", {})
+    with backend.use_backend("reference"):
+        assert backend.current("cpu", torch.float32) == "reference"
+    with backend.use_backend("triton"):
+        assert backend.current(DEVICE, torch.float32) == "triton"
+    assert set(backend._RESOLVED) == {("reference", "cpu", torch.float32), ("triton", torch.device(DEVICE).type,
+                                                                             torch.float32)}

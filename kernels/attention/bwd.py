@@ -406,7 +406,6 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
     """The dq kernel, then the dk/dv kernel, dense or packed (``layout``), writing ``dq``, ``dk`` and ``dv``;
     ``args`` are ``shared_args``'."""
     delta = torch.empty_like(lse)  # lse's shape and layout
-    block_d = head_dim_bucket(layout.head_dim)
     # Both kernels load alike: through TMA only if it can address every input and output.
     addressable = tma_can_load((q, k, v, o, do, dk, dv), layout)
     dq_launch = launch_options("bwd_dq", attention_dq_kernel, q, layout.head_dim, masks, spec.dropout_p,
@@ -418,6 +417,7 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
     if not (dq_tma and dkdv_tma):  # the pointer path reads o and do in o's layout; TMA in any
         o, do = output_layout(o), output_layout(do)
     q_in, k_in, v_in, o_in, do_in = q, k, v, o, do
+    block_d = head_dim_bucket(layout.head_dim) if dq_tma or dkdv_tma else None
     if dq_tma:
         q_in, o_in, do_in = (tiles_of(x, dq_tile.block_m, block_d, True) for x in (q, o, do))
         k_in, v_in = (tiles_of(x, dq_tile.block_n, block_d, True) for x in (k, v))

@@ -2,12 +2,12 @@
 straight to its launcher; under ``torch.compile``, ``torch.export`` or a FakeTensor trace (``traced``) it goes
 through a custom op, whose fake kernel gives the traced graph its shapes. The custom ops take the call's options
 flat (their schema), and build the same masks and spec the eager path has."""
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from ...contract import AttentionMasks, AttentionSpec, PackedSequences, window_bounds, window_of_bounds
-from .._common import contiguous_last_dim, dropout_keep_mask, traced
+from .._common import contiguous_last_dims, dropout_keep_mask, traced
 from .bwd import launch_bwd
 from .fwd import launch_fwd
 from .launch import Layout, MaskArgs, check_inputs, empty_output, mask_args, shared_args, varlen_mask_args
@@ -28,8 +28,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slopes: Opt
     lse = q.new_empty(q.shape[:3] if seqs is None else (q.shape[1], q.shape[0]), dtype=torch.float32)
     if lse.numel() == 0:  # no query row: a grid of 0 programs is an error on a GPU
         return o, lse
-    layout, kernel_masks = _kernel_form(q, k, v, spec, alibi_slopes, sinks, masks, seqs)
-    args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
+    layout, kernel_masks, args = _launch_form(q, k, v, spec, alibi_slopes, sinks, masks, seqs, seed)
     if prepared is not None:
         prepared["launch"] = (layout, kernel_masks, args)
     launch_fwd(q, k, v, o, lse, layout, kernel_masks, spec, args)
@@ -42,7 +41,8 @@ def _bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o:
          prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """The backward launches (the dq kernel, then the dk/dv kernel): dense with ``masks``, packed with ``seqs``, the
     forward's layout, masks and arguments in kernel form taken from ``prepared`` where it left them."""
-    dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
+    dq, dk = empty_output(q), empty_output(k)
+    dv = dk.new_empty_strided(dk.shape, dk.stride())  # v has k's shape
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     launch = prepared.get("launch") if prepared is not None else None
@@ -52,20 +52,42 @@ def _bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o:
             kernel_masks = kernel_masks._replace(sinks=None)
             args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
     else:
-        layout, kernel_masks = _kernel_form(q, k, v, spec, alibi_slopes, None, masks, seqs)
-        args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
+        layout, kernel_masks, args = _launch_form(q, k, v, spec, alibi_slopes, None, masks, seqs, seed)
     launch_bwd(do, dlse, q, k, v, o, lse, dq, dk, dv, layout, kernel_masks, spec, args)
     return dq, dk, dv
 
 
-def _kernel_form(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
-                 sinks: Optional[Tensor], masks: Optional[AttentionMasks],
-                 seqs: Optional[PackedSequences]) -> Tuple[Layout, MaskArgs]:
-    """The layout and the masks of a launch in kernel form: dense with ``masks``, packed with ``seqs``."""
-    if seqs is None:
-        return Layout.dense(q, k, v), mask_args(q, k, masks, spec, alibi_slopes, sinks)
-    return (Layout.packed(q, k, v, seqs.cu_seqlens_q.shape[0] - 1, seqs.max_seqlen_q, seqs.max_seqlen_k),
-            varlen_mask_args(seqs, spec, q.shape[1], alibi_slopes, sinks))
+# The launch forms of dense calls without masks, ALiBi or sinks (nothing but shapes, strides and the spec decides
+# them), by what decides them: (layout, masks, the shared arguments before the seed, after it).
+_PLAIN_FORMS: Dict[tuple, Tuple[Layout, MaskArgs, tuple, tuple]] = {}
+_MAX_PLAIN_FORMS = 256
+
+
+def _launch_form(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
+                 sinks: Optional[Tensor], masks: Optional[AttentionMasks], seqs: Optional[PackedSequences],
+                 seed: Optional[Tensor]) -> Tuple[Layout, MaskArgs, tuple]:
+    """The layout, the masks in kernel form and the ``shared_args`` of a launch: dense with ``masks``, packed with
+    ``seqs``; made once per shape, strides and spec for a plain dense call."""
+    if seqs is not None:
+        layout = Layout.packed(q, k, v, seqs.cu_seqlens_q.shape[0] - 1, seqs.max_seqlen_q, seqs.max_seqlen_k)
+        kernel_masks = varlen_mask_args(seqs, spec, q.shape[1], alibi_slopes, sinks)
+        return layout, kernel_masks, shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
+    plain = alibi_slopes is None and sinks is None and masks.count(None) == len(masks)  # no tensor but q, k, v
+    if plain:
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), spec)
+        found = _PLAIN_FORMS.get(key)
+        if found is not None:
+            layout, kernel_masks, before_seed, after_seed = found
+            return layout, kernel_masks, (*before_seed, seed, *after_seed)
+    layout, kernel_masks = Layout.dense(q, k, v), mask_args(q, k, masks, spec, alibi_slopes, sinks)
+    args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
+    if plain:
+        if len(_PLAIN_FORMS) >= _MAX_PLAIN_FORMS:
+            _PLAIN_FORMS.clear()
+        at = len(args) - len(kernel_masks.score_args()) - 1  # the seed's place
+        assert args[at] is seed
+        _PLAIN_FORMS[key] = (layout, kernel_masks, args[:at], args[at + 1:])
+    return layout, kernel_masks, args
 
 
 def _weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tensor:
@@ -90,7 +112,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: 
                   alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], seed: Optional[Tensor],
                   float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """``o [B, H, Lq, D]`` laid out as ``[B, Lq, H, D]`` (float32 with ``float_output``) and the float32 LSE."""
-    q, k, v = contiguous_last_dim(q), contiguous_last_dim(k), contiguous_last_dim(v)
+    q, k, v = contiguous_last_dims(q, k, v)
     if traced():
         return torch.ops.fused_transformer.attention_fwd(
             q, k, v, *_flat_masks(masks), spec.is_causal, spec.causal_alignment, *window_bounds(spec.window),
@@ -102,7 +124,7 @@ def attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
                   masks: AttentionMasks, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
                   seed: Optional[Tensor], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` laid out as o; o in q's dtype or float32 (``float_output``)."""
-    q, k, v = contiguous_last_dim(q), contiguous_last_dim(k), contiguous_last_dim(v)
+    q, k, v = contiguous_last_dims(q, k, v)
     o, lse = (o if o.dtype == q.dtype else o.to(q.dtype)), lse.contiguous()
     if traced():
         return torch.ops.fused_transformer.attention_bwd(
@@ -115,7 +137,7 @@ def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences,
                          alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], seed: Optional[Tensor],
                          float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """``o [Tq, H, D]`` (float32 with ``float_output``) and the float32 LSE ``[H, Tq]``."""
-    q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
+    q, k, v = contiguous_last_dims(q, k, v)
     if traced():
         return torch.ops.fused_transformer.attention_varlen_fwd(
             q, k, v, *seqs, spec.is_causal, spec.causal_alignment, *window_bounds(spec.window), spec.dropout_p, seed,
@@ -127,7 +149,7 @@ def attention_varlen_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tenso
                          lse: Tensor, seqs: PackedSequences, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
                          seed: Optional[Tensor], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq [Tq, H, D], dk, dv [Tk, Hkv, D]``."""
-    q, k, v = (contiguous_last_dim(t) for t in (q, k, v))
+    q, k, v = contiguous_last_dims(q, k, v)
     o, lse = (o if o.dtype == q.dtype else o.to(q.dtype)), lse.contiguous()
     if traced():
         return torch.ops.fused_transformer.attention_varlen_bwd(
@@ -140,7 +162,7 @@ def attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, 
     """The probabilities ``[B, H, Lq, Lk]`` (q's dtype, before dropout) that a forward with this LSE used, recomputed
     by a separate kernel; only modules asked for ``need_weights`` run it. Not differentiable (``torch.nn`` returns
     these weights for inspection)."""
-    q, k, lse = contiguous_last_dim(q), contiguous_last_dim(k), lse.float()
+    (q, k), lse = contiguous_last_dims(q, k), lse.float()
     if traced():
         return torch.ops.fused_transformer.attention_weights(
             q, k, lse, *_flat_masks(masks), spec.is_causal, spec.causal_alignment, *window_bounds(spec.window), spec.scale)
