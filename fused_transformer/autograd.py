@@ -151,8 +151,8 @@ _attention_apply = _eager_apply(AttentionFunction)
 _attention_varlen_apply = _eager_apply(AttentionVarlenFunction)
 
 
-def _check_constant_mask(attn_mask: Optional[Tensor], name: str) -> None:
-    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+def _check_constant_mask(attn_mask: Tensor, name: str) -> None:
+    if attn_mask.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"attn_mask requires grad, but backend {name!r} treats masks as constants (no gradient); "
                          "pass attn_mask.detach(), or use the reference backend to differentiate the mask")
 
@@ -173,9 +173,9 @@ def attention(name: str, q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks,
     if masks.attn_mask is not None:
         _check_constant_mask(masks.attn_mask, name)
     if _needs_grad(q, k, v, sinks):
-        if _tracked_lse(return_lse):
-            return _attention_apply(q, k, v, sinks, *masks, alibi_slopes, spec, name)
-        return _attention_apply(q, k, v, sinks, *masks, alibi_slopes, spec, name, False), None
+        with_lse = _tracked_lse(return_lse)
+        out = _attention_apply(q, k, v, sinks, *masks, alibi_slopes, spec, name, with_lse)
+        return out if with_lse else (out, None)
     return ops.attention_fwd(q, k, v, masks, spec, alibi_slopes, sinks, _seed(spec.dropout_p, q.device), False)
 
 

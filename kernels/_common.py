@@ -80,6 +80,9 @@ _RUNTIME_PARAMS: Dict[int, Tuple[object, Optional[int]]] = {}
 # Compiled kernels by launch_key; emptied when it grows past _MAX_COMPILED (a key per shape class, not per call).
 _COMPILED: Dict[tuple, object] = {}
 _MAX_COMPILED = 4096
+# runtime_keys' numbers: a key per class of shapes and strides a launcher keeps, never forgotten (a number must not
+# stand for two keys while _COMPILED holds one of them).
+_KEY_NUMBERS: Dict[tuple, int] = {}
 
 
 def _runtime_params(kernel: object) -> Optional[int]:
@@ -97,14 +100,33 @@ def _runtime_params(kernel: object) -> Optional[int]:
     return found
 
 
-def launch_key(kernel: object, args: tuple, options: tuple) -> Optional[tuple]:
+def runtime_keys(args: tuple) -> Optional[int]:
+    """A number standing for the launch-key part of ``args``, arguments that are not constexprs (``_runtime_key`` of
+    each; the same number for the same part), None where an argument has none: a launcher that passes the same
+    arguments again and again keeps it, and gives it to ``launch_kernel`` as ``known`` (a number, which a dictionary
+    hashes at once)."""
+    try:
+        key = tuple(map(_runtime_key, args))
+    except TypeError:
+        return None
+    return _KEY_NUMBERS.setdefault(key, len(_KEY_NUMBERS))
+
+
+def launch_key(kernel: object, args: tuple, options: tuple,
+               known: Optional[Tuple[int, int, int]] = None) -> Optional[tuple]:
     """The key ``launch_kernel`` reuses a compiled kernel under, None where it cannot (the arguments are not all of the
-    kernel's parameters, its constexprs are not its last, or an argument is of a kind it does not know)."""
+    kernel's parameters, its constexprs are not its last, or an argument is of a kind it does not know). ``known``:
+    ``(start, stop, number)``, ``args[start:stop]``'s part of the key as ``runtime_keys`` numbered it for the caller,
+    who made it before and kept it: those arguments are not looked at again."""
     runtime = _runtime_params(kernel)
     if runtime is None or len(args) != len(kernel.params):
         return None
     try:
-        return (id(kernel), options, *args[runtime:], *map(_runtime_key, args[:runtime]))
+        if known is None:
+            return (id(kernel), options, *args[runtime:], *map(_runtime_key, args[:runtime]))
+        start, stop, key = known
+        return (id(kernel), options, *args[runtime:], *map(_runtime_key, args[:start]), (start, stop, key),
+                *map(_runtime_key, args[stop:runtime]))
     except TypeError:
         return None
 
@@ -120,11 +142,12 @@ def current_stream(device: int) -> int:
 
 
 def launch_kernel(kernel: object, grid: Tuple[int, ...], args: tuple, num_warps: int,
-                  num_stages: Optional[int] = None, num_ctas: int = 1, **constexprs: object) -> None:
+                  num_stages: Optional[int] = None, num_ctas: int = 1,
+                  known: Optional[Tuple[int, int, int]] = None, **constexprs: object) -> None:
     """``kernel[grid](*args, **constexprs, num_warps=..., num_stages=..., num_ctas=...)``: through
     ``JITFunction.run`` the first time a ``launch_key`` is seen, to its compiled kernel directly after that.
     ``args`` are the kernel's parameters by position; the constexprs, its last parameters, may end them or come by
-    name."""
+    name. ``known``: part of the launch key, made before (``launch_key``)."""
     if interpreting():
         kernel.run(*args, grid=grid, warmup=False, num_warps=num_warps, num_stages=num_stages, num_ctas=num_ctas,
                    **constexprs)
@@ -135,7 +158,7 @@ def launch_kernel(kernel: object, grid: Tuple[int, ...], args: tuple, num_warps:
     if num_stages is not None:
         options["num_stages"] = num_stages
     device = current_device()
-    key = launch_key(kernel, args, (device, num_warps, num_stages, num_ctas))
+    key = launch_key(kernel, args, (device, num_warps, num_stages, num_ctas), known)
     try:
         compiled = _COMPILED.get(key) if key is not None else None
     except TypeError:  # a constexpr value that cannot be hashed

@@ -306,9 +306,8 @@ def _launch_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], res
     """The forward on ``x`` / ``residual`` ``[rows, N]`` (last dim contiguous, any row stride).
 
     Returns ``y [rows, N]``, ``z [rows, N]`` (empty unless ``store_z``), ``mean [rows]`` (float32, empty for
-    RMSNorm) and ``rstd [rows]`` (float32).
+    RMSNorm) and ``rstd [rows]`` (float32). Its callers check the dtypes.
     """
-    _check_dtypes(x, weight, bias, residual)
     n_rows, n_cols = x.shape
     if n_cols > MAX_HIDDEN:
         raise ValueError(f"triton layer_norm supports hidden sizes up to {MAX_HIDDEN}, got {n_cols}")
@@ -407,6 +406,7 @@ def _layer_norm_fwd_op(
     dropout_p: float, seed: Optional[Tensor], rms_norm: bool, store_z: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``_launch_fwd`` as torch.compile and torch.export trace it."""
+    _check_dtypes(x, weight, bias, residual)
     return _launch_fwd(x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z)
 
 

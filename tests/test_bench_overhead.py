@@ -24,7 +24,7 @@ def overhead_run(tmp_path_factory):
     launch = InterpretedFunction.run
     out = tmp_path_factory.mktemp("overhead")
     code = bench.main(["--suite", "overhead", "--device", "cpu", "--min-time", "0.005", "--out", str(out),
-                       "--no-progress"])
+                       "--no-progress", "--profile"])
     with open(out / "bench_cpu.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     return code, out, rows, launch
@@ -72,6 +72,32 @@ def test_the_summary_has_the_table_of_microseconds_and_no_plots_are_drawn(overhe
     assert "\n## overhead\n" in text and "| op / module | mode | ours us | thin us | torch us |" in text
     assert "| attention | fwd+bwd |" in text and "<= 2.5x" in text
     assert not list(out.glob("*.png"))
+
+
+def test_the_profiles_say_where_each_cases_host_time_goes(overhead_run):
+    """--profile: per case, ours and (for the ops) thin, cProfile's functions in microseconds per call, then the torch
+    profiler's operators; ours' rows name our own launchers."""
+    _, out, rows, _ = overhead_run
+    text = (out / "overhead_profile_cpu.txt").read_text()
+    sections = re.split(r"\n=== ", text)[1:]
+    expected = [f"{case} {mode}: {impl}" for case, mode in dict.fromkeys((r["case"], r["mode"]) for r in rows)
+                for impl in (("ours", "thin") if case in bench_overhead.OPS else ("ours",))]
+    assert [section.splitlines()[0] for section in sections] == expected
+    for section in sections:
+        lines = section.splitlines()
+        assert lines[1].split() == ["own", "us", "cum", "us", "calls", "function"]
+        functions = [line.split(None, 3) for line in lines[2:lines.index("")]]
+        assert 0 < len(functions) <= bench_overhead.PROFILE_ROWS
+        assert all(float(own) >= 0 and float(cum) >= float(own) for own, cum, _, _ in functions)
+        assert "Self CPU time total" in section
+    attention = sections[expected.index("attention fwd+bwd: ours")]
+    assert "launch_bwd (kernels/attention/bwd.py" in attention and "aten::" in attention
+
+
+def test_profile_is_an_argparse_error_without_the_overhead_suite(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        bench.main(["--suite", "attention", "--profile", "--out", str(tmp_path)])
+    assert "--profile profiles the overhead suite" in capsys.readouterr().err
 
 
 def test_triton_launches_run_again_after_the_suite(overhead_run):

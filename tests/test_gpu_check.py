@@ -167,6 +167,7 @@ def test_bench_measures_fewer_lengths_when_its_limit_would_not_fit_both(tmp_path
     record = gpu_check_parts.bench_part(str(tmp_path), 120)
     command = " ".join(ran["command"])
     assert "bench --device cuda:0 --quick" in command and "--lengths 4096 --out" in command
+    assert ran["command"].count("--suite") == len(gpu_check_parts.BENCH_SUITES) and "--profile" in ran["command"]
     assert ran["limit_s"] == 120 - gpu_check_parts.INNER_MARGIN_S
     assert record["figures"]["lengths"] == [4096] and record["figures"]["lengths_left_out"] == [1024]
     assert "Lengths: 4096 only; 1024 left out" in "\n".join(gpu_check_summary._bench_details(record["figures"]))

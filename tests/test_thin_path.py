@@ -189,6 +189,45 @@ def test_launches_reuse_the_compiled_kernel_of_a_key_seen_before(monkeypatch):
     assert len(kernel.compiled) == compiles + 4
 
 
+def test_a_known_part_of_the_launch_key_tells_apart_what_the_whole_key_does(monkeypatch):
+    """A launcher's kept key of some arguments (``known``) reuses a compiled kernel exactly where the key of every
+    argument would."""
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    monkeypatch.setattr(_common, "current_device", lambda: 0)
+    monkeypatch.setattr(_common, "current_stream", lambda device: 7)
+    monkeypatch.setattr(_common, "_COMPILED", {})
+    kernel, x = _Kernel(), torch.randn(64)
+    calls = [(x, 16, 0.5), (x * 2, 32, 0.25), (x, 17, 0.5), (x, 1, 0.5), (x, 16, None), (x[1:], 16, 0.5),
+             (x, 2**31, 0.5)]
+    options = (0, 4, None, 1)
+    for a in calls:
+        for b in calls:
+            known_a, known_b = ((1, 3, _common.runtime_keys(args[1:3])) for args in (a, b))
+            same = _common.launch_key(kernel, (*a, 64), options) == _common.launch_key(kernel, (*b, 64), options)
+            assert (_common.launch_key(kernel, (*a, 64), options, known_a)
+                    == _common.launch_key(kernel, (*b, 64), options, known_b)) == same, (a, b)
+    for args in calls:
+        _common.launch_kernel(kernel, (1,), args, 4, known=(1, 3, _common.runtime_keys(args[1:3])), BLOCK=64)
+    compiles = len(kernel.compiled)
+    assert compiles == len(calls) - 1  # (x * 2, 32, 0.25) and (x, 16, 0.5) are alike
+    y = x * 3
+    _common.launch_kernel(kernel, (2,), (y, 48, 0.75), 4, known=(1, 3, _common.runtime_keys((48, 0.75))), BLOCK=64)
+    assert len(kernel.compiled) == compiles and kernel.compiled[0][-1].launches[-1][-4:] == (y, 48, 0.75, 64)
+    assert _common.runtime_keys((16, object())) is None  # no key: launch_kernel keys every argument itself
+
+
+def test_the_launchers_key_the_shared_arguments_where_the_kernels_take_them():
+    """``known_args``' start in each launcher is the kernel's first shared parameter (``launch.shared_args``)."""
+    import inspect
+
+    from fused_transformer.kernels.attention import bwd, fwd
+
+    for kernel, start in ((fwd.attention_fwd_kernel, 5), (bwd.attention_dq_kernel, 9),
+                          (bwd.attention_dkdv_kernel, 8)):
+        names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+        assert names[start:start + 2] == ["MASK", "PAD"], names
+
+
 def test_small_launches_read_through_pointers_on_a_gpu(monkeypatch):
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     monkeypatch.setattr(launch, "target_of", lambda device: SimpleNamespace(tma=True))
@@ -245,13 +284,16 @@ def test_a_plain_dense_call_reuses_its_launch_form(monkeypatch):
     assert len(ops._PLAIN_FORMS) == 1
     monkeypatch.setattr(ops, "_PLAIN_FORMS", {})
     fresh = ops._launch_form(q, q, q, spec, None, None, masks, None, seeds[1])
-    assert made[1][:2] == fresh[:2] and len(made[1][2]) == len(fresh[2])
-    assert all(a is b or a == b for a, b in zip(made[1][2], fresh[2]))
-    held = [[t for t in form[2] if isinstance(t, torch.Tensor)] for form in made]
+    assert made[1][:2] == fresh[:2] and len(made[1].args) == len(fresh.args)
+    assert all(a is b or a == b for a, b in zip(made[1].args, fresh.args))
+    held = [[t for t in form.args if isinstance(t, torch.Tensor)] for form in made]
     assert len(held[0]) == len(held[1]) == 1 and held[0][0] is seeds[0] and held[1][0] is seeds[1]
+    # The launch key of the arguments before the seed, made with them; an uncached form has none.
+    at = next(i for i, arg in enumerate(made[1].args) if arg is seeds[1])
+    assert made[0].args_key is made[1].args_key and fresh.args_key == _common.runtime_keys(fresh.args[:at])
     padding = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool)
-    ops._launch_form(q, q, q, spec, None, None, AttentionMasks(None, padding, None, None), None, seeds[0])
-    assert len(ops._PLAIN_FORMS) == 1  # a call with a mask tensor is never cached
+    padded = ops._launch_form(q, q, q, spec, None, None, AttentionMasks(None, padding, None, None), None, seeds[0])
+    assert len(ops._PLAIN_FORMS) == 1 and padded.args_key is None  # a call with a mask tensor is never cached
 
 
 def test_the_backend_is_resolved_once_per_choice_device_and_dtype(monkeypatch):

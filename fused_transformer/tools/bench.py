@@ -70,10 +70,12 @@ Row = Dict[str, object]
 # -------------------------------------------------------------------------------------------- measuring
 
 
-def measure(case: Case, setup: Setup, min_time: float, failures: List[str]) -> Iterator[Row]:
+def measure(case: Case, setup: Setup, min_time: float, failures: List[str],
+            profile_path: Optional[str] = None) -> Iterator[Row]:
     """Time every implementation of ``case`` side by side (``bench_timing.time_ms``) and yield its CSV rows,
     the baseline first, then ours. An implementation that refuses the case yields a row with ``ms`` None and
-    the reason in ``note``."""
+    the reason in ``note``. ``profile_path``: an overhead case's profiles are appended there after its timing
+    (``bench_overhead.profile``)."""
     try:
         built = case.build()
     except (RuntimeError, ValueError) as exc:  # e.g. out of memory while allocating the inputs
@@ -108,6 +110,8 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str]) -> I
     try:
         with _quiet(case.suite == "attention"):
             times = (bench_overhead.host_ms if overhead else time_ms)(accepted, built.grads, setup.device, min_time)
+        if overhead and profile_path is not None:
+            bench_overhead.profile(case, accepted, setup.device, profile_path)
     except (RuntimeError, ValueError, NotImplementedError) as exc:  # out of memory, say
         failures.append(f"{case.id}: {_first_line(exc)}")
         yield _row(case, setup, case.baseline, None, None, f"FAILED while timing: {_first_line(exc)}")
@@ -257,6 +261,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="the fused_transformer backend 'ours' runs on (default: %(default)s)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help=f"CPU threads for torch and our kernels (default {torch.get_num_threads()}, torch's)")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"with --suite {bench_overhead.SUITE}: also write where each case's host time goes "
+                        "(cProfile and the torch profiler) to DIR/overhead_profile_<device>.txt")
     parser.add_argument("--no-plots", action="store_true", help="write the CSV only")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
@@ -270,6 +277,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
             ft.current(args.device, args.dtype)
         except RuntimeError as exc:
             parser.error(f"--backend {args.backend}: {exc}")
+    if args.profile and bench_overhead.SUITE not in (args.suite or ()):
+        parser.error(f"--profile profiles the {bench_overhead.SUITE} suite: add --suite {bench_overhead.SUITE}")
     if bench_overhead.SUITE in (args.suite or ()):
         reason = bench_overhead.unusable_reason(Setup(args.device, args.dtype, args.backend))
         if reason:
@@ -328,10 +337,13 @@ def run(args: argparse.Namespace, command: Optional[List[str]] = None, recap: Op
                 suite_started, suite_setup = time.perf_counter(), suite_setups[name]
                 print_header(name, suite_setup, cases[0].baseline)
                 overhead = name == bench_overhead.SUITE
+                profiles = bench_overhead.profile_path(args.out, setup.device) if overhead and args.profile else None
+                if profiles is not None:
+                    bench_overhead.start_profiles(profiles, suite_setup)
                 with bench_overhead.conditions(suite_setup) if overhead else contextlib.nullcontext():
                     for case in cases:
                         bar.set_description(f"{name} {case.case} {case.mode} L{case.seq_len}")
-                        for row in measure(case, suite_setup, args.min_time, failures):
+                        for row in measure(case, suite_setup, args.min_time, failures, profiles):
                             print_row(row)
                             rows.append(row)
                             writer.writerow({key: _csv_value(value) for key, value in row.items()})
@@ -360,6 +372,8 @@ def run(args: argparse.Namespace, command: Optional[List[str]] = None, recap: Op
     with open(summary_path, "w") as f:
         f.write(bench_summary.markdown(rows, setup, command or ["bench"], written[1:]))
     written.append(summary_path)
+    if args.profile:
+        written.append(bench_overhead.profile_path(args.out, setup.device))
     seconds = time.perf_counter() - started
     if recap is None:
         print(f"\n{len(rows)} rows in {seconds:.0f} s; wrote " + ", ".join(written))

@@ -28,8 +28,11 @@ one torch thread: only our Python path and the allocations it makes are timed, w
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import functools
 import gc
+import os
+import pstats
 import statistics
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -328,6 +331,76 @@ def cases(setup: Setup) -> List[Case]:
                 d_ff=D_FF if name.endswith("Layer") else None,
                 build=functools.partial(_build_module, setup, name, mode == "train")))
     return found
+
+
+# --------------------------------------------------------------------------------------------- profiles
+# ``bench --suite overhead --profile``: where the host time of a call goes, for whoever must cut it (on a GPU, where
+# Triton's launch and the device's allocator add to what the CPU run shows).
+PROFILE_CALLS = 100
+PROFILE_ROWS = 25
+
+
+def profile_path(out: str, device: torch.device) -> str:
+    return os.path.join(out, f"overhead_profile_{device.type}.txt")
+
+
+def start_profiles(path: str, setup: Setup) -> None:
+    """Begin ``path``'s file (replacing an earlier run's) with the conditions of the profiles that follow."""
+    with open(path, "w") as f:
+        f.write(f"bench --suite overhead --profile: {describe(setup)}; torch {torch.__version__}.\n"
+                f"Per case, ours and thin (whose time is torch's own: autograd's bookkeeping), {PROFILE_CALLS} calls "
+                "each, microseconds per call: cProfile's functions by own time (the profiler's own cost inflates "
+                "every Python call alike), then the torch profiler's operators (on CUDA with the runtime's calls: "
+                "launches, copies, synchronisations) by self CPU time, its totals over the calls.\n")
+
+
+def _function_rows(profiler: cProfile.Profile) -> List[str]:
+    """cProfile's ``PROFILE_ROWS`` functions with the most own time, in microseconds per profiled call."""
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, ...)
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:PROFILE_ROWS]
+    lines = [f"{'own us':>8} {'cum us':>8} {'calls':>6}  function"]
+    for (file, line, name), (_, calls, own, cumulative, _) in rows:
+        shown = os.path.relpath(file) if file.startswith(os.getcwd()) else file
+        where = name if file == "~" else f"{name} ({shown}:{line})"
+        lines.append(f"{own / PROFILE_CALLS * 1e6:8.2f} {cumulative / PROFILE_CALLS * 1e6:8.2f} "
+                     f"{calls / PROFILE_CALLS:6.2f}  {where}")
+    return lines
+
+
+def profile(case: Case, fns: Dict[str, Callable[[], object]], device: torch.device, path: str) -> None:
+    """Append to ``path`` where the host time of ``ours`` and ``thin`` (where the case has it) goes over
+    ``PROFILE_CALLS`` calls of each (after as many unprofiled, with the garbage collector off as in the timing):
+    cProfile's ``PROFILE_ROWS`` functions with the most own time, and the torch profiler's operators by self CPU
+    time."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with open(path, "a") as f:
+            for impl in ("ours", "thin"):
+                fn = fns.get(impl)
+                if fn is None:
+                    continue
+                for _ in range(PROFILE_CALLS):
+                    fn()
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(PROFILE_CALLS):
+                    fn()
+                profiler.disable()
+                with torch.profiler.profile(activities=activities) as torch_profile:
+                    for _ in range(PROFILE_CALLS):
+                        fn()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                operators = torch_profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)
+                f.write("\n".join(["", f"=== {case.case} {case.mode}: {impl}", *_function_rows(profiler), "",
+                                    operators, ""]))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 # ------------------------------------------------------------------------------------------------ tables

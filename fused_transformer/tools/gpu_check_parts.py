@@ -470,7 +470,7 @@ def bench_part(out: str, limit_s: float) -> dict:
     lengths = bench_lengths(limit_s)
     command = [sys.executable, "-m", "fused_transformer", "bench", "--device", PART_DEVICE, "--quick",
                *[arg for suite in BENCH_SUITES for arg in ("--suite", suite)],
-               "--lengths", ",".join(map(str, lengths)), "--out", folder, "--no-progress"]
+               "--lengths", ",".join(map(str, lengths)), "--out", folder, "--no-progress", "--profile"]
     csv_path = os.path.join(folder, "bench_cuda.csv")
     for stale in (csv_path, csv_path + ".partial"):  # an earlier run's rows must not pass for this one's
         if os.path.exists(stale):

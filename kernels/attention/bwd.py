@@ -19,7 +19,7 @@ from .jit import (
     _alibi_slope, _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _real_rows, _row_index,
     _sequence, _stat_base, _tanh, _tile_mask, _tma_tile, _unmasked_keys_end, _visible_keys, _visible_queries,
 )
-from .launch import Layout, MaskArgs, grid, launch_options, output_layout, tiles_of, tma_can_load
+from .launch import LaunchForm, grid, known_args, launch_options, output_layout, tiles_of, tma_can_load
 
 Tensor = torch.Tensor
 
@@ -401,10 +401,9 @@ def attention_dkdv_kernel(
 
 
 def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-               dq: Tensor, dk: Tensor, dv: Tensor, layout: Layout, masks: MaskArgs, spec: AttentionSpec,
-               args: tuple) -> None:
-    """The dq kernel, then the dk/dv kernel, dense or packed (``layout``), writing ``dq``, ``dk`` and ``dv``;
-    ``args`` are ``shared_args``'."""
+               dq: Tensor, dk: Tensor, dv: Tensor, form: LaunchForm, spec: AttentionSpec) -> None:
+    """The dq kernel, then the dk/dv kernel, dense or packed (``form.layout``), writing ``dq``, ``dk`` and ``dv``."""
+    layout, masks, args = form.layout, form.masks, form.args
     delta = torch.empty_like(lse)  # lse's shape and layout
     # Both kernels load alike: through TMA only if it can address every input and output.
     addressable = tma_can_load((q, k, v, o, do, dk, dv), layout)
@@ -423,7 +422,7 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
         k_in, v_in = (tiles_of(x, dq_tile.block_n, block_d, True) for x in (k, v))
     launch_kernel(attention_dq_kernel, grid(cdiv(layout.n_queries, dq_tile.block_m), layout.batch, layout.heads),
                   (q_in, k_in, v_in, o_in, do_in, lse, dlse.contiguous() if dlse is not None else None, delta, dq,
-                   *args, *dq_launch.constexprs), dq_launch.num_warps, dq_launch.num_stages)
+                   *args, *dq_launch.constexprs), dq_launch.num_warps, dq_launch.num_stages, known=known_args(9, form))
     dk_out, dv_out = dk, dv
     if not dkdv_tma:
         q_in, k_in, v_in, do_in = q, k, v, do
@@ -436,4 +435,4 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
             dk_out, dv_out = (tiles_of(t, dkdv_tile.block_n, block_d, True) for t in (dk, dv))
     launch_kernel(attention_dkdv_kernel, grid(cdiv(layout.n_keys, dkdv_tile.block_n), layout.batch, layout.kv_heads),
                   (q_in, k_in, v_in, do_in, lse, delta, dk_out, dv_out, *args, *dkdv_launch.constexprs),
-                  dkdv_launch.num_warps, dkdv_launch.num_stages)
+                  dkdv_launch.num_warps, dkdv_launch.num_stages, known=known_args(8, form))

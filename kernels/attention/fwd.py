@@ -13,7 +13,6 @@ Dropout on the probabilities: element (b, h, i, j) is kept when ``dropout_keep(S
 p)`` (Lq, Lk: max_seqlen_q, max_seqlen_k with VARLEN, i and j counted within the sequence);
 ``attention_keep_mask`` replays the mask for the reference.
 """
-from typing import Optional
 
 import torch
 import triton
@@ -26,7 +25,7 @@ from .jit import (
     _alibi_slope, _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _real_rows, _row_index,
     _sequence, _stat_base, _tile_mask, _tma_tile, _unmasked_keys_end, _visible_keys,
 )
-from .launch import Layout, MaskArgs, grid, launch_options, tiles_of, tma_can_load
+from .launch import LaunchForm, grid, known_args, launch_options, tiles_of, tma_can_load
 
 Tensor = torch.Tensor
 
@@ -210,9 +209,10 @@ def attention_fwd_kernel(
              mask=_tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D))
 
 
-def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout: Layout, masks: MaskArgs,
-               spec: AttentionSpec, args: tuple) -> None:
-    """The forward kernel, dense or packed (``layout``), writing ``o`` and ``lse``; ``args`` are ``shared_args``'."""
+def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, form: LaunchForm,
+               spec: AttentionSpec) -> None:
+    """The forward kernel, dense or packed (``form.layout``), writing ``o`` and ``lse``."""
+    layout, masks = form.layout, form.masks
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
     launch = launch_options("fwd", attention_fwd_kernel, q, layout.head_dim, masks, spec.dropout_p, spec.allow_tf32,
                             tma_can_load((q, k, v), layout))
@@ -222,4 +222,5 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, layout: 
         q, k = tiles_of(q, tile.block_m, block_d, True), tiles_of(k, tile.block_n, block_d, True)
         v = tiles_of(v, tile.block_n, block_d, True)
     launch_kernel(attention_fwd_kernel, grid(cdiv(layout.n_queries, tile.block_m), layout.batch, layout.heads),
-                  (q, k, v, o, lse, *args, *launch.constexprs), launch.num_warps, launch.num_stages)
+                  (q, k, v, o, lse, *form.args, *launch.constexprs), launch.num_warps, launch.num_stages,
+                  known=known_args(5, form))

@@ -293,6 +293,23 @@ def shared_args(layout: Layout, masks: MaskArgs, scale: float, dropout_p: float,
             dropout_p, seed, *masks.score_args())
 
 
+class LaunchForm(NamedTuple):
+    """What the forward and backward launches of a call share: its layout, its masks in kernel form, the
+    ``shared_args`` and, where it was made once for many calls, the launch key of the first ``keyed_args`` of them
+    (those before the seed; ``_common.runtime_keys``' number, else None)."""
+
+    layout: Layout
+    masks: MaskArgs
+    args: tuple
+    args_key: Optional[int] = None
+    keyed_args: int = 0
+
+
+def known_args(start: int, form: LaunchForm) -> Optional[Tuple[int, int, int]]:
+    """``_common.launch_kernel``'s ``known`` for a kernel whose ``form.args`` start at parameter ``start``."""
+    return None if form.args_key is None else (start, start + form.keyed_args, form.args_key)
+
+
 class Launch(NamedTuple):
     """What a kind of launch shares (``launch_options``): its plan, the values of the kernel's constexpr parameters
     (``_common.positional_constexprs``), its warps and stages."""

@@ -7,10 +7,10 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ...contract import AttentionMasks, AttentionSpec, PackedSequences, window_bounds, window_of_bounds
-from .._common import contiguous_last_dims, dropout_keep_mask, traced
+from .._common import contiguous_last_dims, dropout_keep_mask, runtime_keys, traced
 from .bwd import launch_bwd
 from .fwd import launch_fwd
-from .launch import Layout, MaskArgs, check_inputs, empty_output, mask_args, shared_args, varlen_mask_args
+from .launch import LaunchForm, Layout, check_inputs, empty_output, mask_args, shared_args, varlen_mask_args
 from .weights import launch_weights
 
 Tensor = torch.Tensor
@@ -28,10 +28,10 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slopes: Opt
     lse = q.new_empty(q.shape[:3] if seqs is None else (q.shape[1], q.shape[0]), dtype=torch.float32)
     if lse.numel() == 0:  # no query row: a grid of 0 programs is an error on a GPU
         return o, lse
-    layout, kernel_masks, args = _launch_form(q, k, v, spec, alibi_slopes, sinks, masks, seqs, seed)
+    form = _launch_form(q, k, v, spec, alibi_slopes, sinks, masks, seqs, seed)
     if prepared is not None:
-        prepared["launch"] = (layout, kernel_masks, args)
-    launch_fwd(q, k, v, o, lse, layout, kernel_masks, spec, args)
+        prepared["launch"] = form
+    launch_fwd(q, k, v, o, lse, form, spec)
     return o, lse
 
 
@@ -45,49 +45,54 @@ def _bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o:
     dv = dk.new_empty_strided(dk.shape, dk.stride())  # v has k's shape
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    launch = prepared.get("launch") if prepared is not None else None
-    if launch is not None:
-        layout, kernel_masks, args = launch
-        if kernel_masks.sinks is not None:  # in the LSE: the backward kernels take none
-            kernel_masks = kernel_masks._replace(sinks=None)
-            args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
-    else:
-        layout, kernel_masks, args = _launch_form(q, k, v, spec, alibi_slopes, None, masks, seqs, seed)
-    launch_bwd(do, dlse, q, k, v, o, lse, dq, dk, dv, layout, kernel_masks, spec, args)
+    form = prepared.get("launch") if prepared is not None else None
+    if form is None:
+        form = _launch_form(q, k, v, spec, alibi_slopes, None, masks, seqs, seed)
+    elif form.masks.sinks is not None:  # in the LSE: the backward kernels take none
+        kernel_masks = form.masks._replace(sinks=None)
+        form = LaunchForm(form.layout, kernel_masks,
+                          shared_args(form.layout, kernel_masks, spec.scale, spec.dropout_p, seed))
+    launch_bwd(do, dlse, q, k, v, o, lse, dq, dk, dv, form, spec)
     return dq, dk, dv
 
 
 # The launch forms of dense calls without masks, ALiBi or sinks (nothing but shapes, strides and the spec decides
-# them), by what decides them: (layout, masks, the shared arguments before the seed, after it).
-_PLAIN_FORMS: Dict[tuple, Tuple[Layout, MaskArgs, tuple, tuple]] = {}
+# them), by what decides them: (the form, the shared arguments before the seed, after it). The form is the call's
+# own where it has no seed (no dropout); with one, its args are empty and each call's are made with its seed.
+_PLAIN_FORMS: Dict[tuple, Tuple[LaunchForm, tuple, tuple]] = {}
 _MAX_PLAIN_FORMS = 256
 
 
 def _launch_form(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
                  sinks: Optional[Tensor], masks: Optional[AttentionMasks], seqs: Optional[PackedSequences],
-                 seed: Optional[Tensor]) -> Tuple[Layout, MaskArgs, tuple]:
-    """The layout, the masks in kernel form and the ``shared_args`` of a launch: dense with ``masks``, packed with
-    ``seqs``; made once per shape, strides and spec for a plain dense call."""
+                 seed: Optional[Tensor]) -> LaunchForm:
+    """The ``LaunchForm`` of a launch: dense with ``masks``, packed with ``seqs``; made once per shape, strides and
+    spec for a plain dense call."""
     if seqs is not None:
         layout = Layout.packed(q, k, v, seqs.cu_seqlens_q.shape[0] - 1, seqs.max_seqlen_q, seqs.max_seqlen_k)
         kernel_masks = varlen_mask_args(seqs, spec, q.shape[1], alibi_slopes, sinks)
-        return layout, kernel_masks, shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
+        return LaunchForm(layout, kernel_masks, shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed))
     plain = alibi_slopes is None and sinks is None and masks.count(None) == len(masks)  # no tensor but q, k, v
     if plain:
         key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), spec)
         found = _PLAIN_FORMS.get(key)
         if found is not None:
-            layout, kernel_masks, before_seed, after_seed = found
-            return layout, kernel_masks, (*before_seed, seed, *after_seed)
+            form, before_seed, after_seed = found
+            if seed is None and form.args:
+                return form
+            return LaunchForm(form.layout, form.masks, (*before_seed, seed, *after_seed), form.args_key,
+                              form.keyed_args)
     layout, kernel_masks = Layout.dense(q, k, v), mask_args(q, k, masks, spec, alibi_slopes, sinks)
     args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
-    if plain:
-        if len(_PLAIN_FORMS) >= _MAX_PLAIN_FORMS:
-            _PLAIN_FORMS.clear()
-        at = len(args) - len(kernel_masks.score_args()) - 1  # the seed's place
-        assert args[at] is seed
-        _PLAIN_FORMS[key] = (layout, kernel_masks, args[:at], args[at + 1:])
-    return layout, kernel_masks, args
+    if not plain:
+        return LaunchForm(layout, kernel_masks, args)
+    if len(_PLAIN_FORMS) >= _MAX_PLAIN_FORMS:
+        _PLAIN_FORMS.clear()
+    at = len(args) - len(kernel_masks.score_args()) - 1  # the seed's place
+    assert args[at] is seed
+    form = LaunchForm(layout, kernel_masks, args, runtime_keys(args[:at]), at)
+    _PLAIN_FORMS[key] = (form if seed is None else form._replace(args=()), args[:at], args[at + 1:])
+    return form
 
 
 def _weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tensor:
