@@ -94,6 +94,21 @@ def test_the_profiles_say_where_each_cases_host_time_goes(overhead_run):
     assert "launch_bwd (kernels/attention/bwd.py" in attention and "aten::" in attention
 
 
+def test_a_failing_profile_is_said_in_the_file_and_raises_nothing(tmp_path):
+    calls = []
+
+    def failing():
+        calls.append(1)
+        raise RuntimeError("no profiler here")
+
+    case = bench_overhead.cases(bench_cases.Setup(torch.device("cpu"), torch.float32, "triton"))[0]
+    path = str(tmp_path / "profile.txt")
+    bench_overhead.profile(case, {"ours": failing}, torch.device("cpu"), path)
+    text = (tmp_path / "profile.txt").read_text()
+    assert f"=== {case.case} {case.mode}: ours\nprofile failed: RuntimeError: no profiler here" in text
+    assert calls == [1]
+
+
 def test_profile_is_an_argparse_error_without_the_overhead_suite(capsys, tmp_path):
     with pytest.raises(SystemExit):
         bench.main(["--suite", "attention", "--profile", "--out", str(tmp_path)])
