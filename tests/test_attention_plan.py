@@ -171,8 +171,11 @@ def test_a_newer_gpu_plans_as_its_closest_target():
 def test_plan_constexprs_are_what_the_kernels_take():
     p = plan_of("bwd_dkdv", "bf16", 64, HOPPER, light=True)
     assert p.constexprs() == dict(BLOCK_M=64, BLOCK_N=128, USE_TMA=True, DOT_PRECISION="ieee", UPCAST=False,
-                                  INTERIOR_LOOP=True)
+                                  INTERIOR_LOOP=True, DO_STRIDES=True)
     assert "INTERIOR_LOOP" not in plan_of("weights", "bf16", 64, HOPPER).constexprs()
+    assert "DO_STRIDES" not in plan_of("fwd", "bf16", 64, HOPPER).constexprs()
+    # A row whose tiles spill reading do through its strides says so, and its plan reads do in o's layout.
+    assert not plan_of("bwd_dq", "tf32", 64, BY_CAPABILITY[80]).constexprs()["DO_STRIDES"]
 
 
 # ----------------------------------------------------------------------------------- the report compiles the plan

@@ -527,8 +527,9 @@ class _RecordedOps(TorchDispatchMode):
 
 def test_multihead_attention_on_triton_copies_no_head_layout_and_fills_no_gradient_with_zeros(monkeypatch):
     """The module's head merge and the gradient it hands back are views (no clone forward or backward, and the
-    backward reads o and do where they are); the fused q/k/v projection's gradient is one stack of the three, not
-    three zero-filled full-width slices summed; the LSE, which the module does not use, gets no zero gradient."""
+    backward reads o where it is and do through its strides); the fused q/k/v projection's gradient is one stack of
+    the three, not three zero-filled full-width slices summed; the LSE, which the module does not use, gets no zero
+    gradient."""
     read_in_place = []
     output_layout = bwd.output_layout
 
@@ -547,7 +548,7 @@ def test_multihead_attention_on_triton_copies_no_head_layout_and_fills_no_gradie
             out.sum().backward()
     copies = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default}
     assert not copies & set(forward.ops) and not copies & set(backward.ops)
-    assert torch.ops.fused_transformer.attention_bwd.default in backward.ops and read_in_place == [True, True]
+    assert torch.ops.fused_transformer.attention_bwd.default in backward.ops and read_in_place == [True]
     assert torch.ops.aten.stack.default in backward.ops
     assert not {torch.ops.aten.slice_backward.default, torch.ops.aten.zeros.default} & set(backward.ops)
     # The gradients against torch.nn's module in float64, with torch.nn's in float32 as the baseline.
@@ -561,6 +562,56 @@ def test_multihead_attention_on_triton_copies_no_head_layout_and_fills_no_gradie
     for name, got, ref64, baseline in zip(("dx", "d(in_proj_weight)"), (x.grad, module.in_proj_weight.grad),
                                           twins[torch.float64], twins[torch.float32]):
         assert_close_to_reference(got, ref64, baseline, name)
+
+
+@pytest.mark.parametrize("strided", [True, False], ids=["do_strides", "o_layout"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_the_backward_reads_do_in_any_layout(monkeypatch, packed, strided):
+    """do as autograd may hand it: in o's layout, contiguous in q's shape, a slice of a wider tensor, broadcast
+    (stride 0). Where the plan's tiles read it through its strides, both backward launches read it where it lies;
+    where they do not (``Plan.do_strides`` off), they read a copy in o's layout, or do itself when it is in that
+    layout. The gradients are those of the same values in o's layout, bit for bit."""
+    if not strided:
+        plan = configs.plan
+        monkeypatch.setattr(configs, "plan", lambda *a, **kw: dataclasses.replace(plan(*a, **kw), do_strides=False))
+    g = torch.Generator().manual_seed(21)
+    if packed:
+        cu_seqlens = torch.tensor([0, 5, 16], dtype=torch.int32, device=DEVICE)
+        q, k, v = (torch.randn(16, 3, 16, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
+        grad = torch.randn(16, 3, 16, generator=g).to(DEVICE)
+        layouts = {"o": grad, "heads_first": grad.transpose(0, 1).contiguous().transpose(0, 1),
+                   "slice": torch.cat([grad, grad], dim=-1)[..., 16:], "broadcast": grad[:1].expand_as(grad)}
+
+        def run():
+            return triton_attention.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, 11, 11, is_causal=True)
+    else:
+        q, k, v = (torch.randn(2, 3, 13, 16, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
+        grad = torch.randn(2, 3, 13, 16, generator=g).to(DEVICE)
+        layouts = {"o": launch.empty_output(grad).copy_(grad), "q": grad,
+                   "slice": torch.cat([grad, grad], dim=-1)[..., 16:], "broadcast": grad[:1].expand_as(grad)}
+
+        def run():
+            return triton_attention.attention(q, k, v, is_causal=True)
+    launched = []
+    launch_kernel = bwd.launch_kernel
+
+    def record(kernel, grid, args, *rest, **options):
+        launched.append(args)
+        return launch_kernel(kernel, grid, args, *rest, **options)
+
+    monkeypatch.setattr(bwd, "launch_kernel", record)
+    for name, do in layouts.items():
+        launched.clear()
+        got = torch.autograd.grad(run(), (q, k, v), do)
+        dq_args, dkdv_args = launched
+        for read, strides in ((dq_args[4], dq_args[9:12]), (dkdv_args[3], dkdv_args[8:11])):
+            in_place = (read.data_ptr(), read.stride()) == (do.data_ptr(), do.stride())
+            assert in_place == (strided or name == "o"), name
+            assert read.stride() == launch.empty_output(do).stride() or strided, name
+            assert tuple(strides) == launch.row_strides(read), name
+        expected = torch.autograd.grad(run(), (q, k, v), launch.empty_output(do).copy_(do))
+        for grad_name, a, b in zip(("dq", "dk", "dv"), got, expected):
+            assert torch.equal(a, b), (name, grad_name)
 
 
 def test_saved_tensors_grow_linearly_with_sequence_length():

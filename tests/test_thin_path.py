@@ -222,8 +222,8 @@ def test_the_launchers_key_the_shared_arguments_where_the_kernels_take_them():
 
     from fused_transformer.kernels.attention import bwd, fwd
 
-    for kernel, start in ((fwd.attention_fwd_kernel, 5), (bwd.attention_dq_kernel, 9),
-                          (bwd.attention_dkdv_kernel, 8)):
+    for kernel, start in ((fwd.attention_fwd_kernel, 5), (bwd.attention_dq_kernel, 12),
+                          (bwd.attention_dkdv_kernel, 11)):
         names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
         assert names[start:start + 2] == ["MASK", "PAD"], names
 

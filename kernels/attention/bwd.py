@@ -13,13 +13,15 @@ import triton
 import triton.language as tl
 
 from ...contract import AttentionSpec
-from .._common import cdiv, dropout_keep, launch_kernel
+from .._common import cdiv, contiguous_last_dim, dropout_keep, launch_kernel
 from .configs import head_dim_bucket
 from .jit import (
     _alibi_slope, _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _real_rows, _row_index,
     _sequence, _stat_base, _tanh, _tile_mask, _tma_tile, _unmasked_keys_end, _visible_keys, _visible_queries,
 )
-from .launch import LaunchForm, grid, known_args, launch_options, output_layout, tiles_of, tma_can_load
+from .launch import (
+    LaunchForm, grid, known_args, launch_options, output_layout, row_strides, tiles_of, tma_can_load,
+)
 
 Tensor = torch.Tensor
 
@@ -71,11 +73,12 @@ def _attention_dq_tile(
 def attention_dq_kernel(
     Q, K, V,  # as in the forward (TMA descriptors with USE_TMA)
     O,  # as the forward wrote it (a TMA descriptor with USE_TMA)
-    DO,  # O's shape and layout (a TMA descriptor with USE_TMA)
+    DO,  # O's shape: in any layout with unit stride along D with DO_STRIDES, else O's (a TMA descriptor with USE_TMA)
     LSE,  # as the forward wrote it
     DLSE,  # LSE's shape and layout, float32: gradient of the returned LSE (HAS_DLSE)
     DELTA,  # LSE's shape and layout, float32, written here: rowsum(do * o) - dlse, for the dk/dv kernel
     DQ,  # O's shape and layout
+    stride_dob, stride_doh, stride_dom,  # DO's, as Q's (DO_STRIDES)
     MASK, PAD, KEY_LENS, QUERY_LENS, QUERY_PAD, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -90,7 +93,7 @@ def attention_dq_kernel(
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    INTERIOR_LOOP: tl.constexpr,
+    INTERIOR_LOOP: tl.constexpr, DO_STRIDES: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
     batch_head = _batch_head(n_heads)
@@ -125,7 +128,14 @@ def attention_dq_kernel(
         do = _tma_tile(DO, batch, head, q_start, first_row, seq_q, VARLEN, True)
         o = _tma_tile(O, batch, head, q_start, first_row, seq_q, VARLEN, True)
     else:
-        do = tl.load(DO + tile_offsets, mask=tile_mask, other=0.0)
+        if DO_STRIDES:
+            do = tl.load(
+                DO + batch * stride_dob + head * stride_doh + q_start * stride_dom
+                + rows[:, None].to(tl.int64) * stride_dom + dims[None, :],
+                mask=tile_mask, other=0.0,
+            )
+        else:
+            do = tl.load(DO + tile_offsets, mask=tile_mask, other=0.0)
         o = tl.load(O + tile_offsets, mask=tile_mask, other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
     if HAS_DLSE:
@@ -207,15 +217,16 @@ def _unmasked_queries(first_col, row_start, row_end, q_len, leading_keys, offset
 @triton.jit
 def _attention_dkdv_tile(
     dk, dv,  # the [BLOCK_N, BLOCK_D] float32 sums, returned updated
-    k, v, first_row, cols, dims, q_base, stride_qm, batch, head, batch_head, q_start, seq_q, q_len, k_len, seq_k,
-    offset, window_left, window_right, stat_base, LSE, DELTA, DO, QUERY_PAD, stride_qpb,
+    k, v, first_row, cols, dims, q_base, stride_qm, DO, stride_dob, stride_doh, stride_dom, batch, head, batch_head,
+    q_start, seq_q, q_len, k_len, seq_k, offset, window_left, window_right, stat_base, LSE, DELTA, QUERY_PAD,
+    stride_qpb,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, n_heads, n_queries, n_keys,
     qk_scale, dropout_p, SEED, softcap, slope,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_PADDING: tl.constexpr, HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-    USE_TMA: tl.constexpr, EDGE: tl.constexpr,
+    USE_TMA: tl.constexpr, DO_STRIDES: tl.constexpr, EDGE: tl.constexpr,
 ):
     """dk's and dv's step over the query tile starting at ``first_row`` of one query head. EDGE False: the caller
     knows the tile's rows are all real queries below q_len that see every key of this key tile (below k_len)."""
@@ -230,8 +241,12 @@ def _attention_dkdv_tile(
         do = _tma_tile(DO, batch, head, q_start, first_row, seq_q, VARLEN, EDGE)
     else:
         q = tl.load(q_base + rows[:, None].to(tl.int64) * stride_qm + dims[None, :], mask=tile_mask, other=0.0)
-        do_rows = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, True)
-        do = tl.load(DO + do_rows[:, None] * HEAD_DIM + dims[None, :], mask=tile_mask, other=0.0)
+        if DO_STRIDES:  # the batch is the program's, read here as _row_index does (not held through the loop)
+            do_base = DO + tl.program_id(2).to(tl.int64) * stride_dob + head * stride_doh + q_start * stride_dom
+            do = tl.load(do_base + rows[:, None].to(tl.int64) * stride_dom + dims[None, :], mask=tile_mask, other=0.0)
+        else:
+            do_rows = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, True)
+            do = tl.load(DO + do_rows[:, None] * HEAD_DIM + dims[None, :], mask=tile_mask, other=0.0)
     if EDGE:
         lse = tl.load(LSE + stat_offsets, mask=row_ok, other=float("-inf")) * 1.4426950408889634
         # Rows with no key have lse = -inf; +inf makes exp2(s - lse) = 0 there instead of NaN.
@@ -286,6 +301,7 @@ def attention_dkdv_kernel(
     Q, K, V, DO, LSE,  # as in the dq kernel (Q, K, V and DO TMA descriptors with USE_TMA)
     DELTA,  # LSE's shape and layout, float32, from the dq kernel
     DK, DV,  # [B, Hkv, Lk, D] laid out as [B, Lk, Hkv, D] (TMA descriptors with USE_TMA); VARLEN: [Tk, Hkv, D]
+    stride_dob, stride_doh, stride_dom,  # DO's, as Q's (DO_STRIDES)
     MASK, PAD, KEY_LENS, QUERY_LENS, QUERY_PAD, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -300,6 +316,7 @@ def attention_dkdv_kernel(
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, INTERIOR_LOOP: tl.constexpr,
+    DO_STRIDES: tl.constexpr,
 ):
     # Works in the transposed orientation (keys along dim 0) so no tile needs a transpose but q's and do's.
     first_col = tl.program_id(0) * BLOCK_N
@@ -358,31 +375,34 @@ def attention_dkdv_kernel(
                 first_row = tl.where(edge_tile < leading_edge_tiles, row_start + edge_tile * BLOCK_M,
                                      inner_end + (edge_tile - leading_edge_tiles) * BLOCK_M)
                 dk, dv = _attention_dkdv_tile(
-                    dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, batch, head, batch_head, q_start, seq_q,
-                    q_len, k_len, seq_k, offset, window_left, window_right, stat_base, LSE, DELTA, DO, QUERY_PAD,
-                    stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, n_heads, n_queries,
-                    n_keys, qk_scale, dropout_p, SEED, softcap, slope, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND,
-                    HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, HAS_SOFTCAP,
-                    HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+                    dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, DO, stride_dob, stride_doh, stride_dom,
+                    batch, head, batch_head, q_start, seq_q, q_len, k_len, seq_k, offset, window_left, window_right,
+                    stat_base, LSE, DELTA, QUERY_PAD, stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, SEED, softcap, slope, BLOCK_M,
+                    BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW,
+                    MASK_OFFSETS_64, HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA,
+                    DO_STRIDES, EDGE=True,
                 )
             for first_row in range(inner_start, inner_end, BLOCK_M):
                 dk, dv = _attention_dkdv_tile(
-                    dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, batch, head, batch_head, q_start, seq_q,
-                    q_len, k_len, seq_k, offset, window_left, window_right, stat_base, LSE, DELTA, DO, QUERY_PAD,
-                    stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, n_heads, n_queries,
-                    n_keys, qk_scale, dropout_p, SEED, softcap, slope, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND,
-                    HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, HAS_SOFTCAP,
-                    HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
+                    dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, DO, stride_dob, stride_doh, stride_dom,
+                    batch, head, batch_head, q_start, seq_q, q_len, k_len, seq_k, offset, window_left, window_right,
+                    stat_base, LSE, DELTA, QUERY_PAD, stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, SEED, softcap, slope, BLOCK_M,
+                    BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW,
+                    MASK_OFFSETS_64, HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA,
+                    DO_STRIDES, EDGE=False,
                 )
         else:
             for first_row in range(row_start, row_end, BLOCK_M):
                 dk, dv = _attention_dkdv_tile(
-                    dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, batch, head, batch_head, q_start, seq_q,
-                    q_len, k_len, seq_k, offset, window_left, window_right, stat_base, LSE, DELTA, DO, QUERY_PAD,
-                    stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, n_heads, n_queries,
-                    n_keys, qk_scale, dropout_p, SEED, softcap, slope, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND,
-                    HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT, HAS_SOFTCAP,
-                    HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+                    dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, DO, stride_dob, stride_doh, stride_dom,
+                    batch, head, batch_head, q_start, seq_q, q_len, k_len, seq_k, offset, window_left, window_right,
+                    stat_base, LSE, DELTA, QUERY_PAD, stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, SEED, softcap, slope, BLOCK_M,
+                    BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW,
+                    MASK_OFFSETS_64, HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA,
+                    DO_STRIDES, EDGE=True,
                 )
     dk *= qk_scale * 0.6931471805599453
 
@@ -413,19 +433,26 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
                                  spec.allow_tf32, addressable)
     dq_tile, dkdv_tile = dq_launch.plan.tile, dkdv_launch.plan.tile
     dq_tma, dkdv_tma = dq_launch.plan.use_tma, dkdv_launch.plan.use_tma
-    if not (dq_tma and dkdv_tma):  # the pointer path reads o and do in o's layout; TMA in any
-        o, do = output_layout(o), output_layout(do)
-    q_in, k_in, v_in, o_in, do_in = q, k, v, o, do
+    if not (dq_tma and dkdv_tma):  # the pointer path reads o in its own layout; TMA in any
+        o = output_layout(o)
+    # The pointer path reads do through its strides where the plan's tile allows it (``Plan.do_strides``), else in
+    # o's layout, copied there unless it is in it already; TMA reads it in any.
+    do = contiguous_last_dim(do)
+    dq_strided, dkdv_strided = dq_tma or dq_launch.plan.do_strides, dkdv_tma or dkdv_launch.plan.do_strides
+    laid_out = output_layout(do) if not (dq_strided and dkdv_strided) else do
+    dq_do, dkdv_do = do if dq_strided else laid_out, do if dkdv_strided else laid_out
+    q_in, k_in, v_in, o_in, do_in = q, k, v, o, dq_do
     block_d = head_dim_bucket(layout.head_dim) if dq_tma or dkdv_tma else None
     if dq_tma:
         q_in, o_in, do_in = (tiles_of(x, dq_tile.block_m, block_d, True) for x in (q, o, do))
         k_in, v_in = (tiles_of(x, dq_tile.block_n, block_d, True) for x in (k, v))
     launch_kernel(attention_dq_kernel, grid(cdiv(layout.n_queries, dq_tile.block_m), layout.batch, layout.heads),
                   (q_in, k_in, v_in, o_in, do_in, lse, dlse.contiguous() if dlse is not None else None, delta, dq,
-                   *args, *dq_launch.constexprs), dq_launch.num_warps, dq_launch.num_stages, known=known_args(9, form))
+                   *row_strides(dq_do), *args, *dq_launch.constexprs), dq_launch.num_warps, dq_launch.num_stages,
+                  known=known_args(12, form))
     dk_out, dv_out = dk, dv
     if not dkdv_tma:
-        q_in, k_in, v_in, do_in = q, k, v, do
+        q_in, k_in, v_in, do_in = q, k, v, dkdv_do
     else:  # the dq launch's descriptors serve where its tiles have the same rows
         if not dq_tma or dkdv_tile.block_m != dq_tile.block_m:
             q_in, do_in = (tiles_of(x, dkdv_tile.block_m, block_d, True) for x in (q, do))
@@ -434,5 +461,6 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
         if dk.dim() == 4:  # dense: TMA stores as well
             dk_out, dv_out = (tiles_of(t, dkdv_tile.block_n, block_d, True) for t in (dk, dv))
     launch_kernel(attention_dkdv_kernel, grid(cdiv(layout.n_keys, dkdv_tile.block_n), layout.batch, layout.kv_heads),
-                  (q_in, k_in, v_in, do_in, lse, delta, dk_out, dv_out, *args, *dkdv_launch.constexprs),
-                  dkdv_launch.num_warps, dkdv_launch.num_stages, known=known_args(8, form))
+                  (q_in, k_in, v_in, do_in, lse, delta, dk_out, dv_out, *row_strides(dkdv_do), *args,
+                   *dkdv_launch.constexprs),
+                  dkdv_launch.num_warps, dkdv_launch.num_stages, known=known_args(11, form))

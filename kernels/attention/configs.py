@@ -19,7 +19,9 @@ So the rows run from the most specific to the most general, and the order is the
 
 Each row also says where its tiles run the two-loop path (``interior_loop``: unmasked interior tiles, for launches
 with no attn_mask, query padding, window or dropout) without spilling, per layout: the report compiles both paths
-and checks. The rows were chosen as the largest tiles that compile without spills on their targets in every
+and checks. A backward row says whether its pointer path reads do through do's own strides (``do_strides``): in
+the float32 tiles that spill doing so (ptxas keeps 64-128 registers and stacks a value or two), it reads do in
+o's layout instead, and the launcher copies a gradient that is not in it. The rows were chosen as the largest tiles that compile without spills on their targets in every
 variant that picks them; ``python -m fused_transformer report`` prints what each runs (registers, HGMMA widths,
 instructions per kMAC) and ``docs/attention.md`` tells how they were found.
 """
@@ -78,6 +80,9 @@ class TileRow:
     interior_loop: Tuple[str, ...] = BOTH  # the layouts whose two-loop path compiles without spills
     interior_loop_tma: Optional[Tuple[str, ...]] = None  # the same through TMA, where it differs (loads="any" rows)
     tritons: VersionRange = EVERY_RELEASE  # the Triton releases the row holds for (kernels/toolchain.py)
+    # The backward kernels: whether the pointer path reads do through its strides without spilling with this tile
+    # (else in o's layout, where the launcher copies a gradient that is not).
+    do_strides: bool = True
 
     def interior_loop_for(self, tma: bool, packed: bool) -> bool:
         """Whether a launch with these loads and layout may run the two-loop path with this row's tile."""
@@ -112,7 +117,7 @@ TILE_ROWS: Tuple[TileRow, ...] = (
             score_mods=True),
     TileRow("bwd_dq", "tf32", (32,), Tile(32, 16, 8, 2), targets=(86, 89), layouts=("packed",), score_mods=True),
     TileRow("bwd_dq", "fp32", (64,), Tile(64, 16, 8, 1), score_mods=True),
-    TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 1), score_mods=True),
+    TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 1), score_mods=True, do_strides=False),
     TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 1), score_mods=True),
     _older("fwd", "tf32", 64, (32, 16, 8, 1), targets=(80, 86, 89), layouts=("dense",),
            score_mods=True),  # BM32_BN32_w8_s1 spills 8 B under 3.7
@@ -128,17 +133,20 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     *_rows("fwd", "tf32", {16: (16, 32, 4, 1), 32: (32, 32, 4, 1)}),
     # BM16_BN32_w4_s1 spills 8-16 B under 3.6, 3.7, 3.8:
     _older("bwd_dq", "tf32", 16, (16, 32, 4, 1), targets=(86, 89, 90), interior_loop=()),
-    *_rows("bwd_dq", "tf32", {16: (16, 32, 4, 1), 64: (16, 32, 8, 1)}),
+    TileRow("bwd_dq", "tf32", (16,), Tile(16, 32, 4, 1)),
+    TileRow("bwd_dq", "tf32", (64,), Tile(16, 32, 8, 1), do_strides=False),
     TileRow("bwd_dq", "tf32", (128,), Tile(16, 16, 8, 1), interior_loop=("dense",)),  # packed: 8 B
     # BM16_BN32_w4_s1 spills 8-16 B under 3.6, 3.7, 3.8:
-    _older("bwd_dkdv", "tf32", 16, (16, 32, 8, 1), targets=(86, 89, 90), interior_loop=("packed",)),
+    _older("bwd_dkdv", "tf32", 16, (16, 32, 8, 1), targets=(86, 89, 90), interior_loop=("packed",), do_strides=False),
     TileRow("bwd_dkdv", "tf32", (16,), Tile(16, 32, 4, 1), interior_loop=("packed",)),  # dense: 8-16 B
     TileRow("bwd_dkdv", "tf32", (32,), Tile(16, 32, 8, 1)),
     # BM16_BN16_w8_s1 spills 8 B under 3.6, 3.7, 3.8:
-    _older("bwd_dkdv", "tf32", 64, (16, 16, 4, 1), targets=SMALL_SHARED_MEMORY, interior_loop=("packed",)),
-    TileRow("bwd_dkdv", "tf32", (64,), Tile(16, 16, 8, 1), interior_loop=("packed",)),  # dense: 8-16 B
+    _older("bwd_dkdv", "tf32", 64, (16, 16, 4, 1), targets=SMALL_SHARED_MEMORY, interior_loop=("packed",),
+           do_strides=False),
+    TileRow("bwd_dkdv", "tf32", (64,), Tile(16, 16, 8, 1), interior_loop=("packed",),
+            do_strides=False),  # dense: 8-16 B
     _older("bwd_dkdv", "tf32", 128, (32, 32, 8, 2), interior_loop=()),  # BM16_BN16_w8_s1 spills 8-16 B under 3.6, 3.7
-    TileRow("bwd_dkdv", "tf32", (128,), Tile(16, 16, 8, 1), interior_loop=()),  # 8-16 B
+    TileRow("bwd_dkdv", "tf32", (128,), Tile(16, 16, 8, 1), interior_loop=(), do_strides=False),  # 8-16 B
     # 2. 99 KB parts.
     _older("fwd", "bf16", 64, (128, 32, 8, 2), targets=SMALL_SHARED_MEMORY),  # BM128_BN64_w8_s2 spills 208 B under 3.6
     *_rows("fwd", "bf16", {32: (128, 64, 8, 2), 64: (128, 64, 8, 2)}, targets=SMALL_SHARED_MEMORY),
@@ -197,11 +205,13 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     _older("fwd", "fp32", 64, (32, 16, 8, 1), targets=HOPPER),  # BM32_BN32_w8_s1 spills 8-16 B under 3.6, 3.8
     _older("fwd", "fp32", 128, (16, 64, 8, 2)),  # BM32_BN16_w8_s1 spills 8 B under 3.6, 3.8
     *_rows("fwd", "fp32", {16: (64, 32, 8, 2), 32: (64, 32, 8, 2), 64: (32, 32, 8, 1), 128: (32, 16, 8, 1)}),
-    _older("bwd_dq", "bf16", 32, (128, 16, 8, 1), targets=(80, 86, 89)),  # BM128_BN32_w8_s2 spills 8 B under 3.6, 3.7
+    _older("bwd_dq", "bf16", 32, (128, 16, 8, 1), targets=(80, 86, 89),
+           do_strides=False),  # BM128_BN32_w8_s2 spills 8 B under 3.6, 3.7
     *_rows("bwd_dq", "bf16", {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 32, 8, 1), 128: (64, 32, 8, 2)}),
     TileRow("bwd_dq", "bf16", (256,), Tile(32, 32, 8, 1), interior_loop_tma=("dense",)),  # packed through TMA: 680 B
     _older("bwd_dq", "fp32", 32, (32, 16, 8, 2)),  # BM32_BN32_w8_s2 spills 16 B under 3.6, 3.7, 3.8
-    *_rows("bwd_dq", "fp32", {16: (32, 32, 4, 1), 32: (32, 32, 8, 2)}),
+    TileRow("bwd_dq", "fp32", (16,), Tile(32, 32, 4, 1)),
+    TileRow("bwd_dq", "fp32", (32,), Tile(32, 32, 8, 2), do_strides=False),
     # BM64_BN32_w8_s2 spills 16-40 B under 3.6:
     _older("bwd_dq", "fp32", 64, (64, 16, 8, 1), targets=(80, 90), interior_loop=()),
     TileRow("bwd_dq", "fp32", (64,), Tile(64, 32, 8, 2), interior_loop=()),  # 296-336 B
@@ -211,14 +221,17 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     _older("bwd_dkdv", "bf16", 128, (16, 64, 4, 1), targets=HOPPER, loads="tma"),
     *_rows("bwd_dkdv", "bf16", {16: (32, 128, 8, 1), 32: (32, 128, 8, 1), 64: (16, 64, 4, 1), 128: (16, 64, 8, 1)}),
     TileRow("bwd_dkdv", "bf16", (256,), Tile(16, 32, 8, 1), interior_loop_tma=()),  # through TMA: 704-752 B
-    _older("bwd_dkdv", "fp32", 16, (32, 16, 8, 2), interior_loop=()),  # BM32_BN64_w8_s1 spills 8-48 B under 3.6-3.8
+    # BM32_BN64_w8_s1 spills 8-48 B under 3.6-3.8:
+    _older("bwd_dkdv", "fp32", 16, (32, 16, 8, 2), interior_loop=(), do_strides=False),
     TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 64, 8, 1)),
     TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 1), targets=(80,), interior_loop=(),
             tritons=TRITON_3_6),  # BM32_BN64_w8_s2 spills 8-40 B under 3.6 (only) on sm_80
-    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 2), interior_loop=()),  # 8-48 B
+    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 2), interior_loop=(), do_strides=False),  # 8-48 B
     _older("bwd_dkdv", "fp32", 64, (16, 16, 8, 1), targets=(80, 90)),  # BM16_BN32_w8_s1 spills 8-16 B under 3.6, 3.7
-    _older("bwd_dkdv", "fp32", 128, (16, 64, 16, 1), interior_loop=()),  # BM16_BN64_w8_s1 spills 8-24 B under 3.8
-    *_rows("bwd_dkdv", "fp32", {64: (16, 32, 8, 1), 128: (16, 64, 8, 1)}),
+    # BM16_BN64_w8_s1 spills 8-24 B under 3.8:
+    _older("bwd_dkdv", "fp32", 128, (16, 64, 16, 1), interior_loop=(), do_strides=False),
+    TileRow("bwd_dkdv", "fp32", (64,), Tile(16, 32, 8, 1), do_strides=False),
+    TileRow("bwd_dkdv", "fp32", (128,), Tile(16, 64, 8, 1)),
     _older("weights", "bf16", 256, (32, 16, 4, 1), targets=SMALL_SHARED_MEMORY),  # BM32_BN32_w4_s1 spills 8 B under 3.6
     *_rows("weights", "bf16", {16: (64, 64, 4, 1), 32: (64, 64, 4, 1), 64: (64, 64, 4, 1), 128: (64, 64, 4, 1),
                                256: (32, 32, 4, 1)}),
@@ -250,6 +263,7 @@ class Plan:
     interior_loop: bool  # the kernel may run its unmasked interior tiles in a loop of their own
     dot_precision: str  # tl.dot's input_precision: "ieee" or "tf32"
     upcast: bool  # bfloat16 dots in float32 (the interpreter computes bfloat16 dots wrongly)
+    do_strides: bool = True  # the backward reads do through its strides (``TileRow.do_strides``)
 
     def constexprs(self) -> dict:
         """The launch's tile constexprs."""
@@ -257,6 +271,8 @@ class Plan:
                           DOT_PRECISION=self.dot_precision, UPCAST=self.upcast)
         if self.kernel != "weights":
             constexprs["INTERIOR_LOOP"] = self.interior_loop
+        if self.kernel in ("bwd_dq", "bwd_dkdv"):
+            constexprs["DO_STRIDES"] = self.do_strides
         return constexprs
 
 
@@ -304,4 +320,5 @@ def plan(kernel: str, dtype: torch.dtype, head_dim: int, target: Optional[Target
     tma = tma and target.tma
     row = find_row(kernel, precision, head_dim, target.capability, tma, light, packed,
                    installed() if triton is None else triton, score_mods)
-    return Plan(kernel, row.tile, tma, row.interior_loop_for(tma, packed), "tf32" if allow_tf32 else "ieee", False)
+    return Plan(kernel, row.tile, tma, row.interior_loop_for(tma, packed), "tf32" if allow_tf32 else "ieee", False,
+                row.do_strides)

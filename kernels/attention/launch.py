@@ -1,8 +1,8 @@
 """The launch plumbing the attention kernels share: the masks and sequence bounds in kernel form (``MaskArgs``),
 sizes and strides (``Layout``), grids, TMA descriptors, the input checks of the hardware path, and the output
 layout. Dense outputs (o, dq, dk, dv) are [B, H, L, D] laid out as [B, L, H, D] (``empty_output``, the
-packed layout with sequence b starting at row b L), so that a module merges the heads with a view and hands back
-do in o's layout, which the backward reads without a copy."""
+packed layout with sequence b starting at row b L), so that a module merges the heads with a view. The backward
+reads o in that layout and do through its own strides, in whatever layout autograd hands it."""
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -93,6 +93,14 @@ KIND_CONSTEXPRS = ("MASK_KIND", "HAS_PADDING", "HAS_QUERY_LENS", "HAS_QUERY_PADD
                    "PER_SEQUENCE_OFFSET", "VARLEN", "MASK_OFFSETS_64", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_SINKS")
 
 
+def row_strides(t: Tensor) -> Tuple[int, int, int]:
+    """The (batch, head, row) strides of a dense ``[B, H, L, D]`` or a packed ``[T, H, D]`` tensor, as the kernels
+    take them (packed: batch stride 0)."""
+    if t.dim() == 4:
+        return t.stride()[:3]
+    return 0, t.stride(1), t.stride(0)
+
+
 class Layout(NamedTuple):
     """Sizes and (batch, head, row) strides of q, k and v as the kernels take them: dense ``[B, H, L, D]``, or
     packed ``[T, H, D]`` (batch stride 0: the kernels find each sequence's rows through cu_seqlens)."""
@@ -113,13 +121,12 @@ class Layout(NamedTuple):
         if lq * heads > MAX_DENSE_OUTPUT_ROWS:
             raise ValueError(f"triton attention: q {tuple(q.shape)} has Lq x heads = {lq * heads} rows of o per "
                              f"batch element; at most {MAX_DENSE_OUTPUT_ROWS} are supported")
-        return Layout(batch, heads, kv_heads, lq, lk, head_dim, q.stride()[:3], k.stride()[:3], v.stride()[:3])
+        return Layout(batch, heads, kv_heads, lq, lk, head_dim, *map(row_strides, (q, k, v)))
 
     @staticmethod
     def packed(q: Tensor, k: Tensor, v: Tensor, batch: int, max_seqlen_q: int, max_seqlen_k: int) -> "Layout":
         (_, heads, head_dim), kv_heads = q.shape, k.shape[1]
-        return Layout(batch, heads, kv_heads, max_seqlen_q, max_seqlen_k, head_dim,
-                       *((0, t.stride(1), t.stride(0)) for t in (q, k, v)))
+        return Layout(batch, heads, kv_heads, max_seqlen_q, max_seqlen_k, head_dim, *map(row_strides, (q, k, v)))
 
     @property
     def kv_group(self) -> int:
@@ -258,9 +265,19 @@ def empty_output(like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     return torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
 
 
+def empty_lse(q: Tensor, packed: bool = False) -> Tensor:
+    """The forward's float32 LSE of ``q``'s rows, contiguous: ``[B, H, Lq]``, packed ``[H, Tq]`` (allocated with its
+    strides: ``new_empty`` takes about twice as long on the host)."""
+    if packed:
+        tokens, heads = q.shape[:2]
+        return q.new_empty_strided((heads, tokens), (tokens, 1), dtype=torch.float32)
+    batch, heads, rows = q.shape[:3]
+    return q.new_empty_strided((batch, heads, rows), (heads * rows, rows, 1), dtype=torch.float32)
+
+
 def output_layout(t: Tensor) -> Tensor:
-    """``t`` (o, or its gradient) in the kernels' output layout, which the backward reads it in: copied unless it
-    already is (as the gradient of a module's head merge is)."""
+    """``t`` in the kernels' output layout, which the backward reads o in: copied unless it already is (as the
+    forward's o is)."""
     if t.dim() != 4:
         return t.contiguous()
     strides, wanted = t.stride(), heads_interleaved_strides(t.shape)

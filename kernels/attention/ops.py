@@ -10,7 +10,9 @@ from ...contract import AttentionMasks, AttentionSpec, PackedSequences, window_b
 from .._common import contiguous_last_dims, dropout_keep_mask, runtime_keys, traced
 from .bwd import launch_bwd
 from .fwd import launch_fwd
-from .launch import LaunchForm, Layout, check_inputs, empty_output, mask_args, shared_args, varlen_mask_args
+from .launch import (
+    LaunchForm, Layout, check_inputs, empty_lse, empty_output, mask_args, shared_args, varlen_mask_args,
+)
 from .weights import launch_weights
 
 Tensor = torch.Tensor
@@ -25,7 +27,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slopes: Opt
     go into ``prepared`` for the backward."""
     check_inputs(q, k, v)
     o = empty_output(q, torch.float32 if float_output else None)
-    lse = q.new_empty(q.shape[:3] if seqs is None else (q.shape[1], q.shape[0]), dtype=torch.float32)
+    lse = empty_lse(q, packed=seqs is not None)
     if lse.numel() == 0:  # no query row: a grid of 0 programs is an error on a GPU
         return o, lse
     form = _launch_form(q, k, v, spec, alibi_slopes, sinks, masks, seqs, seed)
@@ -201,7 +203,7 @@ def _attention_fwd_op(
 def _(q, k, v, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal, causal_alignment,
       window_left, window_right, dropout_p, seed, scale, allow_tf32, softcap=None, alibi_slopes=None, sinks=None,
       float_output=False):
-    return empty_output(q, torch.float32 if float_output else None), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return empty_output(q, torch.float32 if float_output else None), empty_lse(q)
 
 
 @torch.library.custom_op("fused_transformer::attention_bwd", mutates_args=())
@@ -243,8 +245,7 @@ def _attention_varlen_fwd_op(
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment, window_left,
       window_right, dropout_p, seed, scale, allow_tf32, softcap=None, alibi_slopes=None, sinks=None,
       float_output=False):
-    return (empty_output(q, torch.float32 if float_output else None),
-            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+    return empty_output(q, torch.float32 if float_output else None), empty_lse(q, packed=True)
 
 
 @torch.library.custom_op("fused_transformer::attention_varlen_bwd", mutates_args=())
