@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
 import threading
 import types
 import warnings
@@ -81,7 +82,16 @@ def triton_unavailable_reason() -> Optional[str]:
         triton = importlib.import_module("triton")
     except ImportError as exc:
         return f"triton is not installed ({exc}); pip install triton"
-    from .kernels.toolchain import unsupported_reason
+    try:
+        from .kernels.toolchain import unsupported_reason
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__package__}.kernels":
+            raise
+        # kernels/ joins the package at install time (setup.py's package_dir): a checkout run in place lacks it.
+        raise ImportError(
+            f"{exc.name} is missing: {sys.executable} imports {__package__} from {os.path.dirname(__file__)}, a "
+            "source checkout not installed into this python; install it with the same interpreter: "
+            f"{os.path.basename(sys.executable)} -m pip install -e .") from exc
 
     return unsupported_reason(triton.__version__)
 
@@ -164,9 +174,9 @@ def _resolve(name: str, device: torch.device, dtype: Optional[torch.dtype]) -> s
 
 # The names of a backend's functions (contract.py writes down their interface); the reference has the composed ops
 # instead of the forward / backward pairs, autograd differentiating them.
-INTERFACE = ("attention_fwd", "attention_bwd", "attention_varlen_fwd", "attention_varlen_bwd", "attention_weights",
-             "attention_with_kvcache", "layer_norm_fwd", "layer_norm_bwd", "layer_norm_composed", "feed_forward_fwd",
-             "feed_forward_bwd", "feed_forward_composed", "DIFFERENTIABLE_LSE")
+INTERFACE = ("attention_composed", "attention_fwd", "attention_bwd", "attention_varlen_fwd", "attention_varlen_bwd",
+             "attention_weights", "attention_with_kvcache", "layer_norm_fwd", "layer_norm_bwd", "layer_norm_composed",
+             "feed_forward_fwd", "feed_forward_bwd", "feed_forward_composed", "DIFFERENTIABLE_LSE")
 REFERENCE_OPS = ("attention", "attention_varlen", "attention_weights", "attention_with_kvcache", "layer_norm",
                  "feed_forward")
 # backend -> its functions, filled on its first use: importing the C++ extension or triton is its first use's cost,

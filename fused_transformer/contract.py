@@ -20,6 +20,7 @@ argument checked here before; ``fused_transformer.autograd`` writes each op's Fu
     layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, spec, seed, has_residual) -> (dx, dresidual, dweight, dbias)
     feed_forward_fwd(x, w1, b1, w2, b2, spec, seed, keep) -> (y, saved)
     feed_forward_bwd(dy, x, w1, b1, w2, saved, has_b2, spec, seed) -> (dx, dw1, db1, dw2, db2)
+    attention_composed(q, k, v, masks, spec, alibi_slopes, sinks, needs_lse) -> o or None
     layer_norm_composed(x, weight, bias, residual, spec), feed_forward_composed(x, w1, b1, w2, b2, spec)
 
 Shapes: attention q ``[B, H, Lq, D]``, k / v ``[B, Hkv, Lk, D]``, o ``[B, H, Lq, D]`` (laid out as the backend

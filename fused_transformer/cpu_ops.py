@@ -87,6 +87,9 @@ def _exact(float_output: bool, *tensors: Tensor) -> Tuple[Tensor, ...]:
     return tuple(t.float() for t in tensors) if float_output else tensors
 
 
+attention_composed = None  # ours on every call (docs/integrations.md measures torch's CPU SDPA against it)
+
+
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
                   alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], seed: Optional[Tensor],
                   float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:

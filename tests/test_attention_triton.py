@@ -548,7 +548,9 @@ def test_multihead_attention_on_triton_copies_no_head_layout_and_fills_no_gradie
             out.sum().backward()
     copies = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default}
     assert not copies & set(forward.ops) and not copies & set(backward.ops)
-    assert torch.ops.fused_transformer.attention_bwd.default in backward.ops and read_in_place == [True]
+    # Our backward ran (as the custom op here, launched directly on a GPU, where autograd's device thread runs it
+    # outside the recording mode) and copied neither o nor do (read in o's layout by float32 tiles of sm_80/90).
+    assert read_in_place and all(read_in_place)
     assert torch.ops.aten.stack.default in backward.ops
     assert not {torch.ops.aten.slice_backward.default, torch.ops.aten.zeros.default} & set(backward.ops)
     # The gradients against torch.nn's module in float64, with torch.nn's in float32 as the baseline.
@@ -570,10 +572,10 @@ def test_the_backward_reads_do_in_any_layout(monkeypatch, packed, strided):
     """do as autograd may hand it: in o's layout, contiguous in q's shape, a slice of a wider tensor, broadcast
     (stride 0). Where the plan's tiles read it through its strides, both backward launches read it where it lies;
     where they do not (``Plan.do_strides`` off), they read a copy in o's layout, or do itself when it is in that
-    layout. The gradients are those of the same values in o's layout, bit for bit."""
-    if not strided:
-        plan = configs.plan
-        monkeypatch.setattr(configs, "plan", lambda *a, **kw: dataclasses.replace(plan(*a, **kw), do_strides=False))
+    layout. The gradients are those of the same values in o's layout, bit for bit. Both ways are forced: which
+    one a row takes depends on the GPU (float32 rows of sm_80/90 read o's layout)."""
+    plan = configs.plan
+    monkeypatch.setattr(configs, "plan", lambda *a, **kw: dataclasses.replace(plan(*a, **kw), do_strides=strided))
     g = torch.Generator().manual_seed(21)
     if packed:
         cu_seqlens = torch.tensor([0, 5, 16], dtype=torch.int32, device=DEVICE)

@@ -218,7 +218,7 @@ def test_main_job_runs_check_then_bench_with_the_shared_options(monkeypatch, cap
     monkeypatch.setattr(bench, "main", fake("bench", 0))
     assert cli.main(["--quick", "--out", "somewhere"]) == 1  # a failed check fails the job, after the bench
     assert capsys.readouterr().out.endswith("recap:\n  check said\n  bench said\n")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(resolve_device())  # "cpu", or the current CUDA device with its index
     assert calls == [("check", ["--device", device, "--quick"]),
                      ("bench", ["--device", device, "--quick", "--out", "somewhere"])]
     calls.clear()

@@ -5,6 +5,7 @@ CPU calls go through the dispatcher to the C++ kernels. The CUDA implementations
 CUDA tensors where there is a GPU, else on CPU tensors under the Triton interpreter: their argument handling, layouts
 and the dropout seed kept in ``rng_state`` are the same code either way."""
 import contextlib
+import inspect
 from typing import Dict, List
 
 import pytest
@@ -19,13 +20,16 @@ from tests.numerics import DEVICE, assert_close_to_reference
 
 attention_registry = pytest.importorskip("torch.nn.attention")
 if not hasattr(attention_registry, "register_flash_attention_impl"):
-    pytest.skip("torch has no flash-attention registry before 2.13", allow_module_level=True)
+    pytest.skip("this torch has no flash-attention registry", allow_module_level=True)
 
 from torch.nn.attention import (  # noqa: E402
     activate_flash_attention_impl, current_flash_attention_impl, list_flash_attention_impls,
     restore_flash_attention_impl,
 )
 from torch.nn.attention.varlen import varlen_attn  # noqa: E402
+
+# varlen_attn takes grouped-query K / V from torch 2.13 (enable_gqa); before, K and V have the query's heads.
+VARLEN_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 @contextlib.contextmanager
@@ -37,6 +41,11 @@ def activated(route: str = "ours"):
     finally:
         restore_flash_attention_impl()
         sdpa.set_route("fastest")
+
+
+# The CPU implementations are the C++ kernels: a GPU machine installed without the C++ build has none.
+needs_cpu_kernels = pytest.mark.skipif(ft.backend.cpu_unavailable_reason() is not None,
+                                       reason=str(ft.backend.cpu_unavailable_reason()))
 
 
 @pytest.fixture
@@ -97,8 +106,10 @@ def _case(dtype, case):
     return (q, k, v, dout), options
 
 
+@needs_cpu_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("case", sorted(CASES))
+@needs_cpu_kernels
 def test_cpu_sdpa_runs_ours_within_native_error(dtype, case, kernel_calls):
     tensors, options = _case(dtype, case)
     native = _sdpa_with_grads(*tensors, **options)
@@ -116,6 +127,7 @@ def test_cpu_sdpa_runs_ours_within_native_error(dtype, case, kernel_calls):
             assert_close_to_reference(mine, ref, theirs, name)
 
 
+@needs_cpu_kernels
 def test_cpu_outputs_follow_the_meta_layouts():
     q, k, v, dout = _tensors(torch.bfloat16)
     with activated():
@@ -130,6 +142,7 @@ def test_cpu_outputs_follow_the_meta_layouts():
         assert grad.shape == like.shape and grad.permute(0, 2, 1, 3).is_contiguous()
 
 
+@needs_cpu_kernels
 def test_restore_runs_torchs_kernels_again(kernel_calls):
     assert sdpa.NAME in list_flash_attention_impls()
     assert current_flash_attention_impl() is None  # importing registers, never activates
@@ -143,6 +156,7 @@ def test_restore_runs_torchs_kernels_again(kernel_calls):
     assert calls == ["dense_fwd"] and kernel_calls["cpu"] == calls
 
 
+@needs_cpu_kernels
 @pytest.mark.parametrize("lk, is_causal, ours", [(64, True, False), (128, True, True), (1024, True, True),
                                                    (2048, True, False), (128, False, False), (512, False, False)])
 def test_fastest_route_sends_calls_where_measured_faster(lk, is_causal, ours, kernel_calls):
@@ -152,6 +166,35 @@ def test_fastest_route_sends_calls_where_measured_faster(lk, is_causal, ours, ke
     with activated(route="fastest"):
         F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
     assert kernel_calls["cpu"] == (["dense_fwd"] if ours else [])
+
+
+def test_a_failed_activation_leaves_torchs_kernels_in_place(monkeypatch):
+    """An activation that fails half-way (here an op this torch lacks) registers nothing: the next one captures
+    torch's own kernels as the ones to fall back on, not a leftover of ours (which would call itself)."""
+    q, k, v, _ = _tensors(torch.float32)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    every = sdpa.CUDA.implementations
+
+    def with_a_missing_op():
+        return [*every(), ("_no_such_flash_op", sdpa.CUDA.flash_forward)]
+
+    monkeypatch.setattr(sdpa.CUDA, "implementations", with_a_missing_op)
+    with pytest.raises(Exception) as failed:  # kept: its traceback holds the half-made library (as a REPL's would)
+        sdpa.activate()
+    monkeypatch.setattr(sdpa.CUDA, "implementations", every)
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, is_causal=True), expected)
+    with activated(route="fastest"):  # route 'fastest' hands these 9 keys to the kernel registered before ours
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, is_causal=True), expected)
+    assert all(kernel is None or "sdpa.py" not in str(kernel) for device in sdpa.DEVICES
+               for kernel in device.previous.kernels.values())
+    assert failed.traceback
+
+
+def test_every_implementation_overrides_an_op_this_torch_has():
+    for device in sdpa.DEVICES:
+        names = [name for name, _ in device.implementations()]
+        assert names[:3] == [device.sdpa_op, device.sdpa_op + "_backward", "_flash_attention_forward"]
+        assert all(hasattr(torch.ops.aten, name) for name in names)
 
 
 def test_fastest_route_leaves_cuda_to_torch():
@@ -181,14 +224,16 @@ def _packed(dtype, lengths=(5, 1, 7), heads=4, kv_heads=2, dim=16):
     return q, k, v, cu, max(lengths)
 
 
+@needs_cpu_kernels
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (2, 0), (1, 2)])
 def test_varlen_attn_runs_on_cpu(window, kernel_calls):
-    q, k, v, cu, longest = _packed(torch.float32)
+    q, k, v, cu, longest = _packed(torch.float32, kv_heads=2 if VARLEN_GQA else 4)
+    gqa = dict(enable_gqa=True) if VARLEN_GQA else {}
     with pytest.raises(NotImplementedError):
-        varlen_attn(q, k, v, cu, cu, longest, longest, enable_gqa=True)  # torch has no CPU kernel
+        varlen_attn(q, k, v, cu, cu, longest, longest, **gqa)  # torch has no CPU kernel
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with activated(route="fastest"):  # nothing else to run on: ours whatever the route
-        out = varlen_attn(*leaves, cu, cu, longest, longest, window_size=window, enable_gqa=True)
+        out = varlen_attn(*leaves, cu, cu, longest, longest, window_size=window, **gqa)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, leaves, dout)
     assert kernel_calls["cpu"] == ["varlen_fwd", "varlen_bwd"]
@@ -201,6 +246,7 @@ def test_varlen_attn_runs_on_cpu(window, kernel_calls):
         assert (mine.double() - theirs).abs().max().item() < 2e-6, name
 
 
+@needs_cpu_kernels
 def test_flash_ops_keep_the_dropout_seed_for_their_backward():
     """The backward of a dropped forward is that forward's exact derivative: the seed travelled in rng_state."""
     q, k, v, cu, longest = _packed(torch.float64)
@@ -283,6 +329,7 @@ def test_triton_flash_ops_packed_and_dense(kernel_calls):
     assert (dense_out.double().transpose(1, 2) - dense_ref).abs().max().item() < 1e-5
 
 
+@needs_cpu_kernels
 def test_compiled_sdpa_runs_ours_in_the_graph(kernel_calls):
     """Inductor calls the flash op it traced; the dispatcher gives it ours, in the layouts the graph asserts."""
     torch._dynamo.reset()

@@ -1,7 +1,7 @@
 """torch's SDPA flash-attention registry: ``F.scaled_dot_product_attention`` and ``varlen_attn`` on our kernels.
 
 ``import fused_transformer`` registers the implementation ``"fused_transformer"`` where torch has the registry
-(torch 2.13+); nothing changes until the user opts in::
+(torch 2.11+); nothing changes until the user opts in::
 
     torch.nn.attention.activate_flash_attention_impl("fused_transformer")   # process-wide
     torch.nn.attention.restore_flash_attention_impl()                       # back to torch's own kernels
@@ -11,7 +11,7 @@ Activation overrides SDPA's flash ops in the dispatcher, for each device the ker
   CPU (the C++ kernels)   ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (what SDPA picks on
                           CPU tensors), ``_flash_attention_forward`` / ``_backward`` /
                           ``_flash_attention_forward_no_dropout_inplace`` (``varlen_attn``'s ops, which torch has
-                          no CPU kernel for).
+                          no CPU kernel for; the last one from torch 2.13).
   CUDA (Triton)           ``_scaled_dot_product_flash_attention`` and its backward, and the three ops above.
 
 Results follow the layouts of torch's meta kernels (``torch.compile`` asserts them). A call the kernels do not
@@ -175,7 +175,10 @@ class _Previous:
         if kernel is None:
             raise NotImplementedError(f"aten::{name} has no {self.key} kernel for these arguments: fused_transformer's "
                                       f"does not serve {why}, and torch has none")
-        return kernel.call_boxed(self.keyset, *args, **kwargs)
+        # A keyword left at None is the schema's default, and older releases lack some (torch 2.11: block_table,
+        # num_splits), so only the ones given travel.
+        given = {keyword: value for keyword, value in kwargs.items() if value is not None}
+        return kernel.call_boxed(self.keyset, *args, **given)
 
 
 class _DeviceOps:
@@ -346,10 +349,13 @@ class _DeviceOps:
         return tuple(_into(g, torch.empty_like(t)) for g, t in zip(grads, (query, key, value)))
 
     def implementations(self) -> List[Tuple[str, Callable]]:
-        return [(self.sdpa_op, self.sdpa_forward), (self.sdpa_op + "_backward", self.sdpa_backward),
-                ("_flash_attention_forward", self.flash_forward),
-                ("_flash_attention_forward_no_dropout_inplace", self.flash_forward_inplace),
-                ("_flash_attention_backward", self.flash_backward)]
+        """(aten op, our implementation) for each op this torch has (2.11 has no
+        ``_flash_attention_forward_no_dropout_inplace``)."""
+        every = [(self.sdpa_op, self.sdpa_forward), (self.sdpa_op + "_backward", self.sdpa_backward),
+                 ("_flash_attention_forward", self.flash_forward),
+                 ("_flash_attention_forward_no_dropout_inplace", self.flash_forward_inplace),
+                 ("_flash_attention_backward", self.flash_backward)]
+        return [(name, implementation) for name, implementation in every if hasattr(torch.ops.aten, name)]
 
 
 def _cpu_kernels_available() -> bool:
@@ -389,18 +395,24 @@ def activate() -> Handle:
     ``activate_flash_attention_impl("fused_transformer")``)."""
     with _activation_lock:
         library = torch.library.Library("aten", "IMPL")
-        for device in DEVICES:
-            for name, implementation in device.implementations():
-                device.previous.capture(name)
-                with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
-                    warnings.simplefilter("ignore")
-                    library.impl(name, implementation, device.key)
+        try:
+            for device in DEVICES:
+                for name, implementation in device.implementations():
+                    device.previous.capture(name)
+                    with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
+                        warnings.simplefilter("ignore")
+                        library.impl(name, implementation, device.key)
+        except BaseException:
+            # All or nothing: a half-made override left in the dispatcher would be captured as "previous" by the
+            # next activation, which would then call itself.
+            library._destroy()
+            raise
         return Handle(library)
 
 
 def register() -> bool:
     """Register ``"fused_transformer"`` with torch's flash-attention registry (never activating it); False where
-    torch has no registry (before 2.13)."""
+    torch has no registry (torch 2.11 has it)."""
     attention = torch.nn.attention
     if not hasattr(attention, "register_flash_attention_impl"):
         return False

@@ -270,11 +270,13 @@ def _build_attention(setup: Setup, impls: Tuple[str, ...], batch: int, heads: in
                 return sdpa()
         return run
 
-    calls: Dict[str, Callable[[], Tensor]] = {
-        "sdpa": sdpa,
-        "ours": _on_backend(setup.backend, lambda: ft.attention(q, k, v, key_padding_mask=key_padding,
-                                                                is_causal=causal, alibi_slopes=slopes)),
-    }
+    def ours() -> Tensor:
+        return ft.attention(q, k, v, key_padding_mask=key_padding, is_causal=causal, alibi_slopes=slopes)
+
+    # "ours" as a user calls it (on "auto", routed to SDPA where routes.ROUTES measured it faster); "ours:triton"
+    # our kernel whatever the route.
+    calls: Dict[str, Callable[[], Tensor]] = {"sdpa": sdpa, "ours": _on_backend(setup.backend, ours),
+                                              "ours:triton": _on_backend("triton", ours)}
     calls.update({name: under(backend) for name, backend in sdpa_backends(setup.device).items()})
     grads = [q, k, v]
     if "flash_attn" in impls or "xformers" in impls:
@@ -306,6 +308,8 @@ def attention_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
         for mask, causal, padding in masks + [("B1H1 causal", True, 0.0), ("causal+alibi", True, 0.0)]:
             alibi = mask.endswith("alibi")
             impls = ("sdpa", "ours", *sdpa_backends(setup.device))
+            if gpu and setup.backend == "auto":
+                impls += ("ours:triton",)
             if gpu and padding == 0.0:
                 # xFormers has no ALiBi of its own (a materialised bias, as SDPA's), FlashAttention does.
                 impls += tuple(name for name in ("flash_attn", "xformers") if third_party(name) is not None
