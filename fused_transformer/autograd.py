@@ -170,13 +170,14 @@ def attention(name: str, q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks,
     ops = backend.ops(name)
     if name == "reference":
         return ops.attention(q, k, v, masks, spec, alibi_slopes, sinks)
+    needs_grad = _needs_grad(q, k, v, sinks)
     if ops.attention_composed is not None and backend.get_backend() == "auto":  # a backend named is a backend forced
-        out = ops.attention_composed(q, k, v, masks, spec, alibi_slopes, sinks, return_lse)
+        out = ops.attention_composed(q, k, v, masks, spec, alibi_slopes, sinks, return_lse, needs_grad)
         if out is not None:
             return out, None
     if masks.attn_mask is not None:
         _check_constant_mask(masks.attn_mask, name)
-    if _needs_grad(q, k, v, sinks):
+    if needs_grad:
         with_lse = _tracked_lse(return_lse)
         out = _attention_apply(q, k, v, sinks, *masks, alibi_slopes, spec, name, with_lse)
         return out if with_lse else (out, None)

@@ -20,7 +20,7 @@ argument checked here before; ``fused_transformer.autograd`` writes each op's Fu
     layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, spec, seed, has_residual) -> (dx, dresidual, dweight, dbias)
     feed_forward_fwd(x, w1, b1, w2, b2, spec, seed, keep) -> (y, saved)
     feed_forward_bwd(dy, x, w1, b1, w2, saved, has_b2, spec, seed) -> (dx, dw1, db1, dw2, db2)
-    attention_composed(q, k, v, masks, spec, alibi_slopes, sinks, needs_lse) -> o or None
+    attention_composed(q, k, v, masks, spec, alibi_slopes, sinks, needs_lse, needs_grad) -> o or None
     layer_norm_composed(x, weight, bias, residual, spec), feed_forward_composed(x, w1, b1, w2, b2, spec)
 
 Shapes: attention q ``[B, H, Lq, D]``, k / v ``[B, Hkv, Lk, D]``, o ``[B, H, Lq, D]`` (laid out as the backend
@@ -510,11 +510,12 @@ class KVCacheSpec(NamedTuple):
 
 
 class KVCache(NamedTuple):
-    """The cache of an ``attention_with_kvcache`` call as the backends take it (after the append)."""
+    """The cache of an ``attention_with_kvcache`` call as the backends take it: after the append, or before it for a
+    backend that appends the new keys itself (``appends_new_keys``)."""
 
     k: Tensor  # [B, Lmax, Hkv, D], or paged [num_blocks, block_size, Hkv, D]
     v: Tensor
-    lengths: Tensor  # int32 [B]: keys per sequence, the appended ones included
+    lengths: Tensor  # int32 [B]: keys per sequence (the appended ones included, unless the backend appends them)
     block_table: Optional[Tensor]  # int32 [B, max_blocks] for a paged cache, else None
     uniform_length: Optional[int] = None  # every sequence's length when the host knows it (an int cache_seqlens)
 
@@ -524,6 +525,29 @@ class KVCache(NamedTuple):
         if self.block_table is None:
             return self.k.shape[1]
         return self.block_table.shape[1] * self.k.shape[1]
+
+
+def append_to_cache(cache: KVCache, k_new: Tensor, v_new: Tensor) -> KVCache:
+    """Write ``k_new`` / ``v_new`` ``[B, Lnew, Hkv, D]`` into the cache at each sequence's end, in place, and return
+    the cache after it (its lengths counting them): a slice where every sequence of a contiguous cache ends at
+    ``cache.uniform_length``, else an ``index_put_`` at indices made on the device (no host sync: CUDA-graph
+    capturable and traceable)."""
+    batch, new_len = k_new.shape[:2]
+    known = cache.uniform_length
+    if known is not None and cache.block_table is None:
+        cache.k[:, known:known + new_len] = k_new
+        cache.v[:, known:known + new_len] = v_new
+    else:
+        positions = cache.lengths.long()[:, None] + torch.arange(new_len, device=k_new.device)  # [B, Lnew]
+        if cache.block_table is None:
+            rows = (torch.arange(batch, device=k_new.device)[:, None].expand(batch, new_len), positions)
+        else:
+            block_size = cache.k.shape[1]
+            rows = (cache.block_table.long().gather(1, positions // block_size), positions % block_size)
+        cache.k.index_put_(rows, k_new)
+        cache.v.index_put_(rows, v_new)
+    return KVCache(cache.k, cache.v, cache.lengths + new_len, cache.block_table,
+                   None if known is None else known + new_len)
 
 
 def kvcache_spec(head_dim: int, is_causal: object, window: object, softcap: object, scale: object,
@@ -587,7 +611,8 @@ def check_kvcache_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optio
     if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,):
         raise TypeError(f"cache_seqlens must be int32 [batch={batch}] (keys already in each sequence's cache), got "
                         f"{describe(cache_seqlens)}")
-    check_same("cache_seqlens", cache_seqlens, "q", q, dtype=False)
+    if cache_seqlens.device.type != "cpu":  # on the host it is read for free (check_kvcache_values), then copied
+        check_same("cache_seqlens", cache_seqlens, "q", q, dtype=False)
     if alibi_slopes is not None or sinks is not None:
         check_alibi_and_sinks(q, batch, heads, alibi_slopes, sinks)
     return cache_seqlens
@@ -596,13 +621,16 @@ def check_kvcache_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optio
 def check_kvcache_values(cache_seqlens: Tensor, new_len: int, capacity: int, block_table: Optional[Tensor],
                          num_blocks: int, block_size: int, known_length: Optional[int] = None) -> Optional[list[int]]:
     """The values of ``cache_seqlens`` and ``block_table`` before anything is written to the cache: lengths within the
-    cache, the blocks they reach in range. One host read, skipped under ``torch.compile`` and CUDA graph capture,
-    where the values are data the host must not wait for; none when every length is ``known_length`` (an int
-    ``cache_seqlens``) and the cache is not paged. Returns the lengths it read (``[known_length]`` when it read none
-    but knows them; None when it checked nothing)."""
+    cache, the blocks they reach in range. Lengths the host holds (an int, ``known_length``, or a CPU tensor) cost
+    nothing to read; a GPU's cost a device-to-host read, which waits for the GPU, and a paged cache's block ids one
+    more. Skipped under ``torch.compile`` and CUDA graph capture, where the values are data the host must not wait
+    for (the GPU's append still writes nothing outside the cache). Returns the lengths it read (``[known_length]``
+    when it read none but knows them; None when it checked nothing)."""
     if known_length is not None and block_table is None:
         lengths = [known_length]
-    elif torch.compiler.is_compiling() or (cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+    elif torch.compiler.is_compiling() or (
+            (cache_seqlens.is_cuda or (block_table is not None and block_table.is_cuda))
+            and torch.cuda.is_current_stream_capturing()):
         return None
     else:
         lengths = cache_seqlens.tolist()

@@ -230,7 +230,9 @@ def attention_with_kvcache(
         q: ``[B, Lq, H, D]``, ``Lq >= 1`` (1 for a decoding step).
         k_cache, v_cache: ``[B, Lmax, Hkv, D]``, or a paged cache ``[num_blocks, block_size, Hkv, D]`` with
             ``block_table``; ``H`` a multiple of ``Hkv`` (grouped-query attention reads each KV head once).
-        cache_seqlens: int32 ``[B]`` (or an int for every sequence): keys already in each sequence's cache.
+        cache_seqlens: int32 ``[B]`` (or an int for every sequence): keys already in each sequence's cache. On the
+            CPU (with q on a GPU) it is checked without waiting for the GPU, then copied; on the GPU its check is a
+            device-to-host read every call, which waits for the work queued before it.
         k_new, v_new: ``[B, Lnew, Hkv, D]`` or None: written into the cache in place at positions
             ``cache_seqlens[b] .. cache_seqlens[b] + Lnew - 1`` before attending, so sequence ``b`` attends to
             ``cache_seqlens[b] + Lnew`` keys.
@@ -249,8 +251,9 @@ def attention_with_kvcache(
 
     Returns:
         ``[B, Lq, H, D]`` in q's dtype, and the LSE if asked. A query with no visible key gives zeros (LSE
-        ``-inf``, or the sink). The lengths and block ids are checked (one host read, before the cache is touched:
-        a refused call leaves it as it was) except under ``torch.compile`` and CUDA graph capture.
+        ``-inf``, or the sink). The lengths and block ids are checked before the cache is touched (a refused call
+        leaves it as it was) except under ``torch.compile`` and CUDA graph capture, where the append still writes
+        nothing outside the cache whatever their values.
     """
     cast = _autocast_dtype(q, matmul=True)
     q, k_new, v_new = _autocast_all(cast, q, k_new, v_new)  # the cache keeps its dtype: it is written in place
@@ -259,43 +262,22 @@ def attention_with_kvcache(
     spec = contract.kvcache_spec(q.shape[-1], is_causal, window, softcap, scale, num_splits)
     new_len = 0 if k_new is None else k_new.shape[1]
     known_length = cache_seqlens if isinstance(cache_seqlens, int) else None
-    cache = contract.KVCache(k_cache, v_cache, lengths, block_table)
+    cache = contract.KVCache(k_cache, v_cache, lengths, block_table, known_length)
     host_lengths = contract.check_kvcache_values(lengths, new_len, cache.capacity, block_table, k_cache.shape[0],
                                                  k_cache.shape[1], known_length)
+    if lengths.device != q.device:  # lengths the caller kept on the host, checked there: now the kernels' copy
+        cache = cache._replace(lengths=lengths.to(q.device, non_blocking=True))
     implementation = backend.ops(_backend(q)).attention_with_kvcache
+    new_keys = ()
     if new_len and getattr(implementation, "appends_new_keys", False):
-        new_keys = (k_new, v_new)  # its kernel writes them itself (cpu_ops); cache.lengths count the keys before
-    else:
-        new_keys = ()
+        new_keys = (k_new, v_new)  # its kernel writes them itself; cache.lengths count the keys before them
+    elif new_len:
         if known_length is None and host_lengths and min(host_lengths) == max(host_lengths):
-            known_length = host_lengths[0]  # read on the host anyway: the append is then a slice, not an index_put_
-        if new_len:
-            _append_to_cache(cache, k_new, v_new, known_length)
-        if new_len or known_length is not None:
-            cache = contract.KVCache(k_cache, v_cache, lengths + new_len if new_len else lengths, block_table,
-                                     None if known_length is None else known_length + new_len)
+            cache = cache._replace(uniform_length=host_lengths[0])  # read anyway: the append is then a slice
+        cache = contract.append_to_cache(cache, k_new, v_new)
     with _autocast_off(q, cast):
         out, lse = implementation(q, cache, alibi_slopes, sinks, spec, *new_keys)
     return (out, lse) if return_lse else out
-
-
-def _append_to_cache(cache: contract.KVCache, k_new: Tensor, v_new: Tensor, known_length: Optional[int]) -> None:
-    """Write ``k_new`` / ``v_new`` ``[B, Lnew, Hkv, D]`` into the cache at each sequence's end, in place (indices
-    computed on the device: no host sync, CUDA-graph capturable; a slice when every sequence ends at
-    ``known_length`` of a contiguous cache)."""
-    batch, new_len = k_new.shape[:2]
-    if known_length is not None and cache.block_table is None:
-        cache.k[:, known_length:known_length + new_len] = k_new
-        cache.v[:, known_length:known_length + new_len] = v_new
-        return
-    positions = cache.lengths.long()[:, None] + torch.arange(new_len, device=k_new.device)  # [B, Lnew]
-    if cache.block_table is None:
-        rows = (torch.arange(batch, device=k_new.device)[:, None].expand(batch, new_len), positions)
-    else:
-        block_size = cache.k.shape[1]
-        rows = (cache.block_table.long().gather(1, positions // block_size), positions % block_size)
-    cache.k.index_put_(rows, k_new)
-    cache.v.index_put_(rows, v_new)
 
 
 def attention_weights(

@@ -11,15 +11,15 @@ Backward, with xhat = (z - mean) * rstd (or z * rstd) and g = dy * weight:
     dz = (g - xhat * mean(g * xhat) - mean(g)) * rstd      (RMSNorm: no mean(g) term)  [+ dz from prenorm]
     dresidual = dz,   dx = dropout(dz) with the forward's mask, regenerated from its seed
     dweight = sum_rows(dy * xhat),   dbias = sum_rows(dy)
-Each backward program walks a contiguous block of rows and writes one float32 partial row of dweight/dbias;
-a second small kernel (``sum_rows``) adds the partials in a fixed order: deterministic, no atomics. A whole
-16384-wide row and its dweight / dbias sums need more than the 64 registers a thread of a 1024-thread block may
-have (stack frames of 100..270 bytes), so rows wider than 8192 (``bwd_launch``) are held by a cluster of two
-blocks on sm_90 and later, each holding half the row with 128 registers a thread, the row sums reduced across the
-pair through distributed shared memory (Triton's ``num_ctas``; one program as the kernel sees it). Before sm_90
-(no clusters), and where the installed Triton cannot build the cluster launch (``toolchain.cluster_launches``),
-they are split over programs of 8192 columns (SPLIT_COLS), each of which also reads the row's other block to get
-the row sums. ``python -m fused_transformer report`` checks the shipped configs.
+Each backward program walks a contiguous block of rows and writes one float32 partial row of dweight and one of
+dbias, side by side in one buffer; a second small kernel (``sum_rows``) adds the partials of both in a fixed order:
+deterministic, no atomics. A whole 16384-wide row and its dweight / dbias sums need more than the 64 registers a
+thread of a 1024-thread block may have (stack frames of 100..270 bytes), so rows wider than 8192 (``bwd_launch``)
+are held by a cluster of two blocks on sm_90 and later, each holding half the row with 128 registers a thread, the
+row sums reduced across the pair through distributed shared memory (Triton's ``num_ctas``; one program as the kernel
+sees it). Before sm_90 (no clusters), and where the installed Triton cannot build the cluster launch
+(``toolchain.cluster_launches``), they are split over programs of 8192 columns (SPLIT_COLS), each of which also
+reads the row's other block to get the row sums. ``python -m fused_transformer report`` checks the shipped configs.
 
 Bytes moved per element of z (element size s: 2 for bf16, 4 for fp32): read dy and z, write dx (3s), plus dz (s)
 and dresidual (s) when present; with SPLIT_COLS over C column blocks dy and z are read C times (+2s(C - 1)).
@@ -134,9 +134,9 @@ def _layer_norm_bwd_kernel(
     RSTD,  # [rows] float32
     DX,  # [rows, N] gradient of x
     DRESIDUAL,  # [rows, N] gradient of residual (HAS_RESIDUAL)
-    DW_PARTIAL,  # [programs, N] float32, this program's sum of dy * xhat (HAS_WEIGHT)
-    DB_PARTIAL,  # [programs, N] float32, this program's sum of dy (HAS_BIAS)
-    stride_z_row, stride_dy_row, stride_dz_row, stride_dx_row, stride_dres_row,
+    DW_PARTIAL,  # [programs, N] float32, this program's sum of dy * xhat (HAS_WEIGHT), rows stride_partial_row apart
+    DB_PARTIAL,  # [programs, N] float32, this program's sum of dy (HAS_BIAS), the same row stride
+    stride_z_row, stride_dy_row, stride_dz_row, stride_dx_row, stride_dres_row, stride_partial_row,
     n_rows, n_cols, rows_per_program, dropout_p, SEED,
     BLOCK_N: tl.constexpr,
     HAS_DZ: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -199,9 +199,9 @@ def _layer_norm_bwd_kernel(
         tl.store(DX + row * stride_dx_row + cols, dz.to(DX.dtype.element_ty), mask=mask)
 
     if HAS_WEIGHT:
-        tl.store(DW_PARTIAL + program * n_cols + cols, dw_sum, mask=mask)
+        tl.store(DW_PARTIAL + program * stride_partial_row + cols, dw_sum, mask=mask)
     if HAS_BIAS:
-        tl.store(DB_PARTIAL + program * n_cols + cols, db_sum, mask=mask)
+        tl.store(DB_PARTIAL + program * stride_partial_row + cols, db_sum, mask=mask)
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -331,11 +331,12 @@ def _launch_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], res
 
 def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                 mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor], rms_norm: bool,
-                has_residual: bool) -> Tuple[Tensor, ...]:
+                has_residual: bool, one_sum: bool = True) -> Tuple[Tensor, ...]:
     """The backward; ``dy``, ``dz``, ``z`` are ``[rows, N]`` (last dim contiguous).
 
     Returns ``dx``, ``dresidual`` (empty without a residual), ``dweight`` and ``dbias`` (empty when absent,
-    else in the parameter's dtype).
+    else in the parameter's dtype). ``one_sum``: dweight and dbias of one dtype summed by one launch, views of its
+    ``[2N]`` result (not for a custom op, whose outputs may not alias each other).
     """
     n_rows, n_cols = z.shape
     dx = z.new_empty((n_rows, n_cols))
@@ -344,8 +345,11 @@ def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Te
         return dx, dresidual, *(torch.empty_like(p) if p is not None else _empty(dx) for p in (weight, bias))
     rows_per_program = backward_rows_per_program(n_rows, z.device)
     programs = max(cdiv(n_rows, rows_per_program), 1)
-    dw_partial = z.new_empty((programs, n_cols), dtype=torch.float32) if weight is not None else None
-    db_partial = z.new_empty((programs, n_cols), dtype=torch.float32) if bias is not None else None
+    # One buffer holds both partials side by side, [programs, dweight's N | dbias's N], so that one reduction sums both.
+    width = n_cols * ((weight is not None) + (bias is not None))
+    partials = z.new_empty((programs, width), dtype=torch.float32) if width else None
+    dw_partial = partials if weight is not None else None  # [:, :N]: the kernel takes a pointer and a row stride
+    db_partial = (partials[:, n_cols:] if weight is not None else partials) if bias is not None else None
     # Launched even for zero rows: every program writes its (possibly zero) partial sums.
     launch = bwd_launch(n_cols, launches_clusters(z.device))
     launch_kernel(
@@ -353,14 +357,17 @@ def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Te
         (z, dy, dz, weight, mean if not rms_norm else None, rstd, dx, dresidual if has_residual else None,
          dw_partial, db_partial,
          z.stride(0), dy.stride(0), dz.stride(0) if dz is not None else 0, dx.stride(0),
-         dresidual.stride(0) if has_residual else 0,
+         dresidual.stride(0) if has_residual else 0, width,
          n_rows, n_cols, rows_per_program, dropout_p, seed),
         1 if interpreting() else launch.num_warps, num_ctas=launch.num_ctas,
         BLOCK_N=launch.block_n, HAS_DZ=dz is not None, HAS_RESIDUAL=has_residual, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, IS_RMS_NORM=rms_norm,
         SPLIT_COLS=launch.col_blocks > 1,
     )
-    dweight = sum_rows(dw_partial, weight.dtype) if weight is not None else _empty(dx)
+    if one_sum and weight is not None and bias is not None and weight.dtype == bias.dtype:
+        sums = sum_rows(partials, weight.dtype)
+        return dx, dresidual, sums[:n_cols], sums[n_cols:]
+    dweight = sum_rows(partials[:, :n_cols], weight.dtype) if weight is not None else _empty(dx)
     dbias = sum_rows(db_partial, bias.dtype) if bias is not None else _empty(dx)
     return dx, dresidual, dweight, dbias
 
@@ -424,7 +431,7 @@ def _layer_norm_bwd_op(
     mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor], rms_norm: bool, has_residual: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``_launch_bwd`` as torch.compile and torch.export trace it."""
-    return _launch_bwd(dy, dz, z, weight, bias, mean, rstd, dropout_p, seed, rms_norm, has_residual)
+    return _launch_bwd(dy, dz, z, weight, bias, mean, rstd, dropout_p, seed, rms_norm, has_residual, one_sum=False)
 
 
 @_layer_norm_bwd_op.register_fake
@@ -475,8 +482,8 @@ def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
         "Z": "*bf16", "DY": "*bf16", "DZ": "*bf16", "W": "*bf16", "MEAN": "*fp32", "RSTD": "*fp32",
         "DX": "*bf16", "DRESIDUAL": "*bf16", "DW_PARTIAL": "*fp32", "DB_PARTIAL": "*fp32",
         "stride_z_row": "i32", "stride_dy_row": "i32", "stride_dz_row": "i32", "stride_dx_row": "i32",
-        "stride_dres_row": "i32", "n_rows": "i32", "n_cols": "i32", "rows_per_program": "i32",
-        "dropout_p": "fp32", "SEED": "*i64",
+        "stride_dres_row": "i32", "stride_partial_row": "i32", "n_rows": "i32", "n_cols": "i32",
+        "rows_per_program": "i32", "dropout_p": "fp32", "SEED": "*i64",
     }
     features = {"HAS_RESIDUAL": True, "HAS_WEIGHT": True, "HAS_BIAS": True, "HAS_DROPOUT": True, "IS_RMS_NORM": False}
     configs = []

@@ -176,6 +176,47 @@ def test_every_split_count_matches_no_split(layout, n_queries):
         torch.testing.assert_close(lse, lse1, atol=1e-5, rtol=0, msg=f"lse, {num_splits} splits")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("new", [1, 5, 21])
+def test_the_append_kernel_is_the_torch_append(layout, new):
+    """The append kernel (``append_new_keys``: lengths before the new keys) writes them into the cache bit-exactly,
+    touches no other slot, and returns the lengths after them; more new keys than one program writes included."""
+    lens, block_size = LAYOUT_LENS[layout], LAYOUTS[layout]
+    k, v, after, table = _cache([n + new for n in lens], 2, 16, seed=19, block_size=block_size)
+    k, v, before = k.float(), v.float(), after - new
+    g = torch.Generator().manual_seed(21)
+    k_new, v_new = (torch.randn(len(lens), new, 2, 16, generator=g).to(DEVICE) for _ in range(2))
+    k_in, v_in = k.clone(), v.clone()
+    lengths = decode.append_new_keys(decode.KVCache(k_in, v_in, before, table), k_new, v_new)
+    appended = decode.append_to_cache(decode.KVCache(k, v, before, table), k_new, v_new)
+    assert lengths.dtype == torch.int32 and torch.equal(lengths, appended.lengths) and torch.equal(lengths, after)
+    assert torch.equal(k_in, k) and torch.equal(v_in, v)
+
+
+def test_the_append_never_writes_outside_the_cache_whatever_the_lengths():
+    """Where nobody checked the lengths and block ids (torch.compile and CUDA graph capture skip the host's check),
+    the append kernel writes no key past a sequence's cache, outside the pool, or for a sequence whose new keys do
+    not fit: a cache inside a guard buffer keeps the guard, and those sequences' slots, as they were."""
+    g = torch.Generator().manual_seed(23)
+    guard = torch.randn(3, 48, 2, 16, generator=g).to(DEVICE)
+    k, v = guard[:, 8:40], guard.clone()[:, 8:40]  # capacity 32, 8 guard rows on each side of each sequence
+    k_guard, v_guard = k._base.clone(), v._base.clone()
+    k_new, v_new = (torch.randn(3, 4, 2, 16, generator=g).to(DEVICE) for _ in range(2))
+    lens = torch.tensor([30, -3, 40], dtype=torch.int32, device=DEVICE)  # past the end, negative, beyond
+    decode.append_new_keys(decode.KVCache(k, v, lens, None), k_new, v_new)
+    assert torch.equal(k._base, k_guard) and torch.equal(v._base, v_guard)
+
+    pool_k, pool_v = (torch.randn(6, 8, 2, 16, generator=g).to(DEVICE) for _ in range(2))
+    k, v = pool_k[1:5], pool_v[1:5]  # blocks 0 and 5 of the pool are the guard
+    table = torch.tensor([[0, 99, -1, 1], [2, 3, 0, 1]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([14, 6], dtype=torch.int32, device=DEVICE)  # sequence 0's new keys go to blocks 99 and -1
+    k_pool, v_pool = pool_k.clone(), pool_v.clone()
+    decode.append_new_keys(decode.KVCache(k, v, lens, table), k_new[:2], v_new[:2])
+    for pool, old in ((pool_k, k_pool), (pool_v, v_pool)):
+        assert torch.equal(pool[0], old[0]) and torch.equal(pool[5], old[5])
+    assert torch.equal(k[2, 6:8], k_new[1, :2]) and torch.equal(k[3, :2], k_new[1, 2:4])  # sequence 1's, 6 .. 9
+
+
 def test_rows_without_keys_give_zeros_and_lse_minus_inf():
     """Lq = 7 causal queries over 0 and 3 keys: the first rows see nothing (zeros, LSE -inf); with a sink their LSE
     is the sink's logit."""

@@ -209,6 +209,28 @@ def test_int_cache_seqlens_and_no_new_keys():
     assert (out.double() - expected).abs().max().item() < 2e-6
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or "triton" not in BACKENDS, reason="needs a GPU and Triton")
+def test_lengths_kept_on_the_host_cost_no_device_read():
+    """A decoding step with ``cache_seqlens`` on the CPU checks them there and never waits for the GPU (torch's sync
+    debug mode raises on any synchronising call), and gives what the same lengths on the GPU give."""
+    k_cache, v_cache, _ = make_cache(2, 64, 2, 16)
+    k_cache, v_cache = k_cache.cuda(), v_cache.cuda()
+    twins = k_cache.clone(), v_cache.clone()
+    q, k_new, v_new = (torch.randn(2, 1, n, 16, device="cuda") for n in (4, 2, 2))
+    lengths = torch.tensor([7, 40], dtype=torch.int32)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = ft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, k_new=k_new, v_new=v_new)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = ft.attention_with_kvcache(q, *twins, cache_seqlens=lengths.cuda(), k_new=k_new, v_new=v_new)
+    assert torch.equal(out, expected) and torch.equal(k_cache, twins[0]) and torch.equal(v_cache, twins[1])
+    with pytest.raises(ValueError, match="within the cache"):  # and still refuses what does not fit
+        ft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([7, 64], dtype=torch.int32),
+                                  k_new=k_new, v_new=v_new)
+
+
 def test_block_table_entries_past_a_sequence_are_never_read():
     k_cache, v_cache, table = make_cache(2, 32, 2, 8, 8)
     table[0, 1:] = -1  # sequence 0 uses one block; FlashAttention's callers leave the rest as they like

@@ -11,6 +11,8 @@ from fused_transformer.contract import AttentionMasks
 from fused_transformer.kernels import attention as triton_attention
 from fused_transformer.kernels.attention import routes
 
+from numerics import assert_close_to_reference
+
 H200 = 90
 
 
@@ -90,6 +92,12 @@ def test_a_routed_call_is_sdpas_own(stand_in_h200, causal):
     out, lse = autograd.attention("triton", q, k, v, AttentionMasks(), spec, None, None, False)
     assert lse is None and stand_in_h200 == []
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3))
+    # and it is our op's result: the float64 reference with the same mask and scale, within the usual rule
+    inputs64 = [t.double() for t in (q, k, v)]
+    oracle = ft.backend.ops("reference").attention
+    ref64 = oracle(*inputs64, AttentionMasks(), spec, None, None)[0]
+    baseline = oracle(q, k, v, AttentionMasks(), spec, None, None)[0]
+    assert_close_to_reference(out, ref64, baseline)
 
 
 def test_the_triton_backend_named_forces_our_kernel(stand_in_h200):
@@ -105,11 +113,13 @@ def test_the_triton_backend_named_forces_our_kernel(stand_in_h200):
 
 def test_calls_that_need_gradients_or_are_traced_keep_our_kernel(stand_in_h200, monkeypatch):
     q, k, v = _inputs(requires_grad=True)
-    assert routes.attention_composed(q, k, v, AttentionMasks(), _spec(q), None, None, False) is None
+    with pytest.raises(AssertionError, match="our kernel ran"):  # q, k, v need gradients: ours
+        autograd.attention("triton", q, k, v, AttentionMasks(), _spec(q), None, None, False)
     with torch.no_grad():
-        assert routes.attention_composed(q, k, v, AttentionMasks(), _spec(q), None, None, False) is not None
+        assert autograd.attention("triton", q, k, v, AttentionMasks(), _spec(q), None, None, False)[1] is None
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert routes.attention_composed(q, k, v, AttentionMasks(), _spec(q), None, None, False) is None
+        assert routes.attention_composed(q, k, v, AttentionMasks(), _spec(q), None, None, False, False) is None
+    assert stand_in_h200 == ["ours"]
 
 
 def test_off_a_gpu_there_is_no_capability():

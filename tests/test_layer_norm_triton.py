@@ -118,6 +118,28 @@ def test_layer_norm_shapes_and_mixed_dtypes(shape, dtype, param_dtype):
     check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
 
 
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_weight_and_bias_gradients_share_one_reduction(monkeypatch, bias_dtype):
+    """The backward's partial sums of dweight and dbias lie side by side; one dtype takes one ``sum_rows`` launch for
+    both, bit-identical to a launch each (each column sums the same partials in the same order), which mixed dtypes
+    and the custom op (whose outputs may not alias) keep."""
+    torch.manual_seed(3)
+    x, dy = (torch.randn(37, 48, device=DEVICE) for _ in range(2))
+    weight, bias = torch.randn(48, device=DEVICE), torch.randn(48, device=DEVICE, dtype=bias_dtype)
+    _, _, mean, rstd = triton_layer_norm._launch_fwd(x, weight, bias, None, EPS, 0.0, None, False, False)
+    sums, sum_rows = [], triton_layer_norm.sum_rows
+    monkeypatch.setattr(triton_layer_norm, "sum_rows", lambda t, dtype: sums.append(t.shape[1]) or sum_rows(t, dtype))
+    args = (dy, None, x, weight, bias, mean, rstd, 0.0, None, False, False)
+    one = triton_layer_norm._launch_bwd(*args)
+    assert sums == ([96] if bias_dtype == torch.float32 else [48, 48])
+    sums.clear()
+    apart = triton_layer_norm._launch_bwd(*args, one_sum=False)
+    assert sums == [48, 48]
+    for a, b in zip(one, apart):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert one[3].dtype == bias_dtype and one[2].shape == one[3].shape == (48,)
+
+
 @pytest.mark.parametrize("clusters", [False, True], ids=["split", "cluster"])
 @pytest.mark.parametrize("rms_norm", [False, True])
 def test_widest_rows_backward(monkeypatch, rms_norm, clusters):

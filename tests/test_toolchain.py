@@ -3,6 +3,7 @@ release builds (cluster launches, tile rows), the older interpreter's scalar con
 states the floors. .ci/versions runs these under every tested release; the report compiles what they plan."""
 import ast
 import os
+import sys
 
 import pytest
 import torch
@@ -40,6 +41,31 @@ def test_an_older_triton_makes_the_triton_backend_unavailable(monkeypatch):
         assert "older than 3.6" in backend.triton_unavailable_reason()
         with backend.use_backend("triton"), pytest.raises(RuntimeError, match="triton 3.5.1 is older than 3.6"):
             backend.current("cuda")
+    finally:
+        monkeypatch.undo()
+        backend.triton_unavailable_reason.cache_clear()
+    assert backend.triton_unavailable_reason() is None
+
+
+def test_a_checkout_not_installed_names_the_interpreter_and_the_fix(monkeypatch):
+    """kernels/ joins the package at install time: run in place from a checkout, the package lacks it, and the
+    Triton backend says which python imported what, and how to install it there."""
+    class NoKernels:  # finds no fused_transformer.kernels, as a checkout's path holds none
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name == "fused_transformer.kernels":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    for name in ("fused_transformer.kernels.toolchain", "fused_transformer.kernels"):
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [NoKernels, *sys.meta_path])
+    backend.triton_unavailable_reason.cache_clear()
+    try:
+        with pytest.raises(ImportError, match="fused_transformer.kernels is missing") as raised:
+            backend.triton_unavailable_reason()
+        message = str(raised.value)
+        assert sys.executable in message and "-m pip install -e ." in message
     finally:
         monkeypatch.undo()
         backend.triton_unavailable_reason.cache_clear()

@@ -23,7 +23,8 @@ Suites (``SUITES``), each over sequence lengths:
   weights, after a prefix of L - 1 target tokens over a source of L tokens; tokens/s counts one token per
   sequence.
 - ``decode``: one decoding step of ``ft.attention_with_kvcache`` (append the new key and value to a contiguous cache
-  of L - 1 keys, attend with one query per sequence) against SDPA on the same cache after the same write, and
+  of L - 1 keys, attend with one query per sequence; the lengths on the host, as SDPA's slice takes them, so that
+  no call waits for the GPU) against SDPA on the same cache after the same write, and
   ``flash_attn_with_kvcache`` on CUDA when installed; batch 1, 8, 32 (and 128 on CUDA), 8 KV heads with 8 or 32
   query heads. GB/s counts the cache read (keys and values), its fraction of the GPU's peak in ``bw_of_peak``.
 - ``module_call``: one call of ``ft.LayerNorm``, ``MultiheadAttention`` (``need_weights=False``), and the encoder and
@@ -42,14 +43,7 @@ quarters), right-padded, so a padding ratio p removes the fraction p of the keys
 
 Work counted: ``bench_work`` (FLOPs and bytes a case needs, whatever the implementation).
 
-Time (``bench_timing.time_ms``): on CUDA the median of ``triton.testing.do_bench`` (gradients reset to None
-outside the timed region); on CPU ``torch.utils.benchmark.Timer`` over ``reset gradients; call``, the
-implementations of a case taking turns in blocks so that a noisy machine slows them alike, and the median over
-the blocks. Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over one call, above what was allocated before it; on CPU torch has
-no allocator statistics, so it is the peak of the bytes allocated through torch's CPU allocator during one call
-(on the calling thread), above the start, read from the profiler's memory events (``profile_memory=True``).
-``python -m fused_transformer bench`` measures it on the first call of each implementation of a case on CPU (the
-slowest calls take seconds; that call is also the warm-up), on a second call on CUDA (the first may autotune).
+Time and peak memory: ``bench_timing``.
 """
 from __future__ import annotations
 
@@ -501,6 +495,7 @@ def _build_decode(setup: Setup, impls: Tuple[str, ...], batch: int, length: int,
     q = _randn(setup, batch, 1, heads, head_dim)
     k_new, v_new = (_randn(setup, batch, 1, kv_heads, head_dim) for _ in range(2))
     lengths = torch.full((batch,), length - 1, dtype=torch.int32, device=setup.device)
+    host_lengths = lengths.cpu()  # ours checks the lengths it is given on the host without waiting for the GPU
 
     def sdpa() -> Tensor:
         k_cache[:, length - 1:] = k_new
@@ -511,7 +506,7 @@ def _build_decode(setup: Setup, impls: Tuple[str, ...], batch: int, length: int,
     calls: Dict[str, Callable[[], Tensor]] = {
         "sdpa": sdpa,
         "ours": _on_backend(setup.backend, lambda: ft.attention_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=lengths, k_new=k_new, v_new=v_new)),
+            q, k_cache, v_cache, cache_seqlens=host_lengths, k_new=k_new, v_new=v_new)),
     }
     if "flash_attn" in impls:
         calls["flash_attn"] = lambda: third_party("flash_attn").flash_attn_with_kvcache(

@@ -5,9 +5,9 @@ Cases (``cases``), on batch 2, 2 heads, L 8, head dim 16, d_model 32, d_ff 64:
 
 - ops: ``ft.attention`` forward (under ``no_grad``) and forward+backward; ``ft.attention_varlen`` forward (two packed
   sequences of 8 and 5 tokens); ``ft.attention_with_kvcache``, one decoding step (one new key and value appended to
-  a contiguous cache holding 7, one query per sequence); ``ft.layer_norm`` with a residual and ``ft.feed_forward``
-  (GELU), both with dropout 0.1 (``FUSED_DROPOUT``; without it ATen runs the feed-forward, and on a GPU the
-  LayerNorm), forward and forward+backward.
+  a contiguous cache holding 7, one query per sequence, the lengths on the host); ``ft.layer_norm`` with a residual
+  and ``ft.feed_forward`` (GELU), both with dropout 0.1 (``FUSED_DROPOUT``; without it ATen runs the feed-forward,
+  and on a GPU the LayerNorm), forward and forward+backward.
 - modules: ``ft.LayerNorm``, ``ft.MultiheadAttention`` (``need_weights=False``), ``ft.TransformerEncoderLayer`` and
   ``ft.TransformerDecoderLayer`` (dropout 0.1, batch_first), an eval call under ``no_grad`` and a training step.
 
@@ -264,8 +264,9 @@ def _attention_with_kvcache(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dic
         return F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2),
                                               v_cache.transpose(1, 2)).transpose(1, 2)
 
+    on_host = cached.cpu()  # checked there without waiting for the GPU
     return [q, k_cache, v_cache, cached, k_new, v_new], {"torch": sdpa, "ours": lambda: ft.attention_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens=cached, k_new=k_new, v_new=v_new)}
+        q, k_cache, v_cache, cache_seqlens=on_host, k_new=k_new, v_new=v_new)}
 
 
 def _layer_norm(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:

@@ -1,5 +1,15 @@
-"""How ``python -m fused_transformer bench`` and ``pytest benchmarks/`` time a call and measure its peak memory
-(see ``fused_transformer.tools.bench_cases`` for the method in words)."""
+"""How ``python -m fused_transformer bench`` and ``pytest benchmarks/`` time a call and measure its peak memory.
+
+Time (``time_ms``): on CUDA the median of ``triton.testing.do_bench`` (gradients reset to None outside the timed
+region); on CPU ``torch.utils.benchmark.Timer`` over ``reset gradients; call``, the implementations of a case taking
+turns in blocks so that a noisy machine slows them alike, and the median over the blocks.
+
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over one call, above what was allocated before it; on CPU
+torch has no allocator statistics, so it is the peak of the bytes allocated through torch's CPU allocator during one
+call (on the calling thread), above the start, read from the profiler's memory events (``profile_memory=True``).
+``python -m fused_transformer bench`` measures it on the first call of each implementation of a case on CPU (the
+slowest calls take seconds; that call is also the warm-up), on a second call on CUDA (the first may autotune).
+"""
 from __future__ import annotations
 
 import contextlib

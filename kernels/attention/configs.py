@@ -19,11 +19,12 @@ So the rows run from the most specific to the most general, and the order is the
 
 Each row also says where its tiles run the two-loop path (``interior_loop``: unmasked interior tiles, for launches
 with no attn_mask, query padding, window or dropout) without spilling, per layout: the report compiles both paths
-and checks. A backward row says whether its pointer path reads do through do's own strides (``do_strides``): in
-the float32 tiles that spill doing so (ptxas keeps 64-128 registers and stacks a value or two), it reads do in
-o's layout instead, and the launcher copies a gradient that is not in it. The rows were chosen as the largest tiles that compile without spills on their targets in every
-variant that picks them; ``python -m fused_transformer report`` prints what each runs (registers, HGMMA widths,
-instructions per kMAC) and ``docs/attention.md`` tells how they were found.
+and checks. A backward row says whether its pointer path reads do through do's own strides (``do_strides``): in the
+float32 tiles that spill doing so (ptxas keeps 64-128 registers and stacks a value or two), it reads do in o's
+layout instead, and the launcher copies a gradient that is not in it. The rows were chosen as the largest tiles that
+compile without spills on their targets in every variant that picks them; ``python -m fused_transformer report``
+prints what each runs (registers, HGMMA widths, instructions per kMAC) and ``docs/attention.md`` tells how they were
+found.
 """
 from __future__ import annotations
 

@@ -18,6 +18,12 @@ a split that saw no key has lse_s = -inf (weight 0); a row that saw none gives o
 sink alone, lse = sink). With one split the decode kernel writes o and lse itself, the sink folded in there.
 The key cache is contiguous [B, Lmax, Hkv, D] or paged [num_blocks, block_size, Hkv, D], key p of sequence b in
 block block_table[b, p // block_size], row p % block_size (any block_size: each key's page is looked up).
+
+A decoding step's new keys and values are appended by a kernel of their own before the decode launch, which also
+writes the lengths after them: one launch for what were two slice copies (or index_put_ calls) and an add. It
+writes nothing past a sequence's cache, into a block outside the pool, or for a sequence whose new keys do not fit,
+whatever the lengths and block ids (the host checks those where it may read them, not under torch.compile or CUDA
+graph capture).
 """
 import functools
 from typing import List, Optional, Tuple, Union
@@ -26,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...contract import KVCache, KVCacheSpec, window_bounds, window_of_bounds
+from ...contract import KVCache, KVCacheSpec, append_to_cache, window_bounds, window_of_bounds
 from .._common import cdiv, interpreting as interpreting_now, launch_kernel, positional_constexprs, traced
 from ..aot import AotKernel
 from ..targets import CAPABILITIES, Target
@@ -59,6 +65,57 @@ def _store_rows(O, LSE, out, lse2, batch, query, head, n_queries, n_heads, real_
     tl.store(O + out_rows[:, None] * HEAD_DIM + dims[None, :], out.to(O.dtype.element_ty),
              mask=_tile_mask(real_rows, dims, HEAD_DIM, BLOCK_D))
     tl.store(LSE + (batch * n_heads + head) * n_queries + query, lse2 * 0.6931471805599453, mask=real_rows)
+
+
+@triton.jit
+def _cache_rows(BLOCK_TABLE, batch, positions, ok, stride_kb, stride_kn, stride_vb, stride_vn, stride_tb, stride_tn,
+                page_size, PAGED: tl.constexpr):
+    """The offsets in K and V of key ``positions`` of sequence ``batch`` (where ``ok``), and (PAGED) their block ids,
+    0 where not ok; without PAGED, ``batch`` in their place."""
+    if PAGED:
+        page = tl.load(BLOCK_TABLE + batch * stride_tb + (positions // page_size) * stride_tn, mask=ok, other=0)
+        offset = positions % page_size
+        k_rows = page.to(tl.int64) * stride_kb + offset * stride_kn
+        v_rows = page.to(tl.int64) * stride_vb + offset * stride_vn
+    else:
+        page = batch
+        k_rows = batch * stride_kb + positions.to(tl.int64) * stride_kn
+        v_rows = batch * stride_vb + positions.to(tl.int64) * stride_vn
+    return k_rows, v_rows, page
+
+
+@triton.jit
+def _attention_append_kernel(
+    K_NEW, V_NEW,  # [B, n_new, Hkv, D] contiguous: the keys and values to append
+    K, V,  # the cache, as the decode kernel takes it
+    CACHE_LENS,  # [B] int32: keys before the new ones
+    NEW_LENS,  # [B] int32, written: CACHE_LENS + n_new
+    BLOCK_TABLE,  # [B, max_blocks] int32 (PAGED)
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_tb, stride_tn,
+    kv_heads, n_new, max_keys, n_blocks, page_size,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr,
+):
+    # Program (b Hkv + h, j) writes rows j BLOCK_N .. of (b, h)'s new keys and values at positions CACHE_LENS[b] + ..
+    batch_kv = tl.program_id(0)
+    batch = (batch_kv // kv_heads).to(tl.int64)
+    kv_head = batch_kv % kv_heads
+    old_len = tl.load(CACHE_LENS + batch)
+    if (kv_head == 0) & (tl.program_id(1) == 0):
+        tl.store(NEW_LENS + batch, old_len + n_new)
+    new = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    positions = old_len + new
+    ok = new < tl.where((old_len >= 0) & (old_len + n_new <= max_keys), n_new, 0)  # none where they do not fit
+    k_rows, v_rows, page = _cache_rows(BLOCK_TABLE, batch, positions, ok, stride_kb, stride_kn, stride_vb, stride_vn,
+                                       stride_tb, stride_tn, page_size, PAGED)
+    if PAGED:
+        ok = ok & (page >= 0) & (page < n_blocks)
+    dims = tl.arange(0, BLOCK_D)
+    mask = _tile_mask(ok, dims, HEAD_DIM, BLOCK_D)
+    new_rows = ((batch * n_new + new) * kv_heads + kv_head).to(tl.int64) * HEAD_DIM
+    k = tl.load(K_NEW + new_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+    tl.store(K + kv_head * stride_kh + k_rows[:, None] + dims[None, :], k.to(K.dtype.element_ty), mask=mask)
+    v = tl.load(V_NEW + new_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+    tl.store(V + kv_head * stride_vh + v_rows[:, None] + dims[None, :], v.to(V.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -124,14 +181,8 @@ def _attention_decode_kernel(
     for first_col in range(key_start, key_end, BLOCK_N):
         cols = first_col + tl.arange(0, BLOCK_N)
         key_ok = cols < k_len
-        if PAGED:
-            page = tl.load(BLOCK_TABLE + batch * stride_tb + (cols // page_size) * stride_tn, mask=key_ok, other=0)
-            offset = cols % page_size
-            k_rows = page.to(tl.int64) * stride_kb + offset * stride_kn
-            v_rows = page.to(tl.int64) * stride_vb + offset * stride_vn
-        else:
-            k_rows = batch * stride_kb + cols.to(tl.int64) * stride_kn
-            v_rows = batch * stride_vb + cols.to(tl.int64) * stride_vn
+        k_rows, v_rows, _ = _cache_rows(BLOCK_TABLE, batch, cols, key_ok, stride_kb, stride_kn, stride_vb, stride_vn,
+                                        stride_tb, stride_tn, page_size, PAGED)
         kv_mask = _tile_mask(key_ok, dims, HEAD_DIM, BLOCK_D)
         k = tl.load(k_head + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         qk = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION)
@@ -323,16 +374,47 @@ def attention_decode(
 def attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                            spec: KVCacheSpec, k_new: Optional[Tensor] = None,
                            v_new: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """The Triton backend's ``attention_with_kvcache`` (arguments checked, the new keys already in the cache: it has
-    no ``appends_new_keys``): ``(out [B, Lq, H, D], lse [B, H, Lq])``."""
+    """The Triton backend's ``attention_with_kvcache`` (arguments checked): ``(out [B, Lq, H, D], lse [B, H, Lq])``.
+    With ``k_new`` / ``v_new`` (``appends_new_keys``) ``cache.lengths`` count the keys before them: an eager call
+    appends them with the append kernel, a traced one with torch ops (the custom ops write no cache)."""
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"triton attention_with_kvcache runs float16, bfloat16 and float32, got {q.dtype}; float64 "
                         "runs on the reference backend")
+    if k_new is not None:
+        cache = append_to_cache(cache, k_new, v_new) if traced() else cache._replace(
+            lengths=append_new_keys(cache, k_new.contiguous(), v_new.contiguous()))
     left, right = window_bounds(spec.window)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, cache.k, cache.v))
     return attention_decode(q, k, v, cache.lengths, cache.block_table, is_causal=spec.is_causal, window_left=left,
                             window_right=right, scale=spec.scale, softcap=spec.softcap, alibi_slopes=alibi_slopes,
                             sinks=sinks, num_splits=spec.num_splits)
+
+
+# functional.attention_with_kvcache hands this backend the new keys and values instead of appending them itself:
+# the append kernel replaces two slice copies (or index_put_ calls) and the lengths' update, two launches a step.
+attention_with_kvcache.appends_new_keys = True
+
+# The append kernel's tile: new keys a program writes (a decoding step has one), and its warps.
+APPEND_ROWS = 16
+APPEND_WARPS = 4
+
+
+def append_new_keys(cache: KVCache, k_new: Tensor, v_new: Tensor) -> Tensor:
+    """Write ``k_new`` / ``v_new`` ``[B, Lnew, Hkv, D]`` (contiguous) into the cache after the ``cache.lengths`` keys
+    of each sequence, in place (``_attention_append_kernel``); returns the lengths after them, int32 ``[B]``."""
+    batch, new_len, kv_heads, head_dim = k_new.shape
+    new_lengths = torch.empty_like(cache.lengths)
+    if batch * kv_heads == 0 or new_len == 0 or head_dim == 0:
+        return torch.add(cache.lengths, new_len, out=new_lengths)
+    paged = cache.block_table is not None
+    k, v = cache.k, cache.v
+    launch_kernel(_attention_append_kernel, (batch * kv_heads, cdiv(new_len, APPEND_ROWS)), (
+        k_new, v_new, k, v, cache.lengths, new_lengths, cache.block_table, *k.stride()[:3], *v.stride()[:3],
+        *(cache.block_table.stride() if paged else (0, 0)), kv_heads, new_len, cache.capacity,
+        k.shape[0] if paged else 0, k.shape[1],
+    ), 1 if interpreting_now() else APPEND_WARPS, BLOCK_N=APPEND_ROWS, BLOCK_D=head_dim_bucket(head_dim),
+        HEAD_DIM=head_dim, PAGED=paged)
+    return new_lengths
 
 
 def _launch_decode(
@@ -435,8 +517,8 @@ AOT_HEAD_DIMS = (64, 128)
 AOT_ROWS = (1, 64)  # rows per kv head: a decoding step's tile and chunked prefill's
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Pointers whose type does not follow q's dtype.
-POINTER_TYPES = {"CACHE_LENS": "*i32", "BLOCK_TABLE": "*i32", "ALIBI": "*fp32", "SINKS": "*fp32", "LSE": "*fp32",
-                 "O_PART": "*fp32", "LSE_PART": "*fp32"}
+POINTER_TYPES = {"CACHE_LENS": "*i32", "NEW_LENS": "*i32", "BLOCK_TABLE": "*i32", "ALIBI": "*fp32", "SINKS": "*fp32",
+                 "LSE": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32"}
 
 
 def _signature(fn, elem: str, split_output: bool) -> dict:
@@ -446,7 +528,7 @@ def _signature(fn, elem: str, split_output: bool) -> dict:
             signature[name] = "*fp32" if split_output else elem
         elif name in POINTER_TYPES:
             signature[name] = POINTER_TYPES[name]
-        elif name in ("Q", "K", "V"):
+        elif name in ("Q", "K", "V", "K_NEW", "V_NEW"):
             signature[name] = elem
         elif name in ("scale", "softcap"):
             signature[name] = "fp32"
@@ -457,8 +539,9 @@ def _signature(fn, elem: str, split_output: bool) -> dict:
 
 def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
     """The decode kernel in each tile ``decode_tile`` picks (decoding and chunked prefill), bfloat16 and float32,
-    head dims 64 and 128, contiguous and paged caches, in each of ``DECODE_VARIANTS``; and the merge kernel. The plan
-    is the same on every target (and every Triton release: ``triton`` is taken for the report's interface)."""
+    head dims 64 and 128, contiguous and paged caches, in each of ``DECODE_VARIANTS``; the append and merge
+    kernels. The plan is the same on every target (and every Triton release: ``triton`` is taken for the report's
+    interface)."""
     shipped = []
     for precision, dtype in DTYPES.items():
         elem = "*bf16" if precision == "bf16" else "*fp32"
@@ -480,6 +563,15 @@ def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
                             divisible_by_16=tuple(n for n, t in signature.items() if t.startswith("*") or (
                                 n.startswith("stride_") and n not in ("stride_tn", "stride_ah"))),
                         ))
+            for paged in (False, True):
+                signature = _signature(_attention_append_kernel, elem, False)
+                shipped.append(AotKernel(
+                    name="attention_decode_append", config=f"{precision}/D{head_dim}/BN{APPEND_ROWS}_w{APPEND_WARPS}"
+                    + ("/paged" if paged else ""), fn=_attention_append_kernel, signature=signature,
+                    constexprs=dict(BLOCK_N=APPEND_ROWS, BLOCK_D=head_dim, HEAD_DIM=head_dim, PAGED=paged),
+                    num_warps=APPEND_WARPS, num_stages=1, targets=CAPABILITIES,
+                    divisible_by_16=tuple(n for n, t in signature.items() if t.startswith("*")),
+                ))
             signature = _signature(_attention_decode_merge_kernel, elem, False)
             shipped.append(AotKernel(
                 name="attention_decode_merge", config=f"{precision}/D{head_dim}/BM{MERGE_ROWS}_w{MERGE_WARPS}",

@@ -2,7 +2,9 @@
 sizes and strides (``Layout``), grids, TMA descriptors, the input checks of the hardware path, and the output
 layout. Dense outputs (o, dq, dk, dv) are [B, H, L, D] laid out as [B, L, H, D] (``empty_output``, the
 packed layout with sequence b starting at row b L), so that a module merges the heads with a view. The backward
-reads o in that layout and do through its own strides, in whatever layout autograd hands it."""
+reads o in that layout and do through its own strides, in whatever layout autograd hands it, except on the rows
+whose tiles spill doing so (``configs``' ``do_strides=False``): those read do in o's layout, ``output_layout``
+copying a gradient that is not in it."""
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch

@@ -89,7 +89,8 @@ def capability_of(device: torch.device) -> Optional[int]:
 
 
 def attention_composed(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
-                       alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], needs_lse: bool) -> Optional[Tensor]:
+                       alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], needs_lse: bool,
+                       needs_grad: bool) -> Optional[Tensor]:
     """``o`` by ``F.scaled_dot_product_attention`` (differentiated by autograd) where ``route`` says so; None for
     the calls our kernels run."""
     if torch.compiler.is_compiling():  # first: torch.compile would trace into the cached capability query
@@ -97,7 +98,6 @@ def attention_composed(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, s
     capability = capability_of(q.device)
     if capability is None:
         return None
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     row = route(capability, q.dtype, q.shape[3], q.shape[1], k.shape[1], q.shape[2], k.shape[2],
                 mask_kind(q, k, masks, spec, alibi_slopes, sinks), needs_lse, needs_grad)
     if row is None:
