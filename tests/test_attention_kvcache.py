@@ -231,6 +231,27 @@ def test_lengths_kept_on_the_host_cost_no_device_read():
                                   k_new=k_new, v_new=v_new)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cache_with_a_strided_head_dim_is_written_in_place(backend):
+    """A cache whose head dim is not contiguous (a transposed view of its buffer): the new keys land in it, in place
+    (the Triton backend appends them with torch ops there), and the step attends to them."""
+    device = DEVICE if backend == "triton" else "cpu"
+    g = torch.Generator().manual_seed(29)
+    k_cache, v_cache = (torch.randn(2, 16, 8, 2, generator=g).to(device).transpose(2, 3) for _ in range(2))
+    assert k_cache.stride(-1) != 1
+    q, k_new, v_new = (torch.randn(2, 1, n, 8, generator=g).to(device) for n in (4, 2, 2))
+    lengths = torch.tensor([3, 9], dtype=torch.int32, device=device)
+    with ft.use_backend(backend):
+        out = ft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, k_new=k_new, v_new=v_new)
+    for b, n in enumerate((3, 9)):
+        assert torch.equal(k_cache[b, n], k_new[b, 0]) and torch.equal(v_cache[b, n], v_new[b, 0])
+    expected = from_scratch(q, k_cache, v_cache, None, lengths + 1)
+    if out.device.type == "cpu":
+        assert (out.double() - expected).abs().max().item() < 2e-6
+    else:
+        torch.testing.assert_close(out.cpu().double(), expected, atol=1e-4, rtol=0)
+
+
 def test_block_table_entries_past_a_sequence_are_never_read():
     k_cache, v_cache, table = make_cache(2, 32, 2, 8, 8)
     table[0, 1:] = -1  # sequence 0 uses one block; FlashAttention's callers leave the rest as they like

@@ -376,13 +376,16 @@ def attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Ten
                            v_new: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The Triton backend's ``attention_with_kvcache`` (arguments checked): ``(out [B, Lq, H, D], lse [B, H, Lq])``.
     With ``k_new`` / ``v_new`` (``appends_new_keys``) ``cache.lengths`` count the keys before them: an eager call
-    appends them with the append kernel, a traced one with torch ops (the custom ops write no cache)."""
+    appends them with the append kernel, a traced one (the custom ops write no cache), or a cache whose last dim is
+    strided, with torch ops."""
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"triton attention_with_kvcache runs float16, bfloat16 and float32, got {q.dtype}; float64 "
                         "runs on the reference backend")
-    if k_new is not None:
-        cache = append_to_cache(cache, k_new, v_new) if traced() else cache._replace(
-            lengths=append_new_keys(cache, k_new.contiguous(), v_new.contiguous()))
+    if k_new is not None:  # the kernel writes rows of contiguous last dims
+        if traced() or cache.k.stride(-1) != 1 or cache.v.stride(-1) != 1:
+            cache = append_to_cache(cache, k_new, v_new)
+        else:
+            cache = cache._replace(lengths=append_new_keys(cache, k_new.contiguous(), v_new.contiguous()))
     left, right = window_bounds(spec.window)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, cache.k, cache.v))
     return attention_decode(q, k, v, cache.lengths, cache.block_table, is_causal=spec.is_causal, window_left=left,
