@@ -224,28 +224,67 @@ def dropout_keep(SEED, offsets, dropout_p):
     return tl.uint_to_uniform_float(bits) >= dropout_p
 
 
+# The memory-bound kernels (LayerNorm, the feed-forward's activation) use all four numbers of a Philox call: element
+# (row, col) of a [rows, N] view takes lane col % 4 of the call whose counter is (group, seed, 1) with group
+# row * cdiv(N, 4) + col // 4 (the last word keeps this stream apart from dropout_keep's). Ten rounds of 32-bit
+# multiplies an element capped those kernels near 1.4 TB/s on an H200 (one call per element of bfloat16 rows that
+# move 8 bytes each); a call per four elements puts the cap above the memory's rate. Attention keeps dropout_keep, a
+# call per score: in its tiles the four numbers of a call either moved between register layouts (spread over the
+# tile with join + reshape: 36 configs spilled 8-128 B or serialized sm_90's wgmma) or stayed live to be picked per
+# score (13 configs spilled 8-24 B), where one number per call spills none.
+@triton.jit
+def _philox_quads(SEED, groups):
+    seed = tl.load(SEED).to(tl.uint32)
+    group_lo = groups.to(tl.uint32)
+    zero = group_lo * 0
+    return tl.philox(PHILOX_KEY, group_lo, (groups >> 32).to(tl.uint32), zero + seed, zero + 1)
+
+
+@triton.jit
+def dropout_keep_quads(SEED, first_group, dropout_p, BLOCK: tl.constexpr):
+    """Keep flags of ``BLOCK`` consecutive columns of a row that start a group (a column that is a multiple of 4,
+    whose group is ``first_group``): a Philox call per four columns."""
+    a, b, c, d = _philox_quads(SEED, first_group + tl.arange(0, BLOCK // 4))
+    bits = tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), [BLOCK])  # a0 b0 c0 d0 a1 ...
+    return tl.uint_to_uniform_float(bits) >= dropout_p
+
+
+@triton.jit
+def dropout_keep_quad_lanes(SEED, groups, lanes, dropout_p):
+    """Keep flags of elements of any layout, each given by its group and lane: a Philox call per element."""
+    a, b, c, d = _philox_quads(SEED, groups)
+    bits = tl.where(lanes == 0, a, tl.where(lanes == 1, b, tl.where(lanes == 2, c, d)))
+    return tl.uint_to_uniform_float(bits) >= dropout_p
+
+
 @triton.jit
 def _dropout_keep_mask_kernel(
     KEEP,  # [rows, cols] bool, contiguous
     SEED,  # [1] int64
-    n_elements, dropout_p,
-    BLOCK: tl.constexpr,
+    n_elements, n_cols, dropout_p,
+    BLOCK: tl.constexpr, QUADS: tl.constexpr,
 ):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    keep = dropout_keep(SEED, offsets, dropout_p)
+    if QUADS:
+        rows = offsets // n_cols
+        cols = offsets - rows * n_cols
+        keep = dropout_keep_quad_lanes(SEED, rows * ((n_cols + 3) // 4) + cols // 4, cols % 4, dropout_p)
+    else:
+        keep = dropout_keep(SEED, offsets, dropout_p)
     tl.store(KEEP + offsets, keep, mask=offsets < n_elements)
 
 
-def dropout_keep_mask(seed: torch.Tensor, n_rows: int, n_cols: int, dropout_p: float,
-                      device: torch.device) -> torch.Tensor:
-    """The bool ``[n_rows, n_cols]`` keep-mask (True = kept) that a kernel drew with the seed tensor ``seed``,
-    for replaying its dropout in ``fused_transformer.reference`` (``keep_mask=``)."""
+def dropout_keep_mask(seed: torch.Tensor, n_rows: int, n_cols: int, dropout_p: float, device: torch.device,
+                      quads: bool = False) -> torch.Tensor:
+    """The bool ``[n_rows, n_cols]`` keep-mask (True = kept) that a kernel drew with the seed tensor ``seed``
+    (``quads``: four lanes a Philox call, LayerNorm's and the feed-forward's stream; else ``dropout_keep``'s), for
+    replaying its dropout in ``fused_transformer.reference`` (``keep_mask=``)."""
     keep = torch.empty((n_rows, n_cols), dtype=torch.bool, device=device)
     if keep.numel() == 0:
         return keep
     block = 1024
     launch_kernel(_dropout_keep_mask_kernel, (cdiv(keep.numel(), block),), (keep, seed.to(device), keep.numel(),
-                  dropout_p), 4, BLOCK=block)
+                  n_cols, dropout_p), 4, BLOCK=block, QUADS=quads)
     return keep
 
 

@@ -18,9 +18,9 @@ forward and backward only the pre-activation is kept (x's dtype); with ``recompu
 recomputes it with one more product. The pre-activation is rounded to x's dtype before the activation, as
 ``F.linear`` rounds it, so forward and backward agree exactly.
 
-Dropout keep-mask: element (token, unit) of the hidden ``[M, d_ff]`` is kept when ``dropout_keep(SEED,
-token * d_ff + unit, p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, M, d_ff, p, device)``
-replays it.
+Dropout keep-mask: element (token, unit) of the hidden ``[M, d_ff]`` is kept as LayerNorm's element (row, col) is,
+lane unit % 4 of the Philox call of group token * cdiv(d_ff, 4) + unit // 4 (``_common.dropout_keep_quads``);
+``fused_transformer.kernels._common.dropout_keep_mask(seed, M, d_ff, p, device, quads=True)`` replays it.
 """
 import contextlib
 from typing import Iterator, List, Optional, Tuple, Union
@@ -31,7 +31,9 @@ import triton.language as tl
 
 from .. import contract, reference
 from ..contract import FeedForwardSpec
-from ._common import cdiv, contiguous_last_dim, dropout_keep, launch_kernel, sum_rows, traced
+from ._common import (
+    cdiv, contiguous_last_dim, dropout_keep_quad_lanes, dropout_keep_quads, launch_kernel, sum_rows, traced,
+)
 from .aot import AotKernel
 from .toolchain import Version
 
@@ -80,16 +82,22 @@ def _activation_kernel(
     DHIDDEN,  # [M, N] contiguous: dy @ w2 (ACTIVATION_GRAD)
     OUT,  # [M, N]: dropout(act(PRE)), or with ACTIVATION_GRAD d PRE
     HIDDEN,  # [M, N]: dropout(act(PRE)), written with ACTIVATION_GRAD (for dw2)
-    n_elements, dropout_p, SEED,
+    n_elements, n_cols, dropout_p, SEED,
     BLOCK: tl.constexpr, ACTIVATION: tl.constexpr, ACTIVATION_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
-    # The flat index of (token, unit) is token * d_ff + unit: the dropout offset of that element.
+    # The flat index of (token, unit) is token * d_ff + unit (n_cols = d_ff).
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n_elements
     pre = tl.load(PRE + offsets, mask=mask, other=0.0).to(tl.float32)
     hidden = _activation(pre, ACTIVATION)
     if HAS_DROPOUT:
-        keep_scale = tl.where(dropout_keep(SEED, offsets, dropout_p), 1.0 / (1.0 - dropout_p), 0.0)
+        if n_cols % 4 == 0:  # every row starts a group, so the block's flat index / 4 is the group
+            keep = dropout_keep_quads(SEED, tl.program_id(0).to(tl.int64) * (BLOCK // 4), dropout_p, BLOCK)
+        else:
+            rows = offsets // n_cols
+            cols = offsets - rows * n_cols
+            keep = dropout_keep_quad_lanes(SEED, rows * ((n_cols + 3) // 4) + cols // 4, cols % 4, dropout_p)
+        keep_scale = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
         hidden *= keep_scale
     if ACTIVATION_GRAD:
         grad = tl.load(DHIDDEN + offsets, mask=mask, other=0.0).to(tl.float32) * _activation_grad(pre, ACTIVATION)
@@ -116,8 +124,8 @@ def _activation_pass(pre: Tensor, activation: str, dropout_p: float, seed: Optio
     hidden = torch.empty_like(pre) if dhidden is not None else None
     n = pre.numel()
     if n:
-        launch_kernel(_activation_kernel, (cdiv(n, BLOCK),), (pre, dhidden, out, hidden, n, dropout_p, seed),
-                      NUM_WARPS, BLOCK=BLOCK, ACTIVATION=activation, ACTIVATION_GRAD=dhidden is not None,
+        args = (pre, dhidden, out, hidden, n, pre.shape[-1], dropout_p, seed)
+        launch_kernel(_activation_kernel, (cdiv(n, BLOCK),), args, NUM_WARPS, BLOCK=BLOCK, ACTIVATION=activation, ACTIVATION_GRAD=dhidden is not None,
                       HAS_DROPOUT=dropout_p > 0.0)
     return out if dhidden is None else (out, hidden)
 
@@ -283,7 +291,7 @@ def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
         for grad in (False, True):
             ptr = "*" + ty
             signature = {"PRE": ptr, "DHIDDEN": ptr if grad else "constexpr", "OUT": ptr,
-                         "HIDDEN": ptr if grad else "constexpr", "n_elements": "i32", "dropout_p": "fp32",
+                         "HIDDEN": ptr if grad else "constexpr", "n_elements": "i32", "n_cols": "i32", "dropout_p": "fp32",
                          "SEED": "*i64"}
             constexprs = {"BLOCK": BLOCK, "ACTIVATION": "gelu", "ACTIVATION_GRAD": grad, "HAS_DROPOUT": True}
             if not grad:

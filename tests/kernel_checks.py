@@ -41,6 +41,7 @@ def check_against_reference(kernel_fn, reference_fn, inputs, out_grads):
 
 
 def replayed_keep_mask(torch_seed: int, n_rows: int, n_cols: int, dropout_p: float, device) -> torch.Tensor:
-    """The ``[n_rows, n_cols]`` keep-mask a kernel drew for its first dropout after ``torch.manual_seed(torch_seed)``."""
+    """The ``[n_rows, n_cols]`` keep-mask a LayerNorm or feed-forward kernel (four lanes a Philox call) drew for its
+    first dropout after ``torch.manual_seed(torch_seed)``."""
     torch.manual_seed(torch_seed)
-    return dropout_keep_mask(draw_dropout_seed(device), n_rows, n_cols, dropout_p, device)
+    return dropout_keep_mask(draw_dropout_seed(device), n_rows, n_cols, dropout_p, device, quads=True)

@@ -86,9 +86,10 @@ def small_blocks(monkeypatch):
 
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_feed_forward_many_blocks(small_blocks, dtype, recompute):
+@pytest.mark.parametrize("d_ff", [50, 48])  # dropout: a Philox call per element, and per four (whole groups a row)
+def test_feed_forward_many_blocks(small_blocks, dtype, recompute, d_ff):
     torch.manual_seed(11)
-    inputs = _random_inputs((37,), 40, 50, 33, dtype)
+    inputs = _random_inputs((37,), 40, d_ff, 33, dtype)
     _check(inputs, activation="gelu", dropout_p=0.25, recompute=recompute)
 
 
@@ -155,3 +156,17 @@ def test_custom_ops_pass_opcheck():
     bwd = torch.ops.fused_transformer.feed_forward_bwd
     torch.library.opcheck(bwd, (torch.randn_like(y), x, w1, b1, w2, pre, True, "gelu", 0.1, seed, False))
     torch.library.opcheck(bwd, (torch.randn_like(y), x, w1, None, w2, None, False, "relu", 0.0, None, False))
+
+
+def test_the_four_lanes_of_a_philox_call_drop_independently():
+    """The LayerNorm / feed-forward stream takes four numbers a Philox call: each lane keeps 1 - p of its elements,
+    and the lanes of one call are not tied (all four kept as often as (1 - p)^4 says); rows of a width that is not a
+    multiple of 4 start groups of their own."""
+    keep = replayed_keep_mask(3, 512, 64, 0.5, DEVICE).view(512, 16, 4).float()
+    for lane in range(4):
+        assert 0.47 < keep[..., lane].mean().item() < 0.53
+    assert 0.05 < keep.prod(-1).mean().item() < 0.075
+    assert abs(torch.corrcoef(keep.reshape(-1, 4).t())[0, 1:].abs().max().item()) < 0.03
+    odd = replayed_keep_mask(3, 4, 6, 0.5, DEVICE)
+    quads = replayed_keep_mask(3, 4, 8, 0.5, DEVICE)  # cdiv(6, 4) = 2 groups a row, as with 8 columns
+    assert torch.equal(odd, quads[:, :6])
