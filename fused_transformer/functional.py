@@ -252,8 +252,8 @@ def attention_with_kvcache(
     Returns:
         ``[B, Lq, H, D]`` in q's dtype, and the LSE if asked. A query with no visible key gives zeros (LSE
         ``-inf``, or the sink). The lengths and block ids are checked before the cache is touched (a refused call
-        leaves it as it was) except under ``torch.compile`` and CUDA graph capture, where the append still writes
-        nothing outside the cache whatever their values.
+        leaves it as it was) except under ``torch.compile`` and CUDA graph capture, where the GPU's kernels still
+        write and read nothing outside the cache whatever their values.
     """
     cast = _autocast_dtype(q, matmul=True)
     q, k_new, v_new = _autocast_all(cast, q, k_new, v_new)  # the cache keeps its dtype: it is written in place

@@ -217,6 +217,24 @@ def test_the_append_never_writes_outside_the_cache_whatever_the_lengths():
     assert torch.equal(k[2, 6:8], k_new[1, :2]) and torch.equal(k[3, :2], k_new[1, 2:4])  # sequence 1's, 6 .. 9
 
 
+def test_the_decode_never_reads_outside_the_pool_whatever_the_block_ids():
+    """Block ids nobody checked (torch.compile, CUDA graph capture): a key in a block outside the pool is left out,
+    never read. The pool lies inside a guard of NaN blocks that the ids 4 and -1 would reach; the step gives what
+    the same step gives with those keys cut off the sequence's end."""
+    g = torch.Generator().manual_seed(37)
+    guard_k, guard_v = (torch.full((6, 8, 2, 16), float("nan"), device=DEVICE) for _ in range(2))
+    k, v = guard_k[1:5], guard_v[1:5]
+    k.copy_(torch.randn(4, 8, 2, 16, generator=g)), v.copy_(torch.randn(4, 8, 2, 16, generator=g))
+    q = torch.randn(2, 1, 4, 16, generator=g).to(DEVICE)
+    bad = torch.tensor([[2, 0, 4], [3, 1, -1]], dtype=torch.int32, device=DEVICE)  # their third blocks: the guard
+    good = torch.tensor([[2, 0, 0], [3, 1, 0]], dtype=torch.int32, device=DEVICE)
+    for num_splits in (1, 3):
+        got = _run(q, k, v, torch.tensor([20, 24], dtype=torch.int32, device=DEVICE), bad, torch.float32, num_splits)
+        want = _run(q, k, v, torch.tensor([16, 16], dtype=torch.int32, device=DEVICE), good, torch.float32, num_splits)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 def test_rows_without_keys_give_zeros_and_lse_minus_inf():
     """Lq = 7 causal queries over 0 and 3 keys: the first rows see nothing (zeros, LSE -inf); with a sink their LSE
     is the sink's logit."""

@@ -23,7 +23,7 @@ A decoding step's new keys and values are appended by a kernel of their own befo
 writes the lengths after them: one launch for what were two slice copies (or index_put_ calls) and an add. It
 writes nothing past a sequence's cache, into a block outside the pool, or for a sequence whose new keys do not fit,
 whatever the lengths and block ids (the host checks those where it may read them, not under torch.compile or CUDA
-graph capture).
+graph capture); the decode kernel leaves out a key whose block id lies outside the pool instead of reading it.
 """
 import functools
 from typing import List, Optional, Tuple, Union
@@ -134,7 +134,8 @@ def _attention_decode_kernel(
     stride_tb, stride_tn, stride_ab, stride_ah,
     n_queries, n_heads, kv_heads, kv_group,
     max_keys,  # Lmax; PAGED: max_blocks * block_size
-    page_size, window_left, window_right, scale, softcap,
+    page_size, n_blocks,  # PAGED: the pool's blocks (a key in a block id outside it is left out, never read)
+    window_left, window_right, scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
@@ -181,8 +182,10 @@ def _attention_decode_kernel(
     for first_col in range(key_start, key_end, BLOCK_N):
         cols = first_col + tl.arange(0, BLOCK_N)
         key_ok = cols < k_len
-        k_rows, v_rows, _ = _cache_rows(BLOCK_TABLE, batch, cols, key_ok, stride_kb, stride_kn, stride_vb, stride_vn,
-                                        stride_tb, stride_tn, page_size, PAGED)
+        k_rows, v_rows, page = _cache_rows(BLOCK_TABLE, batch, cols, key_ok, stride_kb, stride_kn, stride_vb,
+                                           stride_vn, stride_tb, stride_tn, page_size, PAGED)
+        if PAGED:  # block ids go unchecked under torch.compile and CUDA graph capture: none is read outside the pool
+            key_ok = key_ok & (page >= 0) & (page < n_blocks)
         kv_mask = _tile_mask(key_ok, dims, HEAD_DIM, BLOCK_D)
         k = tl.load(k_head + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         qk = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION)
@@ -465,7 +468,8 @@ def _launch_decode(
         q, k_cache, v_cache, cache_lens, block_table, alibi_slopes, sinks, o_target, lse_target,
         q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(block_table.stride() if paged else (0, 0)), *alibi_strides,
-        n_queries, heads, kv_heads, kv_group, max_keys, page_size, *(window if window is not None else (0, 0)),
+        n_queries, heads, kv_heads, kv_group, max_keys, page_size, k_cache.shape[0] if paged else 0,
+        *(window if window is not None else (0, 0)),
         scale, softcap if softcap is not None else 1.0,
         *_decode_constexprs(tile, head_dim, paged, is_causal, window is not None, softcap is not None,
                             alibi_slopes is not None, sinks is not None, split,
