@@ -260,3 +260,32 @@ def test_block_table_entries_past_a_sequence_are_never_read():
     out = ft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
     expected = from_scratch(q, k_cache, v_cache, table, lengths)
     assert (out.double() - expected).abs().max().item() < 2e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_size", [None, 16])
+def test_a_step_with_new_keys_compiles_whole_and_writes_what_eager_writes(backend, block_size):
+    """``torch.compile(fullgraph=True)`` of a decoding step that appends: the traced call writes the new keys with
+    torch ops (the Triton backend's eager call writes them in its append kernel); the caches and the output are those
+    of the eager step, bit for bit."""
+    device = DEVICE if backend == "triton" else "cpu"
+    k_cache, v_cache, table = (None if t is None else t.to(device)
+                               for t in make_cache(2, 32, 2, 8, block_size, seed=31))
+    g = torch.Generator().manual_seed(31)
+    q, k_new, v_new = (torch.randn(2, 3, n, 8, generator=g).to(device) for n in (4, 2, 2))
+    lengths = torch.tensor([5, 20], dtype=torch.int32, device=device)
+
+    def step(q, k_cache, v_cache, lengths, k_new, v_new, table):
+        return ft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, k_new=k_new, v_new=v_new,
+                                         block_table=table, softcap=4.0)
+
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    with ft.use_backend(backend):
+        want = step(q, *caches[0], lengths, k_new, v_new, table)
+        torch._dynamo.reset()
+        got = torch.compile(step, backend="aot_eager", fullgraph=True)(q, *caches[1], lengths, k_new, v_new, table)
+    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
+    assert not torch.equal(caches[0][0], k_cache)  # the step wrote its keys
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    expected = from_scratch(q, *caches[0], table, lengths + 3, softcap=4.0)
+    assert (want.cpu().double() - expected).abs().max().item() < 1e-4

@@ -655,3 +655,25 @@ def test_the_commands_run_where_tqdm_is_not_installed():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "written\n"
+
+
+def test_sdpa_determinism_is_measured_per_backend_and_read_in_the_summary():
+    """The route's question (is SDPA's backward deterministic?) answered per backend; a backend that cannot run a
+    case is said so, not counted, and fails nothing. Runs here on CPU tensors: the math backend runs, cuDNN cannot."""
+    result = gpu_check_graphs.sdpa_determinism_check(torch.device("cpu"), ("MATH", "CUDNN_ATTENTION"),
+                                                     ((1, 2, 16, 8),))
+    assert result["ok"]
+    by_backend = {}
+    for case in result["cases"]:
+        by_backend.setdefault(case["backend"], []).append(case)
+    assert [c["equal"] for c in by_backend["math"]] == [True] * 4  # 2 dtypes x no mask / causal
+    assert all(c["equal"] is None and c["error"] for c in by_backend["cudnn_attention"])
+    flipped = dict(result, cases=[dict(result["cases"][0], equal=False, differing=["dq (max difference 0.0156)"]),
+                                  *result["cases"][1:]])
+    record = gpu_check_parts.part_record("graphs", "passed", "", {"sdpa_determinism": flipped})
+    summary = gpu_check_summary.build_summary({"graphs": record}, FAKE_ENVIRONMENT, lambda part: "not asked for")
+    assert summary["parts"]["graphs"]["key_figures"] == (
+        "SDPA backward bitwise deterministic: math 3/4, cudnn_attention n/a")
+    markdown = gpu_check_summary.render_markdown(summary)
+    assert "| math | bfloat16 | none | 1, 2, 16, 8 | NO | dq (max difference 0.0156) |" in markdown
+    assert "| cudnn_attention | float16 | causal | 1, 2, 16, 8 | n/a | " in markdown

@@ -1,6 +1,7 @@
 """The thin path (docs/layout.md, "The route of a call"): an eager call launches its Triton kernel without going
 through a custom op, a traced call goes through one; a call that needs no gradient records no autograd node, one
 that does records the op's one Function, whichever backend runs it."""
+import ast
 from types import SimpleNamespace
 
 import pytest
@@ -304,3 +305,88 @@ def test_the_backend_is_resolved_once_per_choice_device_and_dtype(monkeypatch):
         assert backend.current(DEVICE, torch.float32) == "triton"
     assert set(backend._RESOLVED) == {("reference", "cpu", torch.float32), ("triton", torch.device(DEVICE).type,
                                                                              torch.float32)}
+
+
+_DIRECT_LAUNCHES = """
+import collections
+from types import SimpleNamespace
+
+import torch
+from triton.runtime.jit import JITFunction
+
+from fused_transformer import contract
+from fused_transformer.kernels import _common, feed_forward, layer_norm
+from fused_transformer.kernels.attention import decode, launch, ops
+from fused_transformer.kernels.targets import BY_CAPABILITY
+
+through_run, direct = collections.Counter(), collections.Counter()
+
+class Compiled:
+    function, packed_metadata = "function", "packed"
+    def __init__(self, name):
+        self.name = name
+    def run(self, *launch_args):
+        direct[self.name] += 1
+
+def run(kernel, *args, grid, warmup, **options):  # JITFunction.run: a compiled kernel that records its launches
+    through_run[kernel.fn.__name__] += 1
+    return Compiled(kernel.fn.__name__)
+
+JITFunction.run = run
+_common.current_device, _common.current_stream = (lambda: 0), (lambda device: 0)
+launch.target_of = lambda device: BY_CAPABILITY[90]
+decode.sm_count_of = lambda device: 132
+
+g = torch.Generator().manual_seed(0)
+def randn(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=g).to(dtype)
+seed = torch.tensor([7, 0], dtype=torch.int64)
+q = randn(2, 4, 24, 64)
+padded = contract.AttentionMasks(key_padding_mask=torch.arange(24).expand(2, 24) >= torch.tensor([[20], [9]]))
+dense = [(contract.AttentionMasks(), contract.attention_spec(64, True, "top_left", None, 0.0, None), None),
+         (padded, contract.attention_spec(64, False, "top_left", (8, 0), 0.1, None, 5.0), seed)]
+packed_q = randn(30, 4, 64)
+seqs = contract.PackedSequences(torch.tensor([0, 10, 30], dtype=torch.int32), torch.tensor([0, 10, 30], dtype=torch.int32), 20, 20)
+k_cache, v_cache = randn(2, 512, 2, 64), randn(2, 512, 2, 64)
+kv_spec = contract.kvcache_spec(64, True, None, None, None, None)
+x, w = randn(16, 96), randn(96)
+ln_spec = contract.LayerNormSpec(1e-5, 0.1, True)
+ff_spec = contract.FeedForwardSpec("gelu", 0.1)
+w1, b1, w2, b2 = randn(384, 96), randn(384), randn(96, 384), randn(96)
+
+def calls():
+    for masks, spec, s in dense:
+        o, lse = ops.attention_fwd(q, q, q, masks, spec, None, None, s, False)
+        ops.attention_bwd(q, None, q, q, q, o, lse, masks, spec, None, s)
+    spec = dense[0][1]
+    o, lse = ops.attention_varlen_fwd(packed_q, packed_q, packed_q, seqs, spec, None, None, None, False)
+    ops.attention_varlen_bwd(packed_q, None, packed_q, packed_q, packed_q, o, lse, seqs, spec, None, None)
+    cache = contract.KVCache(k_cache, v_cache, torch.tensor([5, 400], dtype=torch.int32), None)
+    decode.attention_with_kvcache(randn(2, 1, 8, 64), cache, None, None, kv_spec, randn(2, 1, 2, 64), randn(2, 1, 2, 64))
+    y, z, mean, rstd = layer_norm.layer_norm_fwd(x, w, w, x, ln_spec, seed, True)
+    layer_norm.layer_norm_bwd(x, x, z, w, w, mean, rstd, ln_spec, seed, True)
+    y, saved = feed_forward.feed_forward_fwd(x, w1, b1, w2, b2, ff_spec, seed, True)
+    feed_forward.feed_forward_bwd(y, x, w1, b1, w2, saved, True, ff_spec, seed)
+
+calls()
+first = dict(through_run)
+through_run.clear(), direct.clear()
+calls()
+print((sorted(first), dict(through_run), dict(direct)))
+"""
+
+
+def test_every_launcher_reuses_its_compiled_kernel_on_a_gpu():
+    """A second call of each op launches every kernel straight to the kernel compiled for the first (on a GPU,
+    ``JITFunction.run`` binds and specializes about 45 arguments a launch): run outside the interpreter, Triton's run
+    replaced by one that hands back a stand-in compiled kernel, CPU tensors standing in for a GPU's."""
+    from tests.test_backend import run_python
+
+    done = run_python(_DIRECT_LAUNCHES, TRITON_INTERPRET=None)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second_through_run, second_direct = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert {"attention_fwd_kernel", "attention_dq_kernel", "attention_dkdv_kernel", "_attention_decode_kernel",
+            "_attention_append_kernel", "_attention_decode_merge_kernel", "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_sum_rows_kernel",
+            "_activation_kernel"} <= set(first), first
+    assert second_through_run == {}, second_through_run
+    assert set(second_direct) == set(first)

@@ -7,6 +7,9 @@
   within ``GRAPH_TOLERANCE`` of the dtype (relative to each tensor's largest magnitude).
 - Determinism: ``fused_transformer.attention`` forward + backward twice on identical inputs (bfloat16 and float16,
   causal and key-padded, ``DETERMINISM_SHAPES``) gives bitwise equal outputs and gradients (``torch.equal``).
+- SDPA's determinism, for the attention route (``kernels/attention/routes.py``): each SDPA backend's forward +
+  backward twice on identical inputs with no mask and causal (``SDPA_DETERMINISM_*``), as measured: a route row sends
+  calls that need gradients to SDPA only where its backward is as deterministic as ours. Information, not a verdict.
 - Memory: the peak memory of attention forward + backward above its inputs, at ``MEMORY_LENGTHS`` with batch,
   heads and head dim fixed, grows linearly: at most ``MAX_GROWTH_PER_DOUBLING`` times per doubling of L.
 
@@ -28,6 +31,9 @@ GRAPH_LR = 1e-4
 DETERMINISM_SHAPES = ((2, 8, 1000, 64), (1, 8, 2048, 128), (3, 4, 777, 64))  # (B, H, L, D)
 DETERMINISM_MASKS = ("causal", "padded")
 DETERMINISM_DTYPES = (torch.bfloat16, torch.float16)
+# The route's calls (no mask or causal, head dims 64 and 128) at the bench's sizes; SDPBackend names.
+SDPA_DETERMINISM_SHAPES = ((4, 16, 1024, 64), (1, 16, 4096, 128))
+SDPA_DETERMINISM_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
 MEMORY_LENGTHS = (1024, 2048, 4096, 8192)
 MEMORY_SHAPE = dict(batch=2, heads=16, head_dim=64)
 MAX_GROWTH_PER_DOUBLING = 2.2
@@ -225,6 +231,41 @@ def determinism_check(device: torch.device) -> dict:
     return {"ok": all(case["equal"] for case in cases), "cases": cases}
 
 
+def _sdpa_run(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, sdpa_backend: str, is_causal: bool) -> Tensors:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(getattr(SDPBackend, sdpa_backend)):
+        out = F.scaled_dot_product_attention(*leaves, is_causal=is_causal)
+        out.backward(grad)
+    return {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+
+
+def sdpa_determinism_check(device: torch.device, backends: Tuple[str, ...] = SDPA_DETERMINISM_BACKENDS,
+                           shapes: Tuple[Tuple[int, int, int, int], ...] = SDPA_DETERMINISM_SHAPES) -> dict:
+    """Whether each SDPA backend's backward gives bitwise equal gradients twice (``equal`` None where the backend
+    cannot run the case: its error). Always ok: what SDPA does is measured here, not judged."""
+    cases = []
+    for sdpa_backend in backends:
+        for dtype in DETERMINISM_DTYPES:
+            for batch, heads, length, head_dim in shapes:
+                for mask in ("none", "causal"):
+                    case = {"backend": sdpa_backend.lower(), "dtype": str(dtype)[6:], "mask": mask,
+                            "shape": [batch, heads, length, head_dim]}
+                    try:
+                        generator = torch.Generator(device=device).manual_seed(length + head_dim)
+                        q, k, v, grad = (torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype,
+                                                     generator=generator) for _ in range(4))
+                        first = _sdpa_run(q, k, v, grad, sdpa_backend, mask == "causal")
+                        found = differing(first, _sdpa_run(q, k, v, grad, sdpa_backend, mask == "causal"))
+                        case.update(equal=not found, differing=found)
+                    except Exception as exc:  # noqa: BLE001 (a backend that cannot run this case: said so)
+                        case.update(equal=None, differing=[], error=_describe(exc))
+                    cases.append(case)
+    return {"ok": True, "what": "SDPA forward + backward twice on identical inputs, torch's default settings",
+            "cases": cases}
+
+
 # ----------------------------------------------------------------------------------------------------- memory
 
 
@@ -261,7 +302,8 @@ def memory_check(device: torch.device) -> dict:
 
 
 CHECKS: Tuple[Tuple[str, Callable[[torch.device], dict]], ...] = (
-    ("cuda_graph", cuda_graph_check), ("determinism", determinism_check), ("memory", memory_check))
+    ("cuda_graph", cuda_graph_check), ("determinism", determinism_check),
+    ("sdpa_determinism", sdpa_determinism_check), ("memory", memory_check))
 
 
 def problems_of(figures: Mapping[str, dict]) -> List[str]:

@@ -119,11 +119,26 @@ def key_figures(part: str, record: Mapping[str, object]) -> str:
             equal = sum(case["equal"] for case in determinism.get("cases", []))
             found.append(determinism.get("error") or
                          f"backward bitwise deterministic in {equal}/{len(determinism['cases'])} cases")
+        sdpa = figures.get("sdpa_determinism")
+        if sdpa:
+            found.append(sdpa.get("error") or "SDPA backward bitwise deterministic: " + _per_backend(sdpa["cases"]))
         memory = figures.get("memory")
         if memory:
             found.append(memory.get("error") or f"memory {memory['verdict']}")
         return "; ".join(found)
     return "-"
+
+
+def _per_backend(cases: List[dict]) -> str:
+    """``cudnn_attention 8/8, flash_attention 8/8``: the cases each SDPA backend ran with equal gradients, of those it
+    could run (``n/a`` where it could run none)."""
+    counts: Dict[str, List[int]] = {}
+    for case in cases:
+        ran = counts.setdefault(case["backend"], [0, 0])
+        if case["equal"] is not None:
+            ran[0] += bool(case["equal"])
+            ran[1] += 1
+    return ", ".join(f"{name} {equal}/{ran}" if ran else f"{name} n/a" for name, (equal, ran) in counts.items())
 
 
 # ------------------------------------------------------------------------------------------------- markdown
@@ -217,6 +232,14 @@ def _determinism_lines(determinism: dict) -> List[str]:
                     for c in determinism["cases"]]
 
 
+def _sdpa_determinism_lines(determinism: dict) -> List[str]:
+    lines = [f"{determinism['what']}.", "", "| SDPA backend | dtype | mask | B, H, L, D | bitwise equal | differing |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    return lines + [f"| {c['backend']} | {c['dtype']} | {c['mask']} | {', '.join(map(str, c['shape']))} | "
+                    f"{'n/a' if c['equal'] is None else 'yes' if c['equal'] else 'NO'} | "
+                    f"{_cell(c.get('error') or ', '.join(c['differing']) or '-')} |" for c in determinism["cases"]]
+
+
 def _memory_lines(memory: dict) -> List[str]:
     lines = [f"{memory['what']}; extra = peak allocated during the call minus what was allocated before "
              "it (the inputs).", "", "| L | inputs MiB | extra MiB | growth per doubling |",
@@ -232,6 +255,8 @@ def _graphs_details(figures: Mapping[str, object]) -> List[str]:
     return (_measured(["### CUDA graph of a training step", ""], figures.get("cuda_graph"), _graph_lines)
             + _measured(["", "### Determinism of the attention backward", ""], figures.get("determinism"),
                         _determinism_lines)
+            + _measured(["", "### Determinism of SDPA's backward (for the attention route)", ""],
+                        figures.get("sdpa_determinism"), _sdpa_determinism_lines)
             + _measured(["", "### Peak memory against L", ""], figures.get("memory"), _memory_lines))
 
 

@@ -44,7 +44,8 @@ ROUTES: Tuple[Route, ...] = (
     # bench --device cuda:0 --quick (16k tokens a batch, 2048 / D heads, L 1024 and 4096), twice: ours against the
     # fastest SDPA backend 0.54-0.79x forward and 0.54-0.71x forward + backward (2026-11-28, bdb1535; docs/benchmarks.md
     # "On a GPU"), 0.54-0.85x at 660f042. Host time on a tiny call: SDPA 30 us forward, 231 forward + backward; ours
-    # 44 and 420. The backward (forward + backward 0.54-0.71x) is not taken: cuDNN's determinism is unmeasured.
+    # 44 and 420. The backward (forward + backward 0.54-0.71x) is not taken: cuDNN's determinism is unmeasured (the
+    # gpu-check graphs part measures it now: sdpa_determinism).
     Route(90, (torch.bfloat16,), (64, 128), ("none", "causal"), "cudnn_attention", False,
           "H200, torch 2.11 + cuDNN 9.19, triton 3.6, bfloat16"),
 )
