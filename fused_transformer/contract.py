@@ -393,7 +393,7 @@ def check_attention_args(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks)
 def check_varlen_args(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: object, cu_seqlens_k: object,
                       max_seqlen_q: object, max_seqlen_k: object) -> None:
     """The tensors of an ``attention_varlen`` call but the values of cu_seqlens (``check_cu_seqlens_values`` reads
-    them: a host sync)."""
+    them: a host sync from a GPU). cu_seqlens may be on the CPU with q on a GPU: the caller copies them."""
     _check_qkv(q, k, v, rank=3)
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"k must be [total_k, kv_heads, head_dim={q.shape[-1]}] to match q {tuple(q.shape)}, "
@@ -413,13 +413,15 @@ def _check_cu_seqlens(name: str, cu: object, max_seqlen: object, anchor: Tensor)
     if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
         raise TypeError(f"{name} must be int32 [batch + 1] (sequence start offsets, then the total), got "
                         f"{describe(cu)}")
-    check_same(name, cu, "q", anchor, dtype=False)
+    if cu.device.type != "cpu":  # on the host it is read for free (check_cu_seqlens_values), then copied
+        check_same(name, cu, "q", anchor, dtype=False)
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 0:
         raise TypeError(f"{max_name}={max_seqlen!r} must be a non-negative int")
 
 
 def check_cu_seqlens_values(name: str, cu: Tensor, total: int, max_seqlen: int) -> None:
-    """The values of ``cu`` (one read of them, skipped under ``torch.compile``, where they are data)."""
+    """The values of ``cu`` (one read of them, skipped under ``torch.compile``, where they are data): free on the
+    host, a device-to-host read from a GPU, which waits for the work queued before it."""
     max_name = "max_seqlen_" + name[-1]
     if torch.compiler.is_compiling():
         return

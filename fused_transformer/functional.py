@@ -177,8 +177,11 @@ def attention_varlen(
 
     Args:
         q: ``[Tq, H, D]``; k, v: ``[Tk, Hkv, D]``, ``H`` a multiple of ``Hkv`` (grouped-query attention).
-        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` on q's device: 0, the running sums of the lengths, and
-            ``Tq`` / ``Tk`` (``torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))``).
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]``: 0, the running sums of the lengths, and ``Tq`` / ``Tk``
+            (``torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))``), on q's device or on the
+            CPU (with q on a GPU: checked without waiting for the GPU, then copied; on the GPU their check is a
+            device-to-host read every call, which waits for the work queued before it). Self-attention's one
+            tensor for both is read once.
         max_seqlen_q, max_seqlen_k: at least every sequence's length (they size the kernels' grids).
         is_causal, causal_alignment, window, scale: as in ``attention``, per sequence: with ``bottom_right``
             each sequence's last query is aligned with its last key.
@@ -188,8 +191,7 @@ def attention_varlen(
 
     Returns:
         ``[Tq, H, D]`` in q's dtype, and the LSE if asked. Edges as in ``attention``: a query with no visible
-        key gives zeros. The values of ``cu_seqlens_*`` are checked (one read of them) except under
-        ``torch.compile``.
+        key gives zeros. The values of ``cu_seqlens_*`` are checked except under ``torch.compile``.
     """
     cast = _autocast_dtype(q, matmul=True)
     q, k, v = _autocast_all(cast, q, k, v)
@@ -197,7 +199,13 @@ def attention_varlen(
     contract.check_alibi_and_sinks(q, cu_seqlens_q.shape[0] - 1, q.shape[1], alibi_slopes, sinks)
     spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale, softcap)
     contract.check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
-    contract.check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    same = cu_seqlens_k is cu_seqlens_q
+    if not (same and k.shape[0] == q.shape[0] and max_seqlen_k == max_seqlen_q):  # self-attention: read once
+        contract.check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    if cu_seqlens_q.device != q.device:  # offsets the caller kept on the host, checked there: now the kernels' copy
+        cu_seqlens_q = cu_seqlens_q.to(q.device, non_blocking=True)
+    cu_seqlens_k = cu_seqlens_q if same else (
+        cu_seqlens_k if cu_seqlens_k.device == q.device else cu_seqlens_k.to(q.device, non_blocking=True))
     seqs = contract.PackedSequences(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
     with _autocast_off(q, cast):
         out, lse = autograd.attention_varlen(_backend(q), q, k, v, seqs, spec, alibi_slopes, sinks,

@@ -235,3 +235,20 @@ def test_query_padding_mask_is_checked():
         ft.attention(q, q, q, query_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
     with pytest.raises(TypeError, match="query_padding_mask must be bool"):
         ft.attention(q, q, q, query_padding_mask=torch.zeros(2, 5))
+
+
+def test_self_attention_reads_its_one_offsets_tensor_once(monkeypatch):
+    """One ``cu_seqlens`` tensor for queries and keys (self-attention) is checked once: on a GPU each read waits for
+    the GPU. Two tensors, or other totals, are each checked."""
+    reads = []
+    check = contract.check_cu_seqlens_values
+    monkeypatch.setattr(contract, "check_cu_seqlens_values", lambda name, *args: reads.append(name) or check(
+        name, *args))
+    q, k, v = packed([3, 5], [3, 5])
+    cu_q = cu_seqlens([3, 5])
+    ft.attention_varlen(q, k, v, cu_q, cu_q, 5, 5)
+    assert reads == ["cu_seqlens_q"]
+    ft.attention_varlen(q, k, v, cu_q, cu_q.clone(), 5, 5)
+    assert reads == ["cu_seqlens_q", "cu_seqlens_q", "cu_seqlens_k"]
+    with pytest.raises(ValueError, match="cu_seqlens_k"):  # the same tensor, another total: still checked
+        ft.attention_varlen(q, k[:7], v[:7], cu_q, cu_q, 5, 5)

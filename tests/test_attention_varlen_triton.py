@@ -439,3 +439,28 @@ def test_kernel_level_varlen_checks_shapes_as_functional_does():
         triton_attention.attention_varlen(q, k, v, cu_q, cu_k[:2], 9, 7)
     with pytest.raises(ValueError, match="dropout_p"):
         triton_attention.attention_varlen(q, k, v, cu_q, cu_k, 9, 7, dropout_p=-0.1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_offsets_kept_on_the_host_cost_no_device_read():
+    """``cu_seqlens`` on the CPU with q on a GPU (as the packed modules keep them): checked there, copied, and the
+    call, backward included, never waits for the GPU (torch's sync debug mode raises on any synchronising call); the
+    results are those of the same offsets on the GPU."""
+    (q, k, v, do, _), cu_q, cu_k = _packed_inputs([5, 0, 33], [5, 0, 33], 4, 2, 32, seed=41)
+    q, k, v, do = (t.to(torch.bfloat16) for t in (q, k, v, do))
+    host = cu_q.cpu()
+    results = []
+    for offsets in (host, cu_q):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if offsets is host else "default")
+        try:
+            out = functional.attention_varlen(*leaves, offsets, offsets, 33, 33, is_causal=True)
+            out.backward(do)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results.append((out, *(t.grad for t in leaves)))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="end at the packed length"):  # and still refuses bad offsets
+        functional.attention_varlen(q, k, v, torch.tensor([0, 5, 5, 30], dtype=torch.int32), host, 33, 33)

@@ -65,7 +65,7 @@ class Packing(NamedTuple):
     # [T] int64: each real token's row in the input seen as [B * L, d] (or [L * B, d]) in its layout; None when
     # the tokens are the input's own rows in order (batch-first with no padding: packing is a view).
     index: Optional[Tensor]
-    cu_seqlens: Tensor  # [B + 1] int32: 0, then the running sums of the sequence lengths
+    cu_seqlens: Tensor  # [B + 1] int32 on the CPU: 0, then the running sums of the sequence lengths
     max_seqlen: int
     shape: Tuple[int, ...]  # the input's shape without its feature dim
 
@@ -73,18 +73,19 @@ class Packing(NamedTuple):
 def pack(x: Tensor, padding: Optional[Tensor], batch_first: bool) -> Tuple[Tensor, Packing]:
     """``x`` ``[B, L, d]``, ``[L, B, d]`` (``batch_first=False``) or ``[L, d]`` -> its real tokens ``[T, d]``
     (``padding``: True = padding, as ``fits_padding`` checked; None = every token) and where they were. Reads
-    the lengths on the host (one synchronisation)."""
+    the lengths on the host (boolean indexing synchronises anyway) and keeps ``cu_seqlens`` there, where every
+    ``attention_varlen`` call of the layers checks them without waiting for the GPU."""
     shape = tuple(x.shape[:-1])
     seq_first = x.dim() == 3 and not batch_first
     batch, length = (shape[1], shape[0]) if seq_first else ((1, shape[0]) if x.dim() == 2 else shape)
     ranks = None  # batch-major positions of the real tokens; None: all of them
     if padding is None:
-        lengths = torch.full((batch,), length, dtype=torch.int32, device=x.device)
+        lengths = torch.full((batch,), length, dtype=torch.int32)
         max_seqlen = length
     else:
         keep = ~padding.reshape(batch, length)
-        lengths = keep.sum(1, dtype=torch.int32)
-        ranks = keep.flatten().nonzero().squeeze(1)
+        ranks = keep.flatten().nonzero().squeeze(1)  # waits for the GPU: the lengths' copy below then costs none
+        lengths = keep.sum(1, dtype=torch.int32).cpu()
         max_seqlen = int(lengths.max()) if batch else 0
         if ranks.shape[0] == batch * length:
             ranks = None

@@ -77,6 +77,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     spec = _spec(q, options, allow_tf32)
     from ...autograd import attention_varlen as attention_varlen_on
 
+    cu_seqlens_q, cu_seqlens_k = (cu if cu.device == q.device else cu.to(q.device, non_blocking=True)
+                                  for cu in (cu_seqlens_q, cu_seqlens_k))  # the host's copies (check_varlen_args)
     seqs = contract.PackedSequences(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
     o, lse = attention_varlen_on("triton", q, k, v, seqs, spec, alibi_slopes, sinks)
     return (o, lse) if options["return_lse"] else o
