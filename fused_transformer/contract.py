@@ -626,8 +626,8 @@ def check_kvcache_values(cache_seqlens: Tensor, new_len: int, capacity: int, blo
     cache, the blocks they reach in range. Lengths the host holds (an int, ``known_length``, or a CPU tensor) cost
     nothing to read; a GPU's cost a device-to-host read, which waits for the GPU, and a paged cache's block ids one
     more. Skipped under ``torch.compile`` and CUDA graph capture, where the values are data the host must not wait
-    for (the GPU's kernels still write and read nothing outside the cache). Returns the lengths it read (``[known_length]``
-    when it read none but knows them; None when it checked nothing)."""
+    for (the GPU's kernels still write and read nothing outside the cache). Returns the lengths it read
+    (``[known_length]`` when it read none but knows them; None when it checked nothing)."""
     if known_length is not None and block_table is None:
         lengths = [known_length]
     elif torch.compiler.is_compiling() or (

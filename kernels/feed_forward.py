@@ -125,8 +125,8 @@ def _activation_pass(pre: Tensor, activation: str, dropout_p: float, seed: Optio
     n = pre.numel()
     if n:
         args = (pre, dhidden, out, hidden, n, pre.shape[-1], dropout_p, seed)
-        launch_kernel(_activation_kernel, (cdiv(n, BLOCK),), args, NUM_WARPS, BLOCK=BLOCK, ACTIVATION=activation, ACTIVATION_GRAD=dhidden is not None,
-                      HAS_DROPOUT=dropout_p > 0.0)
+        launch_kernel(_activation_kernel, (cdiv(n, BLOCK),), args, NUM_WARPS, BLOCK=BLOCK, ACTIVATION=activation,
+                      ACTIVATION_GRAD=dhidden is not None, HAS_DROPOUT=dropout_p > 0.0)
     return out if dhidden is None else (out, hidden)
 
 
@@ -291,8 +291,8 @@ def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
         for grad in (False, True):
             ptr = "*" + ty
             signature = {"PRE": ptr, "DHIDDEN": ptr if grad else "constexpr", "OUT": ptr,
-                         "HIDDEN": ptr if grad else "constexpr", "n_elements": "i32", "n_cols": "i32", "dropout_p": "fp32",
-                         "SEED": "*i64"}
+                         "HIDDEN": ptr if grad else "constexpr", "n_elements": "i32", "n_cols": "i32",
+                         "dropout_p": "fp32", "SEED": "*i64"}
             constexprs = {"BLOCK": BLOCK, "ACTIVATION": "gelu", "ACTIVATION_GRAD": grad, "HAS_DROPOUT": True}
             if not grad:
                 constexprs.update(DHIDDEN=None, HIDDEN=None)

@@ -166,7 +166,7 @@ def test_the_four_lanes_of_a_philox_call_drop_independently():
     for lane in range(4):
         assert 0.47 < keep[..., lane].mean().item() < 0.53
     assert 0.05 < keep.prod(-1).mean().item() < 0.075
-    assert abs(torch.corrcoef(keep.reshape(-1, 4).t())[0, 1:].abs().max().item()) < 0.03
+    assert torch.corrcoef(keep.reshape(-1, 4).t())[0, 1:].abs().max().item() < 0.05  # 1 / sqrt(8192) = 0.011
     odd = replayed_keep_mask(3, 4, 6, 0.5, DEVICE)
     quads = replayed_keep_mask(3, 4, 8, 0.5, DEVICE)  # cdiv(6, 4) = 2 groups a row, as with 8 columns
     assert torch.equal(odd, quads[:, :6])

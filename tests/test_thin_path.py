@@ -346,7 +346,8 @@ padded = contract.AttentionMasks(key_padding_mask=torch.arange(24).expand(2, 24)
 dense = [(contract.AttentionMasks(), contract.attention_spec(64, True, "top_left", None, 0.0, None), None),
          (padded, contract.attention_spec(64, False, "top_left", (8, 0), 0.1, None, 5.0), seed)]
 packed_q = randn(30, 4, 64)
-seqs = contract.PackedSequences(torch.tensor([0, 10, 30], dtype=torch.int32), torch.tensor([0, 10, 30], dtype=torch.int32), 20, 20)
+offsets = torch.tensor([0, 10, 30], dtype=torch.int32)
+seqs = contract.PackedSequences(offsets, offsets, 20, 20)
 k_cache, v_cache = randn(2, 512, 2, 64), randn(2, 512, 2, 64)
 kv_spec = contract.kvcache_spec(64, True, None, None, None, None)
 x, w = randn(16, 96), randn(96)
@@ -362,7 +363,8 @@ def calls():
     o, lse = ops.attention_varlen_fwd(packed_q, packed_q, packed_q, seqs, spec, None, None, None, False)
     ops.attention_varlen_bwd(packed_q, None, packed_q, packed_q, packed_q, o, lse, seqs, spec, None, None)
     cache = contract.KVCache(k_cache, v_cache, torch.tensor([5, 400], dtype=torch.int32), None)
-    decode.attention_with_kvcache(randn(2, 1, 8, 64), cache, None, None, kv_spec, randn(2, 1, 2, 64), randn(2, 1, 2, 64))
+    new_keys = randn(2, 1, 2, 64), randn(2, 1, 2, 64)
+    decode.attention_with_kvcache(randn(2, 1, 8, 64), cache, None, None, kv_spec, *new_keys)
     y, z, mean, rstd = layer_norm.layer_norm_fwd(x, w, w, x, ln_spec, seed, True)
     layer_norm.layer_norm_bwd(x, x, z, w, w, mean, rstd, ln_spec, seed, True)
     y, saved = feed_forward.feed_forward_fwd(x, w1, b1, w2, b2, ff_spec, seed, True)
@@ -386,7 +388,7 @@ def test_every_launcher_reuses_its_compiled_kernel_on_a_gpu():
     assert done.returncode == 0, done.stderr[-3000:]
     first, second_through_run, second_direct = ast.literal_eval(done.stdout.strip().splitlines()[-1])
     assert {"attention_fwd_kernel", "attention_dq_kernel", "attention_dkdv_kernel", "_attention_decode_kernel",
-            "_attention_append_kernel", "_attention_decode_merge_kernel", "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_sum_rows_kernel",
-            "_activation_kernel"} <= set(first), first
+            "_attention_append_kernel", "_attention_decode_merge_kernel", "_layer_norm_fwd_kernel",
+            "_layer_norm_bwd_kernel", "_sum_rows_kernel", "_activation_kernel"} <= set(first), first
     assert second_through_run == {}, second_through_run
     assert set(second_direct) == set(first)
