@@ -224,14 +224,15 @@ def dropout_keep(SEED, offsets, dropout_p):
     return tl.uint_to_uniform_float(bits) >= dropout_p
 
 
-# The memory-bound kernels (LayerNorm, the feed-forward's activation) use all four numbers of a Philox call: element
+# The feed-forward's activation kernel, memory-bound, uses all four numbers of a Philox call: element
 # (row, col) of a [rows, N] view takes lane col % 4 of the call whose counter is (group, seed, 1) with group
 # row * cdiv(N, 4) + col // 4 (the last word keeps this stream apart from dropout_keep's). Ten rounds of 32-bit
 # multiplies an element capped those kernels near 1.4 TB/s on an H200 (one call per element of bfloat16 rows that
-# move 8 bytes each); a call per four elements puts the cap above the memory's rate. Attention keeps dropout_keep, a
-# call per score: in its tiles the four numbers of a call either moved between register layouts (spread over the
-# tile with join + reshape: 36 configs spilled 8-128 B or serialized sm_90's wgmma) or stayed live to be picked per
-# score (13 configs spilled 8-24 B), where one number per call spills none.
+# move 8 bytes each); a call per four elements puts the cap above the memory's rate. LayerNorm and attention keep
+# dropout_keep, a call per element: under Triton 3.7.1 the LayerNorm backward of 512 columns (sm_80) put 8 B on the
+# stack with four numbers a call (spread with join + reshape, spread with tl.where, or picked per element alike), and
+# in attention's tiles the four either moved between register layouts (36 configs spilled 8-128 B or serialized
+# sm_90's wgmma) or stayed live to be picked per score (13 configs spilled 8-24 B).
 @triton.jit
 def _philox_quads(SEED, groups):
     seed = tl.load(SEED).to(tl.uint32)
@@ -277,7 +278,7 @@ def _dropout_keep_mask_kernel(
 def dropout_keep_mask(seed: torch.Tensor, n_rows: int, n_cols: int, dropout_p: float, device: torch.device,
                       quads: bool = False) -> torch.Tensor:
     """The bool ``[n_rows, n_cols]`` keep-mask (True = kept) that a kernel drew with the seed tensor ``seed``
-    (``quads``: four lanes a Philox call, LayerNorm's and the feed-forward's stream; else ``dropout_keep``'s), for
+    (``quads``: four lanes a Philox call, the feed-forward's stream; else ``dropout_keep``'s), for
     replaying its dropout in ``fused_transformer.reference`` (``keep_mask=``)."""
     keep = torch.empty((n_rows, n_cols), dtype=torch.bool, device=device)
     if keep.numel() == 0:

@@ -18,8 +18,8 @@ forward and backward only the pre-activation is kept (x's dtype); with ``recompu
 recomputes it with one more product. The pre-activation is rounded to x's dtype before the activation, as
 ``F.linear`` rounds it, so forward and backward agree exactly.
 
-Dropout keep-mask: element (token, unit) of the hidden ``[M, d_ff]`` is kept as LayerNorm's element (row, col) is,
-lane unit % 4 of the Philox call of group token * cdiv(d_ff, 4) + unit // 4 (``_common.dropout_keep_quads``);
+Dropout keep-mask: element (token, unit) of the hidden ``[M, d_ff]`` is kept when lane unit % 4 of the Philox call
+of group token * cdiv(d_ff, 4) + unit // 4 says so (``_common.dropout_keep_quads``: a call per four elements);
 ``fused_transformer.kernels._common.dropout_keep_mask(seed, M, d_ff, p, device, quads=True)`` replays it.
 """
 import contextlib

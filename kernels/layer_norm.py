@@ -30,9 +30,8 @@ Without dropout there is nothing to fuse that ATen does not: on a GPU the backen
 dropout (in x's dtype) run ATen's add + ``F.layer_norm`` (``layer_norm_composed``), as torch.nn does; the kernel entry
 ``layer_norm`` always runs the kernels, and so does every call under the interpreter.
 
-Dropout keep-mask: element (row, col) of x viewed as [rows, N] is kept when lane col % 4 of the Philox call of group
-row * cdiv(N, 4) + col // 4 says so (``_common.dropout_keep_quads``: a call per four elements);
-``fused_transformer.kernels._common.dropout_keep_mask(seed, rows, N, p, device, quads=True)`` replays it.
+Dropout keep-mask: element (row, col) of x viewed as [rows, N] is kept when ``dropout_keep(SEED, row * N +
+col, p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, rows, N, p, device)`` replays it.
 """
 import dataclasses
 import functools
@@ -45,8 +44,8 @@ import triton.language as tl
 from .. import contract, reference
 from ..contract import LayerNormSpec
 from ._common import (
-    SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, cdiv, contiguous_last_dim, dropout_keep_quads,
-    interpreting, launch_kernel, next_power_of_2, sum_rows, traced,
+    SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, cdiv, contiguous_last_dim, dropout_keep, interpreting,
+    launch_kernel, next_power_of_2, sum_rows, traced,
 )
 from .aot import AotKernel
 from .targets import TARGETS, Target, target_of
@@ -79,7 +78,7 @@ def _layer_norm_fwd_kernel(
     mask = cols < n_cols
     z = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = dropout_keep_quads(SEED, row * ((n_cols + 3) // 4), dropout_p, BLOCK_N)
+        keep = dropout_keep(SEED, row * n_cols + cols, dropout_p)
         z = tl.where(keep, z * (1.0 / (1.0 - dropout_p)), 0.0)
     if HAS_RESIDUAL:
         z += tl.load(RESIDUAL + row * stride_res_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -195,7 +194,7 @@ def _layer_norm_bwd_kernel(
         if HAS_RESIDUAL:
             tl.store(DRESIDUAL + row * stride_dres_row + cols, dz.to(DRESIDUAL.dtype.element_ty), mask=mask)
         if HAS_DROPOUT:
-            keep = dropout_keep_quads(SEED, row * ((n_cols + 3) // 4) + col_start // 4, dropout_p, BLOCK_N)
+            keep = dropout_keep(SEED, row * n_cols + cols, dropout_p)
             dz = tl.where(keep, dz * (1.0 / (1.0 - dropout_p)), 0.0)
         tl.store(DX + row * stride_dx_row + cols, dz.to(DX.dtype.element_ty), mask=mask)
 

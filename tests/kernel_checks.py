@@ -40,8 +40,9 @@ def check_against_reference(kernel_fn, reference_fn, inputs, out_grads):
         _record(grad.dtype, f"d{name}", assert_close_to_reference(grad, ref_grads[name], base_grads[name], f"d{name}"))
 
 
-def replayed_keep_mask(torch_seed: int, n_rows: int, n_cols: int, dropout_p: float, device) -> torch.Tensor:
-    """The ``[n_rows, n_cols]`` keep-mask a LayerNorm or feed-forward kernel (four lanes a Philox call) drew for its
-    first dropout after ``torch.manual_seed(torch_seed)``."""
+def replayed_keep_mask(torch_seed: int, n_rows: int, n_cols: int, dropout_p: float, device,
+                       quads: bool = False) -> torch.Tensor:
+    """The ``[n_rows, n_cols]`` keep-mask a kernel drew for its first dropout after ``torch.manual_seed(torch_seed)``
+    (``quads``: the feed-forward's stream, four lanes a Philox call)."""
     torch.manual_seed(torch_seed)
-    return dropout_keep_mask(draw_dropout_seed(device), n_rows, n_cols, dropout_p, device, quads=True)
+    return dropout_keep_mask(draw_dropout_seed(device), n_rows, n_cols, dropout_p, device, quads=quads)

@@ -32,7 +32,7 @@ def _check(inputs, *, activation, dropout_p=0.0, recompute=False, via_functional
     tokens, d_ff = x.numel() // x.shape[-1], w1.shape[0]
     keep = None
     if dropout_p > 0:
-        keep = replayed_keep_mask(7, tokens, d_ff, dropout_p, x.device).reshape(*x.shape[:-1], d_ff)
+        keep = replayed_keep_mask(7, tokens, d_ff, dropout_p, x.device, quads=True).reshape(*x.shape[:-1], d_ff)
     out_grads = [torch.randn(*x.shape[:-1], inputs["w2"].shape[0], device=DEVICE)]
 
     def kernel_fn(x, w1, b1, w2, b2):
@@ -102,7 +102,7 @@ def test_dropout_is_reproducible_from_torch_seed():
 
     assert torch.equal(run(1), run(1))
     assert not torch.equal(run(1), run(2))
-    keep = replayed_keep_mask(1, 37, 64, 0.5, DEVICE)
+    keep = replayed_keep_mask(1, 37, 64, 0.5, DEVICE, quads=True)
     assert 0.4 < keep.float().mean().item() < 0.6
 
 
@@ -162,11 +162,11 @@ def test_the_four_lanes_of_a_philox_call_drop_independently():
     """The LayerNorm / feed-forward stream takes four numbers a Philox call: each lane keeps 1 - p of its elements,
     and the lanes of one call are not tied (all four kept as often as (1 - p)^4 says); rows of a width that is not a
     multiple of 4 start groups of their own."""
-    keep = replayed_keep_mask(3, 512, 64, 0.5, DEVICE).view(512, 16, 4).float()
+    keep = replayed_keep_mask(3, 512, 64, 0.5, DEVICE, quads=True).view(512, 16, 4).float()
     for lane in range(4):
         assert 0.47 < keep[..., lane].mean().item() < 0.53
     assert 0.05 < keep.prod(-1).mean().item() < 0.075
     assert torch.corrcoef(keep.reshape(-1, 4).t())[0, 1:].abs().max().item() < 0.05  # 1 / sqrt(8192) = 0.011
-    odd = replayed_keep_mask(3, 4, 6, 0.5, DEVICE)
-    quads = replayed_keep_mask(3, 4, 8, 0.5, DEVICE)  # cdiv(6, 4) = 2 groups a row, as with 8 columns
+    odd = replayed_keep_mask(3, 4, 6, 0.5, DEVICE, quads=True)
+    quads = replayed_keep_mask(3, 4, 8, 0.5, DEVICE, quads=True)  # cdiv(6, 4) = 2 groups a row, as with 8 columns
     assert torch.equal(odd, quads[:, :6])
