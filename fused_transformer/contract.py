@@ -82,6 +82,13 @@ class AttentionMasks(NamedTuple):
     query_padding_mask: Optional[Tensor] = None  # [B, Lq] bool, True = padding
     query_lengths: Optional[Tensor] = None  # [B] integers, rows past them are padding (the Triton entry's option)
 
+    @property
+    def unmasked(self) -> bool:
+        """Whether no mask is given. Tested by identity: ``masks.count(None)`` compares a tensor with None through
+        ``Tensor.__eq__``, about 12 us a mask on the host."""
+        return (self.attn_mask is None and self.key_padding_mask is None and self.query_padding_mask is None
+                and self.query_lengths is None)
+
 
 class AttentionSpec(NamedTuple):
     """Everything about an attention call that is not a tensor, checked and resolved: what a backend computes."""

@@ -17,6 +17,7 @@ from fused_transformer.kernels import attention as triton_attention
 from fused_transformer.kernels._common import draw_dropout_seed, interpreting, tma_addressable
 from fused_transformer.kernels.attention import bwd, configs, fwd, launch
 from fused_transformer.kernels.attention import weights as weights_kernel
+from fused_transformer.kernels.attention.lengths import padding_lengths
 from fused_transformer.kernels.targets import target_of
 from tests.numerics import DEVICE, assert_close_to_reference
 
@@ -200,12 +201,30 @@ def _padding_with_holes(lk: int) -> torch.Tensor:
     return padding.to(DEVICE)
 
 
-def test_key_lengths_give_the_keys_before_the_first_padding_key():
+def test_padding_lengths_give_the_positions_before_the_first_padding_position():
+    def lengths(mask):
+        return padding_lengths(mask.view(torch.uint8)).tolist()
+
     padding = _padding_with_holes(100)
-    assert launch.key_lengths(padding).tolist() == [[70, 100, 100, 100], [70, 70, 0, 100]]
+    assert lengths(padding) == [[70, 100, 100, 100], [70, 70, 0, 100]]
     everything = torch.ones(2, 5, dtype=torch.bool, device=DEVICE)
-    assert launch.key_lengths(everything).tolist() == [[0, 0], [0, 0]]
-    assert launch.key_lengths(everything[:, :0]).tolist() == [[0, 0], [0, 0]]
+    assert lengths(everything) == [[0, 0], [0, 0]]
+    assert lengths(everything[:, :0]) == [[0, 0], [0, 0]]
+    assert lengths(torch.empty(0, 5, dtype=torch.bool, device=DEVICE)) == [[], []]
+    # Rows of three blocks, 2600 apart: a right-padded one, one with a hole in its second block, one padded but for
+    # positions 1024-1029 (a block's first few).
+    long = torch.zeros(3, 2600, dtype=torch.bool, device=DEVICE)[:, :2500]
+    long[0, 2100:] = True
+    long[1, 1500] = True
+    long[2, :1024] = True
+    long[2, 1030:] = True
+    expected = [[2100, 2500, 1030], [2100, 1500, 0]]
+    assert lengths(long) == expected
+    torch.manual_seed(0)
+    random = torch.rand(5, 1100, device=DEVICE) < 0.5
+    real = (~random).int()
+    positions = torch.arange(1, 1101, device=DEVICE)
+    assert lengths(random) == [(real * positions).amax(1).tolist(), real.cumprod(1).sum(1).tolist()]
 
 
 @pytest.mark.parametrize("masks", [{}, {"is_causal": True}, {"is_causal": True, "causal_alignment": "bottom_right"}],
@@ -243,8 +262,8 @@ def test_kernels_read_where_the_padding_mask_starts(monkeypatch):
     (q, k, v, do, _), _ = _random_inputs(1, 2, 2, lq, lk, 16, seed=12)
     padding = torch.zeros(1, lk, dtype=torch.bool, device=DEVICE)
     padding[0, 3] = True
-    true_lengths = launch.key_lengths
-    monkeypatch.setattr(launch, "key_lengths", lambda mask: true_lengths(torch.zeros_like(mask)))
+    true_lengths = launch.padding_lengths
+    monkeypatch.setattr(launch, "padding_lengths", lambda mask: true_lengths(torch.zeros_like(mask)))
     got = _run(triton_attention.attention, q, k, v, do, None, torch.float32, {"key_padding_mask": padding})
     unmasked = _run(reference.attention, q, k, v, do, None, torch.float64, {})
     base = _run(reference.attention, q, k, v, do, None, torch.float32, {})

@@ -3,8 +3,9 @@ tiny input, that is, the Python and dispatch overhead we add to each call.
 
 Cases (``cases``), on batch 2, 2 heads, L 8, head dim 16, d_model 32, d_ff 64:
 
-- ops: ``ft.attention`` forward (under ``no_grad``) and forward+backward; ``ft.attention_varlen`` forward (two packed
-  sequences of 8 and 5 tokens); ``ft.attention_with_kvcache``, one decoding step (one new key and value appended to
+- ops: ``ft.attention`` forward (under ``no_grad``) and forward+backward, without a mask and with a key padding mask
+  (the second sequence's last 3 keys; SDPA takes it as a bool mask made before the calls); ``ft.attention_varlen``
+  forward (two packed sequences of 8 and 5 tokens); ``ft.attention_with_kvcache``, one decoding step (one new key and value appended to
   a contiguous cache holding 7, one query per sequence, the lengths on the host); ``ft.layer_norm`` with a residual
   and ``ft.feed_forward`` (GELU), both with dropout 0.1 (``FUSED_DROPOUT``; without it ATen runs the feed-forward,
   and on a GPU the LayerNorm), forward and forward+backward.
@@ -50,8 +51,10 @@ BATCH, HEADS, SEQ_LEN, HEAD_DIM, D_MODEL, D_FF = 2, 2, 8, 16, 32, 64
 # (their backends' composed forms), and no launch of ours would be timed.
 FUSED_DROPOUT = 0.1
 VARLEN_LENGTHS = (8, 5)  # the packed sequences of attention_varlen
+KEY_PADDING = "attention (key padding)"  # ft.attention with a key padding mask: the keys past VARLEN_LENGTHS
 OPS = {  # op -> its modes
-    "attention": ("fwd", "fwd+bwd"), "attention_varlen": ("fwd",), "attention_with_kvcache": ("fwd",),
+    "attention": ("fwd", "fwd+bwd"), KEY_PADDING: ("fwd", "fwd+bwd"), "attention_varlen": ("fwd",),
+    "attention_with_kvcache": ("fwd",),
     "layer_norm": ("fwd", "fwd+bwd"), "feed_forward": ("fwd", "fwd+bwd"),
 }
 MODULES = ("LayerNorm", "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer")
@@ -236,6 +239,14 @@ def _attention(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callab
                        "ours": lambda: ft.attention(q, k, v)}
 
 
+def _attention_key_padding(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
+    q, k, v = (_randn(setup, BATCH, HEADS, SEQ_LEN, HEAD_DIM, grad=grad) for _ in range(3))
+    padding = torch.arange(SEQ_LEN, device=setup.device) >= torch.tensor(VARLEN_LENGTHS, device=setup.device)[:, None]
+    allowed = ~padding[:, None, None, :]
+    return [q, k, v], {"torch": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
+                       "ours": lambda: ft.attention(q, k, v, key_padding_mask=padding)}
+
+
 def _attention_varlen(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
     tokens = sum(VARLEN_LENGTHS)
     q, k, v = (_randn(setup, tokens, HEADS, HEAD_DIM, grad=grad) for _ in range(3))
@@ -287,7 +298,7 @@ def _feed_forward(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Cal
 
 
 OP_INPUTS = {
-    "attention": _attention, "attention_varlen": _attention_varlen, "attention_with_kvcache": _attention_with_kvcache,
+    "attention": _attention, KEY_PADDING: _attention_key_padding, "attention_varlen": _attention_varlen, "attention_with_kvcache": _attention_with_kvcache,
     "layer_norm": _layer_norm, "feed_forward": _feed_forward,
 }
 

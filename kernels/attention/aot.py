@@ -11,6 +11,7 @@ from . import configs
 from .bwd import attention_dkdv_kernel, attention_dq_kernel
 from .decode import aot_configs as decode_aot_configs
 from .fwd import attention_fwd_kernel
+from .lengths import aot_configs as lengths_aot_configs
 from .launch import MASK_FLOAT, MASK_NONE
 from .weights import attention_weights_kernel
 
@@ -124,6 +125,7 @@ def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
                         for plan, targets in _plans(kernel, precision, head_dim, variant, triton).items():
                             shipped.append(_aot_kernel(kernel, precision, head_dim, variant, plan, tuple(targets)))
     shipped.extend(decode_aot_configs(triton))
+    shipped.extend(lengths_aot_configs(triton))
     return shipped
 
 

@@ -92,8 +92,8 @@ def attention_fwd_kernel(
     MASK,  # attn_mask, read through strides (MASK_KIND != 0)
     PAD,  # [B, Lk] uint8, 1 = padding (HAS_PADDING)
     KEY_LENS,  # [2, B] int32: one past each sequence's last key that is not padding, then its keys before the first
-    # padding key (HAS_PADDING; launch.key_lengths)
-    QUERY_LENS,  # [B] int32: one past each sequence's last query row to compute (HAS_QUERY_LENS)
+    # padding key (HAS_PADDING; lengths.padding_lengths)
+    QUERY_LENS,  # [B] int32 (or the first row of [2, B]): one past each sequence's last query row to compute
     QUERY_PAD,  # [B, Lq] uint8, 1 = padding (HAS_QUERY_PADDING)
     CU_SEQLENS_Q, CU_SEQLENS_K,  # [B + 1] int32: each packed sequence's first row, then the total (VARLEN)
     stride_qb, stride_qh, stride_qm,  # the batch strides are unused with VARLEN

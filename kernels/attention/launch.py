@@ -10,11 +10,11 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ... import contract
 from ...contract import AttentionMasks, AttentionSpec, PackedSequences, Window, heads_interleaved_strides
 from .._common import interpreting, positional_constexprs, tma_addressable, tma_descriptor
 from ..targets import Target, target_of
 from . import configs
+from .lengths import padding_lengths
 
 Tensor = torch.Tensor
 
@@ -31,8 +31,8 @@ class MaskArgs(NamedTuple):
     mask: Optional[Tensor]  # attn_mask viewed as [B, H, Lq, Lk] with stride 0 on broadcast dims
     mask_kind: int
     padding: Optional[Tensor]  # [B, Lk] uint8
-    key_lens: Optional[Tensor]  # [2, B] int32 (key_lengths)
-    query_lens: Optional[Tensor]  # [B] int32
+    key_lens: Optional[Tensor]  # [2, B] int32 (lengths.padding_lengths)
+    query_lens: Optional[Tensor]  # [B] int32, or padding_lengths' [2, B], whose first row the kernels read
     query_padding: Optional[Tensor]  # [B, Lq] uint8
     cu_seqlens_q: Optional[Tensor]  # [B + 1] int32, packed sequences only
     cu_seqlens_k: Optional[Tensor]
@@ -162,14 +162,6 @@ def grid(tiles: int, batch: int, heads: int) -> Tuple[int, int, int]:
     return (tiles, heads, batch)
 
 
-def key_lengths(key_padding_mask: Tensor) -> Tensor:
-    """int32 ``[2, B]``, KEY_LENS as the kernels read it: one past each sequence's last key that is not padding
-    (``contract.last_real_position``), then how many keys come before its first padding key (Lk if none), the keys whose
-    tiles need no padding mask; the two are equal for a right-padded sequence. On the device (no host sync)."""
-    leading = (~key_padding_mask).cumprod(dim=1).sum(dim=1)  # the run of real keys from position 0
-    return torch.stack([contract.last_real_position(key_padding_mask), leading]).to(torch.int32)
-
-
 def kernel_window(window: Window, is_causal: bool, unlimited: int) -> Optional[Tuple[int, int]]:
     """``window`` (``contract.Window``) as the kernels take it, None without one. A side that is None, or wider than
     ``unlimited`` (Lq + Lk, beyond which no alignment offset reaches a key), becomes ``unlimited``, so the kernels'
@@ -196,7 +188,7 @@ def mask_args(q: Tensor, k: Tensor, masks: AttentionMasks, spec: AttentionSpec, 
     padding = key_lens = None
     if key_padding_mask is not None:
         padding = key_padding_mask.contiguous().view(torch.uint8)
-        key_lens = key_lengths(key_padding_mask)
+        key_lens = padding_lengths(padding)
     query_lens = query_padding = None
     if query_lengths is not None:
         query_lens = query_lengths.to(device=q.device, dtype=torch.int32).clamp(0, lq).contiguous()
@@ -205,7 +197,7 @@ def mask_args(q: Tensor, k: Tensor, masks: AttentionMasks, spec: AttentionSpec, 
             query_padding_mask = query_padding_mask | (
                 torch.arange(lq, device=q.device, dtype=torch.int32)[None, :] >= query_lens[:, None])
         query_padding = query_padding_mask.contiguous().view(torch.uint8)
-        query_lens = contract.last_real_position(query_padding_mask).to(torch.int32)
+        query_lens = padding_lengths(query_padding)  # the kernels read its first row
     window = kernel_window(spec.window, spec.is_causal, lq + lk)
     aligned = spec.bottom_right and (spec.is_causal or window is not None or alibi_slopes is not None)
     scores = () if spec.softcap is None and alibi_slopes is None and sinks is None else score_modifiers(

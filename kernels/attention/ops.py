@@ -74,7 +74,7 @@ def _launch_form(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slo
         layout = Layout.packed(q, k, v, seqs.cu_seqlens_q.shape[0] - 1, seqs.max_seqlen_q, seqs.max_seqlen_k)
         kernel_masks = varlen_mask_args(seqs, spec, q.shape[1], alibi_slopes, sinks)
         return LaunchForm(layout, kernel_masks, shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed))
-    plain = alibi_slopes is None and sinks is None and masks.count(None) == len(masks)  # no tensor but q, k, v
+    plain = alibi_slopes is None and sinks is None and masks.unmasked  # no tensor but q, k, v
     if plain:
         key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), spec)
         found = _PLAIN_FORMS.get(key)
