@@ -17,8 +17,8 @@ import torch
 
 from . import backend
 from .contract import (
-    AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, PackedSequences, as_rows, draw_dropout_seed,
-    sinks_gradient,
+    NO_SCORE_MODS, AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, PackedSequences, ScoreMods, as_rows,
+    draw_dropout_seed, score_mods_flat, score_mods_of_flat,
 )
 
 Tensor = torch.Tensor
@@ -53,13 +53,49 @@ def _seed(p: float, device: torch.device) -> Optional[Tensor]:
 
 def _float_output(ctx, q: Tensor, sinks: Optional[Tensor]) -> bool:
     """Whether the forward keeps o in float32 for the backward: for sinks that need a gradient, whose sum over every
-    row (``contract.sinks_gradient``) must not see o's rounding to 16 bits (twice PyTorch's own error). The caller
+    row (``sinks_gradient``) must not see o's rounding to 16 bits (twice PyTorch's own error). The caller
     gets o in q's dtype (through a cast only then: under torch 2.11, a compiled graph that returned
     ``o.to(o.dtype)``, an alias of a saved tensor, gave wrong gradients)."""
     return sinks is not None and bool(ctx.needs_input_grad[3]) and q.dtype in (torch.float16, torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------- attention
+
+
+def sinks_gradient(sinks: Tensor, lse: Tensor, do: Tensor, out: Tensor, dlse: Optional[Tensor],
+                   head_dim_last: bool) -> Tensor:
+    """The gradient of the attention sinks ``[H]``: each row's sink probability ``exp(sink - lse)`` times
+    ``-(rowsum(do * out) - dlse)``, summed over batch and rows. ``lse`` ``[B, H, Lq]`` or packed ``[H, Tq]`` (the
+    forward's, the sinks in its sums), ``do`` / ``out`` ``[B, H, Lq, D]`` or packed ``[Tq, H, D]``
+    (``head_dim_last`` False: dense). Rows with no query (LSE -inf) give nothing. Pass ``out`` as the kernel
+    computed it, before its rounding to a 16-bit dtype: summed over every row of the batch, that rounding alone
+    reached several times PyTorch's own error in bfloat16."""
+    stats = lse.dtype
+    row_dot = (do.to(stats) * out.to(stats)).sum(-1)  # dense [B, H, Lq]; packed [Tq, H]
+    if head_dim_last:
+        row_dot = row_dot.transpose(0, 1)  # [H, Tq]
+    delta = row_dot if dlse is None else row_dot - dlse.to(stats)
+    head_axis = 0 if head_dim_last else 1
+    shape = [1] * lse.dim()
+    shape[head_axis] = -1
+    p_sink = torch.exp(sinks.to(stats).view(shape) - lse)
+    per_row = torch.where(lse == float("-inf"), torch.zeros_like(delta), -p_sink * delta)
+    dims = [d for d in range(lse.dim()) if d != head_axis]
+    return per_row.sum(dims).to(sinks.dtype)
+
+
+def _saved_mods(ctx, mods: ScoreMods) -> list:
+    """The tensors of ``mods`` for ``save_for_backward``; its numbers are kept on ``ctx`` (``_mods_of``)."""
+    if mods is NO_SCORE_MODS:
+        ctx.mod_numbers = None
+        return []
+    tensors, ctx.mod_numbers = score_mods_flat(mods)
+    return tensors
+
+
+def _mods_of(ctx, tensors: list) -> ScoreMods:
+    """The ``ScoreMods`` ``_saved_mods`` saved."""
+    return NO_SCORE_MODS if ctx.mod_numbers is None else score_mods_of_flat(tensors, ctx.mod_numbers)
 
 
 def _attention_forward(ctx, q: Tensor, sinks: Optional[Tensor], spec: AttentionSpec, name: str, with_lse: bool,
@@ -103,24 +139,24 @@ def _attention_backward(ctx, do: Optional[Tensor], dlse: Optional[Tensor], q: Te
 class AttentionFunction(torch.autograd.Function):
     """Autograd over a backend's ``attention_fwd`` / ``attention_bwd``: ``(o, lse)``, or o alone unless ``with_lse``
     (one output less for autograd to track). Differentiable: q, k, v, sinks (theirs from the saved LSE and o) and the
-    LSE where the backend takes its gradient; masks and ALiBi slopes are constants."""
+    LSE where the backend takes its gradient; masks and score modifiers are constants."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, attn_mask, key_padding_mask, query_padding_mask, query_lengths, alibi_slopes,
-                spec: AttentionSpec, name: str, with_lse: bool = True):
+    def forward(ctx, q, k, v, sinks, attn_mask, key_padding_mask, query_padding_mask, query_lengths,
+                mods: ScoreMods, spec: AttentionSpec, name: str, with_lse: bool = True):
         masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask, query_lengths)
         seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, with_lse, lambda ops, seed, float_output,
-                                          prepared: ops.attention_fwd(q, k, v, masks, spec, alibi_slopes, sinks, seed,
+                                          prepared: ops.attention_fwd(q, k, v, masks, spec, mods, sinks, seed,
                                                                       float_output, prepared))
-        ctx.save_for_backward(q, k, v, o, lse, sinks, alibi_slopes, seed, *masks)
+        ctx.save_for_backward(q, k, v, o, lse, sinks, seed, *masks, *_saved_mods(ctx, mods))
         return _attention_outputs(ctx, q, o, lse, with_lse)
 
     @staticmethod
     def backward(ctx, do, dlse=None):
-        q, k, v, o, lse, sinks, alibi_slopes, seed, *masks = ctx.saved_tensors
-        masks = AttentionMasks(*masks)
+        q, k, v, o, lse, sinks, seed, *rest = ctx.saved_tensors
+        masks, mods = AttentionMasks(*rest[:4]), _mods_of(ctx, rest[4:])
         grads = _attention_backward(ctx, do, dlse, q, o, lse, sinks, False, lambda ops, do: ops.attention_bwd(
-            do, dlse, q, k, v, o, lse, masks, ctx.spec, alibi_slopes, seed, ctx.prepared))
+            do, dlse, q, k, v, o, lse, masks, ctx.spec, mods, seed, ctx.prepared))
         return *grads, None, None, None, None, None, None, None, None
 
 
@@ -128,22 +164,22 @@ class AttentionVarlenFunction(torch.autograd.Function):
     """Autograd over a backend's ``attention_varlen_fwd`` / ``attention_varlen_bwd``, as ``AttentionFunction``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q: int, max_seqlen_k: int,
-                spec: AttentionSpec, name: str, with_lse: bool = True):
+    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, mods: ScoreMods, max_seqlen_q: int,
+                max_seqlen_k: int, spec: AttentionSpec, name: str, with_lse: bool = True):
         seqs = PackedSequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, with_lse, lambda ops, seed, float_output,
-                                          prepared: ops.attention_varlen_fwd(q, k, v, seqs, spec, alibi_slopes, sinks,
-                                                                             seed, float_output, prepared))
-        ctx.save_for_backward(q, k, v, o, lse, sinks, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k)
+                                          prepared: ops.attention_varlen_fwd(q, k, v, seqs, spec, mods, sinks, seed,
+                                                                             float_output, prepared))
+        ctx.save_for_backward(q, k, v, o, lse, sinks, seed, cu_seqlens_q, cu_seqlens_k, *_saved_mods(ctx, mods))
         ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
         return _attention_outputs(ctx, q, o, lse, with_lse)
 
     @staticmethod
     def backward(ctx, do, dlse=None):
-        q, k, v, o, lse, sinks, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        seqs = PackedSequences(cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens)
+        q, k, v, o, lse, sinks, seed, cu_seqlens_q, cu_seqlens_k, *mod_tensors = ctx.saved_tensors
+        seqs, mods = PackedSequences(cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens), _mods_of(ctx, mod_tensors)
         grads = _attention_backward(ctx, do, dlse, q, o, lse, sinks, True, lambda ops, do: ops.attention_varlen_bwd(
-            do, dlse, q, k, v, o, lse, seqs, ctx.spec, alibi_slopes, seed, ctx.prepared))
+            do, dlse, q, k, v, o, lse, seqs, ctx.spec, mods, seed, ctx.prepared))
         return *grads, None, None, None, None, None, None, None, None
 
 
@@ -164,40 +200,42 @@ def _tracked_lse(return_lse: bool) -> bool:
 
 
 def attention(name: str, q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
-              alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-              return_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(out, lse)`` of checked arguments on backend ``name``; lse may be None unless ``return_lse``."""
+              mods: ScoreMods, sinks: Optional[Tensor], return_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(out, lse)`` of checked arguments on backend ``name`` (the reference where its kernels do not compute a
+    modifier of ``mods``); lse may be None unless ``return_lse``."""
+    name = backend.computing(name, mods)
     ops = backend.ops(name)
     if name == "reference":
-        return ops.attention(q, k, v, masks, spec, alibi_slopes, sinks)
+        return ops.attention(q, k, v, masks, spec, mods, sinks)
     needs_grad = _needs_grad(q, k, v, sinks)
     if ops.attention_composed is not None and backend.get_backend() == "auto":  # a backend named is a backend forced
-        out = ops.attention_composed(q, k, v, masks, spec, alibi_slopes, sinks, return_lse, needs_grad)
+        out = ops.attention_composed(q, k, v, masks, spec, mods, sinks, return_lse, needs_grad)
         if out is not None:
             return out, None
     if masks.attn_mask is not None:
         _check_constant_mask(masks.attn_mask, name)
     if needs_grad:
         with_lse = _tracked_lse(return_lse)
-        out = _attention_apply(q, k, v, sinks, *masks, alibi_slopes, spec, name, with_lse)
+        out = _attention_apply(q, k, v, sinks, *masks, mods, spec, name, with_lse)
         return out if with_lse else (out, None)
-    return ops.attention_fwd(q, k, v, masks, spec, alibi_slopes, sinks, _seed(spec.dropout_p, q.device), False)
+    return ops.attention_fwd(q, k, v, masks, spec, mods, sinks, _seed(spec.dropout_p, q.device), False)
 
 
 def attention_varlen(name: str, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences, spec: AttentionSpec,
-                     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                     mods: ScoreMods, sinks: Optional[Tensor],
                      return_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(out, lse)`` of checked arguments on packed sequences, on backend ``name``; lse may be None unless
-    ``return_lse``."""
+    """``(out, lse)`` of checked arguments on packed sequences, on backend ``name`` (as ``attention`` chooses it);
+    lse may be None unless ``return_lse``."""
+    name = backend.computing(name, mods)
     ops = backend.ops(name)
     if name == "reference":
-        return ops.attention_varlen(q, k, v, *seqs, spec, alibi_slopes, sinks)
+        return ops.attention_varlen(q, k, v, *seqs, spec, mods, sinks)
     if _needs_grad(q, k, v, sinks):
         with_lse = _tracked_lse(return_lse)
-        out = _attention_varlen_apply(q, k, v, sinks, seqs.cu_seqlens_q, seqs.cu_seqlens_k, alibi_slopes,
+        out = _attention_varlen_apply(q, k, v, sinks, seqs.cu_seqlens_q, seqs.cu_seqlens_k, mods,
                                         int(seqs.max_seqlen_q), int(seqs.max_seqlen_k), spec, name, with_lse)
         return out if with_lse else (out, None)
-    return ops.attention_varlen_fwd(q, k, v, seqs, spec, alibi_slopes, sinks, _seed(spec.dropout_p, q.device), False)
+    return ops.attention_varlen_fwd(q, k, v, seqs, spec, mods, sinks, _seed(spec.dropout_p, q.device), False)
 
 
 # ------------------------------------------------------------------------------------------ layer_norm

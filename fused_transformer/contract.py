@@ -3,30 +3,32 @@ checks that turn bad arguments into clear errors.
 
 ``fused_transformer.functional`` runs these checks once and hands the op's autograd Function
 (``fused_transformer.autograd``) arguments that satisfy them; the attention ops also get one ``AttentionSpec``, the
-call's flags resolved (causal alignment, window, dropout, scale), so no backend re-derives them. Nothing here
-imports another module of the package.
+call's flags resolved (causal alignment, window, dropout, scale), so no backend re-derives them, and one
+``ScoreMods``, what modifies the call's scores. Nothing here imports another module of the package.
 
 The backend interface, below autograd. The Triton backend (``fused_transformer.kernels.backend``) and the C++ one
 (``fused_transformer.cpu_ops``) export these raw functions: no autograd, outputs allocated by the callee, every
 argument checked here before; ``fused_transformer.autograd`` writes each op's Function once above them::
 
-    attention_fwd(q, k, v, masks, spec, alibi_slopes, sinks, seed, float_output, prepared=None) -> (o, lse)
-    attention_bwd(do, dlse, q, k, v, o, lse, masks, spec, alibi_slopes, seed, prepared=None) -> (dq, dk, dv)
-    attention_varlen_fwd(q, k, v, seqs, spec, alibi_slopes, sinks, seed, float_output, prepared=None) -> (o, lse)
-    attention_varlen_bwd(do, dlse, q, k, v, o, lse, seqs, spec, alibi_slopes, seed, prepared=None) -> (dq, dk, dv)
+    attention_fwd(q, k, v, masks, spec, mods, sinks, seed, float_output, prepared=None) -> (o, lse)
+    attention_bwd(do, dlse, q, k, v, o, lse, masks, spec, mods, seed, prepared=None) -> (dq, dk, dv)
+    attention_varlen_fwd(q, k, v, seqs, spec, mods, sinks, seed, float_output, prepared=None) -> (o, lse)
+    attention_varlen_bwd(do, dlse, q, k, v, o, lse, seqs, spec, mods, seed, prepared=None) -> (dq, dk, dv)
     attention_weights(q, k, lse, masks, spec) -> weights [B, H, Lq, Lk]
-    attention_with_kvcache(q, cache, alibi_slopes, sinks, spec, k_new, v_new) -> (out [B, Lq, H, D], lse)
+    attention_with_kvcache(q, cache, mods, sinks, spec, k_new, v_new) -> (out [B, Lq, H, D], lse)
     layer_norm_fwd(x, weight, bias, residual, spec, seed, store_z) -> (y, z, mean, rstd)
     layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, spec, seed, has_residual) -> (dx, dresidual, dweight, dbias)
     feed_forward_fwd(x, w1, b1, w2, b2, spec, seed, keep) -> (y, saved)
     feed_forward_bwd(dy, x, w1, b1, w2, saved, has_b2, spec, seed) -> (dx, dw1, db1, dw2, db2)
-    attention_composed(q, k, v, masks, spec, alibi_slopes, sinks, needs_lse, needs_grad) -> o or None
+    attention_composed(q, k, v, masks, spec, mods, sinks, needs_lse, needs_grad) -> o or None
     layer_norm_composed(x, weight, bias, residual, spec), feed_forward_composed(x, w1, b1, w2, b2, spec)
+    SCORE_MODS: the fields of ScoreMods its attention kernels compute (a call with another runs on the reference)
 
 Shapes: attention q ``[B, H, Lq, D]``, k / v ``[B, Hkv, Lk, D]``, o ``[B, H, Lq, D]`` (laid out as the backend
 writes it), lse ``[B, H, Lq]``; packed q ``[Tq, H, D]``, lse ``[H, Tq]``, ``seqs`` a ``PackedSequences``; lse in
 ``stats_dtype``, the sinks in it, so the backward needs no sinks; ``dlse`` None when the LSE was not used; o in
-float32 with ``float_output`` (16-bit inputs whose sinks need a gradient, ``sinks_gradient``); ``seed`` from
+float32 with ``float_output`` (16-bit inputs whose sinks need a gradient, ``autograd.sinks_gradient``); ``mods`` a
+``ScoreMods`` (``NO_SCORE_MODS`` for none), the sinks apart (they change no score); ``seed`` from
 ``draw_dropout_seed`` or None without dropout; ``prepared`` a dict the forward may fill with what it derived from its
 arguments (the masks and strides in the kernels' form), handed unchanged to the backward of the same call, which
 then need not derive it again (None: nothing kept). layer_norm and feed_forward take rows ``[rows, N]`` (``as_rows``);
@@ -84,8 +86,7 @@ class AttentionMasks(NamedTuple):
 
     @property
     def unmasked(self) -> bool:
-        """Whether no mask is given. Tested by identity: ``masks.count(None)`` compares a tensor with None through
-        ``Tensor.__eq__``, about 12 us a mask on the host."""
+        """Whether no mask is given, by identity (``count(None)`` would take ``Tensor.__eq__``, 12 us a mask)."""
         return (self.attn_mask is None and self.key_padding_mask is None and self.query_padding_mask is None
                 and self.query_lengths is None)
 
@@ -98,12 +99,47 @@ class AttentionSpec(NamedTuple):
     window: Window  # normalised by check_window: None when neither side limits anything
     dropout_p: float  # in [0, 1)
     scale: float  # the factor the scores are multiplied by (softmax_scale resolved)
-    softcap: Optional[float] = None  # None: no capping; else scaled scores become softcap * tanh(scores / softcap)
     allow_tf32: bool = False  # float32 products in TF32 on tensor cores (the Triton entry's option)
 
     @property
     def bottom_right(self) -> bool:
         return self.causal_alignment == "bottom_right"
+
+
+class ScoreMods(NamedTuple):
+    """What modifies the scaled scores of an attention call, checked (``score_mods``) and applied in this order,
+    before the masks; None where absent. Constants: no gradient flows to them. A modifier is a field here (its check
+    in ``score_mods``), its math in ``reference.modify_scores`` and in the Triton kernels' ``jit.py`` (host and
+    device sides); a backend's ``SCORE_MODS`` names those it computes, and the others send its calls to the reference."""
+
+    softcap: Optional[float] = None  # scores become softcap * tanh(scores / softcap) (Gemma 2, Grok)
+    alibi_slopes: Optional[Tensor] = None  # float32 [H] or [B, H]: scores less slope * |i + o - j| (o: the alignment)
+
+    @property
+    def given(self) -> Tuple[str, ...]:
+        """The names of the modifiers present."""
+        return tuple(name for name, value in zip(self._fields, self) if value is not None)
+
+
+NO_SCORE_MODS = ScoreMods()
+SCORE_MOD_TENSORS = ("alibi_slopes",)  # the tensors of ScoreMods, the others being numbers (``score_mods_flat``)
+
+
+def score_mods_flat(mods: ScoreMods) -> Tuple[list, list]:
+    """``mods`` as the custom ops take them: the tensors (None where absent), then the numbers (NaN where absent: a
+    given one is finite)."""
+    tensors = [getattr(mods, name) for name in SCORE_MOD_TENSORS]
+    numbers = [math.nan if value is None else value for name, value in zip(mods._fields, mods)
+               if name not in SCORE_MOD_TENSORS]
+    return tensors, numbers
+
+
+def score_mods_of_flat(tensors: Sequence[Optional[Tensor]], numbers: Sequence[float]) -> ScoreMods:
+    """The ``ScoreMods`` of ``score_mods_flat``'s lists (``NO_SCORE_MODS`` for none)."""
+    tensors, numbers = iter(tensors), iter(numbers)
+    values = [next(tensors) if name in SCORE_MOD_TENSORS else next(numbers) for name in ScoreMods._fields]
+    mods = ScoreMods(*(None if isinstance(v, float) and math.isnan(v) else v for v in values))
+    return mods if mods.given else NO_SCORE_MODS
 
 
 class PackedSequences(NamedTuple):
@@ -169,16 +205,6 @@ def softmax_scale(head_dim: int, scale: Optional[float] = None) -> float:
     if scale is not None:
         return float(scale)
     return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-
-
-def last_real_position(padding_mask: Tensor) -> Tensor:
-    """``[B]`` int64: one past the last position of each row of ``padding_mask`` ``[B, L]`` (True = padding) that is
-    not padding; 0 for a row of padding only. Computed on the mask's device (no host sync)."""
-    batch, length = padding_mask.shape
-    if length == 0:
-        return torch.zeros(batch, dtype=torch.int64, device=padding_mask.device)
-    positions = torch.arange(1, length + 1, device=padding_mask.device)
-    return torch.where(padding_mask, 0, positions).amax(dim=1)
 
 
 # ----------------------------------------------------------------------------------------------- layouts
@@ -284,66 +310,49 @@ def _check_flags(is_causal: object, causal_alignment: object, scale: object) -> 
 
 
 def attention_spec(head_dim: int, is_causal: object, causal_alignment: object, window: object, dropout_p: object,
-                   scale: object, softcap: object = None) -> AttentionSpec:
+                   scale: object) -> AttentionSpec:
     """The checked ``AttentionSpec`` of a call with these flags on inputs of ``head_dim`` (the common flags in one
     condition, the checks below for the rest)."""
-    if (window is None and scale is None and softcap is None and is_causal.__class__ is bool
+    if (window is None and scale is None and is_causal.__class__ is bool
             and dropout_p.__class__ is float and 0.0 <= dropout_p < 1.0 and causal_alignment in CAUSAL_ALIGNMENTS):
         return AttentionSpec(is_causal, causal_alignment, None, dropout_p, softmax_scale(head_dim))  # as checked
     _check_flags(is_causal, causal_alignment, scale)
     return AttentionSpec(is_causal, causal_alignment, check_window(window), check_dropout(dropout_p),
-                         softmax_scale(head_dim, scale), check_softcap(softcap))
+                         softmax_scale(head_dim, scale))
 
 
-def check_softcap(softcap: object) -> Optional[float]:
-    """``softcap`` as a float, None for no capping."""
+def score_mods(q: Tensor, batch: int, heads: int, softcap: object = None,
+               alibi_slopes: object = None) -> ScoreMods:
+    """The checked ``ScoreMods`` of a call on ``q`` over ``batch`` sequences of ``heads`` query heads."""
+    if softcap is None and alibi_slopes is None:
+        return NO_SCORE_MODS
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
                                 or not softcap > 0 or not math.isfinite(softcap)):
         raise ValueError(f"softcap={softcap!r} must be None or a finite number > 0")
-    return None if softcap is None else float(softcap)
+    if alibi_slopes is not None:
+        _check_head_parameter("alibi_slopes", alibi_slopes, q, ((heads,), (batch, heads)))
+        if alibi_slopes.requires_grad and torch.is_grad_enabled():
+            raise ValueError("alibi_slopes requires grad, but the slopes are constants here (no gradient flows to "
+                             "them); pass alibi_slopes.detach()")
+    return ScoreMods(None if softcap is None else float(softcap), alibi_slopes)
 
 
-def check_alibi_and_sinks(q: Tensor, batch: int, heads: int, alibi_slopes: Optional[Tensor],
-                          sinks: Optional[Tensor]) -> None:
-    """ALiBi slopes ``[H]`` or ``[B, H]`` and attention sinks ``[H]``: float32 (float64 too with float64 inputs), on
-    q's device. The slopes are constants: no gradient flows to them."""
-    if alibi_slopes is None and sinks is None:
-        return
+def check_sinks(q: Tensor, heads: int, sinks: object) -> None:
+    """Attention sinks ``[H]``: float32 (float64 too with float64 inputs), on q's device; differentiable."""
+    if sinks is not None:
+        _check_head_parameter("sinks", sinks, q, ((heads,),))
+
+
+def _check_head_parameter(name: str, t: object, q: Tensor, shapes: Tuple[Tuple[int, ...], ...]) -> None:
+    """A parameter per head (``shapes``: ``[H]`` or also ``[B, H]``): float32, float64 too with float64 inputs, on
+    q's device."""
     dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
-    for name, t, shapes in (("alibi_slopes", alibi_slopes, ((heads,), (batch, heads))), ("sinks", sinks, ((heads,),))):
-        if t is None:
-            continue
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-        if t.dtype not in dtypes or tuple(t.shape) not in shapes:
-            raise TypeError(f"{name} must be {' or '.join(str(d).replace('torch.', '') for d in dtypes)} of shape "
-                            f"{' or '.join(str(list(s)) for s in shapes)}, got {describe(t)}")
-        check_same(name, t, "q", q, dtype=False)
-    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
-        raise ValueError("alibi_slopes requires grad, but the slopes are constants here (no gradient flows to them); "
-                         "pass alibi_slopes.detach()")
-
-
-def sinks_gradient(sinks: Tensor, lse: Tensor, do: Tensor, out: Tensor, dlse: Optional[Tensor],
-                   head_dim_last: bool) -> Tensor:
-    """The gradient of the attention sinks ``[H]``: each row's sink probability ``exp(sink - lse)`` times
-    ``-(rowsum(do * out) - dlse)``, summed over batch and rows. ``lse`` ``[B, H, Lq]`` or packed ``[H, Tq]`` (the
-    forward's, the sinks in its sums), ``do`` / ``out`` ``[B, H, Lq, D]`` or packed ``[Tq, H, D]``
-    (``head_dim_last`` False: dense). Rows with no query (LSE -inf) give nothing. Pass ``out`` as the kernel
-    computed it, before its rounding to a 16-bit dtype: summed over every row of the batch, that rounding alone
-    reached several times PyTorch's own error in bfloat16."""
-    stats = lse.dtype
-    row_dot = (do.to(stats) * out.to(stats)).sum(-1)  # dense [B, H, Lq]; packed [Tq, H]
-    if head_dim_last:
-        row_dot = row_dot.transpose(0, 1)  # [H, Tq]
-    delta = row_dot if dlse is None else row_dot - dlse.to(stats)
-    head_axis = 0 if head_dim_last else 1
-    shape = [1] * lse.dim()
-    shape[head_axis] = -1
-    p_sink = torch.exp(sinks.to(stats).view(shape) - lse)
-    per_row = torch.where(lse == float("-inf"), torch.zeros_like(delta), -p_sink * delta)
-    dims = [d for d in range(lse.dim()) if d != head_axis]
-    return per_row.sum(dims).to(sinks.dtype)
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype not in dtypes or tuple(t.shape) not in shapes:
+        raise TypeError(f"{name} must be {' or '.join(str(d).replace('torch.', '') for d in dtypes)} of shape "
+                        f"{' or '.join(str(list(s)) for s in shapes)}, got {describe(t)}")
+    check_same(name, t, "q", q, dtype=False)
 
 
 def _plain_qkv(q: object, k: object, v: object, rank: int) -> bool:
@@ -424,6 +433,18 @@ def _check_cu_seqlens(name: str, cu: object, max_seqlen: object, anchor: Tensor)
         check_same(name, cu, "q", anchor, dtype=False)
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 0:
         raise TypeError(f"{max_name}={max_seqlen!r} must be a non-negative int")
+
+
+def packed_sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                     device: torch.device) -> PackedSequences:
+    """The checked offsets as the backends take them, on ``device``: offsets kept on the host (checked there for free)
+    copied without waiting, and one tensor for queries and keys copied once."""
+    same = cu_seqlens_k is cu_seqlens_q
+    if cu_seqlens_q.device != device:
+        cu_seqlens_q = cu_seqlens_q.to(device, non_blocking=True)
+    if same or cu_seqlens_k.device != device:
+        cu_seqlens_k = cu_seqlens_q if same else cu_seqlens_k.to(device, non_blocking=True)
+    return PackedSequences(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
 
 
 def check_cu_seqlens_values(name: str, cu: Tensor, total: int, max_seqlen: int) -> None:
@@ -514,7 +535,6 @@ class KVCacheSpec(NamedTuple):
     is_causal: bool
     window: Window
     scale: float
-    softcap: Optional[float]  # None: no capping; else scores become softcap * tanh(scores / softcap)
     num_splits: Optional[int]  # key splits of the GPU decode kernel; None: chosen from the SM count
 
 
@@ -536,44 +556,18 @@ class KVCache(NamedTuple):
         return self.block_table.shape[1] * self.k.shape[1]
 
 
-def append_to_cache(cache: KVCache, k_new: Tensor, v_new: Tensor) -> KVCache:
-    """Write ``k_new`` / ``v_new`` ``[B, Lnew, Hkv, D]`` into the cache at each sequence's end, in place, and return
-    the cache after it (its lengths counting them): a slice where every sequence of a contiguous cache ends at
-    ``cache.uniform_length``, else an ``index_put_`` at indices made on the device (no host sync: CUDA-graph
-    capturable and traceable)."""
-    batch, new_len = k_new.shape[:2]
-    known = cache.uniform_length
-    if known is not None and cache.block_table is None:
-        cache.k[:, known:known + new_len] = k_new
-        cache.v[:, known:known + new_len] = v_new
-    else:
-        positions = cache.lengths.long()[:, None] + torch.arange(new_len, device=k_new.device)  # [B, Lnew]
-        if cache.block_table is None:
-            rows = (torch.arange(batch, device=k_new.device)[:, None].expand(batch, new_len), positions)
-        else:
-            block_size = cache.k.shape[1]
-            rows = (cache.block_table.long().gather(1, positions // block_size), positions % block_size)
-        cache.k.index_put_(rows, k_new)
-        cache.v.index_put_(rows, v_new)
-    return KVCache(cache.k, cache.v, cache.lengths + new_len, cache.block_table,
-                   None if known is None else known + new_len)
-
-
-def kvcache_spec(head_dim: int, is_causal: object, window: object, softcap: object, scale: object,
-                 num_splits: object) -> KVCacheSpec:
+def kvcache_spec(head_dim: int, is_causal: object, window: object, scale: object, num_splits: object) -> KVCacheSpec:
     """The checked ``KVCacheSpec`` of an ``attention_with_kvcache`` call on inputs of ``head_dim``."""
     _check_flags(is_causal, "bottom_right", scale)
-    softcap = check_softcap(softcap)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
                                    or num_splits < 1):
         raise ValueError(f"num_splits={num_splits!r} must be None (chosen from the GPU) or an int >= 1")
     return KVCacheSpec(is_causal, check_window(window), softmax_scale(head_dim, scale),
-                       softcap, None if num_splits is None else int(num_splits))
+                       None if num_splits is None else int(num_splits))
 
 
 def check_kvcache_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Tensor],
-                       v_new: Optional[Tensor], cache_seqlens: object, block_table: Optional[Tensor],
-                       alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> Tensor:
+                       v_new: Optional[Tensor], cache_seqlens: object, block_table: Optional[Tensor]) -> Tensor:
     """The tensors of an ``attention_with_kvcache`` call but their values; returns ``cache_seqlens`` as an int32
     ``[B]`` tensor (an int is every sequence's length)."""
     check_tensor("q", q, rank=4)
@@ -622,8 +616,6 @@ def check_kvcache_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optio
                         f"{describe(cache_seqlens)}")
     if cache_seqlens.device.type != "cpu":  # on the host it is read for free (check_kvcache_values), then copied
         check_same("cache_seqlens", cache_seqlens, "q", q, dtype=False)
-    if alibi_slopes is not None or sinks is not None:
-        check_alibi_and_sinks(q, batch, heads, alibi_slopes, sinks)
     return cache_seqlens
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from . import _C  # noqa: F401  (registers torch.ops.fused_transformer_cpu)
 from . import reference
 from .contract import (
-    AttentionMasks, AttentionSpec, FeedForwardSpec, KVCache, KVCacheSpec, LayerNormSpec, PackedSequences,
+    AttentionMasks, AttentionSpec, FeedForwardSpec, KVCache, KVCacheSpec, LayerNormSpec, PackedSequences, ScoreMods,
     empty_heads_interleaved, stats_dtype, window_bounds,
 )
 
@@ -56,6 +56,9 @@ def _check_cpu(name: str, anchor: Tensor) -> None:
 
 # The LSE the C++ kernels return takes no gradient (their backward has no term for it).
 DIFFERENTIABLE_LSE = False
+# The score modifiers the C++ attention kernels compute (each C++ op takes them by name, below); a call with another
+# runs on the reference (``backend.computing``).
+SCORE_MODS = ("softcap", "alibi_slopes")
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -91,7 +94,7 @@ attention_composed = None  # ours on every call (docs/integrations.md measures t
 
 
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
-                  alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], seed: Optional[Tensor],
+                  mods: ScoreMods, sinks: Optional[Tensor], seed: Optional[Tensor],
                   float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """The C++ flash-attention forward: ``(o, lse)``, the LSE ``[B, H, Lq]`` in float32 (float64 for float64). The
     masks in the kernels' form go into ``prepared`` for the backward, unless that would keep a converted copy of
@@ -100,39 +103,40 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: 
     mask_args = _dense_args(q, masks, spec)
     if prepared is not None and mask_args[0] is masks.attn_mask:
         prepared["mask_args"] = mask_args
-    return _ops.attention_fwd(*_exact(float_output, q, k, v), *mask_args, seed, spec.softcap, alibi_slopes, sinks)
+    return _ops.attention_fwd(*_exact(float_output, q, k, v), *mask_args, seed, mods.softcap, mods.alibi_slopes,
+                              sinks)
 
 
 def attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                  masks: AttentionMasks, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
+                  masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods,
                   seed: Optional[Tensor], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """The C++ backward; ``o`` in q's dtype or float32; ``dlse`` is None (``DIFFERENTIABLE_LSE``)."""
     mask_args = prepared.get("mask_args") if prepared is not None else None
     if mask_args is None:
         mask_args = _dense_args(q, masks, spec)
-    return _ops.attention_bwd(do, q, k, v, o, lse, *mask_args, seed, spec.softcap, alibi_slopes)
+    return _ops.attention_bwd(do, q, k, v, o, lse, *mask_args, seed, mods.softcap, mods.alibi_slopes)
 
 
 def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences, spec: AttentionSpec,
-                         alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], seed: Optional[Tensor],
+                         mods: ScoreMods, sinks: Optional[Tensor], seed: Optional[Tensor],
                          float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """The C++ forward on packed sequences: ``(o [Tq, H, D], lse [H, Tq])``, the sinks in the LSE."""
     _check_cpu("q", q)
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = seqs
     return _ops.attention_varlen_fwd(*_exact(float_output, q, k, v), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                     int(max_seqlen_k), *_options(spec), seed, spec.softcap, alibi_slopes, sinks)
+                                     int(max_seqlen_k), *_options(spec), seed, mods.softcap, mods.alibi_slopes, sinks)
 
 
 def attention_varlen_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
-                         lse: Tensor, seqs: PackedSequences, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
+                         lse: Tensor, seqs: PackedSequences, spec: AttentionSpec, mods: ScoreMods,
                          seed: Optional[Tensor], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """The C++ backward on packed sequences."""
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = seqs
     return _ops.attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                     int(max_seqlen_k), *_options(spec), seed, spec.softcap, alibi_slopes)
+                                     int(max_seqlen_k), *_options(spec), seed, mods.softcap, mods.alibi_slopes)
 
 
-def attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+def attention_with_kvcache(q: Tensor, cache: KVCache, mods: ScoreMods, sinks: Optional[Tensor],
                            spec: KVCacheSpec, k_new: Optional[Tensor] = None,
                            v_new: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The C++ KV-cache kernel, which reads the cache in place (paged or not, through its strides) with each
@@ -141,8 +145,8 @@ def attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Ten
     the new keys are in the cache already."""
     _check_cpu("q", q)
     return _ops.attention_with_kvcache_fwd(q, cache.k, cache.v, cache.lengths, cache.block_table, k_new, v_new,
-                                           spec.is_causal, *window_bounds(spec.window), spec.scale, spec.softcap,
-                                           alibi_slopes, sinks)
+                                           spec.is_causal, *window_bounds(spec.window), spec.scale, mods.softcap,
+                                           mods.alibi_slopes, sinks)
 
 
 # functional.attention_with_kvcache hands this backend the new keys and values instead of appending them itself: the

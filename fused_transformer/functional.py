@@ -4,8 +4,8 @@ Every backend implements the same contract (``fused_transformer.contract``), so 
 ones a user meets for shapes, dtypes and devices; the kernels' launchers add only the limits of their own
 hardware path. After them each op hands its autograd Function (``fused_transformer.autograd``) the call's tensors,
 one spec of everything else, checked and resolved (``AttentionSpec``: causal alignment, window, dropout, scale;
-``LayerNormSpec``, ``FeedForwardSpec``), and the backend's name; the attention ops return what was asked of the
-``(out, lse)`` they get back.
+``LayerNormSpec``, ``FeedForwardSpec``), the attention ops' score modifiers in one ``ScoreMods``, and the backend's
+name; the attention ops return what was asked of the ``(out, lse)`` they get back.
 
 Under ``torch.autocast`` the ops follow autocast's own policy for what they replace: ``attention``,
 ``attention_weights`` and ``feed_forward`` (matrix products) run in the autocast dtype, ``layer_norm`` in
@@ -19,7 +19,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import autograd, backend, contract
+from . import autograd, backend, contract, reference
 from .contract import AttentionMasks, Window
 
 Tensor = torch.Tensor
@@ -139,14 +139,15 @@ def attention(
         q, k, v = _autocast_all(cast, q, k, v)
     masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask)
     contract.check_attention_args(q, k, v, masks)
-    if alibi_slopes is not None or sinks is not None:
-        contract.check_alibi_and_sinks(q, q.shape[0], q.shape[1], alibi_slopes, sinks)
-    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale, softcap)
+    mods = contract.score_mods(q, q.shape[0], q.shape[1], softcap, alibi_slopes)
+    if sinks is not None:
+        contract.check_sinks(q, q.shape[1], sinks)
+    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale)
     if cast is None:
-        out, lse = autograd.attention(_backend(q), q, k, v, masks, spec, alibi_slopes, sinks, return_lse)
+        out, lse = autograd.attention(_backend(q), q, k, v, masks, spec, mods, sinks, return_lse)
     else:
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = autograd.attention(_backend(q), q, k, v, masks, spec, alibi_slopes, sinks, return_lse)
+            out, lse = autograd.attention(_backend(q), q, k, v, masks, spec, mods, sinks, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -196,20 +197,16 @@ def attention_varlen(
     cast = _autocast_dtype(q, matmul=True)
     q, k, v = _autocast_all(cast, q, k, v)
     contract.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    contract.check_alibi_and_sinks(q, cu_seqlens_q.shape[0] - 1, q.shape[1], alibi_slopes, sinks)
-    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale, softcap)
+    mods = contract.score_mods(q, cu_seqlens_q.shape[0] - 1, q.shape[1], softcap, alibi_slopes)
+    contract.check_sinks(q, q.shape[1], sinks)
+    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale)
     contract.check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     same = cu_seqlens_k is cu_seqlens_q
     if not (same and k.shape[0] == q.shape[0] and max_seqlen_k == max_seqlen_q):  # self-attention: read once
         contract.check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
-    if cu_seqlens_q.device != q.device:  # offsets the caller kept on the host, checked there: now the kernels' copy
-        cu_seqlens_q = cu_seqlens_q.to(q.device, non_blocking=True)
-    cu_seqlens_k = cu_seqlens_q if same else (
-        cu_seqlens_k if cu_seqlens_k.device == q.device else cu_seqlens_k.to(q.device, non_blocking=True))
-    seqs = contract.PackedSequences(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+    seqs = contract.packed_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
     with _autocast_off(q, cast):
-        out, lse = autograd.attention_varlen(_backend(q), q, k, v, seqs, spec, alibi_slopes, sinks,
-                                              return_lse)
+        out, lse = autograd.attention_varlen(_backend(q), q, k, v, seqs, spec, mods, sinks, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -265,9 +262,10 @@ def attention_with_kvcache(
     """
     cast = _autocast_dtype(q, matmul=True)
     q, k_new, v_new = _autocast_all(cast, q, k_new, v_new)  # the cache keeps its dtype: it is written in place
-    lengths = contract.check_kvcache_args(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
-                                          alibi_slopes, sinks)
-    spec = contract.kvcache_spec(q.shape[-1], is_causal, window, softcap, scale, num_splits)
+    lengths = contract.check_kvcache_args(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
+    mods = contract.score_mods(q, q.shape[0], q.shape[2], softcap, alibi_slopes)
+    contract.check_sinks(q, q.shape[2], sinks)
+    spec = contract.kvcache_spec(q.shape[-1], is_causal, window, scale, num_splits)
     new_len = 0 if k_new is None else k_new.shape[1]
     known_length = cache_seqlens if isinstance(cache_seqlens, int) else None
     cache = contract.KVCache(k_cache, v_cache, lengths, block_table, known_length)
@@ -275,16 +273,16 @@ def attention_with_kvcache(
                                                  k_cache.shape[1], known_length)
     if lengths.device != q.device:  # lengths the caller kept on the host, checked there: now the kernels' copy
         cache = cache._replace(lengths=lengths.to(q.device, non_blocking=True))
-    implementation = backend.ops(_backend(q)).attention_with_kvcache
+    implementation = backend.ops(backend.computing(_backend(q), mods)).attention_with_kvcache
     new_keys = ()
     if new_len and getattr(implementation, "appends_new_keys", False):
         new_keys = (k_new, v_new)  # its kernel writes them itself; cache.lengths count the keys before them
     elif new_len:
         if known_length is None and host_lengths and min(host_lengths) == max(host_lengths):
             cache = cache._replace(uniform_length=host_lengths[0])  # read anyway: the append is then a slice
-        cache = contract.append_to_cache(cache, k_new, v_new)
+        cache = reference.append_to_cache(cache, k_new, v_new)
     with _autocast_off(q, cast):
-        out, lse = implementation(q, cache, alibi_slopes, sinks, spec, *new_keys)
+        out, lse = implementation(q, cache, mods, sinks, spec, *new_keys)
     return (out, lse) if return_lse else out
 
 

@@ -17,9 +17,9 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from .contract import (  # noqa: F401 (softmax_scale, stats_dtype and last_real_position are part of the reference)
-    AttentionMasks, AttentionSpec, FeedForwardSpec, KVCache, KVCacheSpec, LayerNormSpec, Window, last_real_position,
-    softmax_scale, stats_dtype,
+from .contract import (  # noqa: F401 (softmax_scale and stats_dtype are part of the reference)
+    NO_SCORE_MODS, AttentionMasks, AttentionSpec, FeedForwardSpec, KVCache, KVCacheSpec, LayerNormSpec, ScoreMods,
+    Window, softmax_scale, stats_dtype,
 )
 
 Tensor = torch.Tensor
@@ -49,6 +49,16 @@ def causal_keep(lq: int, lk: int, alignment: str, device: torch.device) -> Tenso
     rows = torch.arange(lq, device=device)[:, None]
     cols = torch.arange(lk, device=device)[None, :]
     return cols <= rows + offset
+
+
+def last_real_position(padding_mask: Tensor) -> Tensor:
+    """``[B]`` int64: one past the last position of each row of ``padding_mask`` ``[B, L]`` (True = padding) that is
+    not padding; 0 for a row of padding only. Computed on the mask's device (no host sync)."""
+    batch, length = padding_mask.shape
+    if length == 0:
+        return torch.zeros(batch, dtype=torch.int64, device=padding_mask.device)
+    positions = torch.arange(1, length + 1, device=padding_mask.device)
+    return torch.where(padding_mask, 0, positions).amax(dim=1)
 
 
 def alignment_offset(
@@ -103,22 +113,18 @@ def attention_scores(
     softcap: Optional[float] = None,
     alibi_slopes: Optional[Tensor] = None,
 ) -> Tensor:
-    """Scaled, capped (``softcap * tanh(s / softcap)``), ALiBi-biased (``-slope * |i + o - j|``, ``o`` the causal
-    alignment's offset), masked scores ``[B, H, Lq, Lk]`` in the statistics dtype; -inf where a key is masked (every
-    key of a padding query)."""
+    """Scaled, modified (``modify_scores``: query i at position ``i + o``, ``o`` the causal alignment's offset), masked
+    scores ``[B, H, Lq, Lk]`` in the statistics dtype; -inf where a key is masked (every key of a padding query)."""
     dtype = stats_dtype(q.dtype)
     k = _repeat_kv_heads(k, q.shape[1])
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * softmax_scale(q.shape[-1], scale)
     lq, lk = q.shape[-2], k.shape[-2]
     offset = alignment_offset(lq, lk, causal_alignment, query_padding_mask, key_padding_mask)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.to(dtype).expand(q.shape[0], q.shape[1])[:, :, None, None]
-        offsets = torch.as_tensor(offset, device=q.device).reshape(-1, 1, 1, 1)
-        rows = torch.arange(lq, device=q.device)[:, None] + offsets
-        distance = (rows - torch.arange(lk, device=q.device)[None, :]).abs().to(dtype)  # [1 or B, 1, Lq, Lk]
-        scores = scores - slopes * distance
+    mods = ScoreMods(softcap, alibi_slopes)
+    if mods.given:
+        query_position = torch.arange(lq, device=q.device)[:, None] + torch.as_tensor(
+            offset, device=q.device).reshape(-1, 1, 1, 1)  # [1 or B, 1, Lq, 1]
+        scores = modify_scores(scores, mods, query_position, torch.arange(lk, device=q.device))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
@@ -131,6 +137,18 @@ def attention_scores(
     keep = window_keep(lq, lk, offset, window, is_causal, q.device)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
+    return scores
+
+
+def modify_scores(scores: Tensor, mods: ScoreMods, query_position: Tensor, key_position: Tensor) -> Tensor:
+    """``scores`` ``[B, H, Lq, Lk]`` (scaled) with ``mods`` applied in their order: capped, ``softcap * tanh(s /
+    softcap)``, then biased by ALiBi, ``-slope * |query position - key position|`` (positions broadcastable to
+    ``[B, 1, Lq, 1]`` and ``[Lk]``)."""
+    if mods.softcap is not None:
+        scores = mods.softcap * torch.tanh(scores / mods.softcap)
+    if mods.alibi_slopes is not None:
+        slopes = mods.alibi_slopes.to(scores.dtype).expand(*scores.shape[:2])[:, :, None, None]
+        scores = scores - slopes * (query_position - key_position).abs().to(scores.dtype)
     return scores
 
 
@@ -280,11 +298,11 @@ def attention_weights(
 
 
 def run_attention(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
-                  alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                  mods: ScoreMods = NO_SCORE_MODS, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The reference backend's entry for ``functional.attention``: ``(out, lse)``."""
     if masks.query_lengths is not None:
         raise ValueError("query_lengths is an option of the Triton kernels' entry; pass a query_padding_mask")
-    return attention(q, k, v, **_mask_options(masks), **_spec_options(spec), alibi_slopes=alibi_slopes, sinks=sinks,
+    return attention(q, k, v, **_mask_options(masks), **_spec_options(spec), **mods._asdict(), sinks=sinks,
                      return_lse=True)
 
 
@@ -296,15 +314,15 @@ def _mask_options(masks: AttentionMasks) -> dict:
 def _spec_options(spec: AttentionSpec) -> dict:
     """The keyword arguments of ``attention`` a spec holds (the reference computes in full precision: no TF32)."""
     return dict(is_causal=spec.is_causal, causal_alignment=spec.causal_alignment, window=spec.window,
-                dropout_p=spec.dropout_p, scale=spec.scale, softcap=spec.softcap)
+                dropout_p=spec.dropout_p, scale=spec.scale)
 
 
 def run_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                         max_seqlen_k: int, spec: AttentionSpec, alibi_slopes: Optional[Tensor] = None,
+                         max_seqlen_k: int, spec: AttentionSpec, mods: ScoreMods = NO_SCORE_MODS,
                          sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The reference backend's entry for ``functional.attention_varlen``: ``(out, lse)``."""
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **_spec_options(spec),
-                            alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True)
+                            **mods._asdict(), sinks=sinks, return_lse=True)
 
 
 def run_attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tensor:
@@ -322,26 +340,22 @@ def cached_keys(cache: KVCache) -> Tuple[Tensor, Tensor]:
     return cache.k[blocks].flatten(1, 2), cache.v[blocks].flatten(1, 2)
 
 
-def attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+def attention_with_kvcache(q: Tensor, cache: KVCache, mods: ScoreMods, sinks: Optional[Tensor],
                            spec: KVCacheSpec) -> Tuple[Tensor, Tensor]:
     """Reference for ``functional.attention_with_kvcache`` once the new keys are in the cache: ``(out [B, Lq, H, D],
-    lse [B, H, Lq])``. Query i of sequence b sits at key position ``lengths[b] - Lq + i``; scores are scaled, capped
-    (``softcap * tanh(s / softcap)``), biased by ALiBi (``-slope * |query position - key position|``), masked (keys
-    past the sequence's length, causal, window), and a sink logit per head joins each row's denominator."""
+    lse [B, H, Lq])``. Query i of sequence b sits at key position ``lengths[b] - Lq + i``; scores are scaled,
+    modified (``modify_scores``), masked (keys past the sequence's length, causal, window), and a sink logit per head
+    joins each row's denominator."""
     batch, lq, heads, _ = q.shape
     dtype = stats_dtype(q.dtype)
     k, v = cached_keys(cache)
     lk = k.shape[1]
     k, v = (_repeat_kv_heads(t.transpose(1, 2), heads) for t in (k, v))  # [B, H, capacity, D]
     scores = torch.matmul(q.transpose(1, 2).to(dtype), k.to(dtype).transpose(-1, -2)) * spec.scale
-    if spec.softcap is not None:
-        scores = spec.softcap * torch.tanh(scores / spec.softcap)
     lengths = cache.lengths.long().to(q.device)
     query_position = (lengths[:, None] - lq + torch.arange(lq, device=q.device))[:, None, :, None]  # [B, 1, Lq, 1]
     key_position = torch.arange(lk, device=q.device)[None, None, None, :]
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.to(dtype).expand(batch, heads)[:, :, None, None]
-        scores = scores - slopes * (query_position - key_position).abs().to(dtype)
+    scores = modify_scores(scores, mods, query_position, key_position)
     keep = key_position < lengths[:, None, None, None]
     relative = key_position - query_position
     left, right = spec.window if spec.window is not None else (None, None)
@@ -364,10 +378,34 @@ def attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Ten
     return out.transpose(1, 2).to(q.dtype), lse
 
 
-def run_attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+def run_attention_with_kvcache(q: Tensor, cache: KVCache, mods: ScoreMods, sinks: Optional[Tensor],
                                spec: KVCacheSpec) -> Tuple[Tensor, Tensor]:
     """The reference backend's entry for ``functional.attention_with_kvcache`` (after the append)."""
-    return attention_with_kvcache(q, cache, alibi_slopes, sinks, spec)
+    return attention_with_kvcache(q, cache, mods, sinks, spec)
+
+
+def append_to_cache(cache: KVCache, k_new: Tensor, v_new: Tensor) -> KVCache:
+    """Write ``k_new`` / ``v_new`` ``[B, Lnew, Hkv, D]`` into the cache at each sequence's end, in place, and return
+    the cache after it (its lengths counting them): a slice where every sequence of a contiguous cache ends at
+    ``cache.uniform_length``, else an ``index_put_`` at indices made on the device (no host sync: CUDA-graph
+    capturable and traceable)."""
+    batch, new_len = k_new.shape[:2]
+    known = cache.uniform_length
+    if known is not None and cache.block_table is None:
+        cache.k[:, known:known + new_len] = k_new
+        cache.v[:, known:known + new_len] = v_new
+    else:
+        positions = cache.lengths.long()[:, None] + torch.arange(new_len, device=k_new.device)  # [B, Lnew]
+        if cache.block_table is None:
+            rows = (torch.arange(batch, device=k_new.device)[:, None].expand(batch, new_len), positions)
+        else:
+            block_size = cache.k.shape[1]
+            rows = (cache.block_table.long().gather(1, positions // block_size), positions % block_size)
+        cache.k.index_put_(rows, k_new)
+        cache.v.index_put_(rows, v_new)
+    return KVCache(cache.k, cache.v, cache.lengths + new_len, cache.block_table,
+                   None if known is None else known + new_len)
+
 
 
 def layer_norm(

@@ -60,7 +60,8 @@ def tma_descriptor(x: torch.Tensor, block_shape: List[int]) -> TensorDescriptor:
 
 def _runtime_key(arg: object) -> object:
     """What Triton specializes a non-constexpr argument on, or finer: an int on == 1, divisibility by 16 and its
-    type (i32, i64, u64); a tensor on its dtype and 16-byte alignment; a descriptor on its dtype and block shape."""
+    type (i32, i64, u64); a tensor on its dtype and 16-byte alignment; a descriptor on its dtype and block shape; a
+    tuple on each of its elements."""
     kind = type(arg)
     if kind is int:
         return arg if arg == 1 else (arg & 15 == 0, -0x80000000 <= arg <= 0x7FFFFFFF, arg < 0x8000000000000000)
@@ -70,6 +71,8 @@ def _runtime_key(arg: object) -> object:
         return arg.dtype, arg.data_ptr() & 15 == 0
     if kind is TensorDescriptor:
         return TensorDescriptor, arg.base.dtype, tuple(arg.block_shape)
+    if kind is tuple:  # Triton specializes a tuple's elements one by one
+        return tuple, *map(_runtime_key, arg)
     raise TypeError(f"no launch key for a {kind.__name__}")
 
 

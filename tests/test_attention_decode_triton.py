@@ -11,6 +11,8 @@ import math
 import pytest
 import torch
 
+from fused_transformer import reference
+from fused_transformer.contract import ScoreMods
 from fused_transformer.kernels.attention import decode
 from fused_transformer.kernels.attention.decode import attention_decode, decode_splits
 from tests.numerics import DEVICE, assert_close_to_reference
@@ -84,11 +86,12 @@ def _queries(batch, n_queries, heads, head_dim, seed):
     return torch.randn(batch, heads, n_queries, head_dim, generator=g, dtype=torch.float64).to(DEVICE).transpose(1, 2)
 
 
-def _run(q, k, v, lens, table, dtype, num_splits=None, **options):
-    options = {**dict(is_causal=False, window_left=None, window_right=None, scale=q.shape[-1] ** -0.5, softcap=None,
-                      alibi_slopes=None, sinks=None), **options}
+def _run(q, k, v, lens, table, dtype, num_splits=None, softcap=None, alibi_slopes=None, **options):
+    options = {**dict(is_causal=False, window_left=None, window_right=None, scale=q.shape[-1] ** -0.5, sinks=None),
+               **options}
     q, k, v = (t.to(dtype) for t in (q, k, v))
-    return attention_decode(q, k, v, lens, table, num_splits=num_splits, **options)
+    return attention_decode(q, k, v, lens, table, num_splits=num_splits, mods=ScoreMods(softcap, alibi_slopes),
+                            **options)
 
 
 def _check(lens, n_queries, heads, kv_heads, dtype=torch.float32, head_dim=16, block_size=None, num_splits=None,
@@ -188,7 +191,7 @@ def test_the_append_kernel_is_the_torch_append(layout, new):
     k_new, v_new = (torch.randn(len(lens), new, 2, 16, generator=g).to(DEVICE) for _ in range(2))
     k_in, v_in = k.clone(), v.clone()
     lengths = decode.append_new_keys(decode.KVCache(k_in, v_in, before, table), k_new, v_new)
-    appended = decode.append_to_cache(decode.KVCache(k, v, before, table), k_new, v_new)
+    appended = reference.append_to_cache(decode.KVCache(k, v, before, table), k_new, v_new)
     assert lengths.dtype == torch.int32 and torch.equal(lengths, appended.lengths) and torch.equal(lengths, after)
     assert torch.equal(k_in, k) and torch.equal(v_in, v)
 
@@ -268,7 +271,7 @@ def test_fake_kernel_gives_the_shapes_under_torch_compile():
 
     def step(q, k, v, cache_lens, table):
         return attention_decode(q, k, v, cache_lens, table, is_causal=True, window_left=None, window_right=None,
-                                scale=0.25, softcap=None, alibi_slopes=None, sinks=None, num_splits=2)
+                                scale=0.25, mods=ScoreMods(softcap=2.0), sinks=None, num_splits=2)
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     for a, b in zip(compiled(q, k, v, cache_lens, table), step(q, k, v, cache_lens, table)):

@@ -153,8 +153,8 @@ def test_low_precision_within_twice_torchs_error(dtype):
     out = ft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
     expected = from_scratch(q, k_cache, v_cache, table, lengths)
     cache = ft.contract.KVCache(k_cache, v_cache, lengths, table)
-    spec = ft.contract.kvcache_spec(dim, True, None, None, None, None)
-    baseline, _ = reference.attention_with_kvcache(q, cache, None, None, spec)  # PyTorch in that dtype
+    spec = ft.contract.kvcache_spec(dim, True, None, None, None)
+    baseline, _ = reference.attention_with_kvcache(q, cache, ft.contract.NO_SCORE_MODS, None, spec)  # PyTorch's dtype
     assert_close_to_reference(out, expected, baseline)
 
 

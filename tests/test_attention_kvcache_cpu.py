@@ -50,9 +50,10 @@ def test_key_splits_match_attention_from_scratch(kv_heads, mods, block_size):
     expected = from_scratch(q, k_cache, v_cache, table, lengths, **options)
     assert (out.double() - expected).abs().max().item() < 2e-6
     cache = contract.KVCache(k_cache, v_cache, lengths, table)
-    spec = contract.kvcache_spec(dim, True, options.get("window"), options.get("softcap"), None, None)
+    spec = contract.kvcache_spec(dim, True, options.get("window"), None, None)
+    mods = contract.ScoreMods(options.get("softcap"), options.get("alibi_slopes"))
     _, ref_lse = reference.attention_with_kvcache(q.double(), cache._replace(k=k_cache.double(), v=v_cache.double()),
-                                                  options.get("alibi_slopes"), options.get("sinks"), spec)
+                                                  mods, options.get("sinks"), spec)
     assert (lse.double() - ref_lse).abs().max().item() < 2e-5
 
 
@@ -108,8 +109,9 @@ def test_16_bit_cache_within_twice_torchs_error(dtype, block_size):
         out = ft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, **options)
     expected = from_scratch(q, k_cache, v_cache, table, lengths, **options)
     cache = contract.KVCache(k_cache, v_cache, lengths, table)
-    spec = contract.kvcache_spec(dim, True, None, options["softcap"], None, None)
-    baseline, _ = reference.attention_with_kvcache(q, cache, None, options["sinks"], spec)  # PyTorch in that dtype
+    spec = contract.kvcache_spec(dim, True, None, None, None)
+    mods = contract.ScoreMods(softcap=options["softcap"])
+    baseline, _ = reference.attention_with_kvcache(q, cache, mods, options["sinks"], spec)  # PyTorch in that dtype
     assert out.dtype == dtype
     assert_close_to_reference(out, expected, baseline)
 

@@ -40,29 +40,34 @@ def test_every_other_call_keeps_our_kernel(change):
     assert _route(**change) is None
 
 
+NO_MODS = contract.NO_SCORE_MODS
+
+
 def _spec(q, **options):
     options = {"is_causal": False, "causal_alignment": "top_left", "window": None, "dropout_p": 0.0, "scale": None,
-               "softcap": None, **options}
+               **options}
     return contract.attention_spec(q.shape[-1], options["is_causal"], options["causal_alignment"], options["window"],
-                                   options["dropout_p"], options["scale"], options["softcap"])
+                                   options["dropout_p"], options["scale"])
 
 
 def test_mask_kind_names_only_what_sdpa_computes_alike():
     q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 9, 8)
     square = torch.randn(2, 4, 6, 8)
     plain = AttentionMasks()
-    assert routes.mask_kind(q, k, plain, _spec(q), None, None) == "none"
-    assert routes.mask_kind(q, k, plain, _spec(q, is_causal=True), None, None) == "causal"  # top-left, as SDPA's
-    assert routes.mask_kind(q, k, plain, _spec(q, is_causal=True, causal_alignment="bottom_right"), None, None) is None
+    assert routes.mask_kind(q, k, plain, _spec(q), NO_MODS, None) == "none"
+    assert routes.mask_kind(q, k, plain, _spec(q, is_causal=True), NO_MODS, None) == "causal"  # top-left, as SDPA's
+    assert routes.mask_kind(q, k, plain, _spec(q, is_causal=True, causal_alignment="bottom_right"), NO_MODS,
+                            None) is None
     assert routes.mask_kind(q, square, plain, _spec(q, is_causal=True, causal_alignment="bottom_right"),
-                            None, None) == "causal"
-    others = [(AttentionMasks(key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)), _spec(q), None, None),
-              (AttentionMasks(attn_mask=torch.ones(6, 9, dtype=torch.bool)), _spec(q), None, None),
-              (plain, _spec(q, dropout_p=0.1), None, None), (plain, _spec(q, window=(2, 0)), None, None),
-              (plain, _spec(q, softcap=30.0), None, None), (plain, _spec(q), torch.ones(4), None),
-              (plain, _spec(q), None, torch.zeros(4))]
-    for masks, spec, alibi, sinks in others:
-        assert routes.mask_kind(q, k, masks, spec, alibi, sinks) is None
+                            NO_MODS, None) == "causal"
+    others = [(AttentionMasks(key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)), _spec(q), NO_MODS, None),
+              (AttentionMasks(attn_mask=torch.ones(6, 9, dtype=torch.bool)), _spec(q), NO_MODS, None),
+              (plain, _spec(q, dropout_p=0.1), NO_MODS, None), (plain, _spec(q, window=(2, 0)), NO_MODS, None),
+              (plain, _spec(q), contract.ScoreMods(softcap=30.0), None),
+              (plain, _spec(q), contract.ScoreMods(alibi_slopes=torch.ones(4)), None),
+              (plain, _spec(q), NO_MODS, torch.zeros(4))]
+    for masks, spec, mods, sinks in others:
+        assert routes.mask_kind(q, k, masks, spec, mods, sinks) is None
 
 
 @pytest.fixture
@@ -89,23 +94,23 @@ def _inputs(requires_grad=False):
 def test_a_routed_call_is_sdpas_own(stand_in_h200, causal):
     q, k, v = _inputs()
     spec = _spec(q, is_causal=causal, scale=0.3)
-    out, lse = autograd.attention("triton", q, k, v, AttentionMasks(), spec, None, None, False)
+    out, lse = autograd.attention("triton", q, k, v, AttentionMasks(), spec, NO_MODS, None, False)
     assert lse is None and stand_in_h200 == []
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3))
     # and it is our op's result: the float64 reference with the same mask and scale, within the usual rule
     inputs64 = [t.double() for t in (q, k, v)]
     oracle = ft.backend.ops("reference").attention
-    ref64 = oracle(*inputs64, AttentionMasks(), spec, None, None)[0]
-    baseline = oracle(q, k, v, AttentionMasks(), spec, None, None)[0]
+    ref64 = oracle(*inputs64, AttentionMasks(), spec, NO_MODS, None)[0]
+    baseline = oracle(q, k, v, AttentionMasks(), spec, NO_MODS, None)[0]
     assert_close_to_reference(out, ref64, baseline)
 
 
 def test_the_triton_backend_named_forces_our_kernel(stand_in_h200):
     q, k, v = _inputs()
     with ft.use_backend("triton"), pytest.raises(AssertionError, match="our kernel ran"):
-        autograd.attention("triton", q, k, v, AttentionMasks(), _spec(q), None, None, False)
+        autograd.attention("triton", q, k, v, AttentionMasks(), _spec(q), NO_MODS, None, False)
     with pytest.raises(AssertionError, match="our kernel ran"):  # the LSE asked for
-        autograd.attention("triton", q, k, v, AttentionMasks(), _spec(q), None, None, True)
+        autograd.attention("triton", q, k, v, AttentionMasks(), _spec(q), NO_MODS, None, True)
     with pytest.raises(AssertionError, match="our kernel ran"):  # the Triton entry, kernel-level options and all
         triton_attention.attention(q, k, v)
     assert stand_in_h200 == ["ours"] * 3
@@ -114,11 +119,11 @@ def test_the_triton_backend_named_forces_our_kernel(stand_in_h200):
 def test_calls_that_need_gradients_or_are_traced_keep_our_kernel(stand_in_h200, monkeypatch):
     q, k, v = _inputs(requires_grad=True)
     with pytest.raises(AssertionError, match="our kernel ran"):  # q, k, v need gradients: ours
-        autograd.attention("triton", q, k, v, AttentionMasks(), _spec(q), None, None, False)
+        autograd.attention("triton", q, k, v, AttentionMasks(), _spec(q), NO_MODS, None, False)
     with torch.no_grad():
-        assert autograd.attention("triton", q, k, v, AttentionMasks(), _spec(q), None, None, False)[1] is None
+        assert autograd.attention("triton", q, k, v, AttentionMasks(), _spec(q), NO_MODS, None, False)[1] is None
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert routes.attention_composed(q, k, v, AttentionMasks(), _spec(q), None, None, False, False) is None
+        assert routes.attention_composed(q, k, v, AttentionMasks(), _spec(q), NO_MODS, None, False, False) is None
     assert stand_in_h200 == ["ours"]
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fused_transformer as ft
-from fused_transformer import contract, reference
+from fused_transformer import autograd, contract, reference
 from fused_transformer.kernels import attention as triton_attention
 from tests.numerics import DEVICE, assert_close_to_reference
 from tests.test_attention_triton import _take_tma_path, tma_available
@@ -122,7 +122,8 @@ def test_ops_with_score_mods_pass_opcheck():
     q, k, v, do, slopes, sinks = _inputs((1, 2, 9, 16), (1, 1, 7, 16), 2, 1, "per_head", True, seed=6)
     q, k, v, do = (t.to(torch.bfloat16) for t in (q, k, v, do))
     slopes, sinks = slopes.float(), sinks.float()
-    options = (None, None, None, None, True, "bottom_right", 3, None, 0.0, None, 0.25, False, 2.0, slopes)
+    # masks, spec (causal, alignment, window, dropout, scale, tf32), seed, the modifiers' tensors and numbers
+    options = (None, None, None, None, True, "bottom_right", 3, None, 0.0, 0.25, False, None, [slopes], [2.0])
     forward = (q, k, v, *options, sinks, True)
     torch.library.opcheck(torch.ops.fused_transformer.attention_fwd, forward,
                           test_utils=("test_schema", "test_faketensor"))
@@ -176,7 +177,7 @@ def test_reference_matches_the_formula():
 
 @pytest.mark.parametrize("head_dim_last", [False, True], ids=["dense", "packed"])
 def test_sinks_gradient_is_the_autograd_one(head_dim_last):
-    """``contract.sinks_gradient``, which the kernels' backward uses, against autograd through the reference."""
+    """``autograd.sinks_gradient``, which every backend's backward uses, against autograd through the reference."""
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 3, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
     sinks = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
@@ -189,7 +190,7 @@ def test_sinks_gradient_is_the_autograd_one(head_dim_last):
     if head_dim_last:  # the packed layouts: out / do [T, H, D], lse [H, T]
         out, do = (t.transpose(1, 2).flatten(0, 1) for t in (out, do))
         lse, dlse = (t.transpose(0, 1).flatten(1, 2) for t in (lse, dlse))
-    got = contract.sinks_gradient(sinks.detach(), lse, do, out, dlse, head_dim_last)
+    got = autograd.sinks_gradient(sinks.detach(), lse, do, out, dlse, head_dim_last)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
@@ -201,6 +202,21 @@ def test_alibi_and_softcap_change_the_result():
     assert (triton_attention.attention(q, k, v, alibi_slopes=slopes) - plain).abs().max() > 1e-2
     capped = triton_attention.attention(q * 4, k, v, softcap=0.5)
     assert (capped - triton_attention.attention(q * 4, k, v)).abs().max() > 1e-2
+
+
+def test_the_custom_ops_flat_form_of_the_modifiers_gives_them_back():
+    """``contract.score_mods_flat`` / ``score_mods_of_flat``, the custom ops' form of the modifiers: tensors and numbers
+    in two lists, NaN for a number absent (a given one is finite); none at all comes back as ``NO_SCORE_MODS``."""
+    slopes = torch.rand(3)
+    for mods in (contract.ScoreMods(), contract.ScoreMods(softcap=2.5), contract.ScoreMods(alibi_slopes=slopes),
+                 contract.ScoreMods(softcap=0.75, alibi_slopes=slopes)):
+        tensors, numbers = contract.score_mods_flat(mods)
+        assert len(tensors) == len(contract.SCORE_MOD_TENSORS) and all(isinstance(n, float) for n in numbers)
+        again = contract.score_mods_of_flat(tensors, numbers)
+        assert again.given == mods.given and again.softcap == mods.softcap and again.alibi_slopes is mods.alibi_slopes
+    assert contract.score_mods_of_flat(*contract.score_mods_flat(contract.ScoreMods())) is contract.NO_SCORE_MODS
+    q = torch.randn(2, 3, 4, 8)
+    assert contract.score_mods(q, 2, 3) is contract.NO_SCORE_MODS  # what the hot path tests by identity
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -256,3 +272,24 @@ def test_compiled_training_step_with_score_mods_has_no_graph_break():
     expected = torch.autograd.grad(loss(*inputs), inputs)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_the_plumbing_names_no_score_modifier():
+    """A score modifier lives in ``contract.ScoreMods``, the reference, ``kernels/attention/jit.py`` and the public
+    keywords (docs/attention.md, "Adding a score modifier"): the layers between pass ``ScoreMods`` on as it is. No
+    name in their code (comments and strings aside) is a modifier's, nor its place in the kernels' tuples."""
+    import io
+    import pathlib
+    import tokenize
+
+    import fused_transformer.kernels as kernels
+
+    package, kernels_dir = pathlib.Path(ft.__file__).parent, pathlib.Path(kernels.__file__).parent
+    plumbing = [package / name for name in ("autograd.py", "backend.py")] + [
+        kernels_dir / "backend.py", *(kernels_dir / "attention" / f"{name}.py" for name in (
+            "__init__", "fwd", "bwd", "decode", "weights", "launch", "ops", "routes", "configs", "aot"))]
+    modifiers = {*contract.ScoreMods._fields, "SOFTCAP", "ALIBI", "alibi", "slope", "slopes"}
+    for path in plumbing:
+        names = {token.string for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+                 if token.type == tokenize.NAME}
+        assert not names & modifiers, (path.name, sorted(names & modifiers))

@@ -225,15 +225,55 @@ def test_gradcheck_float64():
                                                     (False, True, (1, 2), query_padding)):
         def fn(q, k, v, sinks):
             spec = contract.AttentionSpec(causal, "bottom_right" if bottom_right else "top_left",
-                                          contract.window_of_bounds(*window), 0.0, 0.3, 1.5)
-            return AttentionFunction.apply(q, k, v, sinks, None, key_padding, q_padding, None, slopes, spec, "cpu")[0]
+                                          contract.window_of_bounds(*window), 0.0, 0.3)
+            mods = contract.ScoreMods(softcap=1.5, alibi_slopes=slopes)
+            return AttentionFunction.apply(q, k, v, sinks, None, key_padding, q_padding, None, mods, spec, "cpu")[0]
 
         assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in (q, k, v, sinks)])
     cu_q, cu_k = cu_seqlens([2, 3]), cu_seqlens([4, 2])
     q, k, v = randn(5, 2, 8, generator=g), randn(6, 1, 8, generator=g), randn(6, 1, 8, generator=g)
 
     def varlen(q, k, v, sinks):
-        spec = contract.AttentionSpec(True, "bottom_right", None, 0.0, 0.3, 2.0)
-        return AttentionVarlenFunction.apply(q, k, v, sinks, cu_q, cu_k, slopes, 3, 4, spec, "cpu")[0]
+        spec = contract.AttentionSpec(True, "bottom_right", None, 0.0, 0.3)
+        mods = contract.ScoreMods(softcap=2.0, alibi_slopes=slopes)
+        return AttentionVarlenFunction.apply(q, k, v, sinks, cu_q, cu_k, mods, 3, 4, spec, "cpu")[0]
 
     assert torch.autograd.gradcheck(varlen, [t.clone().requires_grad_() for t in (q, k, v, sinks)])
+
+
+def test_a_modifier_the_kernels_do_not_compute_runs_on_the_reference(monkeypatch):
+    """``backend.computing``: a call with a score modifier outside its backend's ``SCORE_MODS`` runs on the reference,
+    which computes every one (forward, gradients, the kv-cache step), and never reaches the backend's kernels; the
+    modifiers the backend computes stay on it."""
+    cpu = backend.ops("cpu")
+    launched = []
+    for name in ("attention_fwd", "attention_varlen_fwd", "attention_with_kvcache"):
+        def spy(*args, original=getattr(cpu, name), name=name):
+            launched.append(name)
+            return original(*args)
+        monkeypatch.setattr(cpu, name, spy)
+    monkeypatch.setattr(cpu, "SCORE_MODS", ("softcap",))  # as if its kernels had no ALiBi
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (randn(2, 4, 9, 8, generator=g).float().requires_grad_() for _ in range(3))
+    slopes = torch.rand(4, generator=g) * 0.5
+    with ft.use_backend("cpu"):
+        out = ft.attention(q, k, v, is_causal=True, alibi_slopes=slopes, softcap=3.0)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        packed = ft.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                     cu_seqlens([4, 5]), cu_seqlens([4, 5]), 5, 5, alibi_slopes=slopes)
+        cache = k.detach().transpose(1, 2).contiguous(), v.detach().transpose(1, 2).contiguous()
+        step = ft.attention_with_kvcache(q.detach()[:, :, :1].transpose(1, 2), *cache, cache_seqlens=7,
+                                         alibi_slopes=slopes)
+    assert launched == []
+    expected = reference.attention(q, k, v, is_causal=True, alibi_slopes=slopes, softcap=3.0)
+    assert torch.equal(out, expected)
+    assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))))
+    with ft.use_backend("reference"):
+        assert torch.equal(packed, ft.attention_varlen(
+            q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_seqlens([4, 5]), cu_seqlens([4, 5]),
+            5, 5, alibi_slopes=slopes))
+        assert torch.equal(step, ft.attention_with_kvcache(q.detach()[:, :, :1].transpose(1, 2), *cache,
+                                                           cache_seqlens=7, alibi_slopes=slopes))
+    with ft.use_backend("cpu"):
+        ft.attention(q, k, v, softcap=3.0)
+    assert launched == ["attention_fwd"]

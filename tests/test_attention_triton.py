@@ -12,7 +12,7 @@ import triton
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_transformer
-from fused_transformer import backend, functional, reference
+from fused_transformer import backend, contract, functional, reference
 from fused_transformer.kernels import attention as triton_attention
 from fused_transformer.kernels._common import draw_dropout_seed, interpreting, tma_addressable
 from fused_transformer.kernels.attention import bwd, configs, fwd, launch
@@ -484,8 +484,10 @@ def test_outputs_and_gradients_are_written_heads_interleaved():
     """o, dq, dk and dv come back as [B, H, L, D] laid out as [B, L, H, D]: merging the heads is a view."""
     (q, k, v, do, _), _ = _random_inputs(2, 3, 3, 37, 29, 16, seed=11)
     q, k, v, do = (t.float() for t in (q, k, v, do))
-    options = (None, None, None, None, True, "top_left", None, None, 0.0, None, 0.25, False)
-    o, lse = torch.ops.fused_transformer.attention_fwd(q, k, v, *options)
+    # masks, spec (causal, alignment, window, dropout, scale, tf32), seed, score modifiers (none)
+    options = (None, None, None, None, True, "top_left", None, None, 0.0, 0.25, False, None,
+               *contract.score_mods_flat(contract.NO_SCORE_MODS))
+    o, lse = torch.ops.fused_transformer.attention_fwd(q, k, v, *options, None, False)
     dq, dk, dv = torch.ops.fused_transformer.attention_bwd(_heads_interleaved(do), None, q, k, v, o, lse, *options)
     for t in (o, dq, dk, dv):
         assert t.transpose(1, 2).is_contiguous()

@@ -8,7 +8,7 @@ small, but cross several 32 x 32 interpreter tiles.
 import pytest
 import torch
 
-from fused_transformer import backend, functional, reference
+from fused_transformer import backend, contract, functional, reference
 from fused_transformer.kernels import attention as triton_attention
 from fused_transformer.kernels.attention import configs
 from fused_transformer.kernels._common import draw_dropout_seed, interpreting
@@ -223,10 +223,12 @@ def test_varlen_ops_pass_opcheck():
     """Schema, fake (meta) functions and autograd registration of the packed ops, as torch.compile needs them."""
     (q, k, v, do, _), cu_q, cu_k = _packed_inputs([9, 0, 4], [5, 3, 7], 2, 1, 16, seed=9)
     q, k, v, do = (t.float() for t in (q, k, v, do))
-    args = (cu_q, cu_k, 9, 7, True, "bottom_right", 3, None, 0.0, None, 0.5, False)
-    torch.library.opcheck(torch.ops.fused_transformer.attention_varlen_fwd, (q, k, v, *args),
+    # the sequences, spec (causal, alignment, window, dropout, scale, tf32), seed, score modifiers (none)
+    args = (cu_q, cu_k, 9, 7, True, "bottom_right", 3, None, 0.0, 0.5, False, None,
+            *contract.score_mods_flat(contract.NO_SCORE_MODS))
+    torch.library.opcheck(torch.ops.fused_transformer.attention_varlen_fwd, (q, k, v, *args, None, False),
                           test_utils=("test_schema", "test_faketensor"))
-    o, lse = torch.ops.fused_transformer.attention_varlen_fwd(q, k, v, *args)
+    o, lse = torch.ops.fused_transformer.attention_varlen_fwd(q, k, v, *args, None, False)
     torch.library.opcheck(torch.ops.fused_transformer.attention_varlen_bwd, (do, lse * 0, q, k, v, o, lse, *args),
                           test_utils=("test_schema", "test_faketensor"))
 

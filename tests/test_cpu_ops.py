@@ -270,7 +270,7 @@ def test_attention_gradcheck_float64():
     for causal, bottom_right, window, q_padding, dropout_p in cases:
         def fn(q, k, v):
             torch.manual_seed(11)  # one dropout mask for every call gradcheck makes
-            return AttentionFunction.apply(q, k, v, None, bias, padding, q_padding, None, None,
+            return AttentionFunction.apply(q, k, v, None, bias, padding, q_padding, None, contract.NO_SCORE_MODS,
                                            _spec(causal, bottom_right, window, dropout_p), "cpu")[0]
 
         assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in (q, k, v)])
@@ -284,7 +284,7 @@ def test_attention_varlen_gradcheck_float64():
                                                      (True, False, (-1, -1), 0.3), (False, True, (2, 1), 0.0)):
         def fn(q, k, v):
             torch.manual_seed(5)
-            return AttentionVarlenFunction.apply(q, k, v, None, cu_q, cu_k, None, 5, 6,
+            return AttentionVarlenFunction.apply(q, k, v, None, cu_q, cu_k, contract.NO_SCORE_MODS, 5, 6,
                                                  _spec(causal, bottom_right, window, dropout_p), "cpu")[0]
 
         assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in (q, k, v)])
@@ -438,7 +438,7 @@ def test_non_cpu_tensors_are_rejected_clearly():
     with pytest.raises(ValueError, match="q is on meta"):
         cpu_ops().attention_fwd(q, q, q, contract.AttentionMasks(), contract.attention_spec(4, False, "top_left",
                                                                                             None, 0.0, None),
-                                None, None, None, False)
+                                contract.NO_SCORE_MODS, None, None, False)
 
 
 def test_auto_backend_uses_the_cpu_kernels_for_float32_and_the_reference_for_float64():

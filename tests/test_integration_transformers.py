@@ -16,7 +16,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 import fused_transformer as ft
 from fused_transformer import backend, reference
-from fused_transformer.contract import AttentionSpec
+from fused_transformer.contract import AttentionSpec, ScoreMods
 from fused_transformer.integrations.transformers import (
     DEFAULT_NAME, attention_forward, register, select,
 )
@@ -32,14 +32,15 @@ def registered():
 
 
 @contextlib.contextmanager
-def kernel_calls(monkeypatch, op="attention_fwd"):
-    """Record the spec of every call of the cpu backend's ``op`` (the ops call the function of this namespace)."""
+def kernel_calls(monkeypatch, op="attention_fwd", what=AttentionSpec):
+    """Record the spec (or another argument of type ``what``) of every call of the cpu backend's ``op`` (the ops call
+    the function of this namespace)."""
     specs = []
     ops = backend.ops("cpu")
     original = getattr(ops, op)
 
     def spy(*args):
-        specs.append(next(a for a in args if isinstance(a, AttentionSpec)))
+        specs.append(next(a for a in args if isinstance(a, what)))
         return original(*args)
 
     monkeypatch.setattr(ops, op, spy)
@@ -142,7 +143,7 @@ def test_softcap_and_sinks_run_in_our_kernel(make, monkeypatch):
     model = make()
     ids, mask = token_batch(padding="right")
     valid = mask.bool()
-    with torch.no_grad(), kernel_calls(monkeypatch) as calls:
+    with torch.no_grad(), kernel_calls(monkeypatch, what=ScoreMods) as calls:
         ours, expected = ours_vs(model, lambda m: m(ids, attention_mask=mask).logits, baseline="eager")
     torch.testing.assert_close(ours[valid], expected[valid], **FP32_TOL)
     assert len(calls) == model.config.num_hidden_layers

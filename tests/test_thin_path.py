@@ -105,7 +105,10 @@ def _launch_samples() -> list:
     return [*ints, 0.0, 0.5, 1.0, True, False, None, x, x[:, 1:], x[4:], b, b[:, 1:], b[:, 8:],
             torch.nn.Parameter(x), TensorDescriptor(b, [64, 64], [64, 1], [16, 64]),
             TensorDescriptor(b[:, 8:], [64, 56], [64, 1], [16, 64]), TensorDescriptor(b, [64, 64], [64, 1], [32, 64]),
-            TensorDescriptor(x, [64, 64], [64, 1], [16, 64])]
+            TensorDescriptor(x, [64, 64], [64, 1], [16, 64]),
+            # tuples, as the attention kernels take their score modifiers (jit.score_mod_args)
+            (1.0, None, 0, 0), (0.5, x, 0, 1), (0.5, x, 16, 1), (0.5, x[:, 1:], 0, 1), (0.5, x, 17, 1), (0.5, b, 0, 1),
+            (0.5, (x, 1)), (0.5, (x, 2))]
 
 
 def test_launch_keys_are_as_fine_as_tritons_specialization():
@@ -273,7 +276,7 @@ def test_the_lse_is_an_output_of_the_function_only_when_asked_for():
 def test_a_plain_dense_call_reuses_its_launch_form(monkeypatch):
     """The layout, kernel-form masks and shared arguments of a dense call without masks are made once per shapes,
     strides and spec; the seed of each call takes its place among the cached arguments."""
-    from fused_transformer.contract import AttentionMasks, attention_spec
+    from fused_transformer.contract import NO_SCORE_MODS, AttentionMasks, attention_spec
     from fused_transformer.kernels.attention import ops
 
     monkeypatch.setattr(ops, "_PLAIN_FORMS", {})
@@ -281,10 +284,10 @@ def test_a_plain_dense_call_reuses_its_launch_form(monkeypatch):
     spec = attention_spec(q.shape[-1], True, "top_left", None, 0.1, None)
     masks = AttentionMasks(None, None, None, None)
     seeds = [torch.tensor([n]) for n in (7, 8)]
-    made = [ops._launch_form(q, q, q, spec, None, None, masks, None, seed) for seed in seeds]
+    made = [ops._launch_form(q, q, q, spec, NO_SCORE_MODS, None, masks, None, seed) for seed in seeds]
     assert len(ops._PLAIN_FORMS) == 1
     monkeypatch.setattr(ops, "_PLAIN_FORMS", {})
-    fresh = ops._launch_form(q, q, q, spec, None, None, masks, None, seeds[1])
+    fresh = ops._launch_form(q, q, q, spec, NO_SCORE_MODS, None, masks, None, seeds[1])
     assert made[1][:2] == fresh[:2] and len(made[1].args) == len(fresh.args)
     assert all(a is b or a == b for a, b in zip(made[1].args, fresh.args))
     held = [[t for t in form.args if isinstance(t, torch.Tensor)] for form in made]
@@ -293,7 +296,8 @@ def test_a_plain_dense_call_reuses_its_launch_form(monkeypatch):
     at = next(i for i, arg in enumerate(made[1].args) if arg is seeds[1])
     assert made[0].args_key is made[1].args_key and fresh.args_key == _common.runtime_keys(fresh.args[:at])
     padding = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool)
-    padded = ops._launch_form(q, q, q, spec, None, None, AttentionMasks(None, padding, None, None), None, seeds[0])
+    padded = ops._launch_form(q, q, q, spec, NO_SCORE_MODS, None, AttentionMasks(None, padding, None, None), None,
+                              seeds[0])
     assert len(ops._PLAIN_FORMS) == 1 and padded.args_key is None  # a call with a mask tensor is never cached
 
 
@@ -343,28 +347,29 @@ def randn(*shape, dtype=torch.bfloat16):
 seed = torch.tensor([7, 0], dtype=torch.int64)
 q = randn(2, 4, 24, 64)
 padded = contract.AttentionMasks(key_padding_mask=torch.arange(24).expand(2, 24) >= torch.tensor([[20], [9]]))
-dense = [(contract.AttentionMasks(), contract.attention_spec(64, True, "top_left", None, 0.0, None), None),
-         (padded, contract.attention_spec(64, False, "top_left", (8, 0), 0.1, None, 5.0), seed)]
+no_mods, capped = contract.NO_SCORE_MODS, contract.ScoreMods(softcap=5.0)
+dense = [(contract.AttentionMasks(), contract.attention_spec(64, True, "top_left", None, 0.0, None), no_mods, None),
+         (padded, contract.attention_spec(64, False, "top_left", (8, 0), 0.1, None), capped, seed)]
 packed_q = randn(30, 4, 64)
 offsets = torch.tensor([0, 10, 30], dtype=torch.int32)
 seqs = contract.PackedSequences(offsets, offsets, 20, 20)
 k_cache, v_cache = randn(2, 512, 2, 64), randn(2, 512, 2, 64)
-kv_spec = contract.kvcache_spec(64, True, None, None, None, None)
+kv_spec = contract.kvcache_spec(64, True, None, None, None)
 x, w = randn(16, 96), randn(96)
 ln_spec = contract.LayerNormSpec(1e-5, 0.1, True)
 ff_spec = contract.FeedForwardSpec("gelu", 0.1)
 w1, b1, w2, b2 = randn(384, 96), randn(384), randn(96, 384), randn(96)
 
 def calls():
-    for masks, spec, s in dense:
-        o, lse = ops.attention_fwd(q, q, q, masks, spec, None, None, s, False)
-        ops.attention_bwd(q, None, q, q, q, o, lse, masks, spec, None, s)
+    for masks, spec, mods, s in dense:
+        o, lse = ops.attention_fwd(q, q, q, masks, spec, mods, None, s, False)
+        ops.attention_bwd(q, None, q, q, q, o, lse, masks, spec, mods, s)
     spec = dense[0][1]
-    o, lse = ops.attention_varlen_fwd(packed_q, packed_q, packed_q, seqs, spec, None, None, None, False)
-    ops.attention_varlen_bwd(packed_q, None, packed_q, packed_q, packed_q, o, lse, seqs, spec, None, None)
+    o, lse = ops.attention_varlen_fwd(packed_q, packed_q, packed_q, seqs, spec, no_mods, None, None, False)
+    ops.attention_varlen_bwd(packed_q, None, packed_q, packed_q, packed_q, o, lse, seqs, spec, no_mods, None)
     cache = contract.KVCache(k_cache, v_cache, torch.tensor([5, 400], dtype=torch.int32), None)
     new_keys = randn(2, 1, 2, 64), randn(2, 1, 2, 64)
-    decode.attention_with_kvcache(randn(2, 1, 8, 64), cache, None, None, kv_spec, *new_keys)
+    decode.attention_with_kvcache(randn(2, 1, 8, 64), cache, capped, None, kv_spec, *new_keys)
     y, z, mean, rstd = layer_norm.layer_norm_fwd(x, w, w, x, ln_spec, seed, True)
     layer_norm.layer_norm_bwd(x, x, z, w, w, mean, rstd, ln_spec, seed, True)
     y, saved = feed_forward.feed_forward_fwd(x, w1, b1, w2, b2, ff_spec, seed, True)

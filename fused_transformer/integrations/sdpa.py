@@ -81,6 +81,9 @@ def prefers_ours(device_type: str, key_length: int, is_causal: bool) -> bool:
 # them into torch's layouts only where those differ.
 
 
+_NO_MODS = contract.NO_SCORE_MODS  # SDPA's calls have no score modifier
+
+
 class _Kernels:
     """A backend's raw attention functions (``fused_transformer.contract``'s interface) as the aten ops call them."""
 
@@ -94,24 +97,24 @@ class _Kernels:
 
     def dense_fwd(self, q, k, v, mask, is_causal, bottom_right, window, scale, dropout_p, seed):
         spec = self._spec(is_causal, bottom_right, window, scale, dropout_p)
-        return backend.ops(self.name).attention_fwd(q, k, v, contract.AttentionMasks(mask), spec, None, None, seed,
-                                                    False)
+        return backend.ops(self.name).attention_fwd(q, k, v, contract.AttentionMasks(mask), spec, _NO_MODS, None,
+                                                    seed, False)
 
     def dense_bwd(self, do, q, k, v, o, lse, mask, is_causal, bottom_right, window, scale, dropout_p, seed):
         spec = self._spec(is_causal, bottom_right, window, scale, dropout_p)
         return backend.ops(self.name).attention_bwd(do, None, q, k, v, o, lse, contract.AttentionMasks(mask), spec,
-                                                    None, seed)
+                                                    _NO_MODS, seed)
 
     def varlen_fwd(self, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, bottom_right, window, scale, dropout_p, seed):
         spec = self._spec(is_causal, bottom_right, window, scale, dropout_p)
         seqs = contract.PackedSequences(cu_q, cu_k, max_q, max_k)
-        return backend.ops(self.name).attention_varlen_fwd(q, k, v, seqs, spec, None, None, seed, False)
+        return backend.ops(self.name).attention_varlen_fwd(q, k, v, seqs, spec, _NO_MODS, None, seed, False)
 
     def varlen_bwd(self, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, is_causal, bottom_right, window, scale,
                    dropout_p, seed):
         spec = self._spec(is_causal, bottom_right, window, scale, dropout_p)
         seqs = contract.PackedSequences(cu_q, cu_k, max_q, max_k)
-        return backend.ops(self.name).attention_varlen_bwd(do, None, q, k, v, o, lse, seqs, spec, None, seed)
+        return backend.ops(self.name).attention_varlen_bwd(do, None, q, k, v, o, lse, seqs, spec, _NO_MODS, seed)
 
 
 # -------------------------------------------------------------------------------------------- the aten ops

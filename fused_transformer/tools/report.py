@@ -153,11 +153,19 @@ def _tool(name: str) -> str:
 
 def _divisibility_attrs(kernel: AotKernel) -> Dict[Tuple[int, ...], list]:
     """The JIT's specialisation for a typical launch: pointers from torch are 16-byte aligned and sizes and
-    strides are multiples of 16 (``kernel.divisible_by_16``, default every pointer and integer argument)."""
+    strides are multiples of 16 (``kernel.divisible_by_16``, default every pointer and integer argument; a tuple
+    argument named there: its pointers)."""
     names = kernel.divisible_by_16
     if names is None:
-        names = [name for name, ty in kernel.signature.items() if ty.startswith("*") or ty in ("i32", "i64")]
-    return {(kernel.fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in names}
+        names = [name for name, ty in kernel.signature.items()
+                 if isinstance(ty, tuple) or ty.startswith("*") or ty in ("i32", "i64")]
+    attrs = {}
+    for name in names:
+        index, ty = kernel.fn.arg_names.index(name), kernel.signature[name]
+        paths = [(index, i) for i, part in enumerate(ty) if part.startswith("*")] if isinstance(ty, tuple) else [
+            (index,)]
+        attrs.update({path: [["tt.divisibility", 16]] for path in paths})
+    return attrs
 
 
 def cuobjdump(cubin: bytes, *flags: str) -> str:

@@ -2,12 +2,13 @@
 kernel: ``attention``, ``attention_varlen`` and ``attention_weights`` check their arguments as
 ``fused_transformer.functional`` does and add kernel-level options.
 
-The package reads top-down, one pass a file: ``jit.py`` (the helpers the kernels share: masks, sequence bounds),
-``fwd.py`` (forward kernel and launcher), ``bwd.py`` (dq and dk/dv kernels and launcher), ``weights.py`` (the
-probabilities for ``need_weights``), ``decode.py`` (split-KV decoding over a contiguous or paged KV cache, and its
-backend entry), ``launch.py`` (masks, sizes and grids in kernel form), ``configs.py`` (the tile plan every launch and
-the AOT report read), ``ops.py`` (the backend's raw entries, and the custom ops that tracing goes through) and
-``aot.py`` (what the report compiles).
+The package reads top-down, one pass a file: ``jit.py`` (the helpers the kernels share: masks, sequence bounds, the
+score modifiers), ``fwd.py`` (forward kernel and launcher), ``bwd.py`` (dq and dk/dv kernels and launcher),
+``weights.py`` (the probabilities for ``need_weights``), ``decode.py`` (split-KV decoding over a contiguous or paged
+KV cache, and its backend entry), ``lengths.py`` (a padding mask's lengths), ``launch.py`` (masks, sizes and grids in
+kernel form), ``configs.py`` (the tile plan every launch and the AOT report read), ``ops.py`` (the backend's raw
+entries, and the custom ops that tracing goes through), ``routes.py`` (ours or SDPA) and ``aot.py`` (what the report
+compiles).
 
 The entries below add the kernel-level options to the functional ops; their autograd is
 ``fused_transformer.autograd``'s one Function per op, the only module above the kernels they call (at call time).
@@ -54,14 +55,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, query_lengths: Optional[Tensor
     options = contract.options_of("attention", options, contract.ATTENTION_OPTIONS)
     masks = AttentionMasks(options["attn_mask"], options["key_padding_mask"], options["query_padding_mask"])
     contract.check_attention_args(q, k, v, masks)
-    alibi_slopes, sinks = options["alibi_slopes"], options["sinks"]
-    contract.check_alibi_and_sinks(q, q.shape[0], q.shape[1], alibi_slopes, sinks)
+    mods, sinks = _mods_and_sinks(q, q.shape[0], options)
     spec = _spec(q, options, allow_tf32)
     if query_lengths is not None and tuple(query_lengths.shape) != (q.shape[0],):
         raise ValueError(f"query_lengths must be [batch={q.shape[0]}], got shape {tuple(query_lengths.shape)}")
     from ...autograd import attention as attention_on
 
-    o, lse = attention_on("triton", q, k, v, masks._replace(query_lengths=query_lengths), spec, alibi_slopes, sinks)
+    o, lse = attention_on("triton", q, k, v, masks._replace(query_lengths=query_lengths), spec, mods, sinks)
     return (o, lse) if options["return_lse"] else o
 
 
@@ -72,15 +72,12 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     Checked as there but for the values of cu_seqlens, which the kernels read on the device (no host sync)."""
     options = contract.options_of("attention_varlen", options, contract.ATTENTION_VARLEN_OPTIONS)
     contract.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    alibi_slopes, sinks = options["alibi_slopes"], options["sinks"]
-    contract.check_alibi_and_sinks(q, cu_seqlens_q.shape[0] - 1, q.shape[1], alibi_slopes, sinks)
+    mods, sinks = _mods_and_sinks(q, cu_seqlens_q.shape[0] - 1, options)
     spec = _spec(q, options, allow_tf32)
     from ...autograd import attention_varlen as attention_varlen_on
 
-    cu_seqlens_q, cu_seqlens_k = (cu if cu.device == q.device else cu.to(q.device, non_blocking=True)
-                                  for cu in (cu_seqlens_q, cu_seqlens_k))  # the host's copies (check_varlen_args)
-    seqs = contract.PackedSequences(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
-    o, lse = attention_varlen_on("triton", q, k, v, seqs, spec, alibi_slopes, sinks)
+    seqs = contract.packed_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
+    o, lse = attention_varlen_on("triton", q, k, v, seqs, spec, mods, sinks)
     return (o, lse) if options["return_lse"] else o
 
 
@@ -97,5 +94,12 @@ def attention_weights(q: Tensor, k: Tensor, lse: Tensor, *, query_lengths: Optio
 
 def _spec(q: Tensor, options: dict, allow_tf32: bool) -> contract.AttentionSpec:
     spec = contract.attention_spec(q.shape[-1], options["is_causal"], options["causal_alignment"], options["window"],
-                                   options.get("dropout_p", 0.0), options["scale"], options.get("softcap"))
+                                   options.get("dropout_p", 0.0), options["scale"])
     return spec._replace(allow_tf32=bool(allow_tf32))
+
+
+def _mods_and_sinks(q: Tensor, batch: int, options: dict) -> Tuple[contract.ScoreMods, Optional[Tensor]]:
+    """The checked score modifiers and sinks of ``options`` for q's heads over ``batch`` sequences."""
+    mods = contract.score_mods(q, batch, q.shape[1], **{name: options[name] for name in contract.ScoreMods._fields})
+    contract.check_sinks(q, q.shape[1], options["sinks"])
+    return mods, options["sinks"]

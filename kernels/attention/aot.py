@@ -11,6 +11,7 @@ from . import configs
 from .bwd import attention_dkdv_kernel, attention_dq_kernel
 from .decode import aot_configs as decode_aot_configs
 from .fwd import attention_fwd_kernel
+from .jit import EVERY_SCORE_MOD, MODS_SIGNATURE, NO_SCORE_MOD
 from .lengths import aot_configs as lengths_aot_configs
 from .launch import MASK_FLOAT, MASK_NONE
 from .weights import attention_weights_kernel
@@ -37,7 +38,7 @@ class Variant(NamedTuple):
 
     @property
     def score_mods(self) -> bool:
-        return bool(self.features.get("HAS_SOFTCAP") or self.features.get("HAS_ALIBI"))
+        return any(self.features.get("SCORE_MODS", NO_SCORE_MOD))
 
     @property
     def light(self) -> bool:
@@ -50,7 +51,7 @@ def _features(mask_kind: int, padding: bool, query_padding: bool, window: bool, 
                 IS_CAUSAL=True, HAS_WINDOW=window, PER_SEQUENCE_OFFSET=True, VARLEN=varlen, **extra)
 
 
-SCORE_MODS = dict(HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_SINKS=True)
+SCORE_MODS = dict(SCORE_MODS=EVERY_SCORE_MOD, HAS_SINKS=True)
 # Dense with every mask on (the largest register footprint), and packed sequences, which take no attn_mask or
 # padding but compute their bounds and alignment per sequence; the two-loop path (unmasked interior tiles), causal
 # with the most it takes and no dropout; and the most a light launch takes, dense and packed.
@@ -62,7 +63,7 @@ VARIANTS = (
     Variant("/padded", _features(MASK_NONE, True, True, True, False, HAS_DROPOUT=False), TRAINING_KERNELS, ""),
     Variant("/varlen/nodropout", _features(MASK_NONE, False, False, True, True, HAS_DROPOUT=False), TRAINING_KERNELS,
             "/varlen"),
-    # softcap, ALiBi and sinks (which take the tiles of the launches above that are not light), dense with padding
+    # every score modifier and sinks (which take the tiles of the launches above that are not light), dense with padding
     # and a window, and packed; and the forward of trainable sinks in 16 bits, which writes o in float32.
     Variant("/scoremods", _features(MASK_NONE, True, True, True, False, **SCORE_MODS), TRAINING_KERNELS),
     Variant("/varlen/scoremods", _features(MASK_NONE, False, False, True, True, **SCORE_MODS), TRAINING_KERNELS),
@@ -74,7 +75,7 @@ VARIANTS = (
 # Pointers whose type does not follow the inputs' dtype (the float mask as a float32 additive bias).
 POINTER_TYPES = {"LSE": "*fp32", "DLSE": "*fp32", "DELTA": "*fp32", "MASK": "*fp32", "PAD": "*u8", "KEY_LENS": "*i32",
                  "QUERY_LENS": "*i32", "QUERY_PAD": "*u8", "CU_SEQLENS_Q": "*i32", "CU_SEQLENS_K": "*i32",
-                 "SEED": "*i64", "ALIBI": "*fp32", "SINKS": "*fp32"}
+                 "SEED": "*i64", "SINKS": "*fp32", "MODS": MODS_SIGNATURE}
 # The inputs each kernel loads through TMA, in BLOCK_M-row (query) or BLOCK_N-row (key) tiles (and dk / dv, which
 # dense launches store through TMA).
 TMA_INPUTS = {"fwd": ("Q", "K", "V"), "bwd_dq": ("Q", "K", "V", "O", "DO"),
@@ -144,12 +145,12 @@ def _aot_kernel(kernel: str, precision: str, head_dim: int, variant: Variant, pl
             signature[name] = "*fp32"
         elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "W"):
             signature[name] = elem
-        elif name in ("qk_scale", "dropout_p", "softcap"):
+        elif name in ("qk_scale", "dropout_p"):
             signature[name] = "fp32"
         elif name.islower():
             signature[name] = "i32"
     constexprs = dict(BLOCK_D=head_dim, HEAD_DIM=head_dim, MASK_OFFSETS_64=False, HAS_DROPOUT=True, HAS_DLSE=True,
-                      HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False, **plan.constexprs())
+                      SCORE_MODS=NO_SCORE_MOD, HAS_SINKS=False, **plan.constexprs())
     constexprs.update(variant.features)
     return AotKernel(
         name=f"attention_{kernel}", config=config_name(precision, head_dim, tile, variant.name, plan.use_tma), fn=fn,
@@ -157,5 +158,6 @@ def _aot_kernel(kernel: str, precision: str, head_dim: int, variant: Variant, pl
         num_warps=tile.num_warps, num_stages=tile.num_stages, expect_tensor_cores=precision == "bf16",
         targets=targets,
         # What the JIT specialises for inputs from torch: aligned pointers and strides, odd lengths.
-        divisible_by_16=tuple(n for n, t in signature.items() if t.startswith("*") or n.startswith("stride_")),
+        divisible_by_16=tuple(n for n, t in signature.items() if isinstance(t, tuple) or t.startswith("*")
+                              or n.startswith("stride_")),
     )

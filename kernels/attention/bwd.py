@@ -3,8 +3,9 @@ rowsum(do * o) - dlse):
     dv = (p Z)^T do,   dp = (do v^T) Z,   ds = p (dp - delta),   dq = ds k * scale,   dk = ds^T q * scale
 in two kernels with no atomics (deterministic): one program per query tile writes dq (and delta first), one program
 per key tile of a key/value head writes dk and dv, walking every query head of its group (GQA). Masks as in the
-forward (``jit.py``); the dropout mask is regenerated from the forward's seed. softcap multiplies ds by its derivative
-1 - tanh^2; ALiBi and sinks need nothing more (the bias is recomputed, the sinks are in the forward's LSE).
+forward (``jit.py``); the dropout mask is regenerated from the forward's seed. The score modifiers are recomputed
+and ds multiplied by their derivative (``jit._score_mods_grad``: softcap's 1 - tanh^2); the sinks need nothing more
+(they are in the forward's LSE).
 """
 from typing import Optional
 
@@ -16,8 +17,9 @@ from ...contract import AttentionSpec
 from .._common import cdiv, contiguous_last_dim, dropout_keep, launch_kernel
 from .configs import head_dim_bucket
 from .jit import (
-    _alibi_slope, _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _real_rows, _row_index,
-    _sequence, _stat_base, _tanh, _tile_mask, _tma_tile, _unmasked_keys_end, _visible_keys, _visible_queries,
+    _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _modifies_scores, _real_rows, _row_index,
+    _scales_gradient, _score_mod_values, _score_mods_grad, _sequence, _stat_base, _tile_mask, _tma_tile,
+    _unmasked_keys_end, _visible_keys, _visible_queries,
 )
 from .launch import (
     LaunchForm, grid, known_args, launch_options, output_layout, row_strides, tiles_of, tma_can_load,
@@ -31,10 +33,10 @@ def _attention_dq_tile(
     dq,  # the [BLOCK_M, BLOCK_D] float32 sum, returned updated
     q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn, dropout_row,
     batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right,
-    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
+    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, SCORE_MODS: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, EDGE: tl.constexpr,
 ):
     """dq's step over the key tile starting at ``first_col`` (EDGE as in _attention_fwd_tile)."""
@@ -48,10 +50,7 @@ def _attention_dq_tile(
         k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
     s = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale
-    if HAS_SOFTCAP:
-        capped = _tanh(s / softcap)
-        s = softcap * capped
-    s = _modified_scores(s, rows[:, None], cols[None, :], offset, softcap, slope, False, HAS_ALIBI)
+    s, saved = _modified_scores(s, rows[:, None], cols[None, :], offset, mod_values, SCORE_MODS)
     if EDGE:
         s = _mask_scores(
             s, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset, window_left,
@@ -63,9 +62,7 @@ def _attention_dq_tile(
     if HAS_DROPOUT:
         keep = dropout_keep(SEED, dropout_row[:, None] + cols[None, :], dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-    ds = p * (dp - delta[:, None])
-    if HAS_SOFTCAP:
-        ds *= 1.0 - capped * capped
+    ds = _score_mods_grad(p * (dp - delta[:, None]), mod_values, saved, SCORE_MODS)
     return dq + _dot(ds.to(k.dtype), k, UPCAST, DOT_PRECISION)
 
 
@@ -86,13 +83,12 @@ def attention_dq_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb, stride_qpb,
     n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale, dropout_p, SEED,
-    ALIBI, SINKS, stride_ab, stride_ah, softcap,  # score modifiers (see fwd.py)
+    SINKS, MODS,  # attention sinks (unused: they are in the LSE), score modifiers (see fwd.py)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, SCORE_MODS: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     INTERIOR_LOOP: tl.constexpr, DO_STRIDES: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
@@ -151,7 +147,7 @@ def attention_dq_kernel(
         k_base = K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
         v_base = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     dropout_row = (batch_head.to(tl.int64) * n_queries + rows) * n_keys
-    slope = _alibi_slope(ALIBI, batch, head, stride_ab, stride_ah, HAS_ALIBI)
+    mod_values = _score_mod_values(MODS, batch, head, SCORE_MODS)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     key_start, key_end = _visible_keys(
         first_row, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
@@ -160,7 +156,7 @@ def attention_dq_kernel(
     # is dropped below), the edge tiles first; unless the plan says the two loops spill with these tiles
     # (INTERIOR_LOOP False).
     split = INTERIOR_LOOP and MASK_KIND == 0 and not (
-        HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or HAS_SOFTCAP or HAS_ALIBI)
+        HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or _modifies_scores(SCORE_MODS))
     if split:
         inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING),
                                        offset, BLOCK_N, IS_CAUSAL)
@@ -168,26 +164,26 @@ def attention_dq_kernel(
             dq = _attention_dq_tile(
                 dq, q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
                 BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+                SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
         for first_col in range(key_start, inner_end, BLOCK_N):
             dq = _attention_dq_tile(
                 dq, q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
                 BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
+                SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
             )
     else:
         for first_col in range(key_start, key_end, BLOCK_N):
             dq = _attention_dq_tile(
                 dq, q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
                 BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+                SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
     if split or HAS_QUERY_LENS or HAS_QUERY_PADDING:
         # Rows that are no queries get no gradient, even where an inf or NaN in their do or q met their probability 0
@@ -221,11 +217,11 @@ def _attention_dkdv_tile(
     q_start, seq_q, q_len, k_len, seq_k, offset, window_left, window_right, stat_base, LSE, DELTA, QUERY_PAD,
     stride_qpb,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, n_heads, n_queries, n_keys,
-    qk_scale, dropout_p, SEED, softcap, slope,
+    qk_scale, dropout_p, SEED, mod_values,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_PADDING: tl.constexpr, HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCORE_MODS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     USE_TMA: tl.constexpr, DO_STRIDES: tl.constexpr, EDGE: tl.constexpr,
 ):
     """dk's and dv's step over the query tile starting at ``first_row`` of one query head. EDGE False: the caller
@@ -257,10 +253,7 @@ def _attention_dkdv_tile(
         delta = tl.load(DELTA + stat_offsets)
 
     s_t = _dot(k, tl.trans(q), UPCAST, DOT_PRECISION) * qk_scale
-    if HAS_SOFTCAP:
-        capped_t = _tanh(s_t / softcap)
-        s_t = softcap * capped_t
-    s_t = _modified_scores(s_t, rows[None, :], cols[:, None], offset, softcap, slope, False, HAS_ALIBI)
+    s_t, saved_t = _modified_scores(s_t, rows[None, :], cols[:, None], offset, mod_values, SCORE_MODS)
     if EDGE:
         s_t = _mask_scores(
             s_t, rows[None, :], cols[:, None], real_rows[None, :], batch, head, k_len, seq_k, offset,
@@ -268,8 +261,8 @@ def _attention_dkdv_tile(
             MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
         )
     p_t = tl.math.exp2(s_t - lse[None, :])
-    if HAS_SOFTCAP:
-        # dv's product first: then p takes the cap's derivative (ds's factor) and no tile of the cap stays live.
+    if _scales_gradient(SCORE_MODS):
+        # dv's product first: then p takes the modifiers' derivative (ds's factor) and no tile they saved stays live.
         if HAS_DROPOUT:
             dropout_row = (batch_head * n_queries + rows) * n_keys
             keep = dropout_keep(SEED, dropout_row[None, :] + cols[:, None], dropout_p)
@@ -277,7 +270,7 @@ def _attention_dkdv_tile(
             dv += _dot((p_t * keep_scale).to(do.dtype), do, UPCAST, DOT_PRECISION)
         else:
             dv += _dot(p_t.to(do.dtype), do, UPCAST, DOT_PRECISION)
-        p_t *= 1.0 - capped_t * capped_t
+        p_t = _score_mods_grad(p_t, mod_values, saved_t, SCORE_MODS)
         dp_t = _dot(v, tl.trans(do), UPCAST, DOT_PRECISION)
         if HAS_DROPOUT:
             dp_t *= keep_scale
@@ -309,12 +302,12 @@ def attention_dkdv_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb, stride_qpb,
     n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale, dropout_p, SEED,
-    ALIBI, SINKS, stride_ab, stride_ah, softcap,  # score modifiers (see fwd.py)
+    SINKS, MODS,  # attention sinks (unused: they are in the LSE), score modifiers (see fwd.py)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, SCORE_MODS: tl.constexpr, HAS_SINKS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, INTERIOR_LOOP: tl.constexpr,
     DO_STRIDES: tl.constexpr,
 ):
@@ -354,7 +347,7 @@ def attention_dkdv_kernel(
     # diagonal through its last key) skip _mask_scores; one loop walks the edge tiles before and after them, then one
     # the interior (INTERIOR_LOOP as in the dq kernel).
     split = INTERIOR_LOOP and MASK_KIND == 0 and not (
-        HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or HAS_SOFTCAP or HAS_ALIBI)
+        HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or _modifies_scores(SCORE_MODS))
     inner_start, inner_end = row_end, row_end
     if split:
         inner_start, inner_end = _unmasked_queries(
@@ -369,7 +362,7 @@ def attention_dkdv_kernel(
         if not USE_TMA:
             q_base = Q + batch * stride_qb + head * stride_qh + q_start * stride_qm
         stat_base = _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN)
-        slope = _alibi_slope(ALIBI, batch, head, stride_ab, stride_ah, HAS_ALIBI)
+        mod_values = _score_mod_values(MODS, batch, head, SCORE_MODS)
         if split:
             for edge_tile in tl.range(0, edge_tiles, num_stages=1):
                 first_row = tl.where(edge_tile < leading_edge_tiles, row_start + edge_tile * BLOCK_M,
@@ -378,9 +371,9 @@ def attention_dkdv_kernel(
                     dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, DO, stride_dob, stride_doh, stride_dom,
                     batch, head, batch_head, q_start, seq_q, q_len, k_len, seq_k, offset, window_left, window_right,
                     stat_base, LSE, DELTA, QUERY_PAD, stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, SEED, softcap, slope, BLOCK_M,
+                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, SEED, mod_values, BLOCK_M,
                     BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW,
-                    MASK_OFFSETS_64, HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA,
+                    MASK_OFFSETS_64, HAS_DROPOUT, SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA,
                     DO_STRIDES, EDGE=True,
                 )
             for first_row in range(inner_start, inner_end, BLOCK_M):
@@ -388,9 +381,9 @@ def attention_dkdv_kernel(
                     dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, DO, stride_dob, stride_doh, stride_dom,
                     batch, head, batch_head, q_start, seq_q, q_len, k_len, seq_k, offset, window_left, window_right,
                     stat_base, LSE, DELTA, QUERY_PAD, stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, SEED, softcap, slope, BLOCK_M,
+                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, SEED, mod_values, BLOCK_M,
                     BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW,
-                    MASK_OFFSETS_64, HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA,
+                    MASK_OFFSETS_64, HAS_DROPOUT, SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA,
                     DO_STRIDES, EDGE=False,
                 )
         else:
@@ -399,9 +392,9 @@ def attention_dkdv_kernel(
                     dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, DO, stride_dob, stride_doh, stride_dom,
                     batch, head, batch_head, q_start, seq_q, q_len, k_len, seq_k, offset, window_left, window_right,
                     stat_base, LSE, DELTA, QUERY_PAD, stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, SEED, softcap, slope, BLOCK_M,
+                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, SEED, mod_values, BLOCK_M,
                     BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW,
-                    MASK_OFFSETS_64, HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA,
+                    MASK_OFFSETS_64, HAS_DROPOUT, SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA,
                     DO_STRIDES, EDGE=True,
                 )
     dk *= qk_scale * 0.6931471805599453

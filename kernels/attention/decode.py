@@ -32,13 +32,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ...contract import KVCache, KVCacheSpec, append_to_cache, window_bounds, window_of_bounds
+from ...contract import (
+    KVCache, KVCacheSpec, ScoreMods, score_mods_flat, score_mods_of_flat, window_bounds, window_of_bounds,
+)
+from ...reference import append_to_cache
 from .._common import cdiv, interpreting as interpreting_now, launch_kernel, positional_constexprs, traced
 from ..aot import AotKernel
 from ..targets import CAPABILITIES, Target
 from ..toolchain import Version
 from .configs import Tile, head_dim_bucket
-from .jit import _dot, _tanh, _tile_mask
+from .jit import (
+    EVERY_SCORE_MOD, MODS_SIGNATURE, NO_SCORE_MOD, _dot, _modified_scores, _score_mod_values, _tile_mask,
+    score_mod_args, score_mod_flags,
+)
 from .launch import MAX_GRID_YZ, kernel_window
 
 Tensor = torch.Tensor
@@ -124,22 +130,21 @@ def _attention_decode_kernel(
     K, V,  # [B, Lmax, Hkv, D]; PAGED: [num_blocks, block_size, Hkv, D]; read through strides
     CACHE_LENS,  # [B] int32: the keys of each sequence
     BLOCK_TABLE,  # [B, max_blocks] int32: each sequence's cache blocks (PAGED)
-    ALIBI,  # [H] or [B, H] float32 (HAS_ALIBI; stride_ab 0 for [H])
     SINKS,  # [H] float32 contiguous (HAS_SINKS; folded in here only without SPLIT)
     O,  # [B, Lq, H, D] contiguous, q's dtype; SPLIT: [splits, B Hkv, Lq G, D] float32
     LSE,  # [B, H, Lq] float32 contiguous, natural log; SPLIT: [splits, B Hkv, Lq G]
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,  # the batch (PAGED: block) and row strides
     stride_vb, stride_vn, stride_vh,
-    stride_tb, stride_tn, stride_ab, stride_ah,
+    stride_tb, stride_tn,
     n_queries, n_heads, kv_heads, kv_group,
     max_keys,  # Lmax; PAGED: max_blocks * block_size
     page_size, n_blocks,  # PAGED: the pool's blocks (a key in a block id outside it is left out, never read)
-    window_left, window_right, scale, softcap,
+    window_left, window_right, scale,
+    MODS,  # the score modifiers (jit.score_mod_args)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SCORE_MODS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     split = tl.program_id(0).to(tl.int64)
     batch_kv = tl.program_id(1)
@@ -157,8 +162,8 @@ def _attention_decode_kernel(
     dims = tl.arange(0, BLOCK_D)
     q = tl.load(Q + batch * stride_qb + query[:, None].to(tl.int64) * stride_qm + head[:, None] * stride_qh
                 + dims[None, :], mask=_tile_mask(real_rows, dims, HEAD_DIM, BLOCK_D), other=0.0)
-    if HAS_ALIBI:
-        slope = tl.load(ALIBI + batch * stride_ab + head * stride_ah, mask=real_rows, other=0.0)
+    mod_values = _score_mod_values(MODS, batch, head[:, None], SCORE_MODS)  # each row's head: < H, row or not
+    qk_scale = scale * 1.4426950408889634  # log2 units, as exp2 takes the scores
     k_head = K + kv_head * stride_kh
     v_head = V + kv_head * stride_vh
 
@@ -189,15 +194,7 @@ def _attention_decode_kernel(
         kv_mask = _tile_mask(key_ok, dims, HEAD_DIM, BLOCK_D)
         k = tl.load(k_head + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         qk = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION)
-        if HAS_SOFTCAP or HAS_ALIBI:
-            s = qk * scale
-            if HAS_SOFTCAP:
-                s = softcap * _tanh(s / softcap)
-            if HAS_ALIBI:
-                s -= slope[:, None] * tl.abs(qpos[:, None] - cols[None, :]).to(tl.float32)
-            s = s * 1.4426950408889634
-        else:
-            s = qk * (scale * 1.4426950408889634)
+        s, _ = _modified_scores(qk * qk_scale, qpos[:, None], cols[None, :], 0, mod_values, SCORE_MODS)
         keep = real_rows[:, None] & key_ok[None, :]
         if HAS_WINDOW:
             keep = keep & (cols[None, :] >= qpos[:, None] - window_left) & (cols[None, :] <= qpos[:, None]
@@ -336,8 +333,8 @@ def programs_per_sm(batch: int, kv_heads: int, max_keys: int, lq: int, heads: in
 
 def attention_decode(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_lens: Tensor, block_table: Optional[Tensor], *,
-    is_causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float,
-    softcap: Optional[float], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], num_splits: Optional[int],
+    is_causal: bool, window_left: Optional[int], window_right: Optional[int], scale: float, mods: ScoreMods,
+    sinks: Optional[Tensor], num_splits: Optional[int],
 ) -> Tuple[Tensor, Tensor]:
     """Attention of ``q`` over a KV cache, split over the keys (arguments checked by the caller): the decode
     kernel, then with more than one split the merge kernel; traced (``_common.traced``) through the custom op
@@ -357,8 +354,8 @@ def attention_decode(
                 cache_lens[b] = 5, Lq = 2, causal:   keys 0 1 2 3 4
                                         query 0       x x x x .
                                         query 1       x x x x x
-        scale: applied to the scores, before ``softcap * tanh(s / softcap)`` (softcap None: none).
-        alibi_slopes: float32 ``[H]`` or ``[B, H]``: ``- slope * |qpos - p|`` added after the softcap.
+        scale: applied to the scores, before ``mods``: ``softcap * tanh(s / softcap)``, then ALiBi's ``- slope *
+            |qpos - p|`` (``alibi_slopes`` float32 ``[H]`` or ``[B, H]``).
         sinks: float32 ``[H]``: a logit per head that joins each row's softmax denominator (no value).
         num_splits: key splits (>= 1; None: ``decode_splits`` for this device). Splits past the key blocks, or past
             a sequence's keys, see no key and add nothing.
@@ -367,14 +364,15 @@ def attention_decode(
         ``out [B, Lq, H, D]`` in q's dtype and ``lse [B, H, Lq]`` float32 (natural log, the sink included). A row
         that sees no key gives zeros and LSE -inf (with a sink: the sink's logit).
     """
-    args = (q, k_cache, v_cache, cache_lens, block_table, is_causal, window_left, window_right, scale, softcap,
-            alibi_slopes, sinks, num_splits)
     if traced():
-        return torch.ops.fused_transformer.attention_decode(*args)
-    return _launch_decode(*args)
+        return torch.ops.fused_transformer.attention_decode(q, k_cache, v_cache, cache_lens, block_table, is_causal,
+                                                            window_left, window_right, scale, *score_mods_flat(mods),
+                                                            sinks, num_splits)
+    return _launch_decode(q, k_cache, v_cache, cache_lens, block_table, is_causal, window_left, window_right, scale,
+                          mods, sinks, num_splits)
 
 
-def attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+def attention_with_kvcache(q: Tensor, cache: KVCache, mods: ScoreMods, sinks: Optional[Tensor],
                            spec: KVCacheSpec, k_new: Optional[Tensor] = None,
                            v_new: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The Triton backend's ``attention_with_kvcache`` (arguments checked): ``(out [B, Lq, H, D], lse [B, H, Lq])``.
@@ -392,8 +390,8 @@ def attention_with_kvcache(q: Tensor, cache: KVCache, alibi_slopes: Optional[Ten
     left, right = window_bounds(spec.window)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, cache.k, cache.v))
     return attention_decode(q, k, v, cache.lengths, cache.block_table, is_causal=spec.is_causal, window_left=left,
-                            window_right=right, scale=spec.scale, softcap=spec.softcap, alibi_slopes=alibi_slopes,
-                            sinks=sinks, num_splits=spec.num_splits)
+                            window_right=right, scale=spec.scale, mods=mods, sinks=sinks,
+                            num_splits=spec.num_splits)
 
 
 # functional.attention_with_kvcache hands this backend the new keys and values instead of appending them itself:
@@ -425,8 +423,8 @@ def append_new_keys(cache: KVCache, k_new: Tensor, v_new: Tensor) -> Tensor:
 
 def _launch_decode(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_lens: Tensor, block_table: Optional[Tensor], is_causal: bool,
-    window_left: Optional[int], window_right: Optional[int], scale: float, softcap: Optional[float],
-    alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], num_splits: Optional[int],
+    window_left: Optional[int], window_right: Optional[int], scale: float, mods: ScoreMods,
+    sinks: Optional[Tensor], num_splits: Optional[int],
 ) -> Tuple[Tensor, Tensor]:
     """The launches of ``attention_decode`` (same arguments, positional)."""
     batch, n_queries, heads, head_dim = q.shape
@@ -458,22 +456,15 @@ def _launch_decode(
         lse_target = torch.empty((num_splits, batch * kv_heads, rows), dtype=torch.float32, device=q.device)
     else:
         o_target, lse_target = out, lse
-    if alibi_slopes is not None:
-        alibi_strides = (alibi_slopes.stride(0), alibi_slopes.stride(1)) if alibi_slopes.dim() == 2 else (
-            0, alibi_slopes.stride(0))
-    else:
-        alibi_strides = (0, 0)
     sinks = sinks.contiguous() if sinks is not None else None
     launch_kernel(_attention_decode_kernel, (num_splits, batch * kv_heads, query_tiles), (
-        q, k_cache, v_cache, cache_lens, block_table, alibi_slopes, sinks, o_target, lse_target,
+        q, k_cache, v_cache, cache_lens, block_table, sinks, o_target, lse_target,
         q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        *(block_table.stride() if paged else (0, 0)), *alibi_strides,
+        *(block_table.stride() if paged else (0, 0)),
         n_queries, heads, kv_heads, kv_group, max_keys, page_size, k_cache.shape[0] if paged else 0,
-        *(window if window is not None else (0, 0)),
-        scale, softcap if softcap is not None else 1.0,
-        *_decode_constexprs(tile, head_dim, paged, is_causal, window is not None, softcap is not None,
-                            alibi_slopes is not None, sinks is not None, split,
-                            interpreting_now() and q.dtype == torch.bfloat16),
+        *(window if window is not None else (0, 0)), scale, score_mod_args(mods),
+        *_decode_constexprs(tile, head_dim, paged, is_causal, window is not None, score_mod_flags(mods),
+                            sinks is not None, split, interpreting_now() and q.dtype == torch.bfloat16),
     ), tile.num_warps, tile.num_stages)
     if split:
         launch_kernel(_attention_decode_merge_kernel, (cdiv(rows, MERGE_ROWS), batch * kv_heads),
@@ -483,29 +474,30 @@ def _launch_decode(
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_constexprs(tile: Tile, head_dim: int, paged: bool, is_causal: bool, has_window: bool, has_softcap: bool,
-                       has_alibi: bool, has_sinks: bool, split: bool, upcast: bool) -> tuple:
+def _decode_constexprs(tile: Tile, head_dim: int, paged: bool, is_causal: bool, has_window: bool,
+                       score_mods: Tuple[bool, ...], has_sinks: bool, split: bool, upcast: bool) -> tuple:
     """The decode kernel's constexprs for a launch of this kind, by position."""
     return positional_constexprs(_attention_decode_kernel, dict(
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=head_dim_bucket(head_dim), HEAD_DIM=head_dim,
-        PAGED=paged, IS_CAUSAL=is_causal, HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi,
-        HAS_SINKS=has_sinks, SPLIT=split, UPCAST=upcast, DOT_PRECISION="ieee"))
+        PAGED=paged, IS_CAUSAL=is_causal, HAS_WINDOW=has_window, SCORE_MODS=score_mods, HAS_SINKS=has_sinks,
+        SPLIT=split, UPCAST=upcast, DOT_PRECISION="ieee"))
 
 
 @torch.library.custom_op("fused_transformer::attention_decode", mutates_args=())
 def _attention_decode_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_lens: Tensor, block_table: Optional[Tensor], is_causal: bool,
-    window_left: Optional[int], window_right: Optional[int], scale: float, softcap: Optional[float],
-    alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], num_splits: Optional[int],
+    window_left: Optional[int], window_right: Optional[int], scale: float, mod_tensors: List[Optional[Tensor]],
+    mod_numbers: List[float], sinks: Optional[Tensor], num_splits: Optional[int],
 ) -> Tuple[Tensor, Tensor]:
-    """``attention_decode`` as torch.compile and torch.export trace it."""
+    """``attention_decode`` as torch.compile and torch.export trace it (the score modifiers as
+    ``contract.score_mods_flat`` gives them)."""
     return _launch_decode(q, k_cache, v_cache, cache_lens, block_table, is_causal, window_left, window_right, scale,
-                          softcap, alibi_slopes, sinks, num_splits)
+                          score_mods_of_flat(mod_tensors, mod_numbers), sinks, num_splits)
 
 
 @_attention_decode_op.register_fake
-def _(q, k_cache, v_cache, cache_lens, block_table, is_causal, window_left, window_right, scale, softcap,
-      alibi_slopes, sinks, num_splits):
+def _(q, k_cache, v_cache, cache_lens, block_table, is_causal, window_left, window_right, scale, mod_tensors,
+      mod_numbers, sinks, num_splits):
     batch, n_queries, heads, head_dim = q.shape
     return q.new_empty((batch, n_queries, heads, head_dim)), q.new_empty((batch, heads, n_queries),
                                                                          dtype=torch.float32)
@@ -516,16 +508,15 @@ def _(q, k_cache, v_cache, cache_lens, block_table, is_causal, window_left, wind
 # Every feature on (the most registers), and the plain causal launch without split (the decoding step of most
 # models); each for a contiguous and a paged cache.
 DECODE_VARIANTS = {
-    "": dict(IS_CAUSAL=True, HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_SINKS=True, SPLIT=True),
-    "/causal": dict(IS_CAUSAL=True, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False,
-                    SPLIT=False),
+    "": dict(IS_CAUSAL=True, HAS_WINDOW=True, SCORE_MODS=EVERY_SCORE_MOD, HAS_SINKS=True, SPLIT=True),
+    "/causal": dict(IS_CAUSAL=True, HAS_WINDOW=False, SCORE_MODS=NO_SCORE_MOD, HAS_SINKS=False, SPLIT=False),
 }
 AOT_HEAD_DIMS = (64, 128)
 AOT_ROWS = (1, 64)  # rows per kv head: a decoding step's tile and chunked prefill's
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Pointers whose type does not follow q's dtype.
-POINTER_TYPES = {"CACHE_LENS": "*i32", "NEW_LENS": "*i32", "BLOCK_TABLE": "*i32", "ALIBI": "*fp32", "SINKS": "*fp32",
-                 "LSE": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32"}
+POINTER_TYPES = {"CACHE_LENS": "*i32", "NEW_LENS": "*i32", "BLOCK_TABLE": "*i32", "SINKS": "*fp32", "LSE": "*fp32",
+                 "O_PART": "*fp32", "LSE_PART": "*fp32"}
 
 
 def _signature(fn, elem: str, split_output: bool) -> dict:
@@ -537,7 +528,9 @@ def _signature(fn, elem: str, split_output: bool) -> dict:
             signature[name] = POINTER_TYPES[name]
         elif name in ("Q", "K", "V", "K_NEW", "V_NEW"):
             signature[name] = elem
-        elif name in ("scale", "softcap"):
+        elif name == "MODS":
+            signature[name] = MODS_SIGNATURE
+        elif name == "scale":
             signature[name] = "fp32"
         elif name.islower():
             signature[name] = "i32"
@@ -567,8 +560,8 @@ def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
                                             **features),
                             num_warps=tile.num_warps, num_stages=tile.num_stages, targets=CAPABILITIES,
                             expect_tensor_cores=precision == "bf16",
-                            divisible_by_16=tuple(n for n, t in signature.items() if t.startswith("*") or (
-                                n.startswith("stride_") and n not in ("stride_tn", "stride_ah"))),
+                            divisible_by_16=tuple(n for n, t in signature.items() if isinstance(t, tuple) or (
+                                t.startswith("*") or (n.startswith("stride_") and n != "stride_tn"))),
                         ))
             for paged in (False, True):
                 signature = _signature(_attention_append_kernel, elem, False)

@@ -5,8 +5,8 @@ Per tile of BLOCK_M query rows of one (batch, head), over tiles of BLOCK_N keys:
     online softmax: m = running row max, l = running sum of exp(s - m), acc = sum exp(s - m) * dropout v
     o = acc / l,   lse = m + log(l)          (a row with no key: o = 0, lse = -inf; with a NaN score: NaN, as torch)
 Only q, k, v, o and lse (float32, [B, H, Lq]) are saved; the [Lq, Lk] matrices are never stored.
-Score modifiers (``jit._modified_scores``), before the masks: softcap (``softcap``, in log2 units) and ALiBi (ALIBI
-[B, H] float32 through strides stride_ab / stride_ah, 0 on a broadcast dim). Attention sinks (SINKS [H] float32)
+Score modifiers (``jit._modified_scores``: MODS and the constexpr flags SCORE_MODS), before the masks, in the edge
+tiles only (a launch with one takes no interior loop). Attention sinks (SINKS [H] float32)
 join each real row's sum once its keys are done: m' = max(m, sink), l' = l e^(m - m') + e^(sink - m'); the LSE
 holds them, so the backward's p = exp(s - lse) needs nothing more.
 Dropout on the probabilities: element (b, h, i, j) is kept when ``dropout_keep(SEED, ((b H + h) Lq + i) Lk + j,
@@ -22,8 +22,8 @@ from ...contract import AttentionSpec
 from .._common import cdiv, dropout_keep, launch_kernel
 from .configs import head_dim_bucket
 from .jit import (
-    _alibi_slope, _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _real_rows, _row_index,
-    _sequence, _stat_base, _tile_mask, _tma_tile, _unmasked_keys_end, _visible_keys,
+    _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _modifies_scores, _real_rows, _row_index,
+    _score_mod_values, _sequence, _stat_base, _tile_mask, _tma_tile, _unmasked_keys_end, _visible_keys,
 )
 from .launch import LaunchForm, grid, known_args, launch_options, tiles_of, tma_can_load
 
@@ -35,10 +35,10 @@ def _attention_fwd_tile(
     acc, row_sum, row_max,  # the online softmax's state, returned updated
     q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn, dropout_row,
     batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right,
-    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
+    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, SCORE_MODS: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     USE_TMA: tl.constexpr, EDGE: tl.constexpr,
 ):
@@ -55,8 +55,7 @@ def _attention_fwd_tile(
         k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
     qk = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION)
     if EDGE:
-        s = _modified_scores(qk * qk_scale, rows[:, None], cols[None, :], offset, softcap, slope, HAS_SOFTCAP,
-                             HAS_ALIBI)
+        s, _ = _modified_scores(qk * qk_scale, rows[:, None], cols[None, :], offset, mod_values, SCORE_MODS)
         s = _mask_scores(
             s, rows[:, None], cols[None, :], real_rows[:, None], batch, head, k_len, seq_k, offset,
             window_left, window_right, MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, MASK_KIND,
@@ -104,12 +103,12 @@ def attention_fwd_kernel(
     n_heads, kv_group,
     n_queries, n_keys,  # Lq, Lk; VARLEN: max_seqlen_q, max_seqlen_k
     causal_offset, window_left, window_right, qk_scale, dropout_p, SEED,
-    ALIBI, SINKS, stride_ab, stride_ah, softcap,  # score modifiers (see fwd.py)
+    SINKS, MODS,  # attention sinks, score modifiers (see above)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, SCORE_MODS: tl.constexpr, HAS_SINKS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, INTERIOR_LOOP: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
@@ -140,7 +139,7 @@ def attention_fwd_kernel(
         k_base = K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
         v_base = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     dropout_row = (batch_head.to(tl.int64) * n_queries + rows) * n_keys
-    slope = _alibi_slope(ALIBI, batch, head, stride_ab, stride_ah, HAS_ALIBI)
+    mod_values = _score_mod_values(MODS, batch, head, SCORE_MODS)
 
     # The lowest finite float32 rather than -inf: a row whose keys so far are all masked (scores -inf) keeps a finite
     # max, so exp2(s - max) is 0 there, not NaN, with no test per row and tile.
@@ -155,7 +154,7 @@ def attention_fwd_kernel(
     # end. With any of those features on, two loops spilled in some tile configs of the AOT report: one loop masks
     # every tile there, as it does where the plan says the two spill with these tiles (INTERIOR_LOOP off).
     split = INTERIOR_LOOP and MASK_KIND == 0 and not (
-        HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or HAS_SOFTCAP or HAS_ALIBI)
+        HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or _modifies_scores(SCORE_MODS))
     if split:
         inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING),
                                        offset, BLOCK_N, IS_CAUSAL)
@@ -165,26 +164,26 @@ def attention_fwd_kernel(
             acc, row_sum, row_max = _attention_fwd_tile(
                 acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
                 BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+                SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
         for first_col in range(key_start, inner_end, BLOCK_N):
             acc, row_sum, row_max = _attention_fwd_tile(
                 acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
                 BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
+                SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
             )
     else:
         for first_col in range(key_start, key_end, BLOCK_N):
             acc, row_sum, row_max = _attention_fwd_tile(
                 acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, softcap, slope,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
                 BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+                SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
 
     if HAS_SINKS:

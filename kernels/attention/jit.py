@@ -15,17 +15,23 @@ Masks, composable, all inside the kernels:
   attn_mask       bool (True = may attend) or float (added), read tile by tile through strides; a mask that
                   broadcasts over batch, heads or rows has stride 0 there and is never expanded in memory.
   query lengths   rows past a sequence's query length write zeros (kernel-level option).
-Score modifiers, before the masks (``_modified_scores``): softcap (``softcap * tanh(s / softcap)``) and ALiBi (``-slope
-|i + o - j|``, o the alignment offset above); a launch with either masks every key tile (no interior loop). Attention
-sinks (a logit per head in each real row's softmax denominator) enter the forward's last step and its LSE only.
+Score modifiers (``contract.ScoreMods``), before the masks, in log2 units as the scores: softcap (``softcap * tanh(s /
+softcap)``) and ALiBi (``-slope |i + o - j|``, o the alignment offset above); a launch with any masks every key tile
+(no interior loop). Each is written here once, host side and device side (below: the kernels take them as one tuple,
+MODS, and one constexpr tuple of flags, SCORE_MODS). Attention sinks (a logit per head in each real row's softmax
+denominator) enter the forward's last step and its LSE only.
 Variable lengths (VARLEN): q [Tq, H, D], k/v [Tk, Hkv, D] hold B sequences packed end to end, cu_seqlens_q/k
 [B + 1] their offsets. The grid is sized by the longest sequence; each program reads its sequence's bounds from
 cu_seqlens (no host sync) and returns at once when its tile lies past the sequence's end.
 Loads: with USE_TMA (``configs.plan``) the q/k/v/o/do tiles come through host-side TMA descriptors (``_tma_tile``),
 whose out-of-bounds rows and columns read as zeros; elsewhere through pointers and masks (cp.async when pipelined).
 """
+from typing import Tuple
+
 import triton
 import triton.language as tl
+
+from ...contract import ScoreMods
 
 
 @triton.jit
@@ -43,23 +49,75 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
 
 
-@triton.jit
-def _modified_scores(s, rows, cols, offset, softcap, slope, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """Scores ``s`` (log2 units) capped, ``softcap * tanh(s / softcap)``, then biased by ALiBi, ``- slope |i + offset -
-    j|`` (``softcap`` and ``slope`` in log2 units too); rows / cols: query / key indices broadcastable to s."""
-    if HAS_SOFTCAP:
-        s = softcap * _tanh(s / softcap)
-    if HAS_ALIBI:
-        s -= slope * tl.abs(rows + offset - cols).to(tl.float32)
-    return s
+# ------------------------------------------------------------------------------------------ score modifiers
+# SCORE_MODS: a constexpr flag per field of contract.ScoreMods, in its order (``score_mod_flags``). MODS: the
+# modifiers' runtime arguments (``score_mod_args``): softcap in log2 units (1.0 without it), then ALiBi's slopes
+# (float32 [H] or [B, H], None without them) and their batch and head strides (0 on a broadcast dim).
+SOFTCAP, ALIBI = tl.constexpr(0), tl.constexpr(1)  # places in SCORE_MODS
+MODS_SIGNATURE = ("fp32", "*fp32", "i32", "i32")  # MODS' types, for the AOT report
+LOG2E = 1.4426950408889634  # the scores' unit: exp2 is the fast exponential
+
+
+def score_mod_flags(mods: ScoreMods) -> Tuple[bool, ...]:
+    """SCORE_MODS of a launch with ``mods``."""
+    return tuple(value is not None for value in mods)
+
+
+NO_SCORE_MOD = score_mod_flags(ScoreMods())  # SCORE_MODS without a modifier, and with every one (the AOT report's)
+EVERY_SCORE_MOD = tuple(True for _ in ScoreMods._fields)
+
+
+def score_mod_args(mods: ScoreMods) -> tuple:
+    """MODS of a launch with ``mods``, in the units the kernels keep scores in (log2)."""
+    slopes = mods.alibi_slopes
+    strides = (0, 0) if slopes is None else slopes.stride() if slopes.dim() == 2 else (0, slopes.stride(0))
+    return (1.0 if mods.softcap is None else mods.softcap * LOG2E, slopes, *strides)
+
+
+@triton.constexpr_function
+def _modifies_scores(SCORE_MODS):
+    """Whether a launch has a score modifier (a compile-time bool)."""
+    return any(SCORE_MODS)
+
+
+@triton.constexpr_function
+def _scales_gradient(SCORE_MODS):
+    """Whether ``_score_mods_grad`` changes ds (a compile-time bool): softcap's derivative is not 1."""
+    return bool(SCORE_MODS[SOFTCAP])
 
 
 @triton.jit
-def _alibi_slope(ALIBI, batch, head, stride_ab, stride_ah, HAS_ALIBI: tl.constexpr):
-    """This (batch, head)'s ALiBi slope in log2 units (0 without ALiBi)."""
-    if HAS_ALIBI:
-        return tl.load(ALIBI + batch * stride_ab + head * stride_ah).to(tl.float32) * 1.4426950408889634
-    return 0.0
+def _score_mod_values(MODS, batch, head, SCORE_MODS: tl.constexpr):
+    """What the modifiers read once per program, as ``_modified_scores`` takes them: (softcap, slope), in log2 units.
+    ``head`` is a program's head, or a column of heads (one per row) whose values broadcast over the keys."""
+    slope = 0.0
+    if SCORE_MODS[ALIBI]:
+        slope = tl.load(MODS[1] + batch * MODS[2] + head * MODS[3]).to(tl.float32) * 1.4426950408889634
+    return MODS[0], slope
+
+
+@triton.jit
+def _modified_scores(s, rows, cols, offset, values, SCORE_MODS: tl.constexpr):
+    """Scores ``s`` (log2 units) with the modifiers applied in their order: capped, ``softcap * tanh(s / softcap)``,
+    then biased by ALiBi, ``- slope |i + offset - j|``; rows / cols: query / key indices broadcastable to s,
+    ``values`` from ``_score_mod_values``. Also returns what ``_score_mods_grad`` reads (tanh(s / softcap))."""
+    capped = 0.0
+    if SCORE_MODS[SOFTCAP]:
+        capped = _tanh(s / values[0])
+        s = values[0] * capped
+    if SCORE_MODS[ALIBI]:
+        s -= values[1] * tl.abs(rows + offset - cols).to(tl.float32)
+    return s, capped
+
+
+@triton.jit
+def _score_mods_grad(ds, values, saved, SCORE_MODS: tl.constexpr):
+    """The gradient ``ds`` of the modified scores as that of the scores before them: times softcap's derivative
+    ``1 - tanh^2`` (``saved``: ``_modified_scores``' second result, ``values`` as it took them); ALiBi's bias has
+    derivative 1."""
+    if SCORE_MODS[SOFTCAP]:
+        ds *= 1.0 - saved * saved
+    return ds
 
 
 @triton.jit

@@ -10,16 +10,18 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...contract import AttentionMasks, AttentionSpec, PackedSequences, Window, heads_interleaved_strides
+from ...contract import (
+    NO_SCORE_MODS, AttentionMasks, AttentionSpec, PackedSequences, ScoreMods, Window, heads_interleaved_strides,
+)
 from .._common import interpreting, positional_constexprs, tma_addressable, tma_descriptor
 from ..targets import Target, target_of
 from . import configs
+from .jit import LOG2E, NO_SCORE_MOD, score_mod_args, score_mod_flags
 from .lengths import padding_lengths
 
 Tensor = torch.Tensor
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-LOG2E = 1.4426950408889634
 
 # What kind of attn_mask a kernel reads (a constexpr): none, bool (True = may attend) or float (added).
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
@@ -40,9 +42,8 @@ class MaskArgs(NamedTuple):
     causal_offset: int  # the alignment offset, when it is one for every sequence
     per_sequence_offset: bool  # bottom_right aligned per sequence (computed in the kernel)
     window: Optional[Tuple[int, int]]  # (left, right) as the kernels take it, see kernel_window
-    # Score modifiers (the forward and backward kernels only, not the weights kernel):
-    softcap: Optional[float] = None
-    alibi: Optional[Tensor] = None  # float32 slopes viewed as [B, H], stride 0 on a broadcast batch
+    # Score modifiers and sinks (the forward and backward kernels only, not the weights kernel):
+    mods: ScoreMods = NO_SCORE_MODS
     sinks: Optional[Tensor] = None  # float32 [H] contiguous
 
     def pointer_args(self) -> tuple:
@@ -58,9 +59,8 @@ class MaskArgs(NamedTuple):
         return (self.causal_offset, *(self.window if self.window is not None else (0, 0)))
 
     def score_args(self) -> tuple:
-        """ALIBI, SINKS, stride_ab, stride_ah, softcap (log2 units, as the kernels keep the scores)."""
-        alibi_strides = self.alibi.stride() if self.alibi is not None else (0, 0)
-        return (self.alibi, self.sinks, *alibi_strides, self.softcap * LOG2E if self.softcap is not None else 1.0)
+        """SINKS, MODS (``jit.score_mod_args``)."""
+        return self.sinks, score_mod_args(self.mods)
 
     @property
     def packed(self) -> bool:
@@ -68,11 +68,11 @@ class MaskArgs(NamedTuple):
 
     @property
     def modifies_scores(self) -> bool:
-        """softcap or ALiBi (``configs``' score_mods launches; sinks change no score)."""
-        return self.softcap is not None or self.alibi is not None
+        """Whether a score modifier is given (``configs``' score_mods launches; sinks change no score)."""
+        return self.mods is not NO_SCORE_MODS and bool(self.mods.given)
 
     def light(self, dropout_p: float) -> bool:
-        """Whether the scores read no attn_mask element, draw no dropout number and take no softcap or ALiBi
+        """Whether the scores read no attn_mask element, draw no dropout number and take no score modifier
         (``configs``' light launches)."""
         return self.mask_kind == MASK_NONE and dropout_p == 0.0 and not self.modifies_scores
 
@@ -81,18 +81,18 @@ class MaskArgs(NamedTuple):
         constexprs and plan."""
         return (self.mask_kind, self.padding is not None, self.query_lens is not None, self.query_padding is not None,
                 self.is_causal, self.window is not None, self.per_sequence_offset, self.cu_seqlens_q is not None,
-                self.mask is not None and mask_offsets_need_int64(self.mask), self.softcap is not None,
-                self.alibi is not None, self.sinks is not None)
+                self.mask is not None and mask_offsets_need_int64(self.mask),
+                NO_SCORE_MOD if self.mods is NO_SCORE_MODS else score_mod_flags(self.mods), self.sinks is not None)
 
     def constexprs(self, score_modifiers: bool = True) -> dict:
         """The kernels' constexprs of the masks and, with ``score_modifiers``, of the score modifiers (the forward
         and backward kernels take them, the weights kernel does not)."""
-        names = KIND_CONSTEXPRS if score_modifiers else KIND_CONSTEXPRS[:-3]
+        names = KIND_CONSTEXPRS if score_modifiers else KIND_CONSTEXPRS[:-2]
         return dict(zip(names, self.kind()))
 
 
 KIND_CONSTEXPRS = ("MASK_KIND", "HAS_PADDING", "HAS_QUERY_LENS", "HAS_QUERY_PADDING", "IS_CAUSAL", "HAS_WINDOW",
-                   "PER_SEQUENCE_OFFSET", "VARLEN", "MASK_OFFSETS_64", "HAS_SOFTCAP", "HAS_ALIBI", "HAS_SINKS")
+                   "PER_SEQUENCE_OFFSET", "VARLEN", "MASK_OFFSETS_64", "SCORE_MODS", "HAS_SINKS")
 
 
 def row_strides(t: Tensor) -> Tuple[int, int, int]:
@@ -173,7 +173,7 @@ def kernel_window(window: Window, is_causal: bool, unlimited: int) -> Optional[T
     return (left, min(right, 0) if is_causal else right)
 
 
-def mask_args(q: Tensor, k: Tensor, masks: AttentionMasks, spec: AttentionSpec, alibi_slopes: Optional[Tensor] = None,
+def mask_args(q: Tensor, k: Tensor, masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods = NO_SCORE_MODS,
               sinks: Optional[Tensor] = None) -> MaskArgs:
     """The masks of a dense launch (q ``[B, H, Lq, D]``, k ``[B, Hkv, Lk, D]``) in kernel form."""
     (batch, heads, lq, _), lk = q.shape, k.shape[2]
@@ -199,29 +199,21 @@ def mask_args(q: Tensor, k: Tensor, masks: AttentionMasks, spec: AttentionSpec, 
         query_padding = query_padding_mask.contiguous().view(torch.uint8)
         query_lens = padding_lengths(query_padding)  # the kernels read its first row
     window = kernel_window(spec.window, spec.is_causal, lq + lk)
-    aligned = spec.bottom_right and (spec.is_causal or window is not None or alibi_slopes is not None)
-    scores = () if spec.softcap is None and alibi_slopes is None and sinks is None else score_modifiers(
-        batch, heads, spec.softcap, alibi_slopes, sinks)
+    aligned = spec.bottom_right and (spec.is_causal or window is not None or mods is not NO_SCORE_MODS)
     return MaskArgs(mask, mask_kind, padding, key_lens, query_lens, query_padding, None, None, spec.is_causal,
-                    lk - lq if aligned else 0, aligned and query_padding is not None, window, *scores)
+                    lk - lq if aligned else 0, aligned and query_padding is not None, window, mods,
+                    None if sinks is None else sinks.contiguous())
 
 
-def score_modifiers(batch: int, heads: int, softcap: Optional[float], alibi_slopes: Optional[Tensor],
-                    sinks: Optional[Tensor]) -> tuple:
-    """MaskArgs' softcap, alibi and sinks fields: the slopes ``[H]`` or ``[B, H]`` viewed as ``[B, H]``."""
-    return (softcap, alibi_slopes.expand(batch, heads) if alibi_slopes is not None else None,
-            sinks.contiguous() if sinks is not None else None)
-
-
-def varlen_mask_args(seqs: PackedSequences, spec: AttentionSpec, heads: int, alibi_slopes: Optional[Tensor] = None,
+def varlen_mask_args(seqs: PackedSequences, spec: AttentionSpec, mods: ScoreMods = NO_SCORE_MODS,
                      sinks: Optional[Tensor] = None) -> MaskArgs:
     """The sequence bounds of a packed launch in kernel form."""
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = seqs
     window = kernel_window(spec.window, spec.is_causal, max_seqlen_q + max_seqlen_k)
-    aligned = spec.bottom_right and (spec.is_causal or window is not None or alibi_slopes is not None)
+    aligned = spec.bottom_right and (spec.is_causal or window is not None or mods is not NO_SCORE_MODS)
     return MaskArgs(
         None, MASK_NONE, None, None, None, None, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), spec.is_causal,
-        0, aligned, window, *score_modifiers(cu_seqlens_q.shape[0] - 1, heads, spec.softcap, alibi_slopes, sinks),
+        0, aligned, window, mods, None if sinks is None else sinks.contiguous(),
     )
 
 

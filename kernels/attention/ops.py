@@ -2,11 +2,14 @@
 straight to its launcher; under ``torch.compile``, ``torch.export`` or a FakeTensor trace (``traced``) it goes
 through a custom op, whose fake kernel gives the traced graph its shapes. The custom ops take the call's options
 flat (their schema), and build the same masks and spec the eager path has."""
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ...contract import AttentionMasks, AttentionSpec, PackedSequences, window_bounds, window_of_bounds
+from ...contract import (
+    NO_SCORE_MODS, SCORE_MOD_TENSORS, AttentionMasks, AttentionSpec, PackedSequences, ScoreMods, score_mods_flat,
+    score_mods_of_flat, window_bounds, window_of_bounds,
+)
 from .._common import contiguous_last_dims, dropout_keep_mask, runtime_keys, traced
 from .bwd import launch_bwd
 from .fwd import launch_fwd
@@ -20,7 +23,7 @@ Tensor = torch.Tensor
 # ------------------------------------------------------------------------------------------------ eager
 
 
-def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
+def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, mods: ScoreMods,
          sinks: Optional[Tensor], seed: Optional[Tensor], float_output: bool, masks: Optional[AttentionMasks] = None,
          seqs: Optional[PackedSequences] = None, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """The forward launch: dense with ``masks``, packed with ``seqs``; its layout, masks and arguments in kernel form
@@ -30,7 +33,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slopes: Opt
     lse = empty_lse(q, packed=seqs is not None)
     if lse.numel() == 0:  # no query row: a grid of 0 programs is an error on a GPU
         return o, lse
-    form = _launch_form(q, k, v, spec, alibi_slopes, sinks, masks, seqs, seed)
+    form = _launch_form(q, k, v, spec, mods, sinks, masks, seqs, seed)
     if prepared is not None:
         prepared["launch"] = form
     launch_fwd(q, k, v, o, lse, form, spec)
@@ -38,7 +41,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slopes: Opt
 
 
 def _bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-         spec: AttentionSpec, alibi_slopes: Optional[Tensor], seed: Optional[Tensor],
+         spec: AttentionSpec, mods: ScoreMods, seed: Optional[Tensor],
          masks: Optional[AttentionMasks] = None, seqs: Optional[PackedSequences] = None,
          prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """The backward launches (the dq kernel, then the dk/dv kernel): dense with ``masks``, packed with ``seqs``, the
@@ -49,7 +52,7 @@ def _bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o:
         return dq.zero_(), dk.zero_(), dv.zero_()
     form = prepared.get("launch") if prepared is not None else None
     if form is None:
-        form = _launch_form(q, k, v, spec, alibi_slopes, None, masks, seqs, seed)
+        form = _launch_form(q, k, v, spec, mods, None, masks, seqs, seed)
     elif form.masks.sinks is not None:  # in the LSE: the backward kernels take none
         kernel_masks = form.masks._replace(sinks=None)
         form = LaunchForm(form.layout, kernel_masks,
@@ -58,25 +61,27 @@ def _bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o:
     return dq, dk, dv
 
 
-# The launch forms of dense calls without masks, ALiBi or sinks (nothing but shapes, strides and the spec decides
-# them), by what decides them: (the form, the shared arguments before the seed, after it). The form is the call's
-# own where it has no seed (no dropout); with one, its args are empty and each call's are made with its seed.
+# The launch forms of dense calls without masks, sinks or score modifiers that are tensors (nothing but shapes,
+# strides, the spec and the modifiers' numbers decides them), by what decides them: (the form, the shared arguments
+# before the seed, after it). The form is the call's own where it has no seed (no dropout); with one, its args are
+# empty and each call's are made with its seed.
 _PLAIN_FORMS: Dict[tuple, Tuple[LaunchForm, tuple, tuple]] = {}
 _MAX_PLAIN_FORMS = 256
 
 
-def _launch_form(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
+def _launch_form(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, mods: ScoreMods,
                  sinks: Optional[Tensor], masks: Optional[AttentionMasks], seqs: Optional[PackedSequences],
                  seed: Optional[Tensor]) -> LaunchForm:
     """The ``LaunchForm`` of a launch: dense with ``masks``, packed with ``seqs``; made once per shape, strides and
     spec for a plain dense call."""
     if seqs is not None:
         layout = Layout.packed(q, k, v, seqs.cu_seqlens_q.shape[0] - 1, seqs.max_seqlen_q, seqs.max_seqlen_k)
-        kernel_masks = varlen_mask_args(seqs, spec, q.shape[1], alibi_slopes, sinks)
+        kernel_masks = varlen_mask_args(seqs, spec, mods, sinks)
         return LaunchForm(layout, kernel_masks, shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed))
-    plain = alibi_slopes is None and sinks is None and masks.unmasked  # no tensor but q, k, v
+    plain = sinks is None and masks.unmasked and (  # no tensor but q, k, v
+        mods is NO_SCORE_MODS or all(getattr(mods, name) is None for name in SCORE_MOD_TENSORS))
     if plain:
-        key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), spec)
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), spec, mods)
         found = _PLAIN_FORMS.get(key)
         if found is not None:
             form, before_seed, after_seed = found
@@ -84,7 +89,7 @@ def _launch_form(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slo
                 return form
             return LaunchForm(form.layout, form.masks, (*before_seed, seed, *after_seed), form.args_key,
                               form.keyed_args)
-    layout, kernel_masks = Layout.dense(q, k, v), mask_args(q, k, masks, spec, alibi_slopes, sinks)
+    layout, kernel_masks = Layout.dense(q, k, v), mask_args(q, k, masks, spec, mods, sinks)
     args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
     if not plain:
         return LaunchForm(layout, kernel_masks, args)
@@ -115,54 +120,50 @@ def _flat_masks(masks: AttentionMasks) -> tuple:
     return masks.attn_mask, masks.key_padding_mask, masks.query_lengths, masks.query_padding_mask
 
 
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
-                  alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], seed: Optional[Tensor],
-                  float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods,
+                  sinks: Optional[Tensor], seed: Optional[Tensor], float_output: bool,
+                  prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """``o [B, H, Lq, D]`` laid out as ``[B, Lq, H, D]`` (float32 with ``float_output``) and the float32 LSE."""
     q, k, v = contiguous_last_dims(q, k, v)
     if traced():
         return torch.ops.fused_transformer.attention_fwd(
-            q, k, v, *_flat_masks(masks), spec.is_causal, spec.causal_alignment, *window_bounds(spec.window),
-            spec.dropout_p, seed, spec.scale, spec.allow_tf32, spec.softcap, alibi_slopes, sinks, float_output)
-    return _fwd(q, k, v, spec, alibi_slopes, sinks, seed, float_output, masks=masks, prepared=prepared)
+            q, k, v, *_flat_masks(masks), *_flat_spec(spec), seed, *score_mods_flat(mods), sinks, float_output)
+    return _fwd(q, k, v, spec, mods, sinks, seed, float_output, masks=masks, prepared=prepared)
 
 
 def attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                  masks: AttentionMasks, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
+                  masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods,
                   seed: Optional[Tensor], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` laid out as o; o in q's dtype or float32 (``float_output``)."""
     q, k, v = contiguous_last_dims(q, k, v)
     o, lse = (o if o.dtype == q.dtype else o.to(q.dtype)), lse.contiguous()
     if traced():
         return torch.ops.fused_transformer.attention_bwd(
-            do, dlse, q, k, v, o, lse, *_flat_masks(masks), spec.is_causal, spec.causal_alignment,
-            *window_bounds(spec.window), spec.dropout_p, seed, spec.scale, spec.allow_tf32, spec.softcap, alibi_slopes)
-    return _bwd(do, dlse, q, k, v, o, lse, spec, alibi_slopes, seed, masks=masks, prepared=prepared)
+            do, dlse, q, k, v, o, lse, *_flat_masks(masks), *_flat_spec(spec), seed, *score_mods_flat(mods))
+    return _bwd(do, dlse, q, k, v, o, lse, spec, mods, seed, masks=masks, prepared=prepared)
 
 
 def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences, spec: AttentionSpec,
-                         alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], seed: Optional[Tensor],
+                         mods: ScoreMods, sinks: Optional[Tensor], seed: Optional[Tensor],
                          float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """``o [Tq, H, D]`` (float32 with ``float_output``) and the float32 LSE ``[H, Tq]``."""
     q, k, v = contiguous_last_dims(q, k, v)
     if traced():
         return torch.ops.fused_transformer.attention_varlen_fwd(
-            q, k, v, *seqs, spec.is_causal, spec.causal_alignment, *window_bounds(spec.window), spec.dropout_p, seed,
-            spec.scale, spec.allow_tf32, spec.softcap, alibi_slopes, sinks, float_output)
-    return _fwd(q, k, v, spec, alibi_slopes, sinks, seed, float_output, seqs=seqs, prepared=prepared)
+            q, k, v, *seqs, *_flat_spec(spec), seed, *score_mods_flat(mods), sinks, float_output)
+    return _fwd(q, k, v, spec, mods, sinks, seed, float_output, seqs=seqs, prepared=prepared)
 
 
 def attention_varlen_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
-                         lse: Tensor, seqs: PackedSequences, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
+                         lse: Tensor, seqs: PackedSequences, spec: AttentionSpec, mods: ScoreMods,
                          seed: Optional[Tensor], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq [Tq, H, D], dk, dv [Tk, Hkv, D]``."""
     q, k, v = contiguous_last_dims(q, k, v)
     o, lse = (o if o.dtype == q.dtype else o.to(q.dtype)), lse.contiguous()
     if traced():
         return torch.ops.fused_transformer.attention_varlen_bwd(
-            do, dlse, q, k, v, o, lse, *seqs, spec.is_causal, spec.causal_alignment, *window_bounds(spec.window),
-            spec.dropout_p, seed, spec.scale, spec.allow_tf32, spec.softcap, alibi_slopes)
-    return _bwd(do, dlse, q, k, v, o, lse, spec, alibi_slopes, seed, seqs=seqs, prepared=prepared)
+            do, dlse, q, k, v, o, lse, *seqs, *_flat_spec(spec), seed, *score_mods_flat(mods))
+    return _bwd(do, dlse, q, k, v, o, lse, spec, mods, seed, seqs=seqs, prepared=prepared)
 
 
 def attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tensor:
@@ -171,38 +172,47 @@ def attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, 
     these weights for inspection)."""
     (q, k), lse = contiguous_last_dims(q, k), lse.float()
     if traced():
-        return torch.ops.fused_transformer.attention_weights(
-            q, k, lse, *_flat_masks(masks), spec.is_causal, spec.causal_alignment, *window_bounds(spec.window), spec.scale)
+        return torch.ops.fused_transformer.attention_weights(q, k, lse, *_flat_masks(masks), *_flat_spec(spec)[:4],
+                                                             spec.scale)
     return _weights(q, k, lse, masks, spec)
 
 
 # -------------------------------------------------------------------------- custom ops, for tracing
 
 
+def _flat_spec(spec: AttentionSpec) -> tuple:
+    """The spec in the custom ops' order (``_spec``'s arguments); the seed follows it."""
+    return (spec.is_causal, spec.causal_alignment, *window_bounds(spec.window), spec.dropout_p, spec.scale,
+            spec.allow_tf32)
+
+
 def _spec(is_causal: bool, causal_alignment: str, window_left: Optional[int], window_right: Optional[int],
-          dropout_p: float, scale: float, allow_tf32: bool, softcap: Optional[float]) -> AttentionSpec:
+          dropout_p: float, scale: float, allow_tf32: bool) -> AttentionSpec:
     return AttentionSpec(is_causal, causal_alignment, window_of_bounds(window_left, window_right), dropout_p, scale,
-                         softcap, allow_tf32)
+                         allow_tf32)
+
+
+# The custom ops take the spec flat (``_flat_spec``), then the seed, then the score modifiers as
+# ``contract.score_mods_flat`` gives them: their tensors, then their numbers (NaN where absent).
 
 
 @torch.library.custom_op("fused_transformer::attention_fwd", mutates_args=())
 def _attention_fwd_op(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
     query_lengths: Optional[Tensor], query_padding_mask: Optional[Tensor], is_causal: bool, causal_alignment: str,
-    window_left: Optional[int], window_right: Optional[int], dropout_p: float, seed: Optional[Tensor],
-    scale: float, allow_tf32: bool, softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None, float_output: bool = False,
+    window_left: Optional[int], window_right: Optional[int], dropout_p: float, scale: float, allow_tf32: bool,
+    seed: Optional[Tensor], mod_tensors: List[Optional[Tensor]], mod_numbers: List[float], sinks: Optional[Tensor],
+    float_output: bool,
 ) -> Tuple[Tensor, Tensor]:
     """``attention_fwd`` with its options flat: q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, contiguous last dims."""
     masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask, query_lengths)
-    spec = _spec(is_causal, causal_alignment, window_left, window_right, dropout_p, scale, allow_tf32, softcap)
-    return _fwd(q, k, v, spec, alibi_slopes, sinks, seed, float_output, masks=masks)
+    spec = _spec(is_causal, causal_alignment, window_left, window_right, dropout_p, scale, allow_tf32)
+    return _fwd(q, k, v, spec, score_mods_of_flat(mod_tensors, mod_numbers), sinks, seed, float_output, masks=masks)
 
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal, causal_alignment,
-      window_left, window_right, dropout_p, seed, scale, allow_tf32, softcap=None, alibi_slopes=None, sinks=None,
-      float_output=False):
+      window_left, window_right, dropout_p, scale, allow_tf32, seed, mod_tensors, mod_numbers, sinks, float_output):
     return empty_output(q, torch.float32 if float_output else None), empty_lse(q)
 
 
@@ -211,19 +221,19 @@ def _attention_bwd_op(
     do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], query_lengths: Optional[Tensor],
     query_padding_mask: Optional[Tensor], is_causal: bool, causal_alignment: str, window_left: Optional[int],
-    window_right: Optional[int], dropout_p: float, seed: Optional[Tensor], scale: float, allow_tf32: bool,
-    softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+    window_right: Optional[int], dropout_p: float, scale: float, allow_tf32: bool, seed: Optional[Tensor],
+    mod_tensors: List[Optional[Tensor]], mod_numbers: List[float],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``attention_bwd`` with its options flat (the dq kernel, then the dk/dv kernel). Sinks need no argument here:
     they are in the forward's LSE."""
     masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask, query_lengths)
-    spec = _spec(is_causal, causal_alignment, window_left, window_right, dropout_p, scale, allow_tf32, softcap)
-    return _bwd(do, dlse, q, k, v, o, lse, spec, alibi_slopes, seed, masks=masks)
+    spec = _spec(is_causal, causal_alignment, window_left, window_right, dropout_p, scale, allow_tf32)
+    return _bwd(do, dlse, q, k, v, o, lse, spec, score_mods_of_flat(mod_tensors, mod_numbers), seed, masks=masks)
 
 
 @_attention_bwd_op.register_fake
 def _(do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, query_padding_mask, is_causal,
-      causal_alignment, window_left, window_right, dropout_p, seed, scale, allow_tf32, softcap=None, alibi_slopes=None):
+      causal_alignment, window_left, window_right, dropout_p, scale, allow_tf32, seed, mod_tensors, mod_numbers):
     return tuple(map(empty_output, (q, k, v)))
 
 
@@ -231,20 +241,18 @@ def _(do, dlse, q, k, v, o, lse, attn_mask, key_padding_mask, query_lengths, que
 def _attention_varlen_fwd_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, is_causal: bool, causal_alignment: str, window_left: Optional[int],
-    window_right: Optional[int], dropout_p: float, seed: Optional[Tensor], scale: float, allow_tf32: bool,
-    softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-    float_output: bool = False,
+    window_right: Optional[int], dropout_p: float, scale: float, allow_tf32: bool, seed: Optional[Tensor],
+    mod_tensors: List[Optional[Tensor]], mod_numbers: List[float], sinks: Optional[Tensor], float_output: bool,
 ) -> Tuple[Tensor, Tensor]:
     """``attention_varlen_fwd`` with its options flat: q ``[Tq, H, D]``, k/v ``[Tk, Hkv, D]``."""
     seqs = PackedSequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    spec = _spec(is_causal, causal_alignment, window_left, window_right, dropout_p, scale, allow_tf32, softcap)
-    return _fwd(q, k, v, spec, alibi_slopes, sinks, seed, float_output, seqs=seqs)
+    spec = _spec(is_causal, causal_alignment, window_left, window_right, dropout_p, scale, allow_tf32)
+    return _fwd(q, k, v, spec, score_mods_of_flat(mod_tensors, mod_numbers), sinks, seed, float_output, seqs=seqs)
 
 
 @_attention_varlen_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, causal_alignment, window_left,
-      window_right, dropout_p, seed, scale, allow_tf32, softcap=None, alibi_slopes=None, sinks=None,
-      float_output=False):
+      window_right, dropout_p, scale, allow_tf32, seed, mod_tensors, mod_numbers, sinks, float_output):
     return empty_output(q, torch.float32 if float_output else None), empty_lse(q, packed=True)
 
 
@@ -252,20 +260,18 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal
 def _attention_varlen_bwd_op(
     do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
-    causal_alignment: str, window_left: Optional[int], window_right: Optional[int], dropout_p: float,
-    seed: Optional[Tensor], scale: float, allow_tf32: bool, softcap: Optional[float] = None,
-    alibi_slopes: Optional[Tensor] = None,
+    causal_alignment: str, window_left: Optional[int], window_right: Optional[int], dropout_p: float, scale: float,
+    allow_tf32: bool, seed: Optional[Tensor], mod_tensors: List[Optional[Tensor]], mod_numbers: List[float],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``attention_varlen_bwd`` with its options flat."""
     seqs = PackedSequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    spec = _spec(is_causal, causal_alignment, window_left, window_right, dropout_p, scale, allow_tf32, softcap)
-    return _bwd(do, dlse, q, k, v, o, lse, spec, alibi_slopes, seed, seqs=seqs)
+    spec = _spec(is_causal, causal_alignment, window_left, window_right, dropout_p, scale, allow_tf32)
+    return _bwd(do, dlse, q, k, v, o, lse, spec, score_mods_of_flat(mod_tensors, mod_numbers), seed, seqs=seqs)
 
 
 @_attention_varlen_bwd_op.register_fake
 def _(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
-      causal_alignment, window_left, window_right, dropout_p, seed, scale, allow_tf32, softcap=None,
-      alibi_slopes=None):
+      causal_alignment, window_left, window_right, dropout_p, scale, allow_tf32, seed, mod_tensors, mod_numbers):
     return tuple(map(empty_output, (q, k, v)))
 
 
@@ -278,7 +284,7 @@ def _attention_weights_op(
     """``attention_weights`` with its options flat: ``[B, H, Lq, Lk]`` in q's dtype, zeros where masked."""
     masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask, query_lengths)
     return _weights(q, k, lse, masks, _spec(is_causal, causal_alignment, window_left, window_right, 0.0, scale,
-                                            False, None))
+                                            False))
 
 
 @_attention_weights_op.register_fake

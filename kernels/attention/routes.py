@@ -5,7 +5,7 @@ same computation.
 the mask, dropout, whether the caller needs the LSE) over ``ROUTES``, rows measured by ``bench --device cuda``.
 A call goes to SDPA only where its result is the same as ours: no mask but ``is_causal`` (SDPA's causal mask is
 top-left, so with ``Lq != Lk`` only that alignment), no dropout (SDPA's random mask is not our seed's), no window,
-softcap, ALiBi, sinks or padding, the query's heads on the keys' (no GQA), and no LSE asked for (SDPA returns none).
+score modifiers, sinks or padding, the query's heads on the keys' (no GQA), and no LSE asked for (SDPA returns none).
 A call that needs gradients goes there only where the row says SDPA's backward is deterministic as ours is (the
 gpu-check graphs part holds ours to bitwise-equal gradients): its backward is then SDPA's own, the forward's route
 deciding the backward's.
@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ...contract import AttentionMasks, AttentionSpec
+from ...contract import NO_SCORE_MODS, AttentionMasks, AttentionSpec, ScoreMods
 from .._common import interpreting
 
 Tensor = torch.Tensor
@@ -51,12 +51,12 @@ ROUTES: Tuple[Route, ...] = (
 )
 
 
-def mask_kind(q: Tensor, k: Tensor, masks: AttentionMasks, spec: AttentionSpec, alibi_slopes: Optional[Tensor],
+def mask_kind(q: Tensor, k: Tensor, masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods,
               sinks: Optional[Tensor]) -> Optional[str]:
     """``"none"`` or ``"causal"`` where SDPA computes what we compute from ``is_causal`` alone, else None."""
-    if any(mask is not None for mask in masks) or alibi_slopes is not None or sinks is not None:
+    if not masks.unmasked or mods is not NO_SCORE_MODS or sinks is not None:
         return None
-    if spec.window is not None or spec.softcap is not None or spec.dropout_p != 0.0:
+    if spec.window is not None or spec.dropout_p != 0.0:
         return None
     if not spec.is_causal:
         return "none"
@@ -90,7 +90,7 @@ def capability_of(device: torch.device) -> Optional[int]:
 
 
 def attention_composed(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
-                       alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], needs_lse: bool,
+                       mods: ScoreMods, sinks: Optional[Tensor], needs_lse: bool,
                        needs_grad: bool) -> Optional[Tensor]:
     """``o`` by ``F.scaled_dot_product_attention`` (differentiated by autograd) where ``route`` says so; None for
     the calls our kernels run."""
@@ -100,7 +100,7 @@ def attention_composed(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, s
     if capability is None:
         return None
     row = route(capability, q.dtype, q.shape[3], q.shape[1], k.shape[1], q.shape[2], k.shape[2],
-                mask_kind(q, k, masks, spec, alibi_slopes, sinks), needs_lse, needs_grad)
+                mask_kind(q, k, masks, spec, mods, sinks), needs_lse, needs_grad)
     if row is None:
         return None
     return F.scaled_dot_product_attention(q, k, v, is_causal=spec.is_causal, scale=spec.scale)
