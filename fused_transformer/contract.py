@@ -110,7 +110,7 @@ class ScoreMods(NamedTuple):
     """What modifies the scaled scores of an attention call, checked (``score_mods``) and applied in this order,
     before the masks; None where absent. Constants: no gradient flows to them. A modifier is a field here (its check
     in ``score_mods``), its math in ``reference.modify_scores`` and in the Triton kernels' ``jit.py`` (host and
-    device sides); a backend's ``SCORE_MODS`` names those it computes, and the others send its calls to the reference."""
+    device sides); a backend's ``SCORE_MODS`` names those it computes, the others sending its calls to the reference."""
 
     softcap: Optional[float] = None  # scores become softcap * tanh(scores / softcap) (Gemma 2, Grok)
     alibi_slopes: Optional[Tensor] = None  # float32 [H] or [B, H]: scores less slope * |i + o - j| (o: the alignment)

@@ -407,7 +407,6 @@ def append_to_cache(cache: KVCache, k_new: Tensor, v_new: Tensor) -> KVCache:
                    None if known is None else known + new_len)
 
 
-
 def layer_norm(
     x: Tensor,
     weight: Optional[Tensor],

@@ -394,6 +394,7 @@ def test_every_launcher_reuses_its_compiled_kernel_on_a_gpu():
     first, second_through_run, second_direct = ast.literal_eval(done.stdout.strip().splitlines()[-1])
     assert {"attention_fwd_kernel", "attention_dq_kernel", "attention_dkdv_kernel", "_attention_decode_kernel",
             "_attention_append_kernel", "_attention_decode_merge_kernel", "_layer_norm_fwd_kernel",
-            "_layer_norm_bwd_kernel", "_sum_rows_kernel", "_activation_kernel", "_padding_lengths_kernel"} <= set(first), first
+            "_layer_norm_bwd_kernel", "_sum_rows_kernel", "_activation_kernel",
+            "_padding_lengths_kernel"} <= set(first), first
     assert second_through_run == {}, second_through_run
     assert set(second_direct) == set(first)

@@ -5,10 +5,10 @@ Cases (``cases``), on batch 2, 2 heads, L 8, head dim 16, d_model 32, d_ff 64:
 
 - ops: ``ft.attention`` forward (under ``no_grad``) and forward+backward, without a mask and with a key padding mask
   (the second sequence's last 3 keys; SDPA takes it as a bool mask made before the calls); ``ft.attention_varlen``
-  forward (two packed sequences of 8 and 5 tokens); ``ft.attention_with_kvcache``, one decoding step (one new key and value appended to
-  a contiguous cache holding 7, one query per sequence, the lengths on the host); ``ft.layer_norm`` with a residual
-  and ``ft.feed_forward`` (GELU), both with dropout 0.1 (``FUSED_DROPOUT``; without it ATen runs the feed-forward,
-  and on a GPU the LayerNorm), forward and forward+backward.
+  forward (two packed sequences of 8 and 5 tokens); ``ft.attention_with_kvcache``, one decoding step (one new key
+  and value appended to a contiguous cache holding 7, one query per sequence, the lengths on the host);
+  ``ft.layer_norm`` with a residual and ``ft.feed_forward`` (GELU), both with dropout 0.1 (``FUSED_DROPOUT``;
+  without it ATen runs the feed-forward, and on a GPU the LayerNorm), forward and forward+backward.
 - modules: ``ft.LayerNorm``, ``ft.MultiheadAttention`` (``need_weights=False``), ``ft.TransformerEncoderLayer`` and
   ``ft.TransformerDecoderLayer`` (dropout 0.1, batch_first), an eval call under ``no_grad`` and a training step.
 
@@ -298,7 +298,8 @@ def _feed_forward(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Cal
 
 
 OP_INPUTS = {
-    "attention": _attention, KEY_PADDING: _attention_key_padding, "attention_varlen": _attention_varlen, "attention_with_kvcache": _attention_with_kvcache,
+    "attention": _attention, KEY_PADDING: _attention_key_padding, "attention_varlen": _attention_varlen,
+    "attention_with_kvcache": _attention_with_kvcache,
     "layer_norm": _layer_norm, "feed_forward": _feed_forward,
 }
 

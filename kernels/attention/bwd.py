@@ -88,8 +88,9 @@ def attention_dq_kernel(
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, SCORE_MODS: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    INTERIOR_LOOP: tl.constexpr, DO_STRIDES: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, SCORE_MODS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, INTERIOR_LOOP: tl.constexpr,
+    DO_STRIDES: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
     batch_head = _batch_head(n_heads)

@@ -287,8 +287,8 @@ def _visible_queries(first_col, q_len, k_len, offset, window_left, window_right,
 @triton.jit
 def _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING: tl.constexpr):
     """How many keys of sequence ``batch`` come before its first padding key (k_len when it has padding only at the
-    end, or none): key tiles below that need no padding mask. KEY_LENS is [2, B] int32 (``lengths.padding_lengths``), this
-    the second row; the grid's axis 2 is the batch."""
+    end, or none): key tiles below that need no padding mask. KEY_LENS is [2, B] int32
+    (``lengths.padding_lengths``), this the second row; the grid's axis 2 is the batch."""
     if HAS_PADDING:
         return tl.load(KEY_LENS + tl.num_programs(2) + batch)
     return k_len
