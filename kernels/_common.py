@@ -211,6 +211,11 @@ def contiguous_last_dims(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
 # A fixed Philox key: the seed goes into a counter word instead. With a run-time key (the seed loaded from
 # memory), the key schedule of every round took registers, and tight configs spilled.
 PHILOX_KEY = tl.constexpr(0x2545F4914F6CDD1D)
+# Seven rounds of Philox4x32, not Triton's default ten: the fewest that passed TestU01's BigCrush in the Random123
+# paper (Salmon et al., SC 2011, which keeps three more as a safety margin), and the rounds FlashAttention's dropout
+# runs (torch's flash SDPA backend). A draw is integer work per element: in the attention forward's main loop
+# (bfloat16, head dim 64, sm_90) ten rounds took 2050 of its 2367 SASS instructions, seven take 1458 of 1775.
+PHILOX_ROUNDS = tl.constexpr(7)
 
 
 @triton.jit
@@ -223,14 +228,15 @@ def dropout_keep(SEED, offsets, dropout_p):
     seed = tl.load(SEED).to(tl.uint32)
     offset_lo = offsets.to(tl.uint32)
     zero = offset_lo * 0
-    bits, _, _, _ = tl.philox(PHILOX_KEY, offset_lo, (offsets >> 32).to(tl.uint32), zero + seed, zero)
+    bits, _, _, _ = tl.philox(PHILOX_KEY, offset_lo, (offsets >> 32).to(tl.uint32), zero + seed, zero,
+                               PHILOX_ROUNDS)
     return tl.uint_to_uniform_float(bits) >= dropout_p
 
 
 # The feed-forward's activation kernel, memory-bound, uses all four numbers of a Philox call: element
 # (row, col) of a [rows, N] view takes lane col % 4 of the call whose counter is (group, seed, 1) with group
-# row * cdiv(N, 4) + col // 4 (the last word keeps this stream apart from dropout_keep's). Ten rounds of 32-bit
-# multiplies an element capped those kernels near 1.4 TB/s on an H200 (one call per element of bfloat16 rows that
+# row * cdiv(N, 4) + col // 4 (the last word keeps this stream apart from dropout_keep's). A ten-round call per
+# element capped those kernels near 1.4 TB/s on an H200 (one call per element of bfloat16 rows that
 # move 8 bytes each); a call per four elements puts the cap above the memory's rate. LayerNorm and attention keep
 # dropout_keep, a call per element: under Triton 3.7.1 the LayerNorm backward of 512 columns (sm_80) put 8 B on the
 # stack with four numbers a call (spread with join + reshape, spread with tl.where, or picked per element alike), and
@@ -241,7 +247,7 @@ def _philox_quads(SEED, groups):
     seed = tl.load(SEED).to(tl.uint32)
     group_lo = groups.to(tl.uint32)
     zero = group_lo * 0
-    return tl.philox(PHILOX_KEY, group_lo, (groups >> 32).to(tl.uint32), zero + seed, zero + 1)
+    return tl.philox(PHILOX_KEY, group_lo, (groups >> 32).to(tl.uint32), zero + seed, zero + 1, PHILOX_ROUNDS)
 
 
 @triton.jit

@@ -67,6 +67,8 @@ class VersionRange:
 EVERY_RELEASE = VersionRange()
 # Rows tuned on 3.9's register allocator that spill under an older one get a row for these releases before them.
 BEFORE_3_9 = VersionRange(OLDEST, (3, 8))
+SINCE_3_7 = VersionRange((3, 7))
+SINCE_3_9 = VersionRange((3, 9))
 TRITON_3_6 = VersionRange((3, 6), (3, 6))
 TRITON_3_7 = VersionRange((3, 7), (3, 7))
 

@@ -36,7 +36,9 @@ import torch
 
 from .._common import next_power_of_2
 from ..targets import LARGE_SHARED_MEMORY, TARGETS, Target
-from ..toolchain import BEFORE_3_9, EVERY_RELEASE, TRITON_3_6, Version, VersionRange, installed
+from ..toolchain import (
+    BEFORE_3_9, EVERY_RELEASE, SINCE_3_7, SINCE_3_9, TRITON_3_6, Version, VersionRange, installed,
+)
 
 KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", "weights")
 PRECISIONS = ("bf16", "fp32", "tf32")
@@ -117,7 +119,11 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     TileRow("bwd_dq", "bf16", (128,), Tile(128, 32, 8, 3), targets=HOPPER, loads="tma", layouts=("packed",),
             score_mods=True),
     TileRow("bwd_dq", "tf32", (32,), Tile(32, 16, 8, 2), targets=(86, 89), layouts=("packed",), score_mods=True),
+    TileRow("fwd", "bf16", (32,), Tile(128, 32, 8, 1), targets=(80, 90), loads="pointer", layouts=("packed",),
+            score_mods=True, tritons=SINCE_3_9),  # BM128_BN32_w8_s2 spills 8 B on sm_80
     TileRow("bwd_dq", "fp32", (64,), Tile(64, 16, 8, 1), score_mods=True),
+    TileRow("fwd", "fp32", (16,), Tile(64, 32, 8, 1), targets=HOPPER, layouts=("dense",), score_mods=True,
+            tritons=TRITON_3_6),  # BM64_BN32_w8_s2 spills 8 B under 3.6
     TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 1), score_mods=True, do_strides=False),
     TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 1), score_mods=True),
     _older("fwd", "tf32", 64, (32, 16, 8, 1), targets=(80, 86, 89), layouts=("dense",),
@@ -128,10 +134,14 @@ TILE_ROWS: Tuple[TileRow, ...] = (
            score_mods=True),  # BM16_BN32_w4_s1 spills 8 B under 3.6, 3.7
     _older("bwd_dq", "tf32", 32, (32, 16, 8, 1), targets=HOPPER, layouts=("packed",),
            score_mods=True),  # BM32_BN16_w8_s2 spills 8 B under 3.6, 3.7
+    TileRow("bwd_dq", "tf32", (32,), Tile(32, 16, 8, 2), targets=(80, 90), layouts=("packed",), score_mods=True,
+            tritons=SINCE_3_9),  # BM32_BN32_w8_s2 spills 8 B on sm_80
     # 1. float32 with tf32 products. sm_90's forward through TMA runs 128 query rows as wgmma (HGMMA...TF32).
     _older("fwd", "tf32", 64, (128, 64, 8, 1), targets=HOPPER, loads="tma"),  # BM128_BN64_w8_s2 spills 16 B under 3.7
     *_rows("fwd", "tf32", {64: (128, 64, 8, 2), 128: (128, 32, 8, 2)}, targets=HOPPER, loads="tma"),
     *_rows("fwd", "tf32", {16: (16, 32, 4, 1), 32: (32, 32, 4, 1)}),
+    _older("bwd_dq", "tf32", 16, (16, 16, 4, 1), targets=SMALL_SHARED_MEMORY, layouts=("packed",),
+           interior_loop=()),  # BM16_BN32_w4_s1 spills 8 B under 3.6, 3.7 (packed)
     # BM16_BN32_w4_s1 spills 8-16 B under 3.6, 3.7, 3.8:
     _older("bwd_dq", "tf32", 16, (16, 32, 4, 1), targets=(86, 89, 90), interior_loop=()),
     TileRow("bwd_dq", "tf32", (16,), Tile(16, 32, 4, 1)),
@@ -149,8 +159,8 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     _older("bwd_dkdv", "tf32", 128, (32, 32, 8, 2), interior_loop=()),  # BM16_BN16_w8_s1 spills 8-16 B under 3.6, 3.7
     TileRow("bwd_dkdv", "tf32", (128,), Tile(16, 16, 8, 1), interior_loop=(), do_strides=False),  # 8-16 B
     # 2. 99 KB parts.
-    _older("fwd", "bf16", 64, (128, 32, 8, 2), targets=SMALL_SHARED_MEMORY),  # BM128_BN64_w8_s2 spills 208 B under 3.6
-    *_rows("fwd", "bf16", {32: (128, 64, 8, 2), 64: (128, 64, 8, 2)}, targets=SMALL_SHARED_MEMORY),
+    # BM128_BN64_w8_s2 at D64 spills 208 B under 3.6, 128 B under 3.9 (with every feature):
+    *_rows("fwd", "bf16", {32: (128, 64, 8, 2), 64: (128, 32, 8, 2)}, targets=SMALL_SHARED_MEMORY),
     # BM32_BN32_w8_s2 spills 8 B under 3.6:
     _older("bwd_dkdv", "fp32", 16, (32, 64, 8, 1), targets=SMALL_SHARED_MEMORY, interior_loop=()),
     TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 2), targets=SMALL_SHARED_MEMORY, interior_loop=()),  # 32-48 B
@@ -191,6 +201,8 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     _older("bwd_dq", "bf16", 16, (128, 32, 4, 1), targets=HOPPER, loads="tma"),  # BM128_BN32_w4_s2 spills 8 B under 3.7
     # BM128_BN64_w8_s3 spills 8-112 B under 3.6, 3.7, 3.8:
     _older("bwd_dq", "bf16", 128, (128, 32, 8, 3), targets=HOPPER, loads="tma"),
+    TileRow("bwd_dq", "bf16", (128,), Tile(128, 32, 8, 3), targets=HOPPER, loads="tma",
+            layouts=("packed",)),  # BM128_BN64_w8_s3 spills 8 B packed, with dropout
     *_rows("bwd_dq", "bf16", {16: (128, 32, 4, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 3)}, targets=HOPPER,
            loads="tma"),
     # BM32_BN128_w8_s2 spills 8-80 B under 3.6, 3.8:
@@ -202,12 +214,15 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     *_rows("fwd", "bf16", {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 64, 8, 3), 128: (128, 32, 8, 2)}),
     # BM32_BN32_w8_s1 spills 16 B under 3.7:
     _older("fwd", "bf16", 256, (32, 16, 8, 1), targets=HOPPER, loads="tma", interior_loop_tma=BOTH),
+    TileRow("fwd", "bf16", (256,), Tile(32, 16, 8, 1), targets=SMALL_SHARED_MEMORY, layouts=("packed",),
+            interior_loop=(), tritons=TRITON_3_6),  # BM32_BN32_w8_s1 spills 8 B under 3.6
     TileRow("fwd", "bf16", (256,), Tile(32, 32, 8, 1), interior_loop=("dense",), interior_loop_tma=BOTH),  # 24-120 B
     _older("fwd", "fp32", 64, (32, 16, 8, 1), targets=HOPPER),  # BM32_BN32_w8_s1 spills 8-16 B under 3.6, 3.8
     _older("fwd", "fp32", 128, (16, 64, 8, 2)),  # BM32_BN16_w8_s1 spills 8 B under 3.6, 3.8
     *_rows("fwd", "fp32", {16: (64, 32, 8, 2), 32: (64, 32, 8, 2), 64: (32, 32, 8, 1), 128: (32, 16, 8, 1)}),
     _older("bwd_dq", "bf16", 32, (128, 16, 8, 1), targets=(80, 86, 89),
            do_strides=False),  # BM128_BN32_w8_s2 spills 8 B under 3.6, 3.7
+    _older("bwd_dq", "bf16", 64, (64, 32, 8, 1), targets=(80,), layouts=("packed",)),  # BM128_BN32_w8_s1: 8 B, 3.6, 3.7
     *_rows("bwd_dq", "bf16", {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 32, 8, 1), 128: (64, 32, 8, 2)}),
     TileRow("bwd_dq", "bf16", (256,), Tile(32, 32, 8, 1), interior_loop_tma=("dense",)),  # packed through TMA: 680 B
     _older("bwd_dq", "fp32", 32, (32, 16, 8, 2)),  # BM32_BN32_w8_s2 spills 16 B under 3.6, 3.7, 3.8
@@ -227,6 +242,10 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 64, 8, 1)),
     TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 1), targets=(80,), interior_loop=(),
             tritons=TRITON_3_6),  # BM32_BN64_w8_s2 spills 8-40 B under 3.6 (only) on sm_80
+    # BM32_BN64_w8_s2 spills 16 B here (from 3.7 on sm_86 / sm_89, from 3.9 on sm_80):
+    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 32, 8, 1), targets=SMALL_SHARED_MEMORY, layouts=("packed",),
+            tritons=SINCE_3_7),
+    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 32, 8, 1), targets=(80, 90), layouts=("packed",), tritons=SINCE_3_9),
     TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 2), interior_loop=(), do_strides=False),  # 8-48 B
     _older("bwd_dkdv", "fp32", 64, (16, 16, 8, 1), targets=(80, 90)),  # BM16_BN32_w8_s1 spills 8-16 B under 3.6, 3.7
     # BM16_BN64_w8_s1 spills 8-24 B under 3.8:
