@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from fused_transformer.tools import report
+from fused_transformer.tools import report, sass
 from fused_transformer.kernels import feed_forward, layer_norm, toolchain
 from fused_transformer.kernels.attention import TILE_ROWS, configs, plan
 from fused_transformer.kernels.targets import BY_CAPABILITY, TARGETS
@@ -173,6 +173,47 @@ def test_verdicts_only_gives_the_same_verdicts_and_reads_sass_only_for_wgmma(res
         assert bool(verdict.mma_counts) == (target == 90) == report.needs_sass(kernels[index], target, False)
         if target == 90:
             assert (verdict.mma_counts, verdict.serialized_mmas) == (full.mma_counts, full.serialized_mmas)
+
+
+def test_sm_80_and_sm_89_from_sm_86_compilation_give_what_compiling_them_gives(monkeypatch):
+    """The report compiles a config listed for sm_86 once, goes on from its TTGIR for sm_80 and has ptxas assemble
+    its PTX for sm_89 (``STARTS_FROM``); compiled for them from the source instead, the first such config of every
+    kernel gives the same result: registers, spills, shared memory, occupancy and every SASS figure. CI's older
+    Triton releases run this test too (.ci/versions)."""
+    picked = []
+    for module in report.KERNEL_MODULES:
+        names = set()
+        for index, kernel in enumerate(importlib.import_module(module).aot_configs()):
+            shared = [target for target in (80, 86, 89) if target in kernel.targets]
+            if 86 in shared and len(shared) > 1 and kernel.name not in names:
+                names.add(kernel.name)
+                picked += [(module, index, target) for target in shared]
+    assert {target for _, _, target in picked} == {80, 86, 89} and len(picked) >= 2 * 10
+    monkeypatch.setattr(report, "jobs_for", lambda modules: picked)
+    started = report.compile_all(jobs=2, figures=True)
+    compiled = report.compile_all(jobs=2, figures=True, share_stages=False)
+    assert [(r.module, r.name, r.target) for r in started] == [
+        (module, importlib.import_module(module).aot_configs()[index].name, target) for module, index, target in picked]
+    assert all(r.ok and r.registers for r in started)
+    assert started == compiled
+
+
+def test_the_report_starts_sm_80_and_sm_89_from_sm_86_only_where_one_config_lists_them():
+    work = [("m", 0, 80), ("m", 0, 86), ("m", 0, 89), ("m", 0, 90), ("m", 1, 89), ("n", 0, 86), ("m", 2, 86),
+            ("m", 2, 80), ("m", 3, 80)]
+    assert report._units(work, share_stages=True) == [
+        ("m", 0, (86, 80, 89)), ("m", 0, (90,)), ("m", 1, (89,)), ("n", 0, (86,)), ("m", 2, (86, 80)), ("m", 3, (80,))]
+    assert report._units(work, share_stages=False) == [(module, index, (target,)) for module, index, target in work]
+    ptx = "//\n.version 8.7\n.target sm_86\n.address_size 64\n\t// .globl k\n.target sm_86x\n"
+    assert report.retarget(ptx, "ptx", 86, 89) == ptx.replace(".target sm_86\n", ".target sm_89\n")
+    with pytest.raises(RuntimeError, match="expected sm_80 named once in the ptx, found 0 times"):
+        report.retarget(ptx, "ptx", 80, 89)
+    ttgir = 'module attributes {"ttg.num-warps" = 4 : i32, ttg.target = "cuda:86", "ttg.threads-per-warp" = 32} {}'
+    assert report.retarget(ttgir, "ttgir", 86, 80) == ttgir.replace("cuda:86", "cuda:80")
+    quoted = ttgir.replace("ttg.target", '"ttg.target"')
+    assert report.retarget(quoted, "ttgir", 86, 80) == quoted.replace("cuda:86", "cuda:80")
+    with pytest.raises(RuntimeError, match="found 2 times"):
+        report.retarget(ttgir + ttgir, "ttgir", 86, 80)
 
 
 # ------------------------------------------------------------------------------------ SASS figures, real kernels
@@ -393,11 +434,11 @@ _NESTED_LOOPS = _sass(
 
 
 def test_main_loop_is_the_innermost_loop_with_the_most_mmas():
-    instructions = report.parse_sass(_NESTED_LOOPS)
+    instructions = sass.parse_sass(_NESTED_LOOPS)
     assert len(instructions) == 14 and instructions[8].opcode == "BRA" and instructions[8].operands == "0x50"
-    first, last = report.main_loop(instructions)
+    first, last = sass.main_loop(instructions)
     assert (instructions[first].address, instructions[last].address) == (0x50, 0x80)
-    figures = report.analyse_sass(_NESTED_LOOPS)
+    figures = sass.analyse_sass(_NESTED_LOOPS)
     assert (figures.loop_instructions, figures.loop_mma_instructions) == (4, 2)
     assert figures.loop_macs_per_warp == 2 * 16 * 8 * 16
     assert figures.mma_counts == (("HMMA.16816.F32.BF16", 3),)
@@ -408,7 +449,7 @@ def test_main_loop_is_the_innermost_loop_with_the_most_mmas():
 
 
 def test_main_loop_is_the_innermost_loop_with_the_most_mmas_even_when_an_outer_loop_has_more():
-    sass = _sass(
+    listing = _sass(
         "HMMA.1688.F32.TF32 R8, R12, R16, R8",   # 0x00  outer loop, 4 MMAs in all
         "HMMA.1688.F32.TF32 R8, R12, R16, R8",   # 0x10  inner loop A: 1 MMA
         "@P0 BRA 0x10",                          # 0x20
@@ -419,14 +460,14 @@ def test_main_loop_is_the_innermost_loop_with_the_most_mmas_even_when_an_outer_l
         "@P2 BRA 0x0",                           # 0x70
         "EXIT",
     )
-    figures = report.analyse_sass(sass)
+    figures = sass.analyse_sass(listing)
     assert (figures.loop_instructions, figures.loop_mma_instructions) == (4, 2)
     assert figures.loop_macs_per_warp == 2 * 16 * 8 * 8
 
 
 def test_jumps_back_from_out_of_line_code_are_no_loops():
     # ptxas puts mbarrier wait retries after the kernel's EXIT: a forward jump there, a spin, a jump back.
-    sass = _sass(
+    listing = _sass(
         "@!P0 BRA 0x80",                                      # 0x00  to the out-of-line wait
         "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT",  # 0x10  the loop
         "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0",  # 0x20
@@ -439,14 +480,14 @@ def test_jumps_back_from_out_of_line_code_are_no_loops():
         "@!P0 BRA 0x80",                                      # 0x90
         "BRA 0x10",                                           # 0xa0  back into the kernel: no loop
     )
-    instructions = report.parse_sass(sass)
+    instructions = sass.parse_sass(listing)
     assert instructions[5].predicate == "!P3" and instructions[6].predicate == ""
-    assert report.loops(instructions) == [(1, 3)]
-    assert (report.analyse_sass(sass).loop_instructions, report.analyse_sass(sass).loop_mma_instructions) == (3, 2)
+    assert sass.loops(instructions) == [(1, 3)]
+    assert (sass.analyse_sass(listing).loop_instructions, sass.analyse_sass(listing).loop_mma_instructions) == (3, 2)
 
 
 def test_main_loop_prefers_the_loop_with_more_mmas():
-    sass = _sass(
+    listing = _sass(
         "HMMA.16816.F32.BF16 R8, R12, R16, R8",  # 0x00  loop A: 1 MMA in 2 instructions
         "@P0 BRA 0x0",                           # 0x10
         "HMMA.16816.F32.BF16 R8, R12, R16, R8",  # 0x20  loop B: 2 MMAs in 4 instructions
@@ -455,18 +496,18 @@ def test_main_loop_prefers_the_loop_with_more_mmas():
         "@P1 BRA 0x20",                          # 0x50
         "EXIT",
     )
-    figures = report.analyse_sass(sass)
+    figures = sass.analyse_sass(listing)
     assert (figures.loop_instructions, figures.loop_mma_instructions) == (4, 2)
 
 
 def test_no_main_loop_without_mmas_in_a_loop():
-    sass = _sass("HMMA.16816.F32 R8, R12, R16, RZ", "FADD R1, R1, R2", "@P0 BRA 0x10", "EXIT", "BRA 0x40")
-    figures = report.analyse_sass(sass)
+    listing = _sass("HMMA.16816.F32 R8, R12, R16, RZ", "FADD R1, R1, R2", "@P0 BRA 0x10", "EXIT", "BRA 0x40")
+    figures = sass.analyse_sass(listing)
     assert (figures.loop_instructions, figures.loop_mma_instructions, figures.loop_macs_per_warp) == (0, 0, 0)
     assert figures.mma_counts == (("HMMA.16816.F32", 1),)
     result = report.AotResult(module="m", name="k", config="c", target=80, num_warps=4, **dataclasses.asdict(figures))
     assert result.non_mma_per_mma is None and result.non_mma_per_kmac is None
-    assert report.main_loop(report.parse_sass(_sass("FADD R1, R1, R2", "@P0 BRA 0x0"))) is None
+    assert sass.main_loop(sass.parse_sass(_sass("FADD R1, R1, R2", "@P0 BRA 0x0"))) is None
 
 
 @pytest.mark.parametrize("opcode, macs_per_warp", [
@@ -480,11 +521,11 @@ def test_no_main_loop_without_mmas_in_a_loop():
     ("FFMA", 0), ("HFMA2.MMA", 0), ("IMAD", 0),
 ])
 def test_mma_shapes(opcode, macs_per_warp):
-    assert report.mma_macs_per_warp(opcode) == macs_per_warp
+    assert sass.mma_macs_per_warp(opcode) == macs_per_warp
 
 
 def test_hgmma_counts_widest_first_and_per_warpgroup_macs():
-    sass = _sass(
+    listing = _sass(
         "WARPGROUP.ARRIVE",
         "HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT",
         "HGMMA.64x32x16.F32.BF16 R24, gdesc[UR12], R24, gsb0",
@@ -493,7 +534,7 @@ def test_hgmma_counts_widest_first_and_per_warpgroup_macs():
         "UTMALDG.2D [UR8], [UR4]",
         "@!P0 BRA 0x10",
     )
-    figures = report.analyse_sass(sass)
+    figures = sass.analyse_sass(listing)
     assert figures.mma_counts == (("HGMMA.64x128x16.F32.BF16", 1), ("HGMMA.64x32x16.F32.BF16", 2))
     assert report.format_mma(figures.mma_counts) == "HGMMA.64x128x16.F32.BF16 x1, HGMMA.64x32x16.F32.BF16 x2"
     assert (figures.loop_instructions, figures.loop_mma_instructions) == (6, 3)
@@ -518,7 +559,7 @@ def test_serialized_hgmma_chain_is_a_problem():
         "WARPGROUP.DEPBAR.LE gsb0, 0x0",
         "@!P0 BRA 0x0",
     )
-    assert report.analyse_sass(serialized).serialized_mmas == 2
+    assert sass.analyse_sass(serialized).serialized_mmas == 2
     result = report.AotResult(module="m", name="k", config="c", target=90, num_warps=8, serialized_mmas=2)
     assert result.problems == ["wgmma serialized (2 HGMMA wait for the one before)"]
 
@@ -541,7 +582,7 @@ def test_pipelined_hgmma_chains_are_not_serialized():
         "WARPGROUP.DEPBAR.LE gsb0, 0x0",
         "@!P0 BRA 0x0",
     )
-    assert report.analyse_sass(pipelined).serialized_mmas == 0
+    assert sass.analyse_sass(pipelined).serialized_mmas == 0
 
 
 @pytest.mark.parametrize("instructions, kind", [
@@ -551,7 +592,7 @@ def test_pipelined_hgmma_chains_are_not_serialized():
     (("LDS R4, [R2]", "STG.E [R2.64], R4"), "-"),
 ])
 def test_async_copy_kind(instructions, kind):
-    assert report.analyse_sass(_sass(*instructions)).async_copy == kind
+    assert sass.analyse_sass(_sass(*instructions)).async_copy == kind
 
 
 @pytest.mark.parametrize("target, num_warps, registers, shared_bytes, blocks, warps", [
@@ -576,7 +617,7 @@ def test_occupancy(target, num_warps, registers, shared_bytes, blocks, warps):
 
 
 def test_table_has_the_sass_columns():
-    figures = report.analyse_sass(_NESTED_LOOPS)
+    figures = sass.analyse_sass(_NESTED_LOOPS)
     result = report.AotResult(module="m", name="k", config="c", target=80, num_warps=4, registers=64,
                               blocks_per_sm=4, warps_per_sm=16, **dataclasses.asdict(figures))
     header, _, row = report.format_table([result]).splitlines()

@@ -45,6 +45,7 @@ from fused_transformer.kernels.targets import BY_CAPABILITY, CAPABILITIES
 from fused_transformer.kernels.targets import TARGETS as KNOWN_TARGETS
 from fused_transformer.interrupts import Interrupted, interrupts_held_back
 from fused_transformer.tools import provenance
+from fused_transformer.tools.sass import analyse_sass
 
 # Modules whose ``aot_configs()`` are compiled; a new kernel module adds its name here.
 KERNEL_MODULES = (
@@ -63,17 +64,10 @@ REGISTER_ALLOCATION_UNIT = 256  # registers are allocated per warp, in units of 
 SUB_PARTITIONS_PER_SM = 4  # a warp's registers come from the register file of one of the SM's 4 schedulers
 SHARED_MEMORY_ALLOCATION_UNIT = 128  # bytes
 SHARED_MEMORY_RESERVED_PER_BLOCK = 1024  # bytes the CUDA runtime keeps in every block (sm_80 and later)
-WARPS_PER_WARPGROUP = 4  # an HGMMA is issued by all 4 warps of a warpgroup and computes its 64xNxK tile once
 
 _RESOURCE_LINE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 # mma.sync (Ampere and later) or wgmma.mma_async (Hopper): the matmul runs on tensor cores.
 _TENSOR_CORE_INSTRUCTION = re.compile(r"wgmma\.mma_async|\bmma\.sync")
-# One SASS instruction as cuobjdump prints it: "/*3e90*/  @!P5 HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;".
-_SASS_INSTRUCTION = re.compile(r"/\*([0-9a-f]+)\*/\s+(?:@(!?U?P(?:T|\d+))\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
-_HMMA_SHAPE = re.compile(r"HMMA\.(16|8)(8)(16|8|4)\b")  # HMMA.16816: m16 n8 k16, per warp
-_HGMMA_SHAPE = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\b")  # HGMMA.64x128x16: m64 n128 k16, per warpgroup
-# Global-to-shared copies, fastest kind first: TMA tensor and bulk copies (sm_90), cp.async (sm_80 and later).
-ASYNC_COPY_KINDS = ("UTMALDG", "UBLKCP", "LDGSTS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,130 +184,7 @@ def uses_tensor_cores(ptx: str) -> bool:
     return _TENSOR_CORE_INSTRUCTION.search(ptx) is not None
 
 
-# ------------------------------------------------------------------------------------------- SASS and occupancy
-
-
-@dataclasses.dataclass(frozen=True)
-class SassInstruction:
-    address: int
-    opcode: str  # with its modifiers: "HMMA.16816.F32.BF16"
-    operands: str
-    predicate: str = ""  # "P0", "!P5", ...; empty when the instruction always runs
-
-
-@dataclasses.dataclass(frozen=True)
-class SassFigures:
-    """What ``analyse_sass`` reads from one kernel's SASS (the ``AotResult`` fields of the same names)."""
-
-    mma_counts: Tuple[Tuple[str, int], ...]
-    async_copy: str
-    loop_instructions: int
-    loop_mma_instructions: int
-    loop_macs_per_warp: int
-    serialized_mmas: int
-
-
-def parse_sass(sass: str) -> List[SassInstruction]:
-    """The instructions of ``cuobjdump -sass`` output, in address order."""
-    return [SassInstruction(int(address, 16), opcode, operands.strip(), predicate)
-            for address, predicate, opcode, operands in _SASS_INSTRUCTION.findall(sass)]
-
-
-def mma_macs_per_warp(opcode: str) -> int:
-    """Multiply-accumulates one warp's share of an MMA instruction computes (0: not an MMA). An HMMA is a warp's
-    own m x n x k product; an HGMMA's m x n x k product is shared by the 4 warps of the warpgroup that issue it."""
-    match = _HMMA_SHAPE.match(opcode)
-    if match:
-        m, n, k = map(int, match.groups())
-        return m * n * k
-    match = _HGMMA_SHAPE.match(opcode)
-    if match:
-        m, n, k = map(int, match.groups())
-        return m * n * k // WARPS_PER_WARPGROUP
-    return 0
-
-
-def async_copy_kind(instructions: Sequence[SassInstruction]) -> str:
-    """The global-to-shared copy kinds used ("UTMALDG", "LDGSTS", ... joined by "+"), else "LDG" when the kernel
-    reads global memory with plain loads only, else "-"."""
-    kinds = {i.opcode.split(".")[0] for i in instructions}
-    found = [kind for kind in ASYNC_COPY_KINDS if kind in kinds]
-    if found:
-        return "+".join(found)
-    return "LDG" if "LDG" in kinds else "-"
-
-
-def loops(instructions: Sequence[SassInstruction]) -> List[Tuple[int, int]]:
-    """``(first, last)`` indices (inclusive) of every loop: from the target of a backward ``BRA`` to the branch.
-    Not loops: a branch to itself (the trap after ``EXIT``, a spin-wait), and the jumps back into the kernel from
-    the out-of-line code ptxas places after the last unconditional ``EXIT`` (e.g. mbarrier wait retries on sm_90),
-    whose span would hold the whole kernel."""
-    index_at = {instruction.address: index for index, instruction in enumerate(instructions)}
-    exits = [index for index, i in enumerate(instructions) if i.opcode == "EXIT" and not i.predicate]
-    end = exits[-1] if exits else len(instructions)
-    found = []
-    for last, instruction in enumerate(instructions[:end]):
-        if instruction.opcode.split(".")[0] != "BRA":
-            continue
-        targets = re.findall(r"0x([0-9a-f]+)", instruction.operands)
-        first = index_at.get(int(targets[-1], 16)) if targets else None
-        if first is not None and first < last:
-            found.append((first, last))
-    return found
-
-
-_HGMMA_FLAGS = ("gsb0", "!UPT", "UPT")  # scoreboard and accumulate-predicate operands after an HGMMA's registers
-
-
-def serialized_mmas(instructions: Sequence[SassInstruction]) -> int:
-    """HGMMAs that accumulate onto the HGMMA just before them (the next K step of one product) after a
-    ``WARPGROUP.DEPBAR`` wait for it. A pipelined product issues its HGMMAs back to back and waits once; ptxas
-    serializes them instead when it cannot prove the accumulator registers untouched in between (its C7515 note,
-    "wgmma.mma_async instructions are serialized"), and each K step then waits out the whole MMA latency."""
-    serialized, waited, previous_dst = 0, False, None
-    for instruction in instructions:
-        if instruction.opcode.startswith("WARPGROUP.DEPBAR"):
-            waited = True
-        elif _HGMMA_SHAPE.match(instruction.opcode):
-            # "R24, gdesc[UR8], R24, gsb0" (A and B in shared memory) or "R88, R152, gdesc[UR8].tnspB, R88"
-            # (A in registers): destination first, accumulator input last, then flags.
-            operands = [o.strip() for o in instruction.operands.split(",") if o.strip() not in _HGMMA_FLAGS]
-            if waited and operands[0] == previous_dst and operands[-1] == operands[0]:
-                serialized += 1
-            waited, previous_dst = False, operands[0]
-    return serialized
-
-
-def main_loop(instructions: Sequence[SassInstruction]) -> Optional[Tuple[int, int]]:
-    """``(first, last)`` indices (inclusive) of the main loop: of the innermost loops with MMA instructions (those
-    holding no other loop with one), the one with the most, and the shortest among equals (a causal kernel's
-    unmasked loop rather than its diagonal one); None when no loop has an MMA."""
-    is_mma = [bool(mma_macs_per_warp(i.opcode)) for i in instructions]
-    with_mma = [(first, last) for first, last in loops(instructions) if any(is_mma[first:last + 1])]
-    innermost = [(first, last) for first, last in with_mma
-                 if not any(first <= inner_first and inner_last <= last and (inner_first, inner_last) != (first, last)
-                            for inner_first, inner_last in with_mma)]
-    if not innermost:
-        return None
-    return max(innermost, key=lambda loop: (sum(is_mma[loop[0]:loop[1] + 1]), loop[0] - loop[1]))
-
-
-def analyse_sass(sass: str) -> SassFigures:
-    """MMA opcodes and counts, async-copy kind and main-loop figures of one kernel's ``cuobjdump -sass`` output."""
-    instructions = parse_sass(sass)
-    mma_counts: Dict[str, int] = {}
-    for instruction in instructions:
-        if mma_macs_per_warp(instruction.opcode):
-            mma_counts[instruction.opcode] = mma_counts.get(instruction.opcode, 0) + 1
-    loop = main_loop(instructions)
-    body = instructions[loop[0]:loop[1] + 1] if loop else []
-    macs = [mma_macs_per_warp(i.opcode) for i in body]
-    return SassFigures(
-        mma_counts=tuple(sorted(mma_counts.items(), key=lambda item: (-mma_macs_per_warp(item[0]), item[0]))),
-        async_copy=async_copy_kind(instructions),
-        loop_instructions=len(body), loop_mma_instructions=sum(map(bool, macs)), loop_macs_per_warp=sum(macs),
-        serialized_mmas=serialized_mmas(instructions),
-    )
+# ------------------------------------------------------------------------------------------------ occupancy
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -342,40 +213,112 @@ def needs_sass(kernel: AotKernel, target: int, figures: bool) -> bool:
     return figures or (target == 90 and kernel.expect_tensor_cores)
 
 
-def compile_kernel(kernel: AotKernel, target: int, module: str = "", figures: bool = True) -> AotResult:
-    """Compile ``kernel`` for ``sm_<target>`` in this process (which must not be interpreting Triton); without
-    ``figures``, only what its verdict needs (``needs_sass``): the SASS figures of the other kernels stay empty."""
+# Where a compilation may start from another target's: Triton lowers a kernel to the same TTGIR for sm_80, sm_86 and
+# sm_89, and to the same PTX for sm_86 and sm_89, but for the target these name (``"ttg.target" = "cuda:86"``,
+# ``.target sm_86``). So a config listed for sm_86 is compiled for it from its source, and sm_80 goes on from that
+# TTGIR (LLVM IR, PTX and ptxas left: about three quarters of a compilation) and sm_89 from that PTX (ptxas only,
+# about a seventh), retargeted: every figure as compiling from the source gives (tests/test_report.py compares, on
+# every Triton release CI tests).
+STARTS_FROM = {80: (86, "ttgir"), 89: (86, "ptx")}
+_TARGETS_NAMED = {"ttgir": (r'(\bttg\.target"? = )"cuda:{}"', '"cuda:{}"'), "ptx": (r"^(\.target )sm_{}\b", "sm_{}")}
+
+
+def _options(kernel: AotKernel) -> Dict[str, int]:
+    return {"num_warps": kernel.num_warps, "num_stages": kernel.num_stages, "num_ctas": kernel.num_ctas}
+
+
+def _compile(kernel: AotKernel, target: int, ttgir: Optional[str] = None):
+    """``triton.compile`` of ``kernel`` for ``sm_<target>``, from its source or, given, from ``ttgir``."""
     import triton
     from triton.backends.compiler import GPUTarget
 
+    gpu = GPUTarget("cuda", target, WARP_SIZE)
+    if ttgir is not None:
+        with tempfile.TemporaryDirectory() as folder:  # Triton reads an IR from a file named for its stage
+            path = os.path.join(folder, f"{kernel.name}.ttgir")
+            with open(path, "w") as f:
+                f.write(ttgir)
+            return triton.compile(path, target=gpu, options=_options(kernel))
     signature = dict(kernel.signature)
     for name in kernel.constexprs:
         signature.setdefault(name, "constexpr")
-    base = dict(module=module, name=kernel.name, config=kernel.config, target=target, num_warps=kernel.num_warps,
-                expect_tensor_cores=kernel.expect_tensor_cores)
-    try:
-        source = triton.compiler.ASTSource(
-            fn=kernel.fn, signature=signature, constexprs=kernel.constexprs, attrs=_divisibility_attrs(kernel)
-        )
-        compiled = triton.compile(
-            source, target=GPUTarget("cuda", target, WARP_SIZE),
-            options={"num_warps": kernel.num_warps, "num_stages": kernel.num_stages, "num_ctas": kernel.num_ctas},
-        )
-        sass_flags = ("-sass",) if needs_sass(kernel, target, figures) else ()
-        dump = cuobjdump(compiled.asm["cubin"], "--dump-resource-usage", *sass_flags)
-        usage = resource_usage(dump)
-        sass = analyse_sass(dump)
-    except Exception as e:  # reported per config, so one broken kernel does not hide the others
-        return AotResult(**base, error=f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
-    shared_bytes = max(int(compiled.metadata.shared), usage["shared"])
+    source = triton.compiler.ASTSource(
+        fn=kernel.fn, signature=signature, constexprs=kernel.constexprs, attrs=_divisibility_attrs(kernel)
+    )
+    return triton.compile(source, target=gpu, options=_options(kernel))
+
+
+def retarget(ir: str, stage: str, source: int, target: int) -> str:
+    """``ir``, Triton's ``stage`` ("ttgir" or "ptx") of a kernel for ``sm_<source>``, naming ``sm_<target>``."""
+    pattern, name = _TARGETS_NAMED[stage]
+    retargeted, count = re.subn(pattern.format(source), rf"\g<1>{name.format(target)}", ir, flags=re.MULTILINE)
+    if count != 1:
+        raise RuntimeError(f"expected {name.format(source)} named once in the {stage}, found {count} times")
+    return retargeted
+
+
+def _assemble(kernel: AotKernel, ptx: str, target: int) -> bytes:
+    """ptxas on ``ptx`` for ``sm_<target>`` with the flags a compilation for that target passes (Triton's own
+    ``make_cubin``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", target, WARP_SIZE))
+    return backend.make_cubin(ptx, {}, backend.parse_options(_options(kernel)), target)
+
+
+def _result(kernel: AotKernel, target: int, module: str, figures: bool, ptx: str, cubin: bytes,
+            shared: int) -> AotResult:
+    sass_flags = ("-sass",) if needs_sass(kernel, target, figures) else ()
+    dump = cuobjdump(cubin, "--dump-resource-usage", *sass_flags)
+    usage = resource_usage(dump)
+    sass = analyse_sass(dump)
     # A block holds its static shared memory (1 KB on sm_90, none below) besides the dynamic part the launch asks for.
-    blocks_per_sm, warps_per_sm = occupancy(
-        target, kernel.num_warps, usage["registers"], int(compiled.metadata.shared) + usage["shared"])
+    blocks_per_sm, warps_per_sm = occupancy(target, kernel.num_warps, usage["registers"], shared + usage["shared"])
     return AotResult(
-        **base, registers=usage["registers"], spill_bytes=usage["local"], stack_bytes=usage["stack"],
-        shared_bytes=shared_bytes, tensor_cores=uses_tensor_cores(compiled.asm["ptx"]),
+        module=module, name=kernel.name, config=kernel.config, target=target, num_warps=kernel.num_warps,
+        expect_tensor_cores=kernel.expect_tensor_cores, registers=usage["registers"], spill_bytes=usage["local"],
+        stack_bytes=usage["stack"], shared_bytes=max(shared, usage["shared"]), tensor_cores=uses_tensor_cores(ptx),
         blocks_per_sm=blocks_per_sm, warps_per_sm=warps_per_sm, **dataclasses.asdict(sass),
     )
+
+
+def _failed(kernel: AotKernel, target: int, module: str, e: Exception) -> AotResult:
+    message = str(e).strip()
+    return AotResult(module=module, name=kernel.name, config=kernel.config, target=target, num_warps=kernel.num_warps,
+                     expect_tensor_cores=kernel.expect_tensor_cores,
+                     error=f"{type(e).__name__}: {message.splitlines()[-1] if message else ''}")
+
+
+def compile_kernel(kernel: AotKernel, target: int, module: str = "", figures: bool = True) -> AotResult:
+    """Compile ``kernel`` for ``sm_<target>`` in this process (which must not be interpreting Triton); without
+    ``figures``, only what its verdict needs (``needs_sass``): the SASS figures of the other kernels stay empty."""
+    return compile_targets(kernel, (target,), module, figures, share_stages=False)[0]
+
+
+def compile_targets(kernel: AotKernel, targets: Sequence[int], module: str = "", figures: bool = True,
+                    share_stages: bool = True) -> List[AotResult]:
+    """``compile_kernel`` for each of ``targets``; with ``share_stages``, a target that ``STARTS_FROM`` one listed
+    before it goes on from that one's compilation (a failure reported per config, so one broken kernel does not
+    hide the others)."""
+    results: List[AotResult] = []
+    compiled = {}
+    for target in targets:
+        try:
+            source, stage = STARTS_FROM.get(target, (None, ""))
+            start = share_stages and source in compiled
+            if start and stage == "ptx":
+                ptx = retarget(compiled[source].asm["ptx"], "ptx", source, target)
+                cubin, shared = _assemble(kernel, ptx, target), int(compiled[source].metadata.shared)
+            else:
+                ttgir = retarget(compiled[source].asm["ttgir"], "ttgir", source, target) if start else None
+                compiled[target] = _compile(kernel, target, ttgir)
+                ptx, cubin = compiled[target].asm["ptx"], compiled[target].asm["cubin"]
+                shared = int(compiled[target].metadata.shared)
+            results.append(_result(kernel, target, module, figures, ptx, cubin, shared))
+        except Exception as e:
+            results.append(_failed(kernel, target, module, e))
+    return results
 
 
 @functools.lru_cache(maxsize=None)
@@ -383,8 +326,9 @@ def _configs(module: str) -> List[AotKernel]:
     return list(importlib.import_module(module).aot_configs())
 
 
-def _compile_job(module: str, index: int, target: int, figures: bool) -> AotResult:
-    return compile_kernel(_configs(module)[index], target, module, figures)
+def _compile_job(module: str, index: int, targets: Tuple[int, ...], figures: bool,
+                 share_stages: bool) -> List[AotResult]:
+    return compile_targets(_configs(module)[index], targets, module, figures, share_stages)
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -430,11 +374,32 @@ def jobs_for(modules: Sequence[str]) -> List[Tuple[str, int, int]]:
     return jobs
 
 
-def compile_all(jobs: int = 2, modules: Sequence[str] = KERNEL_MODULES, figures: bool = True) -> List[AotResult]:
+def _units(work: Sequence[Tuple[str, int, int]], share_stages: bool) -> List[Tuple[str, int, Tuple[int, ...]]]:
+    """``work`` as worker jobs ``(module, config index, targets)``: a target alone or, with ``share_stages``, the
+    targets of one config that start from another it lists (``STARTS_FROM``) after that one."""
+    listed = set(work)
+
+    def first(job: Tuple[str, int, int]) -> Tuple[str, int, int]:
+        module, index, target = job
+        source = (module, index, STARTS_FROM.get(target, (None,))[0])
+        return source if share_stages and source in listed else job
+
+    units: Dict[Tuple[str, int, int], List[int]] = {}
+    for job in work:
+        units.setdefault(first(job), [])
+        if first(job) != job:
+            units[first(job)].append(job[2])
+    return [(module, index, (target, *after)) for (module, index, target), after in units.items()]
+
+
+def compile_all(jobs: int = 2, modules: Sequence[str] = KERNEL_MODULES, figures: bool = True,
+                share_stages: bool = True) -> List[AotResult]:
     """Compile every config of every module for each of its targets, on ``jobs`` spawned worker processes
     (compilation is CPU-bound and must not run under the interpreter), with the SASS figures or, without
-    ``figures``, what the verdicts need only (``compile_kernel``). Results come in job order."""
+    ``figures``, what the verdicts need only (``compile_kernel``); ``share_stages``: sm_80 and sm_89 go on from
+    sm_86's compilation (``STARTS_FROM``). Results come in the order of ``jobs_for``."""
     work = jobs_for(modules)
+    units = _units(work, share_stages)
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(
         max_workers=max(1, jobs), mp_context=context, initializer=_init_worker
@@ -444,8 +409,10 @@ def compile_all(jobs: int = 2, modules: Sequence[str] = KERNEL_MODULES, figures:
             # A Ctrl-C while a worker is being spawned would leave it dying with an EOFError traceback. Workers are
             # spawned by submit(), so all of them start inside _worker_environment.
             with interrupts_held_back(), _worker_environment():
-                futures.extend(pool.submit(_compile_job, *job, figures) for job in work)
-            return [f.result() for f in futures]
+                futures.extend(pool.submit(_compile_job, *unit, figures, share_stages) for unit in units)
+            by_job = {(module, index, target): result for (module, index, targets), future in zip(units, futures)
+                      for target, result in zip(targets, future.result())}
+            return [by_job[job] for job in work]
         except KeyboardInterrupt:
             # Cancelled here, not by shutdown(cancel_futures=True): that leaves the cancelling to the pool's manager
             # thread, which, interrupted while its workers were still starting, went on feeding them every job
@@ -453,7 +420,7 @@ def compile_all(jobs: int = 2, modules: Sequence[str] = KERNEL_MODULES, figures:
             for future in futures:
                 future.cancel()
             pool.shutdown(wait=False, cancel_futures=True)
-            done = sum(f.done() and not f.cancelled() for f in futures)
+            done = sum(len(targets) for (_, _, targets), f in zip(units, futures) if f.done() and not f.cancelled())
             raise Interrupted(f"{done} of {len(work)} compilations finished; report writes nothing") from None
 
 
