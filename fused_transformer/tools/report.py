@@ -214,7 +214,7 @@ def needs_sass(kernel: AotKernel, target: int, figures: bool) -> bool:
 
 
 # Where a compilation may start from another target's: Triton lowers a kernel to the same TTGIR for sm_80, sm_86 and
-# sm_89, and to the same PTX for sm_86 and sm_89, but for the target these name (``"ttg.target" = "cuda:86"``,
+# sm_89, and to the same PTX for sm_86 and sm_89, but for the target these name (``ttg.target = "cuda:86"``,
 # ``.target sm_86``). So a config listed for sm_86 is compiled for it from its source, and sm_80 goes on from that
 # TTGIR (LLVM IR, PTX and ptxas left: about three quarters of a compilation) and sm_89 from that PTX (ptxas only,
 # about a seventh), retargeted: every figure as compiling from the source gives (tests/test_report.py compares, on
