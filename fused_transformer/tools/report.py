@@ -267,6 +267,12 @@ def _assemble(kernel: AotKernel, ptx: str, target: int) -> bytes:
     return backend.make_cubin(ptx, {}, backend.parse_options(_options(kernel)), target)
 
 
+def _identity(kernel: AotKernel, target: int, module: str) -> Dict[str, object]:
+    """The ``AotResult`` fields that say which compilation it is, whatever it gave."""
+    return dict(module=module, name=kernel.name, config=kernel.config, target=target, num_warps=kernel.num_warps,
+                expect_tensor_cores=kernel.expect_tensor_cores)
+
+
 def _result(kernel: AotKernel, target: int, module: str, figures: bool, ptx: str, cubin: bytes,
             shared: int) -> AotResult:
     sass_flags = ("-sass",) if needs_sass(kernel, target, figures) else ()
@@ -276,8 +282,7 @@ def _result(kernel: AotKernel, target: int, module: str, figures: bool, ptx: str
     # A block holds its static shared memory (1 KB on sm_90, none below) besides the dynamic part the launch asks for.
     blocks_per_sm, warps_per_sm = occupancy(target, kernel.num_warps, usage["registers"], shared + usage["shared"])
     return AotResult(
-        module=module, name=kernel.name, config=kernel.config, target=target, num_warps=kernel.num_warps,
-        expect_tensor_cores=kernel.expect_tensor_cores, registers=usage["registers"], spill_bytes=usage["local"],
+        **_identity(kernel, target, module), registers=usage["registers"], spill_bytes=usage["local"],
         stack_bytes=usage["stack"], shared_bytes=max(shared, usage["shared"]), tensor_cores=uses_tensor_cores(ptx),
         blocks_per_sm=blocks_per_sm, warps_per_sm=warps_per_sm, **dataclasses.asdict(sass),
     )
@@ -285,8 +290,7 @@ def _result(kernel: AotKernel, target: int, module: str, figures: bool, ptx: str
 
 def _failed(kernel: AotKernel, target: int, module: str, e: Exception) -> AotResult:
     message = str(e).strip()
-    return AotResult(module=module, name=kernel.name, config=kernel.config, target=target, num_warps=kernel.num_warps,
-                     expect_tensor_cores=kernel.expect_tensor_cores,
+    return AotResult(**_identity(kernel, target, module),
                      error=f"{type(e).__name__}: {message.splitlines()[-1] if message else ''}")
 
 
@@ -386,9 +390,9 @@ def _units(work: Sequence[Tuple[str, int, int]], share_stages: bool) -> List[Tup
 
     units: Dict[Tuple[str, int, int], List[int]] = {}
     for job in work:
-        units.setdefault(first(job), [])
+        unit = units.setdefault(first(job), [])
         if first(job) != job:
-            units[first(job)].append(job[2])
+            unit.append(job[2])
     return [(module, index, (target, *after)) for (module, index, target), after in units.items()]
 
 
