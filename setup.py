@@ -16,8 +16,11 @@ from setuptools import find_packages, setup
 
 TORCH_FLOOR = "torch>=2.11"
 TRITON_FLOOR = "triton>=3.6"
-# The transformers release the [hf] extra and the tests are checked against (fused_transformer.integrations).
+# The transformers release the [hf] extra is checked against (fused_transformer.integrations); the tests install the
+# first release that brings the PyPI package `kernels`, whose name our kernels/ folder must never answer for
+# (tests/test_kernels_name.py).
 TRANSFORMERS_FLOOR = "transformers>=5.23"
+TRANSFORMERS_TESTED = "transformers>=5.25"
 # Every package under fused_transformer/, and the Triton code under kernels/ as fused_transformer.kernels.
 PACKAGES = (["fused_transformer", *(f"fused_transformer.{p}" for p in find_packages("fused_transformer")),
              "fused_transformer.kernels", *(f"fused_transformer.kernels.{p}" for p in find_packages("kernels"))])
@@ -84,7 +87,7 @@ setup(
     extras_require={
         "triton": [TRITON_FLOOR],
         "hf": [TRANSFORMERS_FLOOR],
-        "test": ["pytest>=7", TRITON_FLOOR, TRANSFORMERS_FLOOR, "numpy", "matplotlib"],
+        "test": ["pytest>=7", "pytest-xdist", TRITON_FLOOR, TRANSFORMERS_TESTED, "numpy", "matplotlib"],
         "bench": ["pytest-benchmark", "matplotlib"],
     },
 )

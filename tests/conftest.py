@@ -2,7 +2,6 @@
 switched on before triton is first imported: that is why this happens here, at collection."""
 import os
 import signal
-import sys
 
 import torch
 
@@ -10,26 +9,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-
-
-def _probe_hub_kernels_without_the_checkout_root() -> None:
-    """``python -m pytest`` puts the checkout's root first on sys.path, where ``kernels/`` (our Triton code, installed
-    as ``fused_transformer.kernels``) answers transformers' probe for the PyPI package ``kernels`` and then fails to
-    import as that package. transformers caches the probe's answer: let it probe once without that entry."""
-    try:
-        from transformers.utils.import_utils import is_kernels_available
-    except ImportError:
-        return
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    saved = list(sys.path)
-    sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != root]
-    try:
-        is_kernels_available()
-    finally:
-        sys.path[:] = saved
-
-
-_probe_hub_kernels_without_the_checkout_root()
 
 
 @pytest.fixture(autouse=True)
