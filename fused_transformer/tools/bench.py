@@ -28,7 +28,7 @@ one table row per measurement as it goes, and writes to ``--out`` (default ``ben
   length only, as ``module_call``, gets bars per case instead); no plots for the overhead suite, whose table (in
   ``bench_<device>.md``) is its figure;
 - ``bench_<device>.md``: each case of ours against its baseline as markdown tables, headed by the command, date,
-  machine, versions and a fingerprint of the sources measured (``bench_summary``).
+  machine, versions and the commit measured (``bench_summary``, ``provenance``).
 
 Work counted, timing and memory measurement are described in ``fused_transformer.tools.bench_cases``. Exit code 0,
 or 1 if one of our implementations or a baseline failed on a case (the other cases are still measured).

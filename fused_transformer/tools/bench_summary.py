@@ -43,7 +43,7 @@ def markdown(rows: Sequence[Row], setup: Setup, command: Sequence[str], plots: S
     """The run's figures: per suite, each case of ours against its baseline (ms of one call, and the speed-up:
     baseline ms / ours ms, measured in the same run taking turns), and the plots written beside."""
     device = setup.device
-    lines = provenance.header(f"Benchmark on {device.type}, {str(setup.dtype)[6:]}", "bench", command, device)
+    lines = provenance.header(f"Benchmark on {device.type}, {str(setup.dtype)[6:]}", command, device)
     by_key = {(_key(r), r["impl"]): r for r in rows}
     for suite in dict.fromkeys(r["suite"] for r in rows):
         ours = [r for r in rows if r["suite"] == suite and r["impl"] == "ours"]
