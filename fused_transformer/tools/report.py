@@ -397,12 +397,12 @@ def _units(work: Sequence[Tuple[str, int, int]], share_stages: bool) -> List[Tup
 
 
 def compile_all(jobs: int = 2, modules: Sequence[str] = KERNEL_MODULES, figures: bool = True,
-                share_stages: bool = True) -> List[AotResult]:
-    """Compile every config of every module for each of its targets, on ``jobs`` spawned worker processes
-    (compilation is CPU-bound and must not run under the interpreter), with the SASS figures or, without
-    ``figures``, what the verdicts need only (``compile_kernel``); ``share_stages``: sm_80 and sm_89 go on from
-    sm_86's compilation (``STARTS_FROM``). Results come in the order of ``jobs_for``."""
-    work = jobs_for(modules)
+                share_stages: bool = True, work: Optional[Sequence[Tuple[str, int, int]]] = None) -> List[AotResult]:
+    """Compile every config of every module for each of its targets (or only the ``work`` given, ``jobs_for``'s
+    entries), on ``jobs`` spawned worker processes (compilation is CPU-bound and must not run under the interpreter),
+    with the SASS figures or, without ``figures``, what the verdicts need only (``compile_kernel``); ``share_stages``:
+    sm_80 and sm_89 go on from sm_86's compilation (``STARTS_FROM``). Results come in the order of the work."""
+    work = jobs_for(modules) if work is None else list(work)
     units = _units(work, share_stages)
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(
@@ -481,7 +481,7 @@ MARKDOWN_ROWS = {
 def format_markdown(results: Sequence[AotResult], command: Sequence[str]) -> str:
     """docs/report.md: where the figures come from, the count of compilations and failures per module, and the
     ``MARKDOWN_ROWS`` of each module as markdown tables."""
-    lines = provenance.header("AOT resource report", "report", command)
+    lines = provenance.header("AOT resource report", command)
     lines += ["| module | compilations | failed |", "| --- | --- | --- |"]
     for module in dict.fromkeys(r.module for r in results):
         mine = [r for r in results if r.module == module]
