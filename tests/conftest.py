@@ -72,3 +72,34 @@ def ctrl_c_raises():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
+
+
+# ---------------------------------------------------------------------------------------------- the quick check
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--quick", action="store_true",
+        help="the developer's quick check (README, Development): every test file collected from the checkout's root, "
+             "the first case of each test, and no test marked slow")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of the quick check (--quick); the full run and CI keep it")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under --quick keep the first parametrized case of each test function, and no test marked slow."""
+    if not config.getoption("--quick"):
+        return
+    kept, dropped, seen = [], [], set()
+    for item in items:
+        function = (item.nodeid.split("[")[0])
+        if item.get_closest_marker("slow") is not None or function in seen:
+            dropped.append(item)
+        else:
+            seen.add(function)
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

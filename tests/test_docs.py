@@ -67,10 +67,11 @@ def test_readme_is_short_and_keeps_the_two_commands():
         'pip install torch==2.13.0 setuptools wheel ninja && pip install --no-build-isolation -e ".[test]" && '
         "python -m fused_transformer",
         'pip install torch==2.13.0 setuptools wheel ninja && pip install --no-build-isolation -e ".[test]" && '
-        "python -m pytest tests -q",
+        "python -m pytest tests -q -n auto --dist loadfile",
     ]
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1] in ci
+    assert "python -m pytest tests -q --quick -n auto --dist loadfile" in commands[2:], "the development quick check"
 
 
 @pytest.mark.parametrize("index", range(len(re.findall(r"```python\n", (ROOT / "README.md").read_text()))))

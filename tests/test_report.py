@@ -69,18 +69,21 @@ def test_the_sample_holds_every_kernel_precision_and_target_and_a_quarter_of_the
     assert len(SAMPLE) <= len(every) / 4
 
 
+@pytest.mark.slow
 def test_every_sampled_config_compiles_within_limits(results):
     assert len(results) == len(SAMPLE)
     failed = [r for r in results if not r.ok]
     assert not failed, "\n" + report.format_table(failed)
 
 
+@pytest.mark.slow
 def test_matmuls_use_tensor_cores(results):
     matmuls = [r for r in results if r.expect_tensor_cores]
     assert matmuls, "no kernel expects tensor cores: the fp16/bf16 matmul configs are missing"
     assert all(r.tensor_cores for r in matmuls)
 
 
+@pytest.mark.slow
 def test_every_target_users_have_is_compiled(results):
     assert {r.target for r in results} == {80, 86, 89, 90}
     by_kernel = {}
@@ -118,6 +121,7 @@ def test_layer_norm_configs_cover_every_block_the_launcher_picks():
     assert any(k.name == "sum_rows" for k in configs)
 
 
+@pytest.mark.slow
 def test_layer_norm_backward_holds_the_widest_rows_on_a_cluster_on_hopper_only(results):
     """Rows above 8192 columns: one program of two CTAs (a cluster) per row on sm_90, 16 warps and 128 registers a
     thread each, the row sums reduced across the pair; before sm_90 the split kernel."""
@@ -156,6 +160,7 @@ def test_problems_are_reported():
     assert "FAIL" in table and "sm_90" in table
 
 
+@pytest.mark.slow
 def test_report_command_prints_every_kernel_and_config(results, monkeypatch, capsys):
     from fused_transformer.__main__ import main
 
@@ -171,6 +176,7 @@ def test_report_command_prints_every_kernel_and_config(results, monkeypatch, cap
     assert f"{len(results)} compilations, 0 failed" in out
 
 
+@pytest.mark.slow
 def test_report_command_exits_1_when_a_compilation_fails(results, monkeypatch, capsys):
     from dataclasses import replace
 
@@ -182,6 +188,7 @@ def test_report_command_exits_1_when_a_compilation_fails(results, monkeypatch, c
     assert "1 failed" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_report_writes_its_markdown_with_where_it_comes_from(results, monkeypatch, tmp_path, capsys):
     from fused_transformer.__main__ import main
     from fused_transformer.tools import provenance
@@ -204,6 +211,7 @@ def test_report_writes_its_markdown_with_where_it_comes_from(results, monkeypatc
     assert exc.value.code == 2 and "--markdown writes the report of every module" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_verdicts_only_gives_the_same_verdicts_and_reads_sass_only_for_wgmma(results):
     """Without figures (CI's older releases), a config compiles as with them: the same registers, spills, shared
     memory and tensor cores; only sm_90's wgmma matmuls are disassembled, for their serialization verdict."""
@@ -222,6 +230,7 @@ def test_verdicts_only_gives_the_same_verdicts_and_reads_sass_only_for_wgmma(res
             assert (verdict.mma_counts, verdict.serialized_mmas) == (full.mma_counts, full.serialized_mmas)
 
 
+@pytest.mark.slow
 def test_sm_80_and_sm_89_from_sm_86_compilation_give_what_compiling_them_gives():
     """The report compiles a config listed for sm_86 once, goes on from its TTGIR for sm_80 and has ptxas assemble
     its PTX for sm_89 (``STARTS_FROM``); compiled for them from the source instead, the first such config of every
@@ -270,6 +279,7 @@ def _attention_16_bit(results):
             and r.config.startswith("bf16/")]
 
 
+@pytest.mark.slow
 def test_16_bit_attention_runs_hgmma_on_hopper_and_hmma_before(results):
     """wgmma (HGMMA) computes 64-row products per warpgroup: a config whose tiles are all under 64 rows (the shared
     D256 tiles) runs mma.sync (HMMA) on sm_90 too."""
@@ -304,6 +314,7 @@ def _hgmma_widths(r):
 NARROW_HOPPER_LAUNCHES = {("bwd_dq", 128, "packed"): 32}
 
 
+@pytest.mark.slow
 def test_16_bit_attention_on_hopper_is_pipelined_with_wider_hgmma(results):
     """The sm_90 rows for any launch are pipelined, and their HGMMAs are at least 64 wide (forward and dq: 64 keys per
     warpgroup, or the head dim) or BLOCK_M wide (dk/dv: the query tile is the N of its transposed products), dense
@@ -329,6 +340,7 @@ def _row(results, name, config, target):
     return rows[0]
 
 
+@pytest.mark.slow
 def test_wide_tiles_on_hopper_run_hgmma_at_least_64_wide(results):
     """Light launches run HGMMAs of N >= 64 on sm_90, or the head dim where it is the N (p @ v, dq, dk, dv): 64 keys
     per warpgroup in the forward and dq, 64 query rows in the dk/dv tile (the N of its transposed products), in
@@ -349,6 +361,7 @@ def test_wide_tiles_on_hopper_run_hgmma_at_least_64_wide(results):
     assert checked == 5 * 3 + 5 * 3 + 4 * 3 - 1 - 3
 
 
+@pytest.mark.slow
 def test_packed_wide_tiles_on_hopper_run_wide_hgmma_with_little_more_bookkeeping(results):
     """Light packed launches whose wide tiles spill take rows of their own, in both variants that run them (the
     two-loop /varlen/causal and /varlen/nodropout): HGMMAs at least as wide as the tile's keys (forward; the head dim
@@ -377,6 +390,7 @@ def test_packed_wide_tiles_on_hopper_run_wide_hgmma_with_little_more_bookkeeping
     assert checked == 5
 
 
+@pytest.mark.slow
 def test_plain_forward_on_hopper_runs_less_bookkeeping(results):
     """The plain forward's sm_90 tiles (light launches, the /causal variant) are pipelined, and their main loop
     issues fewer non-MMA instructions per kMAC than the general tiles' on sm_80 (the figure that compares the two)."""
@@ -390,11 +404,13 @@ def test_plain_forward_on_hopper_runs_less_bookkeeping(results):
         assert r.non_mma_per_kmac < sm80.non_mma_per_kmac, (r.config, r.non_mma_per_kmac, sm80.non_mma_per_kmac)
 
 
+@pytest.mark.slow
 def test_exact_float32_attention_has_no_mma(results):
     exact = [r for r in results if r.name.startswith("attention_") and r.config.startswith("fp32/")]
     assert exact and all(not r.mma_counts and r.loop_mma_instructions == 0 for r in exact)
 
 
+@pytest.mark.slow
 def test_every_kernel_with_mmas_has_a_main_loop(results):
     # The weights kernel computes one (query tile, key tile) block per program: no loop.
     with_mma = [r for r in results if r.mma_counts and r.name != "attention_weights"]
@@ -405,12 +421,14 @@ def test_every_kernel_with_mmas_has_a_main_loop(results):
         assert r.non_mma_per_mma > 0 and r.non_mma_per_kmac > 0
 
 
+@pytest.mark.slow
 def test_every_config_fits_on_an_sm(results):
     for r in results:
         assert 1 <= r.blocks_per_sm and r.warps_per_sm == r.blocks_per_sm * r.num_warps, (r.name, r.config, r.target)
         assert r.warps_per_sm <= report.SM_LIMITS[r.target].max_warps_per_sm
 
 
+@pytest.mark.slow
 def test_pipelined_attention_copies_with_cp_async_before_hopper(results):
     staged = [r for r in _attention_16_bit(results)
               if int(re.search(r"_s(\d+)", r.config).group(1)) > 1 and r.target < 90]
@@ -418,6 +436,7 @@ def test_pipelined_attention_copies_with_cp_async_before_hopper(results):
     assert all("LDGSTS" in r.async_copy for r in staged), [(r.name, r.config, r.async_copy) for r in staged]
 
 
+@pytest.mark.slow
 def test_16_bit_attention_loads_through_tma_on_hopper_only(results):
     """On sm_90 every 16-bit attention kernel (the probabilities kernel included) is compiled as the launcher runs it
     there, q/k/v (and o/do in the backward) through TMA descriptors; before sm_90 none uses TMA. The float mask, read
@@ -435,6 +454,7 @@ def test_16_bit_attention_loads_through_tma_on_hopper_only(results):
             r.name, r.config, r.target, r.async_copy)
 
 
+@pytest.mark.slow
 def test_tf32_forward_on_sm_90_runs_wgmma_through_tma_at_its_head_dims(results):
     """The forward in tf32 at configs.TF32_TMA_HEAD_DIMS on sm_90 loads through TMA and runs its products as wgmma
     (HGMMA...TF32), every variant; the other head dims and targets, and the backward, keep the pointer path."""
