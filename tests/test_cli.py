@@ -207,11 +207,21 @@ def children(pid):
 def test_ctrl_c_in_report_stops_the_compiler_workers():
     """Interrupted as its workers start, the report exits within seconds: the jobs not yet running are cancelled
     (left to the pool, the workers went on compiling for over a minute)."""
-    started = time.monotonic()
-    status, out, err = interrupt(["report", "--jobs", "2"], ready=lambda pid: len(children(pid)) >= 2)
+    ctrl_c_at = []
+
+    def workers_started(pid):
+        if len(children(pid)) < 2:
+            return False
+        ctrl_c_at.append(time.monotonic())  # interrupt() sends the Ctrl-C as this returns
+        return True
+
+    status, out, err = interrupt(["report", "--jobs", "2"], ready=workers_started)
     assert status == INTERRUPTED, out + err
     assert "compilations finished; report writes nothing" in assert_one_line(err)
-    assert time.monotonic() - started < 30
+    # Counted from the Ctrl-C, not from the start (imports, listing the jobs). What remains is the workers' start and
+    # the jobs already handed to them: seconds, a few times more on a busy machine; left to the pool, the rest of the
+    # jobs took over a minute even on an idle one.
+    assert time.monotonic() - ctrl_c_at[0] < 60
 
 
 def test_a_compiler_worker_exits_when_its_parent_is_gone(monkeypatch):
