@@ -34,6 +34,7 @@ def run_check(capsys, *args):
     return code, out, err
 
 
+@pytest.mark.slow
 def test_quick_check_covers_every_op_module_and_usable_backend(capsys):
     code = cli.main(["check", "--quick"])
     out, err = capsys.readouterr()

@@ -184,6 +184,7 @@ def test_compile_on_the_triton_backend_traces_its_custom_ops(name):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{pname}: {m}")
 
 
+@pytest.mark.slow
 def test_inductor_compiled_transformer_training_step_matches_eager():
     _, fused = twins("Transformer")
     eager = copy.deepcopy(fused)

@@ -413,6 +413,7 @@ def test_output_attentions_match_eager():
 # --------------------------------------------------------------------------------------------- torch.compile
 
 
+@pytest.mark.slow
 def test_compiled_padded_training_step_has_no_graph_break_or_recompile():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
