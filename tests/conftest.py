@@ -94,7 +94,7 @@ def pytest_collection_modifyitems(config, items):
         return
     kept, dropped, seen = [], [], set()
     for item in items:
-        function = (item.nodeid.split("[")[0])
+        function = item.nodeid.split("[")[0]
         if item.get_closest_marker("slow") is not None or function in seen:
             dropped.append(item)
         else:

@@ -111,7 +111,8 @@ def test_summary_says_where_its_figures_come_from(bench_run):
     assert text.startswith("# Benchmark on cpu, float32\n")
     header = provenance.parse_header(text.splitlines()[2])
     assert header["command"].startswith("bench --quick --device cpu") and header["torch"] == torch.__version__
-    assert header["commit"] == provenance.commit().split("`")[1] != "unknown"
+    assert header["commit"] == provenance.commit() != "unknown"
+    assert bool(header["uncommitted"]) == provenance.sources_changed()
     for suite in bench_cases.SUITES:
         assert f"\n## {suite}\n" in text and f"![{suite}_cpu_throughput.png]({suite}_cpu_throughput.png)" in text
     ours = [row for row in rows if row["impl"] == "ours" and row["speedup"]]

@@ -200,7 +200,8 @@ def test_report_writes_its_markdown_with_where_it_comes_from(results, monkeypatc
     assert text.startswith("# AOT resource report\n") and f"report --markdown {path}" in text
     header = provenance.parse_header(text.splitlines()[2])
     assert header["command"] == f"report --markdown {path}" and header["triton"] == provenance.package_version("triton")
-    assert header["commit"] == provenance.commit().split("`")[1] != "unknown"
+    assert header["commit"] == provenance.commit() != "unknown"
+    assert bool(header["uncommitted"]) == provenance.sources_changed()
     assert f"{len(results)} compilations, 0 failed" in text
     assert "| attention_fwd | bf16/D64/" in text and "| layer_norm_bwd | BLOCK_N=16384,CTAS=2 | sm_90 |" in text
     with pytest.raises(SystemExit) as exc:  # the markdown covers every module
