@@ -29,14 +29,20 @@ READ_IN_FULL = (
 )
 
 
+def _kind(kernel: report.AotKernel, target: int) -> tuple:
+    """``(kernel name, precision or "", target)``: what the sample holds at least one config of."""
+    head = kernel.config.split("/")[0]
+    return kernel.name, head if head in PRECISIONS else "", target
+
+
 def _sampled(kernel: report.AotKernel, target: int, seen: set) -> bool:
-    precision = kernel.config.split("/")[0] if kernel.config.split("/")[0] in PRECISIONS else ""
-    first = (kernel.name, precision, target) not in seen
-    seen.add((kernel.name, precision, target))
-    read = "/scoremods" not in kernel.config and any(kernel.name in names and (precision, target) == (p, t)
+    kind = _kind(kernel, target)
+    first = kind not in seen
+    seen.add(kind)
+    read = "/scoremods" not in kernel.config and any(kernel.name in names and kind[1:] == (p, t)
                                                      for names, p, t in READ_IN_FULL)
     return (first or read
-            or (kernel.name, precision, target) == ("attention_fwd", "bf16", 80) and kernel.config.endswith("/causal")
+            or kind == ("attention_fwd", "bf16", 80) and kernel.config.endswith("/causal")
             or kernel.name == "layer_norm_bwd" and ("BLOCK_N=16384" in kernel.config or "SPLIT_COLS" in kernel.config))
 
 
@@ -61,9 +67,7 @@ def test_the_sample_holds_every_kernel_precision_and_target_and_a_quarter_of_the
     every = report.jobs_for(report.KERNEL_MODULES)
 
     def kinds(work):
-        return {(module, report._configs(module)[index].name, report._configs(module)[index].config.split("/")[0]
-                 if report._configs(module)[index].config.split("/")[0] in PRECISIONS else "", target)
-                for module, index, target in work}
+        return {(module, *_kind(report._configs(module)[index], target)) for module, index, target in work}
 
     assert kinds(SAMPLE) == kinds(every) and set(SAMPLE) <= set(every)
     assert len(SAMPLE) <= len(every) / 4
