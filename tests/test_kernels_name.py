@@ -15,11 +15,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _run(code: str, cwd: pathlib.Path = ROOT, env=None) -> dict:
+def _run(code: str, cwd: pathlib.Path = ROOT) -> dict:
     """Run ``code`` with ``python -c`` in ``cwd`` (sys.path[0] is then that folder) and return the JSON it prints
     last."""
-    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
