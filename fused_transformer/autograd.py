@@ -1,13 +1,13 @@
 """One autograd Function per op, written once above the backends' raw functions (the interface in
 ``fused_transformer.contract``): ``fused_transformer.functional`` checks a call's arguments, then hands them here
-with the name of the backend that runs it.
+with the name of the backend that runs it (``fused_transformer.route`` decides it: ``"torch"`` for torch's own path,
+which autograd differentiates through its ops).
 
 What each Function owns, for every backend alike: the dropout seed, the float-output rule for the sinks' gradient,
 what is saved for the backward, which gradients are computed, and the no-grad fast path: when no input needs a
 gradient the op calls its backend's forward directly, without autograd's per-call cost (about 20 us, as much as
 the kernel of a one-token decoding step). The reference backend, differentiated by autograd through its torch ops,
-is called directly (it is the oracle these Functions are checked against), as is a backend's composed form of
-layer_norm or feed_forward where it has one for the call (ATen's, where it beats the C++ kernels).
+is called directly (it is the oracle these Functions are checked against), as is torch's path.
 """
 from __future__ import annotations
 
@@ -15,22 +15,14 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-from . import backend
+from . import backend, reference
 from .contract import (
     NO_SCORE_MODS, AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, PackedSequences, ScoreMods, as_rows,
     draw_dropout_seed, score_mods_flat, score_mods_of_flat,
 )
+from .route import needs_grad as _needs_grad
 
 Tensor = torch.Tensor
-
-
-def _needs_grad(*tensors: Optional[Tensor]) -> bool:
-    """Whether autograd must record the call: grad mode is on and one of ``tensors`` requires a gradient."""
-    if torch.is_grad_enabled():
-        for t in tensors:
-            if t is not None and t.requires_grad:
-                return True
-    return False
 
 
 def _eager_apply(function: type) -> Callable[..., object]:
@@ -201,20 +193,16 @@ def _tracked_lse(return_lse: bool) -> bool:
 
 def attention(name: str, q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
               mods: ScoreMods, sinks: Optional[Tensor], return_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(out, lse)`` of checked arguments on backend ``name`` (the reference where its kernels do not compute a
-    modifier of ``mods``); lse may be None unless ``return_lse``."""
-    name = backend.computing(name, mods)
+    """``(out, lse)`` of checked arguments on backend ``name`` (``"torch"``: SDPA); lse may be None unless
+    ``return_lse``."""
+    if name == "torch":
+        return reference.attention_sdpa(q, k, v, spec), None
     ops = backend.ops(name)
     if name == "reference":
         return ops.attention(q, k, v, masks, spec, mods, sinks)
-    needs_grad = _needs_grad(q, k, v, sinks)
-    if ops.attention_composed is not None and backend.get_backend() == "auto":  # a backend named is a backend forced
-        out = ops.attention_composed(q, k, v, masks, spec, mods, sinks, return_lse, needs_grad)
-        if out is not None:
-            return out, None
     if masks.attn_mask is not None:
         _check_constant_mask(masks.attn_mask, name)
-    if needs_grad:
+    if _needs_grad(q, k, v, sinks):
         with_lse = _tracked_lse(return_lse)
         out = _attention_apply(q, k, v, sinks, *masks, mods, spec, name, with_lse)
         return out if with_lse else (out, None)
@@ -224,9 +212,8 @@ def attention(name: str, q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks,
 def attention_varlen(name: str, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences, spec: AttentionSpec,
                      mods: ScoreMods, sinks: Optional[Tensor],
                      return_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(out, lse)`` of checked arguments on packed sequences, on backend ``name`` (as ``attention`` chooses it);
-    lse may be None unless ``return_lse``."""
-    name = backend.computing(name, mods)
+    """``(out, lse)`` of checked arguments on packed sequences, on backend ``name``; lse may be None unless
+    ``return_lse``."""
     ops = backend.ops(name)
     if name == "reference":
         return ops.attention_varlen(q, k, v, *seqs, spec, mods, sinks)
@@ -268,16 +255,14 @@ _layer_norm_apply = _eager_apply(LayerNormFunction)
 
 
 def layer_norm(name: str, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-               spec: LayerNormSpec, composed: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """``y``, or ``(y, z)`` with ``spec.prenorm``, of checked arguments ``[..., N]`` on backend ``name``: through the
-    backend's composed form where it has one for the call, unless not ``composed`` (a backend's kernel entry)."""
+               spec: LayerNormSpec) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``y``, or ``(y, z)`` with ``spec.prenorm``, of checked arguments ``[..., N]`` on backend ``name``
+    (``"torch"``: ATen's dropout, add and ``layer_norm``)."""
+    if name == "torch":
+        return reference.layer_norm_aten(x, weight, bias, residual, spec)
     ops = backend.ops(name)
     if name == "reference":
         return ops.layer_norm(x, weight, bias, residual, spec)
-    if composed and ops.layer_norm_composed is not None:
-        result = ops.layer_norm_composed(x, weight, bias, residual, spec)
-        if result is not None:
-            return result
     shape = x.shape
     x_rows = as_rows(x)
     residual_rows = as_rows(residual) if residual is not None else None
@@ -320,14 +305,13 @@ _feed_forward_apply = _eager_apply(FeedForwardFunction)
 
 def feed_forward(name: str, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
                  spec: FeedForwardSpec) -> Tensor:
-    """``linear2(dropout(act(linear1(x))))`` of checked arguments ``[..., d_model]`` on backend ``name``."""
+    """``linear2(dropout(act(linear1(x))))`` of checked arguments ``[..., d_model]`` on backend ``name``
+    (``"torch"``: ATen's ``linear``, activation, dropout and ``linear``)."""
+    if name == "torch":
+        return reference.feed_forward_aten(x, w1, b1, w2, b2, spec)
     ops = backend.ops(name)
     if name == "reference":
         return ops.feed_forward(x, w1, b1, w2, b2, spec)
-    if ops.feed_forward_composed is not None:
-        composed = ops.feed_forward_composed(x, w1, b1, w2, b2, spec)
-        if composed is not None:
-            return composed
     x_rows = as_rows(x)
     if _needs_grad(x, w1, b1, w2, b2):
         y = _feed_forward_apply(x_rows, w1, b1, w2, b2, spec, name)

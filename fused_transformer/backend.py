@@ -29,7 +29,6 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ._env import computed_once, constant_for_compile, on_facts_forgotten, triton_interpreting
-from .contract import NO_SCORE_MODS, ScoreMods
 
 BACKENDS = ("auto", "triton", "cpu", "reference")
 ENV_VAR = "FUSED_TRANSFORMER_BACKEND"
@@ -173,11 +172,11 @@ def _resolve(name: str, device: torch.device, dtype: Optional[torch.dtype]) -> s
     return name
 
 
-# The names of a backend's functions (contract.py writes down their interface); the reference has the composed ops
-# instead of the forward / backward pairs, autograd differentiating them.
-INTERFACE = ("attention_composed", "attention_fwd", "attention_bwd", "attention_varlen_fwd", "attention_varlen_bwd",
-             "attention_weights", "attention_with_kvcache", "layer_norm_fwd", "layer_norm_bwd", "layer_norm_composed",
-             "feed_forward_fwd", "feed_forward_bwd", "feed_forward_composed", "DIFFERENTIABLE_LSE", "SCORE_MODS")
+# The names of a backend's functions (contract.py writes down their interface; what each computes is route.SUPPORTS);
+# the reference has the composed ops instead of the forward / backward pairs, autograd differentiating them.
+INTERFACE = ("attention_fwd", "attention_bwd", "attention_varlen_fwd", "attention_varlen_bwd", "attention_weights",
+             "attention_with_kvcache", "layer_norm_fwd", "layer_norm_bwd", "feed_forward_fwd", "feed_forward_bwd",
+             "DIFFERENTIABLE_LSE")
 REFERENCE_OPS = ("attention", "attention_varlen", "attention_weights", "attention_with_kvcache", "layer_norm",
                  "feed_forward")
 # backend -> its functions, filled on its first use: importing the C++ extension or triton is its first use's cost,
@@ -207,17 +206,6 @@ def _load(name: str) -> bool:
     if name not in _OPS:
         _OPS[name] = _import_ops(name)
     return True
-
-
-def computing(name: str, mods: ScoreMods) -> str:
-    """``name`` (a resolved backend), or ``"reference"`` where that backend's attention kernels do not compute one of
-    the score modifiers ``mods`` has (its ``SCORE_MODS``): the reference computes every one."""
-    if mods is NO_SCORE_MODS or name == "reference":
-        return name
-    computed = ops(name).SCORE_MODS
-    if computed is ScoreMods._fields:  # every one (the Triton kernels')
-        return name
-    return name if all(given in computed for given in mods.given) else "reference"
 
 
 def ops(name: str) -> types.SimpleNamespace:

@@ -20,9 +20,6 @@ argument checked here before; ``fused_transformer.autograd`` writes each op's Fu
     layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, spec, seed, has_residual) -> (dx, dresidual, dweight, dbias)
     feed_forward_fwd(x, w1, b1, w2, b2, spec, seed, keep) -> (y, saved)
     feed_forward_bwd(dy, x, w1, b1, w2, saved, has_b2, spec, seed) -> (dx, dw1, db1, dw2, db2)
-    attention_composed(q, k, v, masks, spec, mods, sinks, needs_lse, needs_grad) -> o or None
-    layer_norm_composed(x, weight, bias, residual, spec), feed_forward_composed(x, w1, b1, w2, b2, spec)
-    SCORE_MODS: the fields of ScoreMods its attention kernels compute (a call with another runs on the reference)
 
 Shapes: attention q ``[B, H, Lq, D]``, k / v ``[B, Hkv, Lk, D]``, o ``[B, H, Lq, D]`` (laid out as the backend
 writes it), lse ``[B, H, Lq]``; packed q ``[Tq, H, D]``, lse ``[H, Tq]``, ``seqs`` a ``PackedSequences``; lse in
@@ -34,9 +31,9 @@ arguments (the masks and strides in the kernels' form), handed unchanged to the 
 then need not derive it again (None: nothing kept). layer_norm and feed_forward take rows ``[rows, N]`` (``as_rows``);
 ``z`` is ``dropout(x) + residual`` (empty unless ``store_z``), ``mean`` / ``rstd`` per row in float32 (empty where
 a backend keeps none); ``saved`` the tensors a feed-forward backward reads beyond the inputs (``()`` unless
-``keep``: the backward then recomputes them); an absent parameter's gradient is empty. The ``*_composed`` entries
-(or None) serve a call with torch ops that autograd differentiates, where those are faster than the backend's
-kernels, and return None for the calls they leave to them. ``attention_with_kvcache`` is forward only: with
+``keep``: the backward then recomputes them); an absent parameter's gradient is empty. What a backend computes (score modifiers,
+RMSNorm) is data in ``fused_transformer.route.SUPPORTS``, which sends a call it lacks to the reference, and a call
+torch's own ops run faster to them (``route``). ``attention_with_kvcache`` is forward only: with
 ``k_new`` / ``v_new`` (only for a backend whose function has ``appends_new_keys``) it writes them into the cache
 itself, else they are in the cache already. The reference backend (``fused_transformer.reference``) takes the same
 calls composed of torch ops and differentiated by autograd: the oracle does not go through the Functions it checks.
@@ -110,7 +107,7 @@ class ScoreMods(NamedTuple):
     """What modifies the scaled scores of an attention call, checked (``score_mods``) and applied in this order,
     before the masks; None where absent. Constants: no gradient flows to them. A modifier is a field here (its check
     in ``score_mods``), its math in ``reference.modify_scores`` and in the Triton kernels' ``jit.py`` (host and
-    device sides); a backend's ``SCORE_MODS`` names those it computes, the others sending its calls to the reference."""
+    device sides); ``route.SUPPORTS`` names those each backend computes, the others sending its calls to the reference."""
 
     softcap: Optional[float] = None  # scores become softcap * tanh(scores / softcap) (Gemma 2, Grok)
     alibi_slopes: Optional[Tensor] = None  # float32 [H] or [B, H]: scores less slope * |i + o - j| (o: the alignment)

@@ -9,7 +9,7 @@ says why when that fails).
 Kernels compute in float32 (float64 for float64 inputs); bfloat16 / float16 inputs are converted at the op
 boundary and results returned in the input dtype. Matrix products outside attention stay with ATen.
 
-Where an ATen op is faster, it runs instead of our kernel: without dropout, a float32 ``layer_norm`` is ATen's
+Where an ATen op is faster, ``fused_transformer.route`` runs it instead of our kernel: without dropout, a float32 ``layer_norm`` is ATen's
 add + ``layer_norm`` (about 2x faster forward+backward than ours at 640x256 to 4096x512, 2 threads; not in 16
 bits, where ATen's weight gradient is 4x less accurate than the rule allows, nor for a single feature, where its
 backward cancels 1/sqrt(eps)-sized terms), and ``feed_forward`` ATen's ``linear`` + activation + ``linear``
@@ -56,9 +56,6 @@ def _check_cpu(name: str, anchor: Tensor) -> None:
 
 # The LSE the C++ kernels return takes no gradient (their backward has no term for it).
 DIFFERENTIABLE_LSE = False
-# The score modifiers the C++ attention kernels compute (each C++ op takes them by name, below); a call with another
-# runs on the reference (``backend.computing``).
-SCORE_MODS = ("softcap", "alibi_slopes")
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -90,7 +87,6 @@ def _exact(float_output: bool, *tensors: Tensor) -> Tuple[Tensor, ...]:
     return tuple(t.float() for t in tensors) if float_output else tensors
 
 
-attention_composed = None  # ours on every call (docs/integrations.md measures torch's CPU SDPA against it)
 
 
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
@@ -164,22 +160,10 @@ def attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, 
 # ------------------------------------------------------------------------------------------ layer_norm
 
 
-def layer_norm_composed(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                        spec: LayerNormSpec) -> Optional[Union[Tensor, Tuple[Tensor, Tensor]]]:
-    """ATen's add + ``layer_norm``, differentiated by autograd, where it is faster than ours (the module docstring):
-    float32 without dropout (``reference.layer_norm_aten``'s calls); None elsewhere."""
-    if x.dtype != torch.float32:
-        return None
-    _check_cpu("x", x)
-    return reference.layer_norm_aten(x, weight, bias, residual, spec)
-
-
 def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
                    spec: LayerNormSpec, seed: Optional[Tensor], store_z: bool) -> Tuple[Tensor, ...]:
     """``y, z, mean, rstd`` of rows ``[rows, N]`` from the C++ kernel."""
     _check_cpu("x", x)
-    if spec.rms_norm:
-        raise ValueError("the cpu backend has no RMSNorm; it is an option of the Triton kernels' entry")
     return _ops.layer_norm_fwd(x, weight, bias, residual, spec.eps, spec.dropout_p, seed, store_z)
 
 
@@ -191,19 +175,9 @@ def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional
 
 
 # ---------------------------------------------------------------------------------------- feed_forward
-# Without dropout ATen runs it all (``linear`` + activation + ``linear``, ``feed_forward_composed``); with dropout the
+# Without dropout ATen runs it all (``linear`` + activation + ``linear``: route.py); with dropout the
 # bias, activation and dropout of the hidden layer are one C++ pass (``bias_activation``) between ATen's products,
 # one in backward.
-
-
-def feed_forward_composed(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-                          spec: FeedForwardSpec) -> Optional[Tensor]:
-    """ATen's ``linear`` + activation + ``linear``, differentiated by autograd, without dropout (at least as fast as
-    ours there); None with dropout."""
-    if spec.dropout_p != 0.0:
-        return None
-    _check_cpu("x", x)
-    return reference.feed_forward(x, w1, b1, w2, b2, activation=spec.activation)
 
 
 def _bias_in_kernel(x: Tensor, spec: FeedForwardSpec) -> bool:

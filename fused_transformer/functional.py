@@ -1,4 +1,5 @@
-"""Functional ops: check the arguments once, then run them on the backend ``fused_transformer.backend`` picks.
+"""Functional ops: check the arguments once, then run them where ``fused_transformer.route`` decides: a backend of
+ours, torch's own path, or the reference.
 
 Every backend implements the same contract (``fused_transformer.contract``), so the checks run here are the only
 ones a user meets for shapes, dtypes and devices; the kernels' launchers add only the limits of their own
@@ -19,7 +20,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import autograd, backend, contract, reference
+from . import autograd, backend, contract, reference, route
 from .contract import AttentionMasks, Window
 
 Tensor = torch.Tensor
@@ -49,10 +50,6 @@ def _autocast_all(dtype: Optional[torch.dtype], *args: object) -> Tuple[object, 
     if dtype is None:
         return args
     return tuple(t.to(dtype) if isinstance(t, Tensor) and t.dtype in _AUTOCAST_ELIGIBLE else t for t in args)
-
-
-def _backend(anchor: Tensor) -> str:
-    return backend.current(anchor.device, anchor.dtype)
 
 
 def _autocast_off(anchor: Tensor, cast: Optional[torch.dtype]) -> contextlib.AbstractContextManager:
@@ -143,11 +140,12 @@ def attention(
     if sinks is not None:
         contract.check_sinks(q, q.shape[1], sinks)
     spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale)
+    name = route.attention(q, k, v, masks, spec, mods, sinks, return_lse).backend
     if cast is None:
-        out, lse = autograd.attention(_backend(q), q, k, v, masks, spec, mods, sinks, return_lse)
+        out, lse = autograd.attention(name, q, k, v, masks, spec, mods, sinks, return_lse)
     else:
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = autograd.attention(_backend(q), q, k, v, masks, spec, mods, sinks, return_lse)
+            out, lse = autograd.attention(name, q, k, v, masks, spec, mods, sinks, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -205,8 +203,10 @@ def attention_varlen(
     if not (same and k.shape[0] == q.shape[0] and max_seqlen_k == max_seqlen_q):  # self-attention: read once
         contract.check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     seqs = contract.packed_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
+    name = route.attention_packed("attention_varlen", q, max_seqlen_k, mods, sinks,
+                                  route.needs_grad(q, k, v, sinks)).backend
     with _autocast_off(q, cast):
-        out, lse = autograd.attention_varlen(_backend(q), q, k, v, seqs, spec, mods, sinks, return_lse)
+        out, lse = autograd.attention_varlen(name, q, k, v, seqs, spec, mods, sinks, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -273,7 +273,8 @@ def attention_with_kvcache(
                                                  k_cache.shape[1], known_length)
     if lengths.device != q.device:  # lengths the caller kept on the host, checked there: now the kernels' copy
         cache = cache._replace(lengths=lengths.to(q.device, non_blocking=True))
-    implementation = backend.ops(backend.computing(_backend(q), mods)).attention_with_kvcache
+    name = route.attention_packed("attention_with_kvcache", q, cache.capacity, mods, sinks).backend
+    implementation = backend.ops(name).attention_with_kvcache
     new_keys = ()
     if new_len and getattr(implementation, "appends_new_keys", False):
         new_keys = (k_new, v_new)  # its kernel writes them itself; cache.lengths count the keys before them
@@ -310,7 +311,7 @@ def attention_weights(
     if not isinstance(lse, Tensor) or tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"lse must be a tensor of shape [B, H, Lq] = {list(q.shape[:3])}")
     with _autocast_off(q, cast):
-        return backend.ops(_backend(q)).attention_weights(q, k, lse, masks, spec)
+        return backend.ops(backend.current(q.device, q.dtype)).attention_weights(q, k, lse, masks, spec)
 
 
 def layer_norm(
@@ -341,10 +342,11 @@ def layer_norm(
     if cast is not None:
         x, weight, bias, residual = _autocast_all(cast, x, weight, bias, residual)
     spec = contract.layer_norm_spec(x, weight, bias, eps, residual, dropout_p, prenorm)
+    name = route.layer_norm(x, weight, bias, residual, spec).backend
     if cast is None:
-        return autograd.layer_norm(_backend(x), x, weight, bias, residual, spec)
+        return autograd.layer_norm(name, x, weight, bias, residual, spec)
     with torch.autocast(x.device.type, enabled=False):
-        return autograd.layer_norm(_backend(x), x, weight, bias, residual, spec)
+        return autograd.layer_norm(name, x, weight, bias, residual, spec)
 
 
 def feed_forward(
@@ -373,7 +375,8 @@ def feed_forward(
     cast = _autocast_dtype(x, matmul=True)
     x, w1, b1, w2, b2 = _autocast_all(cast, x, w1, b1, w2, b2)
     spec = contract.feed_forward_spec(x, w1, b1, w2, b2, activation, dropout_p)
+    name = route.feed_forward(x, w1, b1, w2, b2, spec).backend
     if cast is None:
-        return autograd.feed_forward(_backend(x), x, w1, b1, w2, b2, spec)
+        return autograd.feed_forward(name, x, w1, b1, w2, b2, spec)
     with torch.autocast(x.device.type, enabled=False):
-        return autograd.feed_forward(_backend(x), x, w1, b1, w2, b2, spec)
+        return autograd.feed_forward(name, x, w1, b1, w2, b2, spec)

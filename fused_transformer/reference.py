@@ -436,14 +436,23 @@ def layer_norm(
     return (y, z) if prenorm else y
 
 
+# ------------------------------------------------------------------------------------------- torch's paths
+# What ``fused_transformer.route`` runs instead of our kernels where torch's own ops are faster: torch.nn's
+# computation, differentiated by autograd (route.torch_refuses names the calls they do not serve).
+
+
+def attention_sdpa(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
+    """``F.scaled_dot_product_attention`` of a call without masks but ``is_causal`` (top-left, or ``Lq = Lk``), without
+    dropout, score modifiers or sinks, the query's heads on the keys'."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=spec.is_causal, scale=spec.scale)
+
+
 def layer_norm_aten(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                    spec: LayerNormSpec) -> Optional[Union[Tensor, Tuple[Tensor, Tensor]]]:
-    """``layer_norm`` as torch.nn computes it, ATen's add then ``F.layer_norm`` (the backends' composed form, where
-    a fused kernel gains nothing); None where that is not the call: with dropout, for RMSNorm, for rows of one
-    feature or fewer, or for parameters in another dtype than x's."""
-    if (spec.dropout_p != 0.0 or spec.rms_norm or x.shape[-1] <= 1
-            or (weight is not None and weight.dtype != x.dtype) or (bias is not None and bias.dtype != x.dtype)):
-        return None
+                    spec: LayerNormSpec) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``layer_norm`` as torch.nn computes it: ATen's dropout, add, then ``F.layer_norm`` (LayerNorm, parameters in
+    x's dtype, more than one feature)."""
+    if spec.dropout_p > 0.0:
+        x = F.dropout(x, spec.dropout_p)
     z = x if residual is None else x + residual
     y = F.layer_norm(z, (x.shape[-1],), weight, bias, spec.eps)
     return (y, z) if spec.prenorm else y
@@ -465,6 +474,15 @@ def feed_forward(
     """
     hidden = ACTIVATIONS[activation](F.linear(x, w1, b1))
     return F.linear(dropout(hidden, dropout_p, keep_mask), w2, b2)
+
+
+def feed_forward_aten(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+                      spec: FeedForwardSpec) -> Tensor:
+    """``feed_forward`` as torch.nn computes it: ATen's ``linear``, activation, dropout and ``linear``."""
+    hidden = ACTIVATIONS[spec.activation](F.linear(x, w1, b1))
+    if spec.dropout_p > 0.0:
+        hidden = F.dropout(hidden, spec.dropout_p)
+    return F.linear(hidden, w2, b2)
 
 
 def run_layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],

@@ -13,7 +13,8 @@ one elementwise kernel, in two modes:
               dw2 = dy^T @ hidden,  dw1 = dpre^T @ x,  dx = dpre @ w1     torch
               db2 = sum_rows(dy),   db1 = sum_rows(dpre)                 deterministic reductions
 
-Without dropout there is nothing to fuse: ATen runs the op (``feed_forward_composed``), as ``torch.nn`` does. Between
+Without dropout there is nothing to fuse: ``fused_transformer.route`` sends such calls of the functional op to ATen,
+as ``torch.nn`` does; the kernel entry ``feed_forward`` always runs ours. Between
 forward and backward only the pre-activation is kept (x's dtype); with ``recompute=True`` not even that: the backward
 recomputes it with one more product. The pre-activation is rounded to x's dtype before the activation, as
 ``F.linear`` rounds it, so forward and backward agree exactly.
@@ -29,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import contract, reference
+from .. import contract
 from ..contract import FeedForwardSpec
 from ._common import (
     cdiv, contiguous_last_dim, dropout_keep_quad_lanes, dropout_keep_quads, launch_kernel, sum_rows, traced,
@@ -194,18 +195,6 @@ def _launch_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Ten
 
 
 # ---------------------------------------------------------------------------------- the backend's entries
-
-
-def feed_forward_composed(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-                          spec: FeedForwardSpec) -> Optional[Tensor]:
-    """ATen's ``linear`` + activation + ``linear``, differentiated by autograd, where there is nothing to fuse:
-    without dropout (and without ``recompute``, which only our backward honours); None elsewhere."""
-    if spec.dropout_p != 0.0 or spec.recompute:
-        return None
-    _check_dtypes(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
-    if _needs_tf32_switch(x, spec.allow_tf32):
-        return None  # TF32 products on the kernel path, whose backward switches them on as well
-    return reference.feed_forward(x, w1, b1, w2, b2, activation=spec.activation)
 
 
 def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],

@@ -26,9 +26,9 @@ and dresidual (s) when present; with SPLIT_COLS over C column blocks dy and z ar
 Each program writes 4 bytes per column per partial (dweight, dbias) and walks at least MIN_ROWS_PER_PROGRAM
 rows: at most 8 / 8 = 1 byte per element (``sum_rows`` reads them once more).
 
-Without dropout there is nothing to fuse that ATen does not: on a GPU the backend's calls of LayerNorm without
-dropout (in x's dtype) run ATen's add + ``F.layer_norm`` (``layer_norm_composed``), as torch.nn does; the kernel entry
-``layer_norm`` always runs the kernels, and so does every call under the interpreter.
+Without dropout there is nothing to fuse that ATen does not: ``fused_transformer.route`` sends such calls of the
+functional op to ATen's add + ``F.layer_norm``, as torch.nn does; the kernel entry ``layer_norm`` always runs the
+kernels.
 
 Dropout keep-mask: element (row, col) of x viewed as [rows, N] is kept when ``dropout_keep(SEED, row * N +
 col, p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, rows, N, p, device)`` replays it.
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import contract, reference
+from .. import contract
 from ..contract import LayerNormSpec
 from ._common import (
     SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, cdiv, contiguous_last_dim, dropout_keep, interpreting,
@@ -380,19 +380,6 @@ def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Te
 # ---------------------------------------------------------------------------------- the backend's entries
 
 
-def layer_norm_composed(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                        spec: LayerNormSpec) -> Optional[Union[Tensor, Tuple[Tensor, Tensor]]]:
-    """ATen's add + ``layer_norm`` (differentiated by autograd) on a GPU where there is no dropout to fuse: on an H200
-    its LayerNorm moves data at twice our kernel's rate and its host path is a fifth of ours. None where
-    ``reference.layer_norm_aten`` is not the call (dropout, RMSNorm, parameters in another dtype than x's) and under
-    the interpreter (CPU tensors, whose ATen bfloat16 backward sums the weight and bias gradients less exactly than
-    the 2x rule allows): the kernels run those."""
-    if interpreting():
-        return None
-    _check_dtype("x", x)
-    return reference.layer_norm_aten(x, weight, bias, residual, spec)
-
-
 def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
                    spec: LayerNormSpec, seed: Optional[Tensor], store_z: bool) -> Tuple[Tensor, ...]:
     """``y, z, mean, rstd`` of rows ``[rows, N]`` (``_launch_fwd``); traced through the custom op."""
@@ -464,8 +451,7 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps:
     _check_dtype("x", x)
     from ..autograd import layer_norm as layer_norm_on
 
-    return layer_norm_on("triton", x, weight, bias, options["residual"], spec._replace(rms_norm=bool(rms_norm)),
-                         composed=False)
+    return layer_norm_on("triton", x, weight, bias, options["residual"], spec._replace(rms_norm=bool(rms_norm)))
 
 
 # ------------------------------------------------------------------------------------------------------ AOT

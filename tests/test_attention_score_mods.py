@@ -285,9 +285,9 @@ def test_the_plumbing_names_no_score_modifier():
     import fused_transformer.kernels as kernels
 
     package, kernels_dir = pathlib.Path(ft.__file__).parent, pathlib.Path(kernels.__file__).parent
-    plumbing = [package / name for name in ("autograd.py", "backend.py")] + [
+    plumbing = [package / name for name in ("autograd.py", "backend.py", "route.py")] + [
         kernels_dir / "backend.py", *(kernels_dir / "attention" / f"{name}.py" for name in (
-            "__init__", "fwd", "bwd", "decode", "weights", "launch", "ops", "routes", "configs", "aot"))]
+            "__init__", "fwd", "bwd", "decode", "weights", "launch", "ops", "configs", "aot"))]
     modifiers = {*contract.ScoreMods._fields, "SOFTCAP", "ALIBI", "alibi", "slope", "slopes"}
     for path in plumbing:
         names = {token.string for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)

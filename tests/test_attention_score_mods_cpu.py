@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fused_transformer as ft
-from fused_transformer import backend, contract, reference
+from fused_transformer import backend, contract, reference, route
 from numerics import assert_close_to_reference
 
 UNAVAILABLE = backend.cpu_unavailable_reason()
@@ -242,7 +242,7 @@ def test_gradcheck_float64():
 
 
 def test_a_modifier_the_kernels_do_not_compute_runs_on_the_reference(monkeypatch):
-    """``backend.computing``: a call with a score modifier outside its backend's ``SCORE_MODS`` runs on the reference,
+    """The route: a call with a score modifier outside its backend's ``route.SUPPORTS`` runs on the reference,
     which computes every one (forward, gradients, the kv-cache step), and never reaches the backend's kernels; the
     modifiers the backend computes stay on it."""
     cpu = backend.ops("cpu")
@@ -252,7 +252,8 @@ def test_a_modifier_the_kernels_do_not_compute_runs_on_the_reference(monkeypatch
             launched.append(name)
             return original(*args)
         monkeypatch.setattr(cpu, name, spy)
-    monkeypatch.setattr(cpu, "SCORE_MODS", ("softcap",))  # as if its kernels had no ALiBi
+    monkeypatch.setitem(route.SUPPORTS, "cpu", frozenset({"softcap", "sinks"}))  # as if its kernels had no ALiBi
+    monkeypatch.setattr(route, "_DECISIONS", {})  # decided afresh, and forgotten after
     g = torch.Generator().manual_seed(13)
     q, k, v = (randn(2, 4, 9, 8, generator=g).float().requires_grad_() for _ in range(3))
     slopes = torch.rand(4, generator=g) * 0.5

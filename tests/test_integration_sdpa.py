@@ -34,13 +34,21 @@ VARLEN_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 @contextlib.contextmanager
 def activated(route: str = "ours"):
+    """Our implementation activated; with ``route="ours"`` a backend of ours named (``use_backend``), which the door
+    honours by running every call its kernels serve on them; ``"fastest"``: the route table decides."""
     activate_flash_attention_impl(sdpa.NAME)
-    sdpa.set_route(route)
     try:
-        yield
+        with ft.use_backend("cpu") if route == "ours" else contextlib.nullcontext():
+            yield
     finally:
         restore_flash_attention_impl()
-        sdpa.set_route("fastest")
+
+
+def _cpu_door(lk: int, is_causal: bool) -> bool:
+    """Whether the route gives a float32 call of ``lk`` keys at SDPA's door on the CPU to our kernel."""
+    call = ft.route.Call("attention", "cpu", torch.float32, door="sdpa", head_dim=8,
+                         mask="causal" if is_causal else "none", size=lk)
+    return ft.route.decide(call, "auto", "cpu", ft.route.table()).ours
 
 
 # The CPU implementations are the C++ kernels: a GPU machine installed without the C++ build has none.
@@ -160,7 +168,7 @@ def test_restore_runs_torchs_kernels_again(kernel_calls):
 @pytest.mark.parametrize("lk, is_causal, ours", [(64, True, False), (128, True, True), (1024, True, True),
                                                    (2048, True, False), (128, False, False), (512, False, False)])
 def test_fastest_route_sends_calls_where_measured_faster(lk, is_causal, ours, kernel_calls):
-    assert sdpa.prefers_ours("cpu", lk, is_causal) is ours
+    assert _cpu_door(lk, is_causal) is ours
     q = torch.randn(1, 2, 2, 8)
     k = v = torch.randn(1, 2, lk, 8)
     with activated(route="fastest"):
@@ -197,8 +205,17 @@ def test_every_implementation_overrides_an_op_this_torch_has():
         assert all(hasattr(torch.ops.aten, name) for name in names)
 
 
-def test_fastest_route_leaves_cuda_to_torch():
-    assert not any(sdpa.prefers_ours("cuda", lk, causal) for lk in (64, 512, 8192) for causal in (False, True))
+def test_fastest_route_on_cuda_follows_the_measured_rows():
+    """On a GPU the door reads the rows measured for every door: the H200's send dense bfloat16 calls without a mask
+    or causal to torch's kernel (cuDNN there); a call no row covers runs ours."""
+    rows = ft.route.table()
+    for lk in (64, 512, 8192):
+        for causal in (False, True):
+            call = ft.route.Call("attention", "sm90", torch.bfloat16, door="sdpa", head_dim=64,
+                                 mask="causal" if causal else "none", size=lk)
+            assert ft.route.decide(call, "auto", "triton", rows).backend == "torch"
+            assert ft.route.decide(call._replace(head_dim=256), "auto", "triton", rows).backend == "triton"
+            assert ft.route.decide(call._replace(device="sm80"), "auto", "triton", rows).backend == "triton"
 
 
 def test_unserved_arguments_go_to_the_previous_kernel(kernel_calls):
@@ -279,13 +296,10 @@ needs_triton = pytest.mark.skipif(
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_sdpa_op_matches_reference(causal, kernel_calls):
     q, k, v, dout = (t.to(DEVICE) for t in _tensors(torch.float32, kv_heads=2, lq=7, lk=7))
-    sdpa.set_route("ours")
-    try:
+    with ft.use_backend("triton"):
         out, lse, _, _, max_q, max_k, rng_state, _, debug = sdpa.CUDA.sdpa_forward(q, k, v, 0.0, causal)
         grads = sdpa.CUDA.sdpa_backward(dout, q, k, v, out, lse, None, None, max_q, max_k, 0.0, causal, rng_state,
                                         rng_state)
-    finally:
-        sdpa.set_route("fastest")
     assert kernel_calls["triton"] == ["dense_fwd", "dense_bwd"]
     assert out.stride() == torch.empty_like(q).stride() and lse.shape == (2, 4, 7) and debug.numel() == 0
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
@@ -301,8 +315,7 @@ def test_triton_sdpa_op_matches_reference(causal, kernel_calls):
 def test_triton_flash_ops_packed_and_dense(kernel_calls):
     q, k, v, cu, longest = _packed(torch.float32)
     q, k, v, cu = (t.to(DEVICE) for t in (q, k, v, cu))
-    sdpa.set_route("ours")
-    try:
+    with ft.use_backend("triton"):
         out, lse, rng_state, offset, _ = sdpa.CUDA.flash_forward(q, k, v, cu, cu, longest, longest, 0.0, False,
                                                                  False, window_size_left=2, window_size_right=1)
         inplace = torch.full_like(q, float("nan"))
@@ -314,8 +327,6 @@ def test_triton_flash_ops_packed_and_dense(kernel_calls):
         dout = torch.randn_like(out)
         dq, dk, dv = sdpa.CUDA.flash_backward(dout, q, k, v, out, lse, cu, cu, longest, longest, 0.0, False,
                                               rng_state, offset, window_size_left=2, window_size_right=1)
-    finally:
-        sdpa.set_route("fastest")
     assert torch.equal(out, inplace) and torch.equal(lse, lse2) and lse.shape == (4, q.shape[0])
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref = reference.attention_varlen(*leaves, cu, cu, longest, longest, causal_alignment="bottom_right",

@@ -5,7 +5,7 @@ Runs on CUDA when present, else on CPU tensors under the Triton interpreter (set
 import pytest
 import torch
 
-from fused_transformer import backend, functional, reference
+from fused_transformer import autograd, backend, contract, functional, reference
 from fused_transformer.kernels import layer_norm as triton_layer_norm
 from fused_transformer.kernels._common import dropout_keep_mask, interpreting
 from tests.kernel_checks import DTYPES, check_against_reference, replayed_keep_mask
@@ -67,32 +67,27 @@ def test_layer_norm_matches_reference(dtype, hidden, variant):
     check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
 
 
-def test_aten_runs_what_has_no_dropout_to_fuse(monkeypatch):
-    """On the Triton backend on a GPU, layer_norm without dropout is ATen's add + F.layer_norm (torch.nn's values, bit
-    for bit); with dropout, RMSNorm, or parameters in another dtype, the kernels run it. (Under the interpreter every
-    call runs the kernels: a GPU's answer stands in here.)"""
-    monkeypatch.setattr(triton_layer_norm, "interpreting", lambda: False)
+def test_a_named_backend_runs_the_kernels_and_torchs_path_is_torch_nn(monkeypatch):
+    """``use_backend("triton")`` runs the kernels on every call, without dropout too (the route sends those to ATen
+    only on "auto", tests/test_route.py); torch's path (``"torch"``) is ATen's add + F.layer_norm, torch.nn's values
+    bit for bit."""
     launched = []
     launch = triton_layer_norm._launch_fwd
     monkeypatch.setattr(triton_layer_norm, "_launch_fwd", lambda *args: launched.append(args) or launch(*args))
     inputs = _random_inputs((2, 5, 24), torch.bfloat16, weight=True, bias=True, residual=True)
     x, weight, bias, residual = (inputs[name] for name in ("x", "weight", "bias", "residual"))
     with backend.use_backend("triton"):
-        y, z = functional.layer_norm(x, weight, bias, EPS, residual=residual, prenorm=True)
-        plain = functional.layer_norm(x, weight, None, EPS)
-        assert not launched
-        torch.testing.assert_close(z, x + residual, rtol=0, atol=0)
-        torch.testing.assert_close(y, torch.nn.functional.layer_norm(x + residual, (24,), weight, bias, EPS), rtol=0,
-                                   atol=0)
-        torch.testing.assert_close(plain, torch.nn.functional.layer_norm(x, (24,), weight, None, EPS), rtol=0, atol=0)
-        functional.layer_norm(x, weight, bias, EPS, residual=residual, dropout_p=0.1)
+        functional.layer_norm(x, weight, bias, EPS, residual=residual, prenorm=True)
+        functional.layer_norm(x, weight, None, EPS)
         functional.layer_norm(x, weight.float(), bias, EPS)
         triton_layer_norm.layer_norm(x, weight, bias, EPS, rms_norm=True)
-        triton_layer_norm.layer_norm(x, weight, bias, EPS)  # the kernel entry
-        assert len(launched) == 4
-        monkeypatch.setattr(triton_layer_norm, "interpreting", interpreting)
-        functional.layer_norm(x, weight, bias, EPS)
-    assert len(launched) == 5 - (not interpreting())
+    assert len(launched) == 4
+    spec = contract.layer_norm_spec(x, weight, bias, EPS, residual, 0.0, True)
+    y, z = autograd.layer_norm("torch", x, weight, bias, residual, spec)
+    assert len(launched) == 4
+    torch.testing.assert_close(z, x + residual, rtol=0, atol=0)
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x + residual, (24,), weight, bias, EPS), rtol=0,
+                               atol=0)
 
 
 @pytest.mark.parametrize(

@@ -20,19 +20,13 @@ whose outputs have no slot for a seed, empty dims) goes to the kernel registered
 the result or the error it would have had. Dropout through the flash ops keeps our seed in the ``rng_state``
 output: the backward regenerates the same mask.
 
-Activation is process-wide, so by default it must not make any model slower: ``prefers_ours`` decides per call,
-from the shapes alone (the forward and its backward decide alike), whether our kernel or the one registered
-before runs it. The rule, measured interleaved against torch's CPU flash kernel (docs/integrations.md):
-
-  CPU   ours for ``is_causal`` calls with ``128 <= Lk <= 1024`` (1.07-1.65x forward and forward+backward there);
-        torch's otherwise: without a causal mask ours is at parity or behind (0.94-0.99x forward), below 128 keys
-        the Python call through the dispatcher costs more than the kernel saves (0.54-0.89x forward), and at
-        2048 causal keys bfloat16 training falls behind (0.94x). The varlen ops, which torch lacks on CPU, always
-        run ours.
-  CUDA  torch's for every call until a GPU bench has measured ours against it (none has yet).
-
-``set_route("ours")`` runs every call our kernels serve on them (testing, or our edge semantics everywhere);
-``set_route("fastest")`` is the default rule above.
+Activation is process-wide, so by default it must not make any model slower: ``fused_transformer.route`` decides
+per call, from the shapes alone (the forward and its backward decide alike; ``route.sdpa_door``), whether our
+kernel or the one registered before runs it, from the route table's rows for this door (``route.MEASURED``: on the
+CPU ours for ``is_causal`` calls with ``128 <= Lk <= 1024``, measured interleaved against torch's CPU flash kernel,
+docs/integrations.md) and for every door (a GPU's measured rows). The varlen ops, which torch lacks on CPU, always
+run ours. ``use_backend("cpu")`` / ``use_backend("triton")`` runs every call our kernels serve on them (testing, or
+our edge semantics everywhere), as it does for the functional ops.
 """
 from __future__ import annotations
 
@@ -42,37 +36,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import backend, contract
+from .. import backend, contract, route
 
 Tensor = torch.Tensor
 
 NAME = "fused_transformer"
-ROUTES = ("fastest", "ours")
-
-# The CPU rule's bounds on the key length of causal calls (the module docstring gives the measurements).
-CPU_CAUSAL_KEYS = (128, 1024)
-
-_route = "fastest"
-
-
-def set_route(route: str) -> None:
-    """Which calls the activated implementation runs on our kernels: ``"fastest"`` (the measured rule) or
-    ``"ours"`` (every call they serve)."""
-    global _route
-    if route not in ROUTES:
-        raise ValueError(f"route={route!r} must be one of {', '.join(ROUTES)}")
-    _route = route
-
-
-def get_route() -> str:
-    return _route
-
-
-def prefers_ours(device_type: str, key_length: int, is_causal: bool) -> bool:
-    """Whether the ``"fastest"`` route runs a call on our kernel rather than the kernel registered before ours."""
-    if device_type == "cpu":
-        return is_causal and CPU_CAUSAL_KEYS[0] <= key_length <= CPU_CAUSAL_KEYS[1]
-    return False
 
 
 # ------------------------------------------------------------------------------------------------- kernels
@@ -195,11 +163,12 @@ class _DeviceOps:
         self.previous = _Previous(key)
         self.device_type = key.lower()
 
-    def _route(self, op: str, key_length: int, is_causal: bool) -> Optional[str]:
-        """None when ``route`` gives the call to our kernel, else why not; always ours where torch has no kernel."""
-        if self.previous.kernels.get(op) is None or _route == "ours":
+    def _route(self, op: str, q: Tensor, key_length: int, is_causal: bool) -> Optional[str]:
+        """None when the route gives the call to our kernel, else why not; always ours where torch has no kernel."""
+        if self.previous.kernels.get(op) is None:
             return None
-        return None if prefers_ours(self.device_type, int(key_length), is_causal) else "this call (route 'fastest')"
+        decision = route.sdpa_door(q, int(key_length), is_causal, self.kernels.name)
+        return None if decision.ours else f"this call (route: {decision.reason})"
 
     # ---- SDPA's dense op: q [B, H, Lq, D]
 
@@ -220,7 +189,7 @@ class _DeviceOps:
             why = "dropout (the CPU op's outputs keep no seed for its backward)"
         if why is None and attn_mask is not None and attn_mask.dtype not in (torch.bool, *_FLOAT_DTYPES):
             why = "attn_mask's dtype"
-        return why or self._route(self.sdpa_op, k.shape[2], is_causal)
+        return why or self._route(self.sdpa_op, q, k.shape[2], is_causal)
 
     def sdpa_forward(self, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
                      attn_mask=None, scale=None):
@@ -278,7 +247,7 @@ class _DeviceOps:
             if given:
                 return name
         why = _unsupported(query, key, value, heads_dim=-2)
-        return why or self._route("_flash_attention_forward", max_k if packed else key.shape[1], is_causal)
+        return why or self._route("_flash_attention_forward", query, max_k if packed else key.shape[1], is_causal)
 
     def _flash_run(self, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
                    window_size_left, window_size_right, seed):

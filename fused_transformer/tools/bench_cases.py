@@ -267,7 +267,7 @@ def _build_attention(setup: Setup, impls: Tuple[str, ...], batch: int, heads: in
     def ours() -> Tensor:
         return ft.attention(q, k, v, key_padding_mask=key_padding, is_causal=causal, alibi_slopes=slopes)
 
-    # "ours" as a user calls it (on "auto", routed to SDPA where routes.ROUTES measured it faster); "ours:triton"
+    # "ours" as a user calls it (on "auto", routed to SDPA where the route table measured it faster); "ours:triton"
     # our kernel whatever the route.
     calls: Dict[str, Callable[[], Tensor]] = {"sdpa": sdpa, "ours": _on_backend(setup.backend, ours),
                                               "ours:triton": _on_backend("triton", ours)}

@@ -7,9 +7,10 @@
   within ``GRAPH_TOLERANCE`` of the dtype (relative to each tensor's largest magnitude).
 - Determinism: ``fused_transformer.attention`` forward + backward twice on identical inputs (bfloat16 and float16,
   causal and key-padded, ``DETERMINISM_SHAPES``) gives bitwise equal outputs and gradients (``torch.equal``).
-- SDPA's determinism, for the attention route (``kernels/attention/routes.py``): each SDPA backend's forward +
-  backward twice on identical inputs with no mask and causal (``SDPA_DETERMINISM_*``), as measured: a route row sends
-  calls that need gradients to SDPA only where its backward is as deterministic as ours. Information, not a verdict.
+- SDPA's determinism, for the route (``fused_transformer/route.py``, a row's ``torch_det``): each SDPA backend's
+  forward + backward twice on identical inputs with no mask and causal (``SDPA_DETERMINISM_*``), as measured: with
+  deterministic algorithms asked for, a call that needs gradients goes to SDPA only where its backward is
+  deterministic, as ours is. Information, not a verdict.
 - Memory: the peak memory of attention forward + backward above its inputs, at ``MEMORY_LENGTHS`` with batch,
   heads and head dim fixed, grows linearly: at most ``MAX_GROWTH_PER_DOUBLING`` times per doubling of L.
 

@@ -7,8 +7,7 @@ score modifiers), ``fwd.py`` (forward kernel and launcher), ``bwd.py`` (dq and d
 ``weights.py`` (the probabilities for ``need_weights``), ``decode.py`` (split-KV decoding over a contiguous or paged
 KV cache, and its backend entry), ``lengths.py`` (a padding mask's lengths), ``launch.py`` (masks, sizes and grids in
 kernel form), ``configs.py`` (the tile plan every launch and the AOT report read), ``ops.py`` (the backend's raw
-entries, and the custom ops that tracing goes through), ``routes.py`` (ours or SDPA) and ``aot.py`` (what the report
-compiles).
+entries, and the custom ops that tracing goes through) and ``aot.py`` (what the report compiles).
 
 The entries below add the kernel-level options to the functional ops; their autograd is
 ``fused_transformer.autograd``'s one Function per op, the only module above the kernels they call (at call time).

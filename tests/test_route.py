@@ -1,0 +1,174 @@
+"""The route (fused_transformer/route.py): the rule on every measured row and on the default, the backends'
+features as data, the table's text form, tuned rows read from the user's cache ahead of the measured ones, and the
+ops running where the route says."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fused_transformer as ft
+from fused_transformer import autograd, backend, contract, reference, route
+from fused_transformer.route import Call, decide
+
+ROWS = route.table()
+MEASURED = route.parse_rows(route.MEASURED)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "*": torch.float32}
+
+
+def _matching_call(row: route.Row, needs_grad: bool) -> Call:
+    """A call the row matches (its first value of every list, a size inside its range)."""
+    lo, hi = row.sizes
+    return Call(row.op, "cpu" if row.device == "*" else row.device, DTYPES[row.dtypes[0]],
+                door="functional" if row.doors == ("*",) else row.doors[0],
+                head_dim=64 if row.head_dims == ("*",) else int(row.head_dims[0]),
+                mask="none" if row.masks == ("*",) else row.masks[0], dropout=row.dropout == "yes",
+                size=lo if hi is not None or lo else 4096, needs_grad=needs_grad)
+
+
+@pytest.mark.parametrize("row", MEASURED, ids=lambda row: f"{row.op}-{row.passes}-{row.device}-{row.sizes}")
+def test_every_measured_row_decides_the_calls_it_matches(row):
+    passes = {"forward": [False], "training": [True], "*": [False, True]}[row.passes]
+    ours = "cpu" if row.device == "cpu" else "triton"
+    for grad in passes:
+        call = _matching_call(row, grad)
+        assert row.matches(call)
+        got = decide(call, "auto", ours, [row])
+        assert got.backend == ("torch" if row.speedup[1] < 1.0 else ours), (call, got)
+        assert row.source in got.reason
+        if grad and got.backend == "torch":
+            strict = decide(call._replace(deterministic=True), "auto", ours, [row])
+            assert strict.backend == ("torch" if row.torch_deterministic == "yes" else ours), strict
+
+
+def test_without_a_row_the_default_decides():
+    for op in ("attention", "attention_varlen", "attention_with_kvcache"):
+        assert decide(Call(op, "sm75", torch.float16, size=512), "auto", "triton", ROWS).backend == "triton"
+    for op in ("layer_norm", "feed_forward"):
+        plain = Call(op, "sm75", torch.float16, size=512)
+        assert decide(plain, "auto", "triton", ROWS).backend == "torch"  # nothing to fuse
+        assert decide(plain._replace(dropout=True), "auto", "triton", ROWS).backend == "triton"
+
+
+def test_a_named_backend_runs_ours_and_falls_back_for_what_it_lacks():
+    call = Call("attention", "sm90", torch.bfloat16, head_dim=64, size=4096)
+    assert decide(call, "auto", "triton", ROWS).backend == "torch"
+    assert decide(call, "triton", "triton", ROWS).backend == "triton"  # forced: ours, even where torch is faster
+    assert decide(call, "reference", "reference", ROWS).backend == "reference"
+    rms = Call("layer_norm", "cpu", torch.float32, size=64, needs=frozenset({"rms_norm"}))
+    assert decide(rms, "cpu", "cpu", ROWS) == ("reference", "backend 'cpu' does not compute rms_norm")
+    assert decide(rms, "auto", "cpu", ROWS).backend == "reference"
+    assert decide(rms, "auto", "triton", ROWS).backend == "triton"
+    assert decide(Call("attention", "cpu", torch.float64), "auto", "reference", ROWS).backend == "reference"
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(mask="other"), "masks"), (dict(needs_lse=True), "LSE"), (dict(gqa=True), "grouped-query"),
+    (dict(dropout=True), "dropout"), (dict(needs=frozenset({"softcap"})), "softcap"),
+    (dict(op="attention_varlen"), "no torch op"), (dict(torch_cannot="empty dims"), "empty dims"),
+])
+def test_calls_torchs_path_does_not_compute_run_ours(change, why):
+    call = Call("attention", "sm90", torch.bfloat16, head_dim=64, size=4096)._replace(**change)
+    got = decide(call, "auto", "triton", ROWS)
+    assert got.backend == "triton" and why in got.reason
+
+
+def test_layer_norm_rows_split_by_size_and_cpu_keeps_16_bits_on_ours():
+    call = Call("layer_norm", "sm90", torch.bfloat16, dropout=True, size=8 * 1024 * 1024)
+    assert decide(call, "auto", "triton", ROWS).backend == "torch"
+    assert decide(call._replace(size=32 * 1024 * 1024), "auto", "triton", ROWS).backend == "triton"
+    assert decide(call._replace(needs_grad=True, size=1 << 30), "auto", "triton", ROWS).backend == "torch"
+    assert decide(Call("layer_norm", "cpu", torch.bfloat16, size=64), "auto", "cpu", ROWS).backend == "cpu"
+    assert decide(Call("layer_norm", "cpu", torch.float32, size=64), "auto", "cpu", ROWS).backend == "torch"
+
+
+def test_the_table_reads_back_what_it_writes_and_names_a_bad_line():
+    text = route.HEADER + "\n" + "\n".join(row.line() for row in MEASURED)
+    assert route.parse_rows(text) == MEASURED
+    with pytest.raises(ValueError, match="line 2"):
+        route.parse_rows(route.HEADER + "\nattention forward cpu * * none no * * 0.9")
+    with pytest.raises(ValueError, match="line 1: a cell"):
+        route.parse_rows("attention sideways cpu * * none no * * 0.9 - x")
+
+
+@pytest.fixture
+def tuned_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSED_TRANSFORMER_CACHE", str(tmp_path))
+    route.forget_tuned()
+    yield tmp_path
+    route.forget_tuned()
+
+
+def _write_rows(device: torch.device, *lines: str) -> None:
+    import os
+
+    path = route.tuned_path(device)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(route.HEADER + "\n" + "\n".join(lines) + "\n")
+
+
+@pytest.mark.skipif(backend.cpu_unavailable_reason() is not None, reason="needs the C++ kernels")
+def test_tuned_rows_come_first_and_change_the_route(tuned_cache, monkeypatch):
+    """Rows in the user's cache for this CPU send attention to SDPA where they measured it faster; a named backend
+    still runs ours."""
+    cpu = torch.device("cpu")
+    ran = []
+    monkeypatch.setattr(reference, "attention_sdpa", lambda *args: ran.append("torch") or F.scaled_dot_product_attention(
+        *args[:3], is_causal=args[3].is_causal, scale=args[3].scale))
+    q = torch.randn(1, 2, 64, 16)
+    expected = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert route.table(cpu) == route._measured()
+    ft.attention(q, q, q, is_causal=True)
+    assert ran == []
+    _write_rows(cpu, "attention  *  cpu  float32  16  causal  no  functional  32..128  0.80  -  a test's row")
+    route.forget_tuned()
+    assert route.table(cpu)[0].source == "a test's row"
+    torch.testing.assert_close(ft.attention(q, q, q, is_causal=True), expected)
+    assert ran == ["torch"]
+    ft.attention(q, q, q)  # no row for it: ours
+    ft.attention(torch.randn(1, 2, 200, 16), torch.randn(1, 2, 200, 16), torch.randn(1, 2, 200, 16), is_causal=True)
+    with ft.use_backend("cpu"):
+        ft.attention(q, q, q, is_causal=True)
+    assert ran == ["torch"]
+
+
+def test_a_gpu_row_sends_the_functional_call_to_sdpa(monkeypatch):
+    """The H200's rows, as a GPU of capability 9.0 would read them: a dense bfloat16 call runs SDPA (bit for bit
+    what SDPA gives), forward and backward; one with a padding mask runs ours."""
+    monkeypatch.setattr(route, "device_tag", lambda device: "sm90")
+    monkeypatch.setattr(backend, "current", lambda device, dtype=None: "cpu")
+    monkeypatch.setattr(route, "_DECISIONS", {})
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 33, 64, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    out = ft.attention(q, k, v, is_causal=True)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    assert torch.equal(out, expected)
+    assert route.attention(q, k, v, contract.AttentionMasks(), contract.attention_spec(64, True, "top_left", None,
+                           0.0, None), contract.NO_SCORE_MODS, None, False).backend == "torch"
+    dout = torch.randn_like(out)
+    for mine, theirs in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(expected, leaves, dout)):
+        assert torch.equal(mine, theirs)
+    padding = torch.zeros(2, 33, dtype=torch.bool)
+    padding[:, -5:] = True
+    masks = contract.AttentionMasks(None, padding)
+    spec = contract.attention_spec(64, False, "top_left", None, 0.0, None)
+    assert route.attention(q, k, v, masks, spec, contract.NO_SCORE_MODS, None, False).backend == "cpu"
+
+
+def test_traced_attention_runs_ours():
+    call = Call("attention", "sm90", torch.bfloat16, head_dim=64, size=None)
+    assert decide(call, "auto", "triton", ROWS).backend == "triton"
+    layer_norm = Call("layer_norm", "sm90", torch.bfloat16, size=None)
+    assert decide(layer_norm, "auto", "triton", ROWS).backend == "torch"
+
+
+def test_autograd_runs_torchs_paths_as_torch_nn():
+    g = torch.Generator().manual_seed(5)
+    x, w1, w2 = torch.randn(3, 8, generator=g), torch.randn(16, 8, generator=g), torch.randn(8, 16, generator=g)
+    spec = contract.feed_forward_spec(x, w1, None, w2, None, "gelu", 0.0)
+    assert torch.equal(autograd.feed_forward("torch", x, w1, None, w2, None, spec),
+                       F.linear(F.gelu(F.linear(x, w1)), w2))
+    torch.manual_seed(0)
+    dropped = autograd.feed_forward("torch", x, w1, None, w2, None, spec._replace(dropout_p=0.5))
+    torch.manual_seed(0)
+    assert torch.equal(dropped, F.linear(F.dropout(F.gelu(F.linear(x, w1)), 0.5), w2))
