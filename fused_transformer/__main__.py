@@ -24,12 +24,13 @@ COMMANDS: Dict[str, str] = {
     "report": "compile every shipped Triton kernel config without a GPU: registers, spills, shared memory",
     "demo": "train the study notes' Seq2Seq model, fused against torch.nn",
     "gpu-check": "on a CUDA machine: GPU tests, check, bench, CUDA graphs, determinism, memory; a verdict in --out",
+    "tune": "measure ours against torch's path on this device: the route's rows, kept in the user's cache",
 }
 # The module whose main(argv) runs each command but "all".
 COMMAND_MODULES = {
     "check": "fused_transformer.tools.check", "bench": "fused_transformer.tools.bench",
     "report": "fused_transformer.tools.report", "demo": "fused_transformer.tools.demo",
-    "gpu-check": "fused_transformer.tools.gpu_check",
+    "gpu-check": "fused_transformer.tools.gpu_check", "tune": "fused_transformer.tools.tune",
 }
 INTERRUPTED_STATUS = 130  # 128 + SIGINT
 

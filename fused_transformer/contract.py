@@ -41,6 +41,7 @@ calls composed of torch ops and differentiated by autograd: the oracle does not 
 from __future__ import annotations
 
 import math
+import os
 import numbers
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
@@ -444,11 +445,40 @@ def packed_sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: i
     return PackedSequences(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
 
 
-def check_cu_seqlens_values(name: str, cu: Tensor, total: int, max_seqlen: int) -> None:
-    """The values of ``cu`` (one read of them, skipped under ``torch.compile``, where they are data): free on the
-    host, a device-to-host read from a GPU, which waits for the work queued before it."""
-    max_name = "max_seqlen_" + name[-1]
+# Whether the ops read a device tensor's values to check them (``set_device_value_checks``).
+_device_value_checks = os.environ.get("FUSED_TRANSFORMER_CHECK_VALUES", "0") == "1"
+
+
+def set_device_value_checks(enabled: bool) -> None:
+    """Whether the ops check the values of index tensors kept on a GPU (``cu_seqlens``, ``cache_seqlens``, a block
+    table): each check is a device-to-host read that waits for the work queued before it, so by default (and with
+    ``FUSED_TRANSFORMER_CHECK_VALUES`` unset or 0) they are not read there, and the kernels, which read and write
+    nothing outside their tensors whatever the values, compute with what they get. Values kept on the host are
+    always checked (for free). ``FUSED_TRANSFORMER_CHECK_VALUES=1`` or ``set_device_value_checks(True)`` checks
+    them everywhere, as while debugging."""
+    global _device_value_checks
+    _device_value_checks = bool(enabled)
+
+
+def _on_host(t: Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def reads_values(*tensors: Optional[Tensor]) -> bool:
+    """Whether a check may read the values of ``tensors``: never in a traced graph (they are data there) or during
+    CUDA graph capture; always on the host; on a device only when asked (``set_device_value_checks``)."""
     if torch.compiler.is_compiling():
+        return False
+    given = [t for t in tensors if t is not None]
+    if all(_on_host(t) for t in given):
+        return True
+    return _device_value_checks and not (any(t.is_cuda for t in given) and torch.cuda.is_current_stream_capturing())
+
+
+def check_cu_seqlens_values(name: str, cu: Tensor, total: int, max_seqlen: int) -> None:
+    """The values of ``cu``, where ``reads_values`` allows (on the host; on a GPU only when asked)."""
+    max_name = "max_seqlen_" + name[-1]
+    if not reads_values(cu):
         return
     values = cu.tolist()
     lengths = [b - a for a, b in zip(values, values[1:])]
@@ -620,15 +650,13 @@ def check_kvcache_values(cache_seqlens: Tensor, new_len: int, capacity: int, blo
                          num_blocks: int, block_size: int, known_length: Optional[int] = None) -> Optional[list[int]]:
     """The values of ``cache_seqlens`` and ``block_table`` before anything is written to the cache: lengths within the
     cache, the blocks they reach in range. Lengths the host holds (an int, ``known_length``, or a CPU tensor) cost
-    nothing to read; a GPU's cost a device-to-host read, which waits for the GPU, and a paged cache's block ids one
-    more. Skipped under ``torch.compile`` and CUDA graph capture, where the values are data the host must not wait
-    for (the GPU's kernels still write and read nothing outside the cache). Returns the lengths it read
-    (``[known_length]`` when it read none but knows them; None when it checked nothing)."""
+    nothing to read; a GPU's are read only where ``reads_values`` allows (when asked: each read waits for the GPU),
+    never under ``torch.compile`` or CUDA graph capture (the GPU's kernels still write and read nothing outside the
+    cache). Returns the lengths it read (``[known_length]`` when it read none but knows them; None when it checked
+    nothing)."""
     if known_length is not None and block_table is None:
         lengths = [known_length]
-    elif torch.compiler.is_compiling() or (
-            (cache_seqlens.is_cuda or (block_table is not None and block_table.is_cuda))
-            and torch.cuda.is_current_stream_capturing()):
+    elif not reads_values(cache_seqlens, block_table):
         return None
     else:
         lengths = cache_seqlens.tolist()

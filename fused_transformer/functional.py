@@ -178,9 +178,9 @@ def attention_varlen(
         q: ``[Tq, H, D]``; k, v: ``[Tk, Hkv, D]``, ``H`` a multiple of ``Hkv`` (grouped-query attention).
         cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]``: 0, the running sums of the lengths, and ``Tq`` / ``Tk``
             (``torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))``), on q's device or on the
-            CPU (with q on a GPU: checked without waiting for the GPU, then copied; on the GPU their check is a
-            device-to-host read every call, which waits for the work queued before it). Self-attention's one
-            tensor for both is read once.
+            CPU (with q on a GPU: checked without waiting for the GPU, then copied; on the GPU not read, unless
+            ``contract.set_device_value_checks(True)``: a read would wait for the work queued before it).
+            Self-attention's one tensor for both is read once.
         max_seqlen_q, max_seqlen_k: at least every sequence's length (they size the kernels' grids).
         is_causal, causal_alignment, window, scale: as in ``attention``, per sequence: with ``bottom_right``
             each sequence's last query is aligned with its last key.
@@ -190,7 +190,7 @@ def attention_varlen(
 
     Returns:
         ``[Tq, H, D]`` in q's dtype, and the LSE if asked. Edges as in ``attention``: a query with no visible
-        key gives zeros. The values of ``cu_seqlens_*`` are checked except under ``torch.compile``.
+        key gives zeros. The values of ``cu_seqlens_*`` are checked where ``contract.reads_values`` allows.
     """
     cast = _autocast_dtype(q, matmul=True)
     q, k, v = _autocast_all(cast, q, k, v)
@@ -236,8 +236,8 @@ def attention_with_kvcache(
         k_cache, v_cache: ``[B, Lmax, Hkv, D]``, or a paged cache ``[num_blocks, block_size, Hkv, D]`` with
             ``block_table``; ``H`` a multiple of ``Hkv`` (grouped-query attention reads each KV head once).
         cache_seqlens: int32 ``[B]`` (or an int for every sequence): keys already in each sequence's cache. On the
-            CPU (with q on a GPU) it is checked without waiting for the GPU, then copied; on the GPU its check is a
-            device-to-host read every call, which waits for the work queued before it.
+            CPU (with q on a GPU) it is checked without waiting for the GPU, then copied; on the GPU it is not read
+            (``contract.set_device_value_checks(True)`` checks it there, a read that waits for the GPU).
         k_new, v_new: ``[B, Lnew, Hkv, D]`` or None: written into the cache in place at positions
             ``cache_seqlens[b] .. cache_seqlens[b] + Lnew - 1`` before attending, so sequence ``b`` attends to
             ``cache_seqlens[b] + Lnew`` keys.
@@ -256,9 +256,10 @@ def attention_with_kvcache(
 
     Returns:
         ``[B, Lq, H, D]`` in q's dtype, and the LSE if asked. A query with no visible key gives zeros (LSE
-        ``-inf``, or the sink). The lengths and block ids are checked before the cache is touched (a refused call
-        leaves it as it was) except under ``torch.compile`` and CUDA graph capture, where the GPU's kernels still
-        write and read nothing outside the cache whatever their values.
+        ``-inf``, or the sink). Lengths and block ids the host holds are checked before the cache is touched (a
+        refused call leaves it as it was); on a GPU only when asked (``contract.set_device_value_checks``), never
+        under ``torch.compile`` or CUDA graph capture: the GPU's kernels write and read nothing outside the cache
+        whatever their values.
     """
     cast = _autocast_dtype(q, matmul=True)
     q, k_new, v_new = _autocast_all(cast, q, k_new, v_new)  # the cache keeps its dtype: it is written in place

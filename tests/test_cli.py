@@ -84,7 +84,7 @@ def test_every_command_with_a_device_resolves_it_in_the_one_place(monkeypatch, t
     parsers = _parsers(monkeypatch)
     with_device = {prog: next(a for a in parser._actions if "--device" in a.option_strings)
                    for prog, parser in parsers.items() if "--device" in parser._option_string_actions}
-    assert {prog.split()[-1] for prog in with_device} == {"[all]", "check", "bench", "demo", "gpu-check"}
+    assert {prog.split()[-1] for prog in with_device} == {"[all]", "check", "bench", "demo", "gpu-check", "tune"}
     for prog, action in with_device.items():
         assert action.type is tools.device_argument and action.default == tools.AUTO_DEVICE, prog
     assert tools.device_argument("auto") == tools.device_argument("cuda") == torch.device("cuda", 1)

@@ -172,3 +172,38 @@ def test_autograd_runs_torchs_paths_as_torch_nn():
     dropped = autograd.feed_forward("torch", x, w1, None, w2, None, spec._replace(dropout_p=0.5))
     torch.manual_seed(0)
     assert torch.equal(dropped, F.linear(F.dropout(F.gelu(F.linear(x, w1)), 0.5), w2))
+
+
+def test_tune_writes_rows_the_route_reads(tuned_cache):
+    """``tune --quick`` on the CPU: one small size per group, written to the user's cache under this device's key;
+    the route then reads them first, and their verdicts decide the calls they match."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fused_transformer", "tune", "--quick", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "FUSED_TRANSFORMER_CACHE": str(tuned_cache)})
+    assert done.returncode == 0, done.stderr
+    path = route.tuned_path(torch.device("cpu"))
+    assert f"rows written to {path}" in done.stdout
+    rows = route.parse_rows(open(path).read(), path)
+    route.forget_tuned()
+    table = route.table(torch.device("cpu"))
+    assert table[:len(rows)] == tuple(rows) and len(rows) >= 8
+    assert {(row.op, row.passes, row.dropout) for row in rows} >= {
+        ("attention", "forward", "no"), ("layer_norm", "training", "yes"), ("feed_forward", "forward", "no")}
+    for row in rows:
+        call = _matching_call(row, row.passes == "training")
+        got = route.decide_for(call, torch.device("cpu"), "auto", "cpu")
+        assert got.backend == ("torch" if row.speedup[1] < 1.0 and not route.torch_refuses(call) else "cpu"), (row, got)
+        assert row.source in got.reason
+
+
+def test_rows_of_merges_neighbours_with_the_same_winner():
+    from fused_transformer.tools.tune import Group, rows_of
+
+    group = Group("attention", "forward", torch.float32, "64", "causal", "no")
+    rows = rows_of(group, "cpu", [(128, 0.8, "-"), (512, 1.2, "-"), (2048, 1.5, "-")], "t")
+    assert [(r.sizes, r.speedup) for r in rows] == [((0, 256), (0.8, 0.8)), ((256, None), (1.2, 1.5))]
+    assert [decide(Call("attention", "cpu", torch.float32, head_dim=64, mask="causal", size=n), "auto", "cpu",
+                   rows).backend for n in (100, 300, 5000)] == ["torch", "cpu", "cpu"]

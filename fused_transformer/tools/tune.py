@@ -1,0 +1,202 @@
+"""``python -m fused_transformer tune``: measure the route table's rows on this machine (fused_transformer/route.py).
+
+For each op, dtype, mask or dropout, and pass (forward without gradients; forward + backward), ours (the backend
+of the device, named) and torch's path (SDPA, ATen's LayerNorm, ATen's Linear products) are timed side by side at a
+few sizes (``bench_timing.time_ms``); each size's speed-up (torch's time over ours) becomes a row whose size range
+reaches halfway, in log scale, to the next size measured, adjacent rows with the same winner merged. Training rows
+say whether torch's backward gave bitwise equal gradients twice (``torch_det``). The rows go to the user's cache
+(``route.tuned_path``: one file per device, driver and versions), which the route reads before its built-in rows;
+a second run replaces them. ``--budget`` bounds the time (default 110 s: the cases measured when it runs out are
+kept, the rest stay on the built-in rows and the default).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import fused_transformer as ft
+from fused_transformer import reference, route
+from fused_transformer.contract import FeedForwardSpec, LayerNormSpec
+from fused_transformer.tools import add_device_option, positive_seconds
+from fused_transformer.tools.bench_timing import time_ms
+
+
+class Group(NamedTuple):
+    """The calls one series of sizes measures: a route row's cells but the size."""
+
+    op: str
+    passes: str
+    dtype: torch.dtype
+    head_dim: str
+    mask: str
+    dropout: str
+
+
+def _sizes(device: torch.device, quick: bool) -> Dict[str, Sequence[int]]:
+    """Per op, the sizes measured (attention: keys, with 16k tokens a batch on a GPU; layer_norm: rows of 1024
+    features, counted as elements; feed_forward: rows of d_model 512 (1024 on a GPU))."""
+    if quick:
+        return {"attention": (64,), "layer_norm": (64 * 1024,), "feed_forward": (64,)}
+    if device.type == "cuda":
+        return {"attention": (512, 1024, 4096), "layer_norm": (1024 * 1024, 8192 * 1024, 32768 * 1024),
+                "feed_forward": (1024, 8192, 32768)}
+    return {"attention": (128, 512, 2048), "layer_norm": (64 * 1024, 1024 * 1024, 8192 * 1024),
+            "feed_forward": (64, 1024, 4096)}
+
+
+def _groups(device: torch.device, quick: bool) -> Iterator[Group]:
+    dtypes = (torch.bfloat16, torch.float16) if device.type == "cuda" else (torch.float32, torch.bfloat16)
+    head_dims = ("64", "128") if device.type == "cuda" else ("64",)
+    for passes in ("forward", "training"):
+        for dtype in dtypes[:1] if quick else dtypes:
+            for head_dim in head_dims[:1] if quick else head_dims:
+                for mask in ("none",) if quick else ("none", "causal"):
+                    yield Group("attention", passes, dtype, head_dim, mask, "no")
+            if device.type == "cuda" or dtype == torch.float32:  # 16-bit LayerNorm on the CPU: torch's path refuses
+                for dropout in ("yes", "no"):
+                    yield Group("layer_norm", passes, dtype, "*", "*", dropout)
+            for dropout in ("yes", "no"):
+                yield Group("feed_forward", passes, dtype, "*", "*", dropout)
+
+
+def _inputs(group: Group, size: int, device: torch.device) -> Tuple[Callable[[], Tensor], Callable[[], Tensor],
+                                                                  List[Tensor]]:
+    """``(ours, torch's, leaves)`` for one size: ``ours`` the functional op on the backend named, ``torch's`` the
+    path the route would run instead."""
+    grad = group.passes == "training"
+    make = dict(device=device, dtype=group.dtype)
+    if group.op == "attention":
+        d = int(group.head_dim)
+        if device.type == "cuda":
+            batch, heads = max(1, 16384 // size), max(1, 2048 // d)
+        else:
+            batch, heads = 1, 4
+        q, k, v = (torch.randn(batch, heads, size, d, **make, requires_grad=grad) for _ in range(3))
+        causal = group.mask == "causal"
+        return (lambda: ft.attention(q, k, v, is_causal=causal),
+                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), [q, k, v])
+    p = 0.1 if group.dropout == "yes" else 0.0
+    if group.op == "layer_norm":
+        n = 1024
+        x, residual = (torch.randn(size // n, n, **make, requires_grad=grad) for _ in range(2))
+        weight, bias = (torch.randn(n, **make, requires_grad=grad) for _ in range(2))
+        spec = LayerNormSpec(1e-5, p, False)
+        return (lambda: ft.layer_norm(x, weight, bias, residual=residual, dropout_p=p),
+                lambda: reference.layer_norm_aten(x, weight, bias, residual, spec), [x, residual, weight, bias])
+    d_model = 1024 if device.type == "cuda" else 512
+    x = torch.randn(size, d_model, **make, requires_grad=grad)
+    w1 = (torch.randn(4 * d_model, d_model, **make) / math.sqrt(d_model)).requires_grad_(grad)
+    w2 = (torch.randn(d_model, 4 * d_model, **make) / math.sqrt(4 * d_model)).requires_grad_(grad)
+    b1, b2 = torch.zeros(4 * d_model, **make, requires_grad=grad), torch.zeros(d_model, **make, requires_grad=grad)
+    spec = FeedForwardSpec("gelu", p)
+    return (lambda: ft.feed_forward(x, w1, b1, w2, b2, dropout_p=p),
+            lambda: reference.feed_forward_aten(x, w1, b1, w2, b2, spec), [x, w1, b1, w2, b2])
+
+
+def _with_backward(fn: Callable[[], Tensor], leaves: List[Tensor]) -> Callable[[], object]:
+    def step() -> object:
+        out = fn()
+        return torch.autograd.grad(out, leaves, torch.ones_like(out))
+    return step
+
+
+def _deterministic(fn: Callable[[], Tensor], leaves: List[Tensor]) -> bool:
+    """Whether torch's forward + backward gave bitwise equal gradients twice from the same seed."""
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        runs.append(_with_backward(fn, leaves)())
+    return all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def measure(group: Group, size: int, device: torch.device, ours: str, min_time: float) -> Tuple[float, str]:
+    """``(speed-up of ours over torch's path, torch_det)`` at one size."""
+    mine, theirs, leaves = _inputs(group, size, device)
+
+    def on_ours() -> object:
+        with ft.use_backend(ours):
+            return mine()
+    fns = {"ours": on_ours, "torch": theirs}
+    if group.passes == "training":
+        fns = {name: _with_backward(fn, leaves) for name, fn in fns.items()}
+    times = time_ms(fns, [], device, min_time)
+    det = "-"
+    if group.passes == "training":
+        det = "yes" if _deterministic(theirs, leaves) else "no"
+    return times["torch"] / times["ours"], det
+
+
+def rows_of(group: Group, device_tag: str, measured: Sequence[Tuple[int, float, str]], source: str) -> List[route.Row]:
+    """The route rows of one group's sizes: each size's range reaches halfway (log scale) to its neighbours;
+    neighbours with the same winner are merged."""
+    bounds = [0] + [int(math.sqrt(a[0] * b[0])) for a, b in zip(measured, measured[1:])] + [None]
+    rows: List[route.Row] = []
+    for (size, speedup, det), lo, hi in zip(measured, bounds, bounds[1:]):
+        last = rows[-1] if rows else None
+        if last is not None and (last.speedup[1] < 1.0) == (speedup < 1.0):
+            low, high = min(last.speedup[0], speedup), max(last.speedup[1], speedup)
+            merged_det = "yes" if last.torch_deterministic == det == "yes" else ("-" if det == "-" else "no")
+            rows[-1] = last._replace(sizes=(last.sizes[0], hi), speedup=(low, high), torch_deterministic=merged_det)
+            continue
+        rows.append(route.Row(group.op, group.passes, device_tag, (str(group.dtype).replace("torch.", ""),),
+                              (group.head_dim,), (group.mask,), group.dropout, ("functional",), (lo, hi),
+                              (speedup, speedup), det, source))
+    return rows
+
+
+def tune(device: torch.device, budget: float, quick: bool = False, out: Optional[str] = None,
+         log: Callable[[str], None] = print) -> Tuple[str, List[route.Row]]:
+    """Measure the rows on ``device`` for at most about ``budget`` seconds, write them where the route reads them
+    (or to ``out``); returns ``(path, rows)``."""
+    start = time.monotonic()
+    ours = ft.current(device, torch.float32)
+    if ours == "reference":
+        raise SystemExit(f"tune: no kernels of ours run on {device} (backend 'auto' resolves to the reference)")
+    tag = route.device_tag(device)
+    source = f"tune {time.strftime('%Y-%m-%d')}"
+    sizes = _sizes(device, quick)
+    min_time = 0.02 if quick else (0.1 if device.type == "cuda" else 0.25)
+    rows: List[route.Row] = []
+    for group in _groups(device, quick):
+        if time.monotonic() - start > budget:
+            log(f"budget of {budget:.0f} s spent: {group.op} {group.passes} and later groups left to the built-in rows")
+            break
+        measured = []
+        for size in sizes[group.op]:
+            speedup, det = measure(group, size, device, ours, min_time)
+            measured.append((size, speedup, det))
+        group_rows = rows_of(group, tag, measured, source)
+        rows.extend(group_rows)
+        for row in group_rows:
+            log(row.line())
+    path = out or route.tuned_path(device)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(f"# {route.device_key(device)}: python -m fused_transformer tune, {time.monotonic() - start:.0f} s\n")
+        f.write(route.HEADER + "\n" + "\n".join(row.line() for row in rows) + "\n")
+    os.replace(path + ".tmp", path)
+    route.forget_tuned()
+    return path, rows
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fused_transformer tune",
+                                     description="measure the route table's rows on this device and keep them in "
+                                                 "the user's cache, where the route reads them first")
+    add_device_option(parser, "measures")
+    parser.add_argument("--budget", type=positive_seconds, default=110.0, help="seconds to spend at most (default 110)")
+    parser.add_argument("--quick", action="store_true", help="one small size per op (a check that it runs)")
+    parser.add_argument("--out", default=None, help="write the rows here instead of the user's cache")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    print(route.HEADER)
+    path, rows = tune(args.device, args.budget, args.quick, args.out)
+    print(f"{len(rows)} rows written to {path}")
+    return 0
