@@ -28,10 +28,10 @@ path the forward ran).
 """
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 import re
-from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -365,10 +365,32 @@ def decide_for(call: Call, device: torch.device, choice: str, ours: Optional[str
     return found
 
 
+# The open ``recording`` blocks' lists.
+_RECORDERS: List[List[Tuple[Call, Decision]]] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[List[Tuple[Call, Decision]]]:
+    """The ``(call, decision)`` of every call decided inside the block, in order (bench and check print them)."""
+    seen: List[Tuple[Call, Decision]] = []
+    _RECORDERS.append(seen)
+    try:
+        yield seen
+    finally:
+        _RECORDERS.remove(seen)
+
+
+def _decided(call: Call, decision: Decision) -> Decision:
+    for seen in _RECORDERS:
+        seen.append((call, decision))
+    return decision
+
+
 def choose(call: Call, device: torch.device) -> Decision:
     """Who runs ``call`` on ``device`` under the backend the user chose (``backend.get_backend()``): the one question
     the ops ask. Raises ``RuntimeError`` where a backend the user named cannot run there (``backend.current``)."""
-    return decide_for(call, device, backend.get_backend(), backend.current(device, call.dtype))
+    decision = decide_for(call, device, backend.get_backend(), backend.current(device, call.dtype))
+    return _decided(call, decision) if _RECORDERS else decision
 
 
 def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
@@ -430,7 +452,14 @@ def sdpa_door(q: torch.Tensor, key_len: int, is_causal: bool, ours: str) -> Deci
                 mask="causal" if is_causal else "none", size=_size(key_len),
                 deterministic=torch.are_deterministic_algorithms_enabled())
     choice = backend.get_backend()  # a backend named at this door is ours, the one behind it
-    return decide_for(call, q.device, choice if choice in ("auto", "reference") else ours, ours)
+    decision = decide_for(call, q.device, choice if choice in ("auto", "reference") else ours, ours)
+    return _decided(call, decision) if _RECORDERS else decision
+
+
+def describe(decisions: Iterable[Tuple[Call, Decision]]) -> str:
+    """The distinct decisions of a ``recording``, one clause each: ``op -> backend (reason)``."""
+    seen = dict.fromkeys(f"{call.op} -> {decision.backend} ({decision.reason})" for call, decision in decisions)
+    return "; ".join(seen)
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],

@@ -2,11 +2,15 @@
 switched on before triton is first imported: that is why this happens here, at collection."""
 import os
 import signal
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Route rows a developer's `tune` left in the user's cache would change which path the tests' calls take: the tests
+# read none (tests/test_route.py writes its own into temporary folders).
+os.environ["FUSED_TRANSFORMER_CACHE"] = tempfile.mkdtemp(prefix="fused_transformer_test_cache_")
 
 import pytest  # noqa: E402
 

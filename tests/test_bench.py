@@ -67,7 +67,13 @@ def test_csv_has_ours_and_every_baseline(bench_run):
     assert steps and all(math.isclose(float(r["tokens_per_s"]), 32 / float(r["ms"]) * 1e3, rel_tol=1e-3)
                          for r in steps)  # one token per sequence a step
     expected = "backend cpu" if backend.cpu_unavailable_reason() is None else "backend reference"
-    assert all(row["note"] == expected for row in rows if row["impl"] == "ours")
+    ours = [row for row in rows if row["impl"] == "ours"]
+    assert all(row["note"].split("; route: ")[0] == expected for row in ours)
+    # the route's decisions of each case's calls, with why: torch's ATen ops where there is no dropout to fuse
+    plain = [row["note"] for row in ours if row["suite"] == "module_call" and row["case"] == "LayerNorm"]
+    assert plain and all("layer_norm -> torch (no dropout: nothing to fuse" in note or
+                         "layer_norm -> torch (ours" in note for note in plain), plain
+    assert all("; route: " in row["note"] for row in ours if row["suite"] in ("attention", "layer_norm"))
 
 
 def test_speedup_is_baseline_time_over_time(bench_run):

@@ -48,6 +48,7 @@ import torch
 from fused_transformer._progress import tqdm
 
 import fused_transformer as ft
+from fused_transformer import route
 from fused_transformer.interrupts import Interrupted
 from fused_transformer.tools import (
     add_device_option, bench_overhead, bench_summary, bench_work, make_folder, positive_seconds,
@@ -83,7 +84,7 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str],
         yield _row(case, setup, case.baseline, None, None, f"FAILED to build the case: {_first_line(exc)}")
         return
     overhead = case.suite == bench_overhead.SUITE
-    accepted, memory = {}, {}
+    accepted, memory, routes = {}, {}, {}
     for impl in case.impls:
         fn = built.fns[impl]
         try:
@@ -91,10 +92,12 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str],
                 # The first call warms up and tells whether this implementation takes the case at all. On CPU it
                 # is also the memory measurement (the slowest calls take seconds); on CUDA the first call of a
                 # new shape may autotune, so memory is measured on a second one.
-                if setup.device.type == "cuda":
-                    reset_grads(built.grads)
-                    fn()
-                memory[impl] = peak_memory_mb(fn, built.grads, setup.device)
+                with route.recording() as decided:
+                    if setup.device.type == "cuda":
+                        reset_grads(built.grads)
+                        fn()
+                    memory[impl] = peak_memory_mb(fn, built.grads, setup.device)
+                routes[impl] = route.describe(decided)
         except (RuntimeError, ValueError, NotImplementedError) as exc:
             _free_device_memory(setup.device)
             if suites.is_competitor(impl):
@@ -120,7 +123,7 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str],
         del built, accepted  # the inputs, before the next case allocates its own
         _free_device_memory(setup.device)
     for impl, ms in times.items():
-        note = _note(notes, setup, impl)
+        note = _note(notes, setup, impl, routes.get(impl, ""))
         if overhead:
             note = "; ".join(filter(None, [note, bench_overhead.ratio_note(case, times, impl)]))
         yield _row(case, setup, impl, ms, memory[impl], note, times.get(case.baseline))
@@ -150,12 +153,14 @@ def _mem_measure(device: torch.device) -> str:
     return "cuda_max_allocated" if device.type == "cuda" else "cpu_profiler_alloc"
 
 
-def _note(notes: Dict[str, str], setup: Setup, impl: str) -> str:
+def _note(notes: Dict[str, str], setup: Setup, impl: str, routed: str = "") -> str:
+    """The CSV's note: for ours the backend and the route's decisions (``route.describe``) of its calls."""
     if impl == "ours":
         with ft.use_backend(setup.backend):
             backend = ft.current(setup.device, setup.dtype)
-        return f"backend {backend}" + (" (interpreter, launches skipped)" if bench_overhead.skips_launches(setup)
+        note = f"backend {backend}" + (" (interpreter, launches skipped)" if bench_overhead.skips_launches(setup)
                                        else "")
+        return note + (f"; route: {routed}" if routed else "")
     return notes.get(impl, "")
 
 

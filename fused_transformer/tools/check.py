@@ -33,7 +33,7 @@ import torch
 from fused_transformer._progress import tqdm
 
 import fused_transformer as ft
-from fused_transformer import backend
+from fused_transformer import backend, route
 from fused_transformer.interrupts import Interrupted
 from fused_transformer.tools import add_device_option
 from fused_transformer.tools.check_cases import CHECKS, DTYPES, QUICK_DTYPES, Case, Results, build_cases
@@ -135,6 +135,26 @@ def _check_one(case: Case, name: str, dtype_name: str, oracle: Results, baseline
     return Row(case.op, name, dtype_name, case.label, worst, failed)
 
 
+def _routes(device: torch.device) -> str:
+    """Who runs a few typical calls on ``device`` under ``"auto"`` (``route.decide``), with why."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with ft.use_backend("auto"):
+        ours = backend.current(device, dtype)
+    tag = route.device_tag(device)
+    calls = {"attention": route.Call("attention", tag, dtype, head_dim=64, size=1024, needs_grad=True),
+             "attention causal": route.Call("attention", tag, dtype, head_dim=64, mask="causal", size=1024,
+                                            needs_grad=True),
+             "attention padded": route.Call("attention", tag, dtype, head_dim=64, mask="other", size=1024,
+                                            needs_grad=True),
+             "layer_norm": route.Call("layer_norm", tag, dtype, size=1024 * 1024, needs_grad=True),
+             "layer_norm dropout": route.Call("layer_norm", tag, dtype, dropout=True, size=1024 * 1024,
+                                              needs_grad=True),
+             "feed_forward dropout": route.Call("feed_forward", tag, dtype, dropout=True, size=1024,
+                                                needs_grad=True)}
+    return "; ".join(f"{name} -> {route.decide_for(call, device, 'auto', ours).backend} "
+                     f"({route.decide_for(call, device, 'auto', ours).reason})" for name, call in calls.items())
+
+
 def _header(device: torch.device, quick: bool, status: Dict[str, Optional[str]], requested: Sequence[str],
             corrupt: Set[Tuple[str, str]]) -> List[str]:
     threads = f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else ""
@@ -149,6 +169,7 @@ def _header(device: torch.device, quick: bool, status: Dict[str, Optional[str]],
     with ft.use_backend("auto"):
         auto = ", ".join(f"{n} -> {backend.current(device, DTYPES[n])}" for n in DTYPES)
     lines.append(f"auto picks: {auto}; every backend takes all three dtypes (none is skipped)")
+    lines.append("route on auto (training, 1024 keys or rows; checks below name their backend): " + _routes(device))
     floors = ", ".join(f"{n} {ATOL_FLOOR[DTYPES[n]]:.1e}" for n in DTYPES)
     lines.append(f"rule: pass iff err <= {FACTOR:g} x torch err + floor ({floors}) for the output and every gradient; "
                  f"ratio = err / (torch err + floor/{FACTOR:g}), pass iff <= {FACTOR:g}")
