@@ -354,8 +354,15 @@ def _launch_sum_rows(x: torch.Tensor, out: torch.Tensor, chunks: int, rows_per_p
 
 def traced() -> bool:
     """Whether this call is being traced (``torch.compile``, ``torch.export``, a FakeTensor or proxy trace), where
-    the launchers run through their custom ops, rather than run eagerly, where they launch directly."""
-    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+    the launchers run through their custom ops, rather than run eagerly, where they launch directly. A dispatch
+    mode that only watches eager calls (``eager_inside = True``: a launch or host-read counter) is not a trace."""
+    if torch.compiler.is_compiling():
+        return True
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return not all(getattr(mode, "eager_inside", False) for mode in _get_current_dispatch_mode_stack())
 
 
 _CONSTEXPR_ORDER: Dict[tuple, Tuple[object, Tuple[str, ...]]] = {}  # by id(kernel), as _RUNTIME_PARAMS

@@ -37,7 +37,7 @@ def test_csv_has_the_promised_columns(bench_run):
     assert tuple(fieldnames) == bench.COLUMNS == (
         "suite", "case", "mode", "impl", "device", "dtype", "batch", "heads", "seq_len", "head_dim", "d_model",
         "d_ff", "causal", "padding", "ms", "tflops", "tokens_per_s", "gb_per_s", "bw_of_peak", "peak_mem_mb",
-        "mem_measure", "baseline", "speedup", "note",
+        "mem_measure", "baseline", "speedup", "launches", "note",
     )
     assert rows and all(row["device"] == "cpu" and row["dtype"] == "float32" for row in rows)
 

@@ -66,6 +66,22 @@ def test_times_are_positive_and_the_notes_give_microseconds_and_ratios(overhead_
                                                          abs=0.006)
 
 
+def test_every_row_counts_its_launches(overhead_run):
+    """The ``launches`` column (tools/launches.py): the device launches of one call, for ours, thin and torch.
+    Ours: the attention forward is one kernel, its backward two more (dq, dk/dv); the LayerNorm backward is its
+    kernel and one reduction of the weight and bias partials; thin launches nothing but what its backward's
+    allocations need (none)."""
+    _, out, rows, _ = overhead_run
+    launches = {(row["case"], row["mode"], row["impl"]): int(row["launches"]) for row in rows}
+    assert all(n >= 0 for n in launches.values()) and launches[("attention", "fwd", "torch")] >= 1
+    assert launches[("attention", "fwd", "ours")] == 1 and launches[("attention", "fwd+bwd", "ours")] == 3
+    dropout_seed = 1  # contract.draw_dropout_seed's draw
+    assert launches[("layer_norm", "fwd", "ours")] == 1 + dropout_seed
+    assert launches[("layer_norm", "fwd+bwd", "ours")] == 3 + dropout_seed
+    assert launches[("attention", "fwd", "thin")] == 0
+    assert "launches ours / torch" in (out / "bench_cpu.md").read_text()
+
+
 def test_the_summary_has_the_table_of_microseconds_and_no_plots_are_drawn(overhead_run):
     _, out, rows, _ = overhead_run
     text = (out / "bench_cpu.md").read_text()

@@ -61,7 +61,7 @@ from fused_transformer.tools.bench_timing import MEMORY_MEASURES, peak_memory_mb
 COLUMNS = (
     "suite", "case", "mode", "impl", "device", "dtype", "batch", "heads", "seq_len", "head_dim", "d_model",
     "d_ff", "causal", "padding", "ms", "tflops", "tokens_per_s", "gb_per_s", "bw_of_peak", "peak_mem_mb",
-    "mem_measure", "baseline", "speedup", "note",
+    "mem_measure", "baseline", "speedup", "launches", "note",
 )
 SUITE_CHOICES = (*suites.SUITES, bench_overhead.SUITE)  # the overhead suite runs only when named
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # as check spells them
@@ -110,6 +110,7 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str],
             continue
         accepted[impl] = fn
     notes = built.notes
+    counted = {impl: bench_overhead.launch_count(fn, setup.device) for impl, fn in accepted.items()} if overhead else {}
     try:
         with _quiet(case.suite == "attention"):
             times = (bench_overhead.host_ms if overhead else time_ms)(accepted, built.grads, setup.device, min_time)
@@ -126,11 +127,11 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str],
         note = _note(notes, setup, impl, routes.get(impl, ""))
         if overhead:
             note = "; ".join(filter(None, [note, bench_overhead.ratio_note(case, times, impl)]))
-        yield _row(case, setup, impl, ms, memory[impl], note, times.get(case.baseline))
+        yield _row(case, setup, impl, ms, memory[impl], note, times.get(case.baseline), counted.get(impl))
 
 
 def _row(case: Case, setup: Setup, impl: str, ms: Optional[float], mem: Optional[float], note: str,
-         baseline_ms: Optional[float] = None) -> Row:
+         baseline_ms: Optional[float] = None, launches: Optional[int] = None) -> Row:
     measured = ms is not None
     bandwidth = bench_work.gbps_of(case, ms) if measured else None
     peak = bench_work.peak_bandwidth_gbps(setup.device)
@@ -145,7 +146,7 @@ def _row(case: Case, setup: Setup, impl: str, ms: Optional[float], mem: Optional
         "peak_mem_mb": mem, "mem_measure": _mem_measure(setup.device) if measured else None,
         "baseline": case.baseline,
         "speedup": baseline_ms / ms if measured and baseline_ms is not None else None,
-        "note": note,
+        "launches": launches, "note": note,
     }
 
 

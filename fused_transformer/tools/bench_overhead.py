@@ -20,6 +20,9 @@ host; and ``ours``. Modules are measured against the ``torch.nn`` module holding
 matter are ours / thin (``TARGETS``) and ours / torch; forward+backward and training steps take the gradients with
 ``torch.autograd.grad``, so that no ``.grad`` has to be reset between calls.
 
+Launches (``launch_count``, ``tools/launches.py``): the device launches of one call of each implementation (Triton
+kernels, C++ kernels, ATen ops that compute), counted apart from the timing; the CSV's ``launches`` column.
+
 Time (``host_ms``): blocks of N back-to-back calls, synchronised before and after each block but never inside it
 (on a GPU, kernels this small keep up with the host, so the time is the host's), divided by N; the
 implementations of a case take turns block by block, and the result is the median over the blocks. On CPU, "ours"
@@ -183,6 +186,13 @@ def host_ms(fns: Dict[str, Callable[[], object]], grads: Sequence[Tensor], devic
         if gc_was_enabled:
             gc.enable()
     return {name: statistics.median(seconds) * 1e3 for name, seconds in times.items()}
+
+
+def launch_count(fn: Callable[[], object], device: torch.device) -> int:
+    """The device launches of one call of ``fn`` (``tools.launches``)."""
+    from fused_transformer.tools.launches import launches
+
+    return sum(launches(fn, device).values())
 
 
 def ratio_note(case: Case, times: Dict[str, float], impl: str) -> str:
@@ -429,15 +439,18 @@ def _profiled(fn: Callable[[], object], device: torch.device, activities: list) 
 
 def table(rows: Sequence[Dict[str, object]]) -> List[str]:
     """The suite's figures as a markdown table: host microseconds of ours, thin and the baseline, and the ratios."""
-    lines = ["| op / module | mode | ours us | thin us | torch us | ours/thin | target | ours/torch |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| op / module | mode | ours us | thin us | torch us | ours/thin | target | ours/torch | launches ours / torch |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     measured: Dict[Tuple[object, object], Dict[str, float]] = {}
+    launched: Dict[Tuple[object, object], Dict[str, object]] = {}
     for row in rows:
         if row["suite"] == SUITE and row["ms"] is not None:
             measured.setdefault((row["case"], row["mode"]), {})[str(row["impl"])] = float(row["ms"]) * 1e3
+            launched.setdefault((row["case"], row["mode"]), {})[str(row["impl"])] = row.get("launches")
     for (case, mode), us in measured.items():
         baseline = us.get("torch", us.get("torch.nn"))
         target = TARGETS.get((case, mode))
+        counts = launched[(case, mode)]
 
         def cell(value: Optional[float], unit: str = "", digits: int = 1) -> str:
             return f"{value:.{digits}f}{unit}" if value is not None else "-"
@@ -446,5 +459,6 @@ def table(rows: Sequence[Dict[str, object]]) -> List[str]:
             f"| {case}", str(mode), cell(us.get("ours")), cell(us.get("thin")), cell(baseline),
             cell(us["ours"] / us["thin"] if "ours" in us and "thin" in us else None, "x", 2),
             f"<= {target:g}x" if target else "-",
-            cell(us["ours"] / baseline if "ours" in us and baseline else None, "x", 2)]) + " |")
+            cell(us["ours"] / baseline if "ours" in us and baseline else None, "x", 2),
+            f"{counts.get('ours', '-')} / {counts.get('torch', counts.get('torch.nn', '-'))}"]) + " |")
     return lines
