@@ -80,14 +80,35 @@ inline int64_t seed_value(const std::optional<at::Tensor>& seed) {
 // ------------------------------------------------------------------------------------------ float math
 // at::vec's portable (DEFAULT) build computes exp and erf with scalar std:: calls, and building its AVX2
 // variant needs per-file ISA flags. Instead the hot loops run on 8-float GCC/Clang vector types (one AVX2
-// register, two SSE2 ones) with branch-free polynomials. FT_MULTIVERSIONED defines a float loop twice, for AVX2
-// with FMA and for the baseline ISA, and the loader picks one (C++ function multiversioning), so the wheel stays
-// portable. Not target_clones("avx2"): that clone has no FMA (each polynomial step is a multiply and an add),
-// and "arch=x86-64-v3" also asks for BMI/LZCNT, which some hypervisors hide from AVX2 + FMA guests.
+// register, two SSE2 ones) with branch-free polynomials. FT_MULTIVERSIONED compiles a float loop three times, for
+// AVX-512 (F, VL, BW, DQ, with FMA), for AVX2 with FMA and for the baseline ISA, and the first call picks one from
+// the capability ATen runs its own kernels at (cpu_level: ATEN_CPU_CAPABILITY=avx2 switches both to AVX2), so the
+// wheel stays portable. Not target_clones("avx2"): that clone has no FMA (each polynomial step is a multiply and an
+// add), and "arch=x86-64-v3" also asks for BMI/LZCNT, which some hypervisors hide from AVX2 + FMA guests.
+enum class CpuLevel : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+CpuLevel cpu_level();  // ops.cpp
+const char* cpu_level_name(CpuLevel level);
+
+template <typename Fn>
+Fn pick_for_cpu(Fn avx512, Fn avx2, Fn baseline) {
+  switch (cpu_level()) {
+    case CpuLevel::kAvx512: return avx512;
+    case CpuLevel::kAvx2: return avx2;
+    default: return baseline;
+  }
+}
+
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define FT_MULTIVERSIONED(ret, name, params, args)                                          \
-  __attribute__((target("avx2,fma"))) ret name params { return name##_body args; }       \
-  __attribute__((target("default"))) ret name params { return name##_body args; }
+#define FT_MULTIVERSIONED(ret, name, params, args)                                                          \
+  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) static ret name##_avx512 params { \
+    return name##_body args;                                                                                \
+  }                                                                                                         \
+  __attribute__((target("avx2,fma"))) static ret name##_avx2 params { return name##_body args; }          \
+  static ret name##_baseline params { return name##_body args; }                                            \
+  ret name params {                                                                                         \
+    static ret(*const chosen) params = pick_for_cpu(&name##_avx512, &name##_avx2, &name##_baseline);        \
+    return chosen args;                                                                                     \
+  }
 #else
 #define FT_MULTIVERSIONED(ret, name, params, args) \
   ret name params { return name##_body args; }

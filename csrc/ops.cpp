@@ -5,11 +5,42 @@
 // attention.cpp, layer_norm.cpp and bias_activation.cpp.
 #include <Python.h>
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <torch/library.h>
+
+#include <string>
 
 #include "common.h"
 
 namespace fused_transformer_cpu {
+
+// The instruction set the float loops run on: the one ATen runs its own CPU kernels at (at::get_cpu_capability,
+// which honours ATEN_CPU_CAPABILITY), read once.
+CpuLevel cpu_level() {
+  static const CpuLevel level = [] {
+    const std::string capability = at::get_cpu_capability();
+    if (capability == "AVX512") return CpuLevel::kAvx512;
+    if (capability == "AVX2") return CpuLevel::kAvx2;
+    return CpuLevel::kBaseline;
+  }();
+  return level;
+}
+
+const char* cpu_level_name(CpuLevel level) {
+  switch (level) {
+    case CpuLevel::kAvx512: return "AVX512";
+    case CpuLevel::kAvx2: return "AVX2";
+    default: return "baseline";
+  }
+}
+
+std::string cpu_capability() {
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+  return cpu_level_name(cpu_level());
+#else
+  return "baseline";
+#endif
+}
 
 // The keep-mask (True = kept) of elements 0 .. numel - 1 that a kernel drew with (seed, dropout_p).
 at::Tensor dropout_keep_mask(int64_t seed, int64_t numel, double dropout_p) {
@@ -24,6 +55,8 @@ at::Tensor dropout_keep_mask(int64_t seed, int64_t numel, double dropout_p) {
 }
 
 TORCH_LIBRARY(fused_transformer_cpu, m) {
+  // The instruction set the kernels' float loops were chosen for: "AVX512", "AVX2" or "baseline".
+  m.def("cpu_capability() -> str", &cpu_capability);
   // q [B, H, Lq, D], k, v [B, Hkv, Lk, D] in any float dtype and any strides; bias broadcastable to
   // [B, H, Lq, Lk]: float, added to the scaled scores (-inf = masked), or bool, true = may attend;
   // key_padding bool [B, Lk], true = padding (keys after a sequence's last real key are not even read);

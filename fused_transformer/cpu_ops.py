@@ -48,6 +48,12 @@ def dropout_keep_mask(seed: Union[int, Tensor], shape: Sequence[int], dropout_p:
     return _ops.dropout_keep_mask(int(seed), numel, float(dropout_p)).view(tuple(shape))
 
 
+def cpu_capability() -> str:
+    """The instruction set the C++ kernels' float loops run on: ``"AVX512"``, ``"AVX2"`` or ``"baseline"``, the one
+    ATen runs its own CPU kernels at (``ATEN_CPU_CAPABILITY=avx2`` switches both)."""
+    return _ops.cpu_capability()
+
+
 def _check_cpu(name: str, anchor: Tensor) -> None:
     """The functional ops have checked that every tensor argument is on ``anchor``'s device."""
     if anchor.device.type != "cpu":

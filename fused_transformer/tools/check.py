@@ -94,7 +94,10 @@ def _describe_backend(name: str, device: torch.device) -> str:
                     "bfloat16 casts round as on a GPU)")
         return f"triton (Triton kernels on {torch.cuda.get_device_name(device)})"
     if name == "cpu":
-        return "cpu (C++ kernels of fused_transformer._C; 16-bit inputs computed in float32)"
+        from fused_transformer import cpu_ops
+
+        return (f"cpu (C++ kernels of fused_transformer._C, {cpu_ops.cpu_capability()} loops; 16-bit inputs computed "
+                "in float32)")
     return "reference (plain PyTorch, the baseline)"
 
 
