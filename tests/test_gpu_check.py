@@ -130,7 +130,9 @@ def test_the_default_budget_fits_the_gpu_machines_and_splits_for_the_tests_and_b
     side, share = gpu_check.split_budget(budget, gpu_check_parts.PARTS)
     assert (side, share) == (300, 180) and side + share == budget
     assert side - gpu_check_parts.INNER_MARGIN_S >= 270  # pytest -n 8 took about 180 s alone on the H200
-    assert gpu_check_parts.bench_lengths(share) == (1024, 4096)  # bench --quick's lengths fit its share
+    assert gpu_check_parts.bench_lengths(share) == (1024, 4096)  # bench --quick's lengths fit its share alone
+    # tune takes what one length of bench leaves of the share: the route's rows, then bench at L 4096
+    assert gpu_check_parts.tune_seconds(share) == 55 and gpu_check_parts.bench_lengths(share - 55) == (4096,)
 
 
 @pytest.mark.parametrize("budget, asked, split", [
@@ -152,6 +154,26 @@ def test_bench_gets_what_is_left_of_the_budget_and_is_cut_or_not_run_when_little
     assert limit == 165 and note == "cut from its 180 s share to the 165 s left of the 480 s budget"
     limit, note = gpu_check.bench_limit(480, 430, 180)
     assert limit is None and "only 50 s of the 480 s budget were left" in note and "--only bench" in note
+
+
+def test_the_bench_part_tunes_the_route_first_with_what_one_length_leaves(tmp_path, monkeypatch):
+    assert gpu_check_parts.tune_seconds(124) == gpu_check_parts.tune_seconds(150) == 0  # under TUNE_MIN_S left
+    assert gpu_check_parts.tune_seconds(160) == 35 and gpu_check_parts.tune_seconds(600) == gpu_check_parts.TUNE_MAX_S
+    ran = []
+
+    def fake_run(command, limit_s, log, **kwargs):
+        ran.append((command, limit_s, os.path.basename(log)))
+        output = "28 rows written to /cache/routes/cuda-x.txt\n" if "tune" in command else ""
+        return gpu_check_parts.Finished(0, False, 1.0, output)
+
+    monkeypatch.setattr(gpu_check_parts, "run_with_limit", fake_run)
+    record = gpu_check_parts.bench_part(str(tmp_path), 180)
+    (tune, tune_limit, tune_log), (bench, bench_limit, _) = ran
+    assert tune[1:] == ["-m", "fused_transformer", "tune", "--device", "cuda:0", "--budget", "35"]
+    assert tune_limit == 55 and tune_log == "tune.log"
+    assert "bench" in bench and 180 - 55 - gpu_check_parts.INNER_MARGIN_S - 1 < bench_limit <= 180 - gpu_check_parts.INNER_MARGIN_S
+    assert record["figures"]["tune"]["rows"] == 28 and record["figures"]["tune"]["path"] == "/cache/routes/cuda-x.txt"
+    assert "28 written to `/cache/routes/cuda-x.txt`" in "\n".join(gpu_check_summary._bench_details(record["figures"]))
 
 
 def test_bench_measures_fewer_lengths_when_its_limit_would_not_fit_both(tmp_path, monkeypatch):

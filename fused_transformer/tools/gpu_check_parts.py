@@ -12,9 +12,11 @@ runs one part and writes its record to ``DIR/<part>.json``: ``status`` (passed /
   (``xdist_workers``); its junit XML gives the counts and the failures.
 - ``check``: ``python -m fused_transformer check --device cuda:0 --quick --no-progress``: its summary line and the
   rows that failed.
-- ``bench``: ``python -m fused_transformer bench --device cuda:0 --quick --lengths ...`` on ``BENCH_SUITES`` into
-  ``DIR/bench``, at the lengths its limit fits (``bench_lengths``): per shape our time and TFLOP/s (tokens/s) and our
-  speed-up over every other implementation measured.
+- ``bench``: first ``python -m fused_transformer tune --device cuda:0`` for what the limit leaves beyond one length
+  of bench (``tune_seconds``, at most ``TUNE_MAX_S``): the route's rows measured on this GPU, kept in the user's
+  cache, which bench's "ours" then follows; then ``python -m fused_transformer bench --device cuda:0 --quick
+  --lengths ...`` on ``BENCH_SUITES`` into ``DIR/bench``, at the lengths the rest fits (``bench_lengths``): per shape
+  our time and TFLOP/s (tokens/s) and our speed-up over every other implementation measured.
 - ``graphs``: ``gpu_check_graphs``, in this process: CUDA-graph replay of a training step, backward determinism,
   peak memory against the sequence length.
 
@@ -65,6 +67,10 @@ BENCH_LENGTHS = (1024, 4096)  # bench --quick's on CUDA; with less time, the lon
 # (attention: 24 shapes x 6, the others 40) at about 0.25 s each under triton.testing.do_bench.
 BENCH_START_S = 60.0
 BENCH_LENGTH_S = 45.0
+# tune's seconds in the bench part: what the part's limit leaves beyond one length of bench, at most this.
+TUNE_MAX_S = 60.0
+TUNE_MIN_S = 30.0  # less than this left: no tune (its start takes about 15 s)
+TUNE_START_S = 20.0  # of tune's seconds, those its --budget leaves for its start and its last group
 # A part's process sees one GPU (CUDA_VISIBLE_DEVICES): this one, named with its index, as torch.cuda.set_device needs.
 PART_DEVICE = "cuda:0"
 COMPETITORS = ("flash_attn", "xformers")
@@ -465,8 +471,31 @@ def bench_lengths(limit_s: float) -> Tuple[int, ...]:
     return BENCH_LENGTHS[len(BENCH_LENGTHS) - max(1, min(fit, len(BENCH_LENGTHS))):]
 
 
+def tune_seconds(limit_s: float) -> float:
+    """The seconds of the bench part's ``limit_s`` that ``tune`` runs for: what one length of bench leaves, at most
+    ``TUNE_MAX_S``; 0 where that is under ``TUNE_MIN_S``."""
+    spare = min(TUNE_MAX_S, limit_s - (INNER_MARGIN_S + BENCH_START_S + BENCH_LENGTH_S))
+    return spare if spare >= TUNE_MIN_S else 0.0
+
+
+def _tune(out: str, seconds: float) -> dict:
+    """Run ``tune`` on the part's GPU for ``seconds``; its figures: rows written, where, exit status, seconds."""
+    command = [sys.executable, "-m", "fused_transformer", "tune", "--device", PART_DEVICE,
+               "--budget", f"{max(seconds - TUNE_START_S, 1.0):.0f}"]
+    finished = run_with_limit(command, seconds, log_path(out, "tune"), env=gpu_environment())
+    written = re.search(r"^(\d+) rows written to (.+)$", finished.output, re.M)
+    return {"command": " ".join(command[1:]), "exit_status": finished.returncode, "seconds": round(finished.seconds, 1),
+            "timed_out": finished.timed_out, "rows": int(written[1]) if written else 0,
+            "path": written[2] if written else None}
+
+
 def bench_part(out: str, limit_s: float) -> dict:
     folder = os.path.join(out, "bench")
+    tune_s, tuned = tune_seconds(limit_s), None
+    if tune_s:
+        begun = time.monotonic()
+        tuned = _tune(out, tune_s)
+        limit_s -= max(time.monotonic() - begun, tuned["seconds"])
     lengths = bench_lengths(limit_s)
     command = [sys.executable, "-m", "fused_transformer", "bench", "--device", PART_DEVICE, "--quick",
                *[arg for suite in BENCH_SUITES for arg in ("--suite", suite)],
@@ -479,7 +508,8 @@ def bench_part(out: str, limit_s: float) -> dict:
                               env=gpu_environment())
     installed = {name: importlib.util.find_spec(name) is not None for name in COMPETITORS}
     figures: dict = {"exit_status": finished.returncode, "failures": _bench_failures(finished.output),
-                     "lengths": list(lengths), "lengths_left_out": [n for n in BENCH_LENGTHS if n not in lengths]}
+                     "lengths": list(lengths), "lengths_left_out": [n for n in BENCH_LENGTHS if n not in lengths],
+                     "tune": tuned}
     if os.path.exists(csv_path):
         figures.update(bench_figures(read_bench_csv(csv_path), installed), csv=csv_path)
     elif os.path.exists(csv_path + ".partial"):

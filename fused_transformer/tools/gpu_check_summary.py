@@ -178,6 +178,10 @@ def _bench_details(figures: Mapping[str, object]) -> List[str]:
     lines = ["No CSV was written."] if "csv" not in figures else [
         f"From `{figures['csv']}`{' (partial: the run stopped early)' if figures.get('partial') else ''}. Speed-up = "
         "their ms / our ms (> 1: ours is faster); `refused`: that implementation does not take the shape."]
+    tuned = figures.get("tune")
+    if tuned:
+        lines += ["", f"Route rows (`{tuned['command']}`, {tuned['seconds']:.0f} s, exit status "
+                  f"{tuned['exit_status']}): {tuned['rows']} written to `{tuned['path']}`; bench's ours follows them."]
     if figures.get("lengths_left_out"):
         lines += ["", f"Lengths: {', '.join(map(str, figures['lengths']))} only; "
                   f"{', '.join(map(str, figures['lengths_left_out']))} left out, as its time limit would not fit them "
