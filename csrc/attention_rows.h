@@ -47,7 +47,8 @@ double row_max(const double* x, int64_t n) {
 // x = exp(x - shift) in place; returns the sum. shift is finite; -inf entries become 0.
 FT_INLINE float exp_shifted_sum_body(float* x, int64_t n, float shift) {
   Float8 total = broadcast(0.0f);
-  map8(x, n, -std::numeric_limits<float>::infinity(), [&](Float8 v, int64_t) {
+  // always_inline: a lambda left out of line would be one function that every ISA's clone calls across ABIs.
+  map8(x, n, -std::numeric_limits<float>::infinity(), [&](Float8 v, int64_t) __attribute__((always_inline)) {
     const Float8 e = fast_exp(v - shift);
     total += e;
     return e;

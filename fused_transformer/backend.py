@@ -204,7 +204,7 @@ def _import_ops(name: str) -> types.SimpleNamespace:
 def _load(name: str) -> bool:
     """Import backend ``name``'s ops (once). torch.compile cannot trace an import: it calls this at trace time."""
     if name not in _OPS:
-        _OPS[name] = _import_ops(name)
+        _OPS[name] = _import_ops(_check_name(name, "backend"))
     return True
 
 
@@ -212,9 +212,10 @@ def ops(name: str) -> types.SimpleNamespace:
     """The functions backend ``name`` (not ``"auto"``) runs the ops with, imported on first use: for triton and cpu
     ``INTERFACE``'s, for the reference ``REFERENCE_OPS``'. A function replaced here (a test's spy, a user's patch) is
     the one the ops call."""
+    if torch.compiler.is_compiling():
+        _load(name)  # first: a trace whose process has not imported them yet then reads _OPS after the import
     found = _OPS.get(name)
     if found is None:
-        name = _check_name(name, "backend")
         _load(name)
         found = _OPS[name]
     return found

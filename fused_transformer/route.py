@@ -35,7 +35,7 @@ from typing import Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Option
 
 import torch
 
-from ._env import computed_once
+from ._env import computed_once, constant_for_compile
 from . import backend
 from .contract import NO_SCORE_MODS, AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, ScoreMods
 
@@ -106,8 +106,8 @@ class Row(NamedTuple):
         return (self.op == call.op and self.passes in ("*", passes) and self.device in ("*", call.device)
                 and _in(self.dtypes, str(call.dtype).replace("torch.", "")) and _in(self.head_dims, str(call.head_dim))
                 and _in(self.masks, call.mask) and self.dropout in ("*", "yes" if call.dropout else "no")
-                and _in(self.doors, call.door)
-                and ((lo == 0 and hi is None) or (call.size is not None and lo <= call.size and (hi is None or call.size < hi))))
+                and _in(self.doors, call.door) and ((lo == 0 and hi is None) or (
+                    call.size is not None and lo <= call.size and (hi is None or call.size < hi))))
 
     def line(self) -> str:
         """The row as ``parse_rows`` reads it."""
@@ -161,8 +161,8 @@ def parse_rows(text: str, origin: str = "the route table") -> List[Row]:
 
 # The rows measured on GPUs, newest first. bench --device cuda (docs/benchmarks.md "On a GPU" holds the runs).
 MEASURED = HEADER + """
-# H200, torch 2.11 + cuDNN 9.19, triton 3.6, bfloat16; bench --device cuda:0 --quick at bdb1535, 2026-11-28 (16k tokens a
-# batch, L 1024 and 4096): SDPA picks cuDNN. cuDNN's backward is taken as not deterministic until gpu-check measures it.
+# H200, torch 2.11 + cuDNN 9.19, triton 3.6, bfloat16; bench --device cuda:0 --quick at bdb1535, 2026-11-28
+# (16k tokens a batch, L 1024 and 4096): SDPA picks cuDNN. cuDNN's backward is taken as not deterministic until gpu-check measures it.
 attention     forward   sm90    bfloat16         64,128    none,causal  no       *           *               0.55-0.79  -          H200 bench --quick bdb1535 2026-11-28
 attention     training  sm90    bfloat16         64,128    none,causal  no       *           *               0.54-0.71  no         H200 bench --quick bdb1535 2026-11-28
 # layer_norm + residual, dropout 0.1, d 1024 and 4096, 8k and 32k rows: ours ahead forward from 32M elements
@@ -185,7 +185,7 @@ def torch_refuses(call: Call) -> Optional[str]:
     if call.door == "sdpa":
         return None  # the kernel the op had before ours: it computes the call as torch always did
     if call.op in ("attention_varlen", "attention_with_kvcache"):
-        return "it on every device (no torch op)"
+        return "packed sequences or a KV cache (no torch op for them on every device)"
     if call.torch_cannot:
         return call.torch_cannot
     if call.needs:
@@ -237,9 +237,9 @@ def decide(call: Call, choice: str, ours: Optional[str], rows: Optional[Iterable
     if row is None:
         to_torch, why = _default(call)
     else:
-        to_torch = row.speedup[1] < 1.0
         low, high = row.speedup
-        why = f"ours {low:.2f}-{high:.2f}x torch ({row.source})" if low != high else f"ours {low:.2f}x torch ({row.source})"
+        to_torch = high < 1.0
+        why = f"ours {low:.2f}{'' if low == high else f'-{high:.2f}'}x torch ({row.source})"
         if to_torch and call.needs_grad and call.deterministic and row.torch_deterministic != "yes":
             return Decision(ours, why + "; torch's backward is not deterministic and determinism was asked for")
     if to_torch:
@@ -295,6 +295,7 @@ def device_tag(device: torch.device) -> str:
 _CUDA_TAGS: Dict[int, str] = {}
 
 
+@constant_for_compile
 def _cuda_tag(index: int) -> str:
     found = _CUDA_TAGS.get(index)
     if found is None:
@@ -332,6 +333,7 @@ def table(device: Optional[torch.device] = None) -> Tuple[Row, ...]:
 _TABLES: Dict[Tuple[str, Optional[int]], Tuple[Row, ...]] = {}
 
 
+@constant_for_compile  # torch.compile calls it at trace time: it reads a file the first time
 def _with_tuned(device_type: str, index: Optional[int]) -> Tuple[Row, ...]:
     found = _TABLES.get((device_type, index))
     if found is None:

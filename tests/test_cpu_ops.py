@@ -484,3 +484,46 @@ def test_backward_plans_a_task_per_thread_at_least(batch, kv_heads, k_len, threa
     assert at_least <= tasks <= max(at_least, batch * kv_heads * -(-k_len // 128))
     if batch * kv_heads >= 2 * threads:
         assert tasks == batch * kv_heads
+
+
+ISA_CALLS = """
+import sys, torch, fused_transformer as ft
+from fused_transformer import cpu_ops
+torch.manual_seed(0)  # the dropout seeds
+g = torch.Generator().manual_seed(11)
+r = lambda *shape: torch.randn(*shape, generator=g)
+q, k, v = r(2, 4, 37, 24), r(2, 2, 37, 24), r(2, 2, 37, 24)
+cache = [r(2, 48, 2, 24) for _ in range(2)]
+x, w1, w2 = r(9, 40), r(64, 40), r(40, 64)
+with ft.use_backend("cpu"):
+    results = [ft.attention(q, k, v, is_causal=True, softcap=5.0),
+               ft.attention_with_kvcache(r(2, 1, 4, 24), *cache, cache_seqlens=torch.tensor([5, 30], dtype=torch.int32),
+                                         k_new=r(2, 1, 2, 24), v_new=r(2, 1, 2, 24), softcap=4.0),
+               ft.layer_norm(x, r(40), r(40), dropout_p=0.2),
+               ft.feed_forward(x, w1, None, w2, None, activation="gelu", dropout_p=0.1)]
+torch.save(results, sys.argv[1])
+print(cpu_ops.cpu_capability())
+"""
+
+
+@pytest.mark.parametrize("capability, expected", [("avx512", "AVX512"), ("avx2", "AVX2"), ("default", "baseline")])
+def test_every_instruction_set_runs_the_same_computation(capability, expected, tmp_path):
+    """The float loops are compiled for AVX-512, AVX2 and the baseline ISA and follow ATen's capability
+    (ATEN_CPU_CAPABILITY): each path runs (a lambda left out of line once crashed the AVX clones) and agrees with the
+    others to float32 round-off (FMA or not)."""
+    import subprocess
+    import sys
+
+    if capability == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("this CPU has no AVX-512")
+    outputs = {}
+    for name in (capability, "default"):
+        path = tmp_path / f"{name}.pt"
+        done = subprocess.run([sys.executable, "-c", ISA_CALLS, str(path)], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "ATEN_CPU_CAPABILITY": name})
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs[name] = (done.stdout.strip(), torch.load(path))
+    assert outputs[capability][0] == expected and outputs["default"][0] == "baseline"
+    for mine, baseline in zip(outputs[capability][1], outputs["default"][1]):
+        mine, baseline = (t[0] if isinstance(t, tuple) else t for t in (mine, baseline))
+        torch.testing.assert_close(mine, baseline, rtol=1e-4, atol=2e-4)

@@ -63,7 +63,7 @@ def test_a_named_backend_runs_ours_and_falls_back_for_what_it_lacks():
 @pytest.mark.parametrize("change, why", [
     (dict(mask="other"), "masks"), (dict(needs_lse=True), "LSE"), (dict(gqa=True), "grouped-query"),
     (dict(dropout=True), "dropout"), (dict(needs=frozenset({"softcap"})), "softcap"),
-    (dict(op="attention_varlen"), "no torch op"), (dict(torch_cannot="empty dims"), "empty dims"),
+    (dict(op="attention_varlen"), "packed sequences"), (dict(torch_cannot="empty dims"), "empty dims"),
 ])
 def test_calls_torchs_path_does_not_compute_run_ours(change, why):
     call = Call("attention", "sm90", torch.bfloat16, head_dim=64, size=4096)._replace(**change)
@@ -112,8 +112,10 @@ def test_tuned_rows_come_first_and_change_the_route(tuned_cache, monkeypatch):
     still runs ours."""
     cpu = torch.device("cpu")
     ran = []
-    monkeypatch.setattr(reference, "attention_sdpa", lambda *args: ran.append("torch") or F.scaled_dot_product_attention(
-        *args[:3], is_causal=args[3].is_causal, scale=args[3].scale))
+    def sdpa(q, k, v, spec):
+        ran.append("torch")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=spec.is_causal, scale=spec.scale)
+    monkeypatch.setattr(reference, "attention_sdpa", sdpa)
     q = torch.randn(1, 2, 64, 16)
     expected = F.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert route.table(cpu) == route._measured()
@@ -207,3 +209,32 @@ def test_rows_of_merges_neighbours_with_the_same_winner():
     assert [(r.sizes, r.speedup) for r in rows] == [((0, 256), (0.8, 0.8)), ((256, None), (1.2, 1.5))]
     assert [decide(Call("attention", "cpu", torch.float32, head_dim=64, mask="causal", size=n), "auto", "cpu",
                    rows).backend for n in (100, 300, 5000)] == ["torch", "cpu", "cpu"]
+
+
+def test_a_first_call_under_torch_compile_reads_the_table_without_a_graph_break(tmp_path):
+    """In a fresh process whose first calls are compiled (fullgraph), the route reads the tuned rows and the built-in
+    ones at trace time (``constant_for_compile``): no graph break, and the tuned row still decides."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+import torch, fused_transformer as ft
+from fused_transformer import route
+path = route.tuned_path(torch.device("cpu"))
+import os; os.makedirs(os.path.dirname(path), exist_ok=True)
+open(path, "w").write(route.HEADER + "\\nlayer_norm  *  cpu  float32  *  *  yes  functional  *  0.5  yes  a test's row\\n")
+x = torch.randn(4, 8, 32, requires_grad=True)
+w, b = torch.randn(32, requires_grad=True), torch.randn(32, requires_grad=True)
+with route.recording() as seen:
+    y = torch.compile(lambda x: ft.layer_norm(x, w, b, dropout_p=0.1), fullgraph=True, backend="eager")(x)
+    y.sum().backward()
+    q = torch.randn(2, 2, 16, 8)
+    torch.compile(lambda q: ft.attention(q, q, q, is_causal=True), fullgraph=True, backend="eager")(q)
+print(route.describe(seen))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "FUSED_TRANSFORMER_CACHE": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "layer_norm -> torch (ours 0.50x torch (a test's row))" in done.stdout
+    assert "attention -> cpu (torch's path does not serve a traced call" in done.stdout

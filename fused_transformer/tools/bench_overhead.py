@@ -439,8 +439,8 @@ def _profiled(fn: Callable[[], object], device: torch.device, activities: list) 
 
 def table(rows: Sequence[Dict[str, object]]) -> List[str]:
     """The suite's figures as a markdown table: host microseconds of ours, thin and the baseline, and the ratios."""
-    lines = ["| op / module | mode | ours us | thin us | torch us | ours/thin | target | ours/torch | launches ours / torch |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| op / module | mode | ours us | thin us | torch us | ours/thin | target | ours/torch | "
+             "launches ours / torch |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     measured: Dict[Tuple[object, object], Dict[str, float]] = {}
     launched: Dict[Tuple[object, object], Dict[str, object]] = {}
     for row in rows:
