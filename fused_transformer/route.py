@@ -35,7 +35,7 @@ from typing import Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Option
 
 import torch
 
-from ._env import computed_once, constant_for_compile
+from ._env import computed_once, constant_for_compile, on_facts_forgotten
 from . import backend
 from .contract import NO_SCORE_MODS, AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, ScoreMods
 
@@ -351,7 +351,10 @@ def forget_tuned() -> None:
 
 # ------------------------------------------------------------------------------------------------- decisions
 
-_DECISIONS: Dict[tuple, Decision] = {}
+# Decisions of eager calls: by (call, device, choice, ours) (decide_for), and by the hot ops' own keys of plain values
+# (_remembered, with the call). Forgotten with the facts they rest on (backend availability) and the tuned rows.
+_DECISIONS: Dict[tuple, object] = {}
+on_facts_forgotten(_DECISIONS.clear)
 
 
 def decide_for(call: Call, device: torch.device, choice: str, ours: Optional[str]) -> Decision:
@@ -426,16 +429,40 @@ def mask_kind(query_len: int, key_len: int, masks: Optional[AttentionMasks], spe
     return "causal" if not spec.bottom_right or query_len == key_len else "other"
 
 
+def _remembered(key: tuple, make_call) -> Decision:
+    """The decision of an eager call whose facts are ``key`` (plain values, cheap to hash), ``make_call()``'s
+    ``choose``d where it is new: the hot ops' path to a decision in a dictionary lookup."""
+    found = _DECISIONS.get(key)
+    if found is None:
+        call, device = make_call()
+        decision = choose(call, device)
+        if len(_DECISIONS) > 4096:
+            _DECISIONS.clear()
+        _DECISIONS[key] = found = (call, decision)
+    elif _RECORDERS:
+        _decided(*found)
+    return found[1]
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: AttentionMasks, spec: AttentionSpec,
               mods: ScoreMods, sinks: Optional[torch.Tensor], needs_lse: bool) -> Decision:
     """Who runs a dense attention call of checked arguments ``q [B, H, Lq, D]``, ``k, v [B, Hkv, Lk, D]``."""
+    if mods is NO_SCORE_MODS and sinks is None and masks.unmasked and not torch.compiler.is_compiling():
+        key = ("attention", q.device, q.dtype, q.shape, k.shape[1], k.shape[2], spec, needs_grad(q, k, v),
+               needs_lse, torch.are_deterministic_algorithms_enabled(), backend.get_backend())
+        return _remembered(key, lambda: (_attention_call(q, k, v, masks, spec, mods, sinks, needs_lse), q.device))
+    return choose(_attention_call(q, k, v, masks, spec, mods, sinks, needs_lse), q.device)
+
+
+def _attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: AttentionMasks, spec: AttentionSpec,
+                    mods: ScoreMods, sinks: Optional[torch.Tensor], needs_lse: bool) -> Call:
     empty = min(q.shape[2], k.shape[2], q.shape[3]) == 0
     call = Call("attention", device_tag(q.device), q.dtype, head_dim=q.shape[3],
                 mask=mask_kind(q.shape[2], k.shape[2], masks, spec), dropout=spec.dropout_p > 0.0,
                 size=_size(k.shape[2]), needs_grad=needs_grad(q, k, v, sinks), needs_lse=needs_lse,
                 deterministic=torch.are_deterministic_algorithms_enabled(), needs=_needs(mods, sinks),
                 gqa=q.shape[1] != k.shape[1], torch_cannot="empty dims" if empty else "")
-    return choose(call, q.device)
+    return call
 
 
 def attention_packed(op: str, q: torch.Tensor, max_keys: int, mods: ScoreMods, sinks: Optional[torch.Tensor],
@@ -467,23 +494,40 @@ def describe(decisions: Iterable[Tuple[Call, Decision]]) -> str:
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                residual: Optional[torch.Tensor], spec: LayerNormSpec) -> Decision:
     """Who runs a ``layer_norm`` call of checked arguments."""
+    grad = needs_grad(x, weight, bias, residual)
+    if torch.compiler.is_compiling():
+        return choose(_layer_norm_call(x, weight, bias, spec, grad), x.device)
+    key = ("layer_norm", x.device, x.dtype, x.shape, None if weight is None else weight.dtype,
+           None if bias is None else bias.dtype, spec, grad, torch.are_deterministic_algorithms_enabled(),
+           backend.get_backend())
+    return _remembered(key, lambda: (_layer_norm_call(x, weight, bias, spec, grad), x.device))
+
+
+def _layer_norm_call(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                     spec: LayerNormSpec, grad: bool) -> Call:
     cannot = ""
     if x.shape[-1] <= 1:
         cannot = "rows of one feature (ATen's backward cancels 1/sqrt(eps)-sized terms)"
     elif any(p is not None and p.dtype != x.dtype for p in (weight, bias)):
         cannot = "parameters in another dtype than x's"
-    call = Call("layer_norm", device_tag(x.device), x.dtype, dropout=spec.dropout_p > 0.0, size=_size(x.numel()),
-                needs_grad=needs_grad(x, weight, bias, residual),
-                deterministic=torch.are_deterministic_algorithms_enabled(),
+    return Call("layer_norm", device_tag(x.device), x.dtype, dropout=spec.dropout_p > 0.0, size=_size(x.numel()),
+                needs_grad=grad, deterministic=torch.are_deterministic_algorithms_enabled(),
                 needs=frozenset({"rms_norm"}) if spec.rms_norm else frozenset(), torch_cannot=cannot)
-    return choose(call, x.device)
 
 
 def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
                  b2: Optional[torch.Tensor], spec: FeedForwardSpec) -> Decision:
     """Who runs a ``feed_forward`` call of checked arguments."""
+    grad = needs_grad(x, w1, b1, w2, b2)
+    if torch.compiler.is_compiling():
+        return choose(_feed_forward_call(x, spec, grad), x.device)
+    key = ("feed_forward", x.device, x.dtype, x.shape, spec, grad, torch.are_deterministic_algorithms_enabled(),
+           backend.get_backend())
+    return _remembered(key, lambda: (_feed_forward_call(x, spec, grad), x.device))
+
+
+def _feed_forward_call(x: torch.Tensor, spec: FeedForwardSpec, grad: bool) -> Call:
     needs = frozenset(name for name in ("recompute", "allow_tf32") if getattr(spec, name))
-    call = Call("feed_forward", device_tag(x.device), x.dtype, dropout=spec.dropout_p > 0.0,
-                size=_size(x.numel() // max(x.shape[-1], 1)), needs_grad=needs_grad(x, w1, b1, w2, b2),
+    return Call("feed_forward", device_tag(x.device), x.dtype, dropout=spec.dropout_p > 0.0,
+                size=_size(x.numel() // max(x.shape[-1], 1)), needs_grad=grad,
                 deterministic=torch.are_deterministic_algorithms_enabled(), needs=needs)
-    return choose(call, x.device)
