@@ -417,17 +417,22 @@ def layer_norm(
     dropout_p: float = 0.0,
     prenorm: bool = False,
     keep_mask: Optional[Tensor] = None,
+    rms_norm: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Reference for ``fused_transformer.functional.layer_norm``: ``z = dropout(x) + residual``,
-    ``y = (z - mean) / sqrt(var + eps) * weight + bias`` over the last dim; returns ``(y, z)`` if ``prenorm``.
+    ``y = (z - mean) / sqrt(var + eps) * weight + bias`` over the last dim (``rms_norm``: ``y = z / sqrt(mean(z^2) +
+    eps) * weight + bias``, the Triton entry's option); returns ``(y, z)`` if ``prenorm``.
     """
     z = dropout(x, dropout_p, keep_mask)
     if residual is not None:
         z = z + residual
     zs = z.to(stats_dtype(z.dtype))
-    mean = zs.mean(dim=-1, keepdim=True)
-    var = (zs - mean).square().mean(dim=-1, keepdim=True)
-    y = (zs - mean) * torch.rsqrt(var + eps)
+    if rms_norm:
+        y = zs * torch.rsqrt(zs.square().mean(dim=-1, keepdim=True) + eps)
+    else:
+        mean = zs.mean(dim=-1, keepdim=True)
+        var = (zs - mean).square().mean(dim=-1, keepdim=True)
+        y = (zs - mean) * torch.rsqrt(var + eps)
     if weight is not None:
         y = y * weight.to(y.dtype)
     if bias is not None:
@@ -488,7 +493,8 @@ def feed_forward_aten(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b
 def run_layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
                    spec: LayerNormSpec) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """The reference backend's entry for ``functional.layer_norm``."""
-    return layer_norm(x, weight, bias, spec.eps, residual=residual, dropout_p=spec.dropout_p, prenorm=spec.prenorm)
+    return layer_norm(x, weight, bias, spec.eps, residual=residual, dropout_p=spec.dropout_p, prenorm=spec.prenorm,
+                      rms_norm=spec.rms_norm)
 
 
 def run_feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],

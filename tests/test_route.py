@@ -238,3 +238,19 @@ print(route.describe(seen))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "layer_norm -> torch (ours 0.50x torch (a test's row))" in done.stdout
     assert "attention -> cpu (torch's path does not serve a traced call" in done.stdout
+
+
+def test_a_feature_the_cpu_backend_lacks_falls_back_to_the_reference_which_computes_it():
+    """RMSNorm on the C++ backend (which has none): the route sends it to the reference, which computes RMSNorm (not
+    LayerNorm), forward and backward, instead of raising."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 24, generator=g, dtype=torch.float64, requires_grad=True)
+    weight, bias = torch.randn(24, generator=g, dtype=torch.float64), torch.randn(24, generator=g, dtype=torch.float64)
+    spec = contract.layer_norm_spec(x, weight, bias, 1e-5, None, 0.0, False)._replace(rms_norm=True)
+    with ft.use_backend("cpu"):
+        decision = route.layer_norm(x, weight, bias, None, spec)
+        y = autograd.layer_norm(decision.backend, x, weight, bias, None, spec)
+    assert decision == ("reference", "backend 'cpu' does not compute rms_norm")
+    expected = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5) * weight + bias
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(torch.autograd.grad(y.sum(), x)[0], torch.autograd.grad(expected.sum(), x)[0])
