@@ -16,8 +16,8 @@ kernels serve the device; in order:
 3. Where torch's path computes the same result (``torch_refuses`` says why not elsewhere), the first row of the
    route table that matches the call decides: torch's path where its ``speedup`` (torch's time over ours) is below 1,
    unless the call needs gradients, the caller asked for determinism and the row says torch's backward is not
-   deterministic. Without a matching row, ``DEFAULT``: ours, but torch's path for layer_norm and feed_forward
-   without dropout, where there is nothing to fuse.
+   deterministic. Without a matching row, the default (``_default``): ours, but torch's path for layer_norm and
+   feed_forward without dropout, where there is nothing to fuse.
 4. Otherwise ours, or the reference where ours lacks a feature.
 
 The route table is text, one row a line (``parse_rows``): the rows measured on GPUs (``MEASURED``), after the rows
@@ -35,12 +35,12 @@ from typing import Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Option
 
 import torch
 
-from ._env import computed_once, constant_for_compile, on_facts_forgotten
 from . import backend
+from ._env import computed_once, constant_for_compile, on_facts_forgotten
 from .contract import NO_SCORE_MODS, AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, ScoreMods
 
 OPS = ("attention", "attention_varlen", "attention_with_kvcache", "layer_norm", "feed_forward")
-DOORS = ("functional", "sdpa", "transformers")
+DOORS = ("functional", "sdpa")  # the transformers interface calls the functional ops: its door is theirs
 # What each op's ``size`` counts (the route table's size ranges).
 SIZE_OF = {"attention": "keys per sequence", "attention_varlen": "longest sequence's keys",
            "attention_with_kvcache": "keys in the cache", "layer_norm": "elements of x",
@@ -147,10 +147,11 @@ def parse_rows(text: str, origin: str = "the route table") -> List[Row]:
         match = re.fullmatch(r"(\d+)\.\.(\d*)", sizes)
         ratio = re.fullmatch(r"(\d+(?:\.\d+)?)(?:-(\d+(?:\.\d+)?))?", speedup)
         if (op not in OPS or passes not in ("forward", "training", "*") or dropout not in ("yes", "no", "*")
+                or not all(door in (*DOORS, "*") for door in doors.split(","))
                 or det not in ("yes", "no", "-") or (sizes != "*" and match is None) or ratio is None):
             raise ValueError(f"{origin}, line {number}: a cell is out of range (op one of {', '.join(OPS)}; pass "
-                             "forward/training/*; dropout yes/no/*; size lo..hi or *; speedup x or low-high; "
-                             f"torch_det yes/no/-): {raw!r}")
+                             "forward/training/*; dropout yes/no/*; door functional/sdpa/*; size lo..hi or *; "
+                             f"speedup x or low-high; torch_det yes/no/-): {raw!r}")
         bounds = (0, None) if match is None else (int(match[1]), int(match[2]) if match[2] else None)
         low = float(ratio[1])
         rows.append(Row(op, passes, device, tuple(dtypes.split(",")), tuple(head_dims.split(",")),
