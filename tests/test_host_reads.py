@@ -6,7 +6,6 @@ device-to-host copy that waits for the GPU). Counted with a dispatch mode (``ate
 padded batch, whose number of real tokens sizes the packed tensor."""
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_transformer as ft
