@@ -14,10 +14,10 @@ kernels serve the device; in order:
 2. ``"auto"``: float64 runs on the reference (the oracle; the kernels serve the training dtypes), as does a device
    with no kernels of ours.
 3. Where torch's path computes the same result (``torch_refuses`` says why not elsewhere), the first row of the
-   route table that matches the call decides: torch's path where its ``speedup`` (torch's time over ours) is below 1,
-   unless the call needs gradients, the caller asked for determinism and the row says torch's backward is not
-   deterministic. Without a matching row, the default (``_default``): ours, but torch's path for layer_norm and
-   feed_forward without dropout, where there is nothing to fuse.
+   route table that matches the call decides: torch's path where its highest ``speedup`` (torch's time over ours) is
+   below 1, unless the call needs gradients, the caller asked for determinism and the row does not say torch's
+   backward is deterministic. Without a matching row, the default (``_default``): ours, but torch's path for
+   layer_norm and feed_forward without dropout, where there is nothing to fuse.
 4. Otherwise ours, or the reference where ours lacks a feature.
 
 The route table is text, one row a line (``parse_rows``): the rows measured on GPUs (``MEASURED``), after the rows
