@@ -31,9 +31,9 @@ arguments (the masks and strides in the kernels' form), handed unchanged to the 
 then need not derive it again (None: nothing kept). layer_norm and feed_forward take rows ``[rows, N]`` (``as_rows``);
 ``z`` is ``dropout(x) + residual`` (empty unless ``store_z``), ``mean`` / ``rstd`` per row in float32 (empty where
 a backend keeps none); ``saved`` the tensors a feed-forward backward reads beyond the inputs (``()`` unless
-``keep``: the backward then recomputes them); an absent parameter's gradient is empty. What a backend computes (score modifiers,
-RMSNorm) is data in ``fused_transformer.route.SUPPORTS``, which sends a call it lacks to the reference, and a call
-torch's own ops run faster to them (``route``). ``attention_with_kvcache`` is forward only: with
+``keep``: the backward then recomputes them); an absent parameter's gradient is empty. What a backend computes
+(score modifiers, RMSNorm) is data in ``fused_transformer.route.SUPPORTS``, which sends a call it lacks to the
+reference, and a call torch's own ops run faster to them (``route``). ``attention_with_kvcache`` is forward only: with
 ``k_new`` / ``v_new`` (only for a backend whose function has ``appends_new_keys``) it writes them into the cache
 itself, else they are in the cache already. The reference backend (``fused_transformer.reference``) takes the same
 calls composed of torch ops and differentiated by autograd: the oracle does not go through the Functions it checks.
@@ -108,7 +108,8 @@ class ScoreMods(NamedTuple):
     """What modifies the scaled scores of an attention call, checked (``score_mods``) and applied in this order,
     before the masks; None where absent. Constants: no gradient flows to them. A modifier is a field here (its check
     in ``score_mods``), its math in ``reference.modify_scores`` and in the Triton kernels' ``jit.py`` (host and
-    device sides); ``route.SUPPORTS`` names those each backend computes, the others sending its calls to the reference."""
+    device sides); ``route.SUPPORTS`` names those each backend computes, the others sending its calls to the
+    reference."""
 
     softcap: Optional[float] = None  # scores become softcap * tanh(scores / softcap) (Gemma 2, Grok)
     alibi_slopes: Optional[Tensor] = None  # float32 [H] or [B, H]: scores less slope * |i + o - j| (o: the alignment)

@@ -305,17 +305,11 @@ def _cuda_tag(index: int) -> str:
     return found
 
 
-_TUNED: Dict[str, List[Row]] = {}
-
-
 def tuned_rows(device: torch.device) -> List[Row]:
-    """The rows ``tune`` measured on ``device`` (read once a process), [] where it has not run."""
-    key = device_key(device) if device.type != "cuda" else f"cuda:{device.index}"
-    found = _TUNED.get(key)
-    if found is None:
-        path = tuned_path(device)
-        found = _TUNED[key] = parse_rows(open(path).read(), path) if os.path.exists(path) else []
-    return found
+    """The rows ``tune`` measured on ``device`` ([] where it has not run), read from the user's cache (``table``
+    keeps them for the process)."""
+    path = tuned_path(device)
+    return parse_rows(open(path).read(), path) if os.path.exists(path) else []
 
 
 @computed_once
@@ -345,7 +339,6 @@ def _with_tuned(device_type: str, index: Optional[int]) -> Tuple[Row, ...]:
 
 def forget_tuned() -> None:
     """Read the tuned rows again at the next call (after ``tune`` wrote them)."""
-    _TUNED.clear()
     _TABLES.clear()
     _DECISIONS.clear()
 
