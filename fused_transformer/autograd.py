@@ -17,8 +17,8 @@ import torch
 
 from . import backend, reference
 from .contract import (
-    NO_SCORE_MODS, AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, PackedSequences, ScoreMods, as_rows,
-    draw_dropout_seed, score_mods_flat, score_mods_of_flat,
+    NO_SCORE_MODS, AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, PackedSequences, ScoreMods, Seed,
+    as_rows, draw_dropout_seed, score_mods_flat, score_mods_of_flat,
 )
 from .route import needs_grad as _needs_grad
 
@@ -39,8 +39,19 @@ def _eager_apply(function: type) -> Callable[..., object]:
     return apply
 
 
-def _seed(p: float, device: torch.device) -> Optional[Tensor]:
+def _seed(p: float, device: torch.device) -> Optional[Seed]:
     return draw_dropout_seed(device) if p > 0.0 else None
+
+
+def _saved_seed(ctx, seed: Optional[Seed]) -> Optional[Tensor]:
+    """What ``save_for_backward`` takes of a seed: a tensor; a host draw (an int) is kept on ctx instead."""
+    ctx.host_seed = seed if isinstance(seed, int) else None
+    return None if isinstance(seed, int) else seed
+
+
+def _backward_seed(ctx, saved: Optional[Tensor]) -> Optional[Seed]:
+    """The forward's seed, from what ``_saved_seed`` kept."""
+    return saved if ctx.host_seed is None else ctx.host_seed
 
 
 def _float_output(ctx, q: Tensor, sinks: Optional[Tensor]) -> bool:
@@ -91,7 +102,7 @@ def _mods_of(ctx, tensors: list) -> ScoreMods:
 
 
 def _attention_forward(ctx, q: Tensor, sinks: Optional[Tensor], spec: AttentionSpec, name: str, with_lse: bool,
-                       run: Callable[..., Tuple[Tensor, Tensor]]) -> Tuple[Optional[Tensor], Tensor, Tensor]:
+                       run: Callable[..., Tuple[Tensor, Tensor]]) -> Tuple[Optional[Seed], Tensor, Tensor]:
     """What both attention Functions' forwards do around ``run(ops, seed, float_output, prepared)``, the backend's
     call: ``(seed, o, lse)``, o as the backward reads it; the LSE an output only ``with_lse``."""
     ops = backend.ops(name)
@@ -140,12 +151,13 @@ class AttentionFunction(torch.autograd.Function):
         seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, with_lse, lambda ops, seed, float_output,
                                           prepared: ops.attention_fwd(q, k, v, masks, spec, mods, sinks, seed,
                                                                       float_output, prepared))
-        ctx.save_for_backward(q, k, v, o, lse, sinks, seed, *masks, *_saved_mods(ctx, mods))
+        ctx.save_for_backward(q, k, v, o, lse, sinks, _saved_seed(ctx, seed), *masks, *_saved_mods(ctx, mods))
         return _attention_outputs(ctx, q, o, lse, with_lse)
 
     @staticmethod
     def backward(ctx, do, dlse=None):
         q, k, v, o, lse, sinks, seed, *rest = ctx.saved_tensors
+        seed = _backward_seed(ctx, seed)
         masks, mods = AttentionMasks(*rest[:4]), _mods_of(ctx, rest[4:])
         grads = _attention_backward(ctx, do, dlse, q, o, lse, sinks, False, lambda ops, do: ops.attention_bwd(
             do, dlse, q, k, v, o, lse, masks, ctx.spec, mods, seed, ctx.prepared))
@@ -162,13 +174,15 @@ class AttentionVarlenFunction(torch.autograd.Function):
         seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, with_lse, lambda ops, seed, float_output,
                                           prepared: ops.attention_varlen_fwd(q, k, v, seqs, spec, mods, sinks, seed,
                                                                              float_output, prepared))
-        ctx.save_for_backward(q, k, v, o, lse, sinks, seed, cu_seqlens_q, cu_seqlens_k, *_saved_mods(ctx, mods))
+        ctx.save_for_backward(q, k, v, o, lse, sinks, _saved_seed(ctx, seed), cu_seqlens_q, cu_seqlens_k,
+                              *_saved_mods(ctx, mods))
         ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
         return _attention_outputs(ctx, q, o, lse, with_lse)
 
     @staticmethod
     def backward(ctx, do, dlse=None):
         q, k, v, o, lse, sinks, seed, cu_seqlens_q, cu_seqlens_k, *mod_tensors = ctx.saved_tensors
+        seed = _backward_seed(ctx, seed)
         seqs, mods = PackedSequences(cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens), _mods_of(ctx, mod_tensors)
         grads = _attention_backward(ctx, do, dlse, q, o, lse, sinks, True, lambda ops, do: ops.attention_varlen_bwd(
             do, dlse, q, k, v, o, lse, seqs, ctx.spec, mods, seed, ctx.prepared))
@@ -238,13 +252,14 @@ class LayerNormFunction(torch.autograd.Function):
         keeps_sum = residual is not None or spec.dropout_p > 0.0
         y, z, mean, rstd = backend.ops(name).layer_norm_fwd(x, weight, bias, residual, spec, seed,
                                                             spec.prenorm or keeps_sum)
-        ctx.save_for_backward(z if keeps_sum else x, weight, bias, mean, rstd, seed)
+        ctx.save_for_backward(z if keeps_sum else x, weight, bias, mean, rstd, _saved_seed(ctx, seed))
         ctx.spec, ctx.name, ctx.has_residual = spec, name, residual is not None
         return (y, z) if spec.prenorm else y
 
     @staticmethod
     def backward(ctx, dy, dz=None):
         z, weight, bias, mean, rstd, seed = ctx.saved_tensors
+        seed = _backward_seed(ctx, seed)
         dx, dresidual, dweight, dbias = backend.ops(ctx.name).layer_norm_bwd(
             dy, dz, z, weight, bias, mean, rstd, ctx.spec, seed, ctx.has_residual)
         return (dx, dweight if weight is not None else None, dbias if bias is not None else None,
@@ -288,13 +303,14 @@ class FeedForwardFunction(torch.autograd.Function):
     def forward(ctx, x, w1, b1, w2, b2, spec: FeedForwardSpec, name: str):
         seed = _seed(spec.dropout_p, x.device)
         y, saved = backend.ops(name).feed_forward_fwd(x, w1, b1, w2, b2, spec, seed, not spec.recompute)
-        ctx.save_for_backward(x, w1, b1, w2, seed, *saved)
+        ctx.save_for_backward(x, w1, b1, w2, _saved_seed(ctx, seed), *saved)
         ctx.spec, ctx.name, ctx.has_b2 = spec, name, b2 is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w1, b1, w2, seed, *saved = ctx.saved_tensors
+        seed = _backward_seed(ctx, seed)
         dx, dw1, db1, dw2, db2 = backend.ops(ctx.name).feed_forward_bwd(dy, x, w1, b1, w2, tuple(saved), ctx.has_b2,
                                                                         ctx.spec, seed)
         return dx, dw1, db1 if b1 is not None else None, dw2, db2 if ctx.has_b2 else None, None, None

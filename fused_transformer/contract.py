@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import os
 import numbers
-from typing import Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -228,14 +228,76 @@ def empty_heads_interleaved(like: Tensor, dtype: Optional[torch.dtype] = None) -
     return like.new_empty_strided(like.shape, heads_interleaved_strides(like.shape), dtype=dtype)
 
 
-def draw_dropout_seed(device: torch.device) -> Tensor:
-    """A dropout (Philox) seed: one int64 element on ``device``, drawn from torch's generator for that device.
+# A dropout seed: a one-element int64 tensor drawn on the op's device, or an int drawn on the host. The kernels take
+# both (the Triton ones as ``*SEED + host_seed``); the Functions save a tensor for the backward and keep an int on ctx.
+Seed = Union[Tensor, int]
 
-    ``torch.manual_seed`` reproduces dropout on every backend. The draw is an ordinary tensor op, as in torch's
-    own fused dropout: it stays inside a ``torch.compile`` graph (no host value to specialise on, so no
-    recompile per step) and inside a CUDA graph, whose every replay draws a new seed. The kernels read it
-    themselves."""
-    return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
+
+def traced() -> bool:
+    """Whether this call is being traced (``torch.compile``, ``torch.export``, a FakeTensor or proxy trace), where
+    the backends run through their custom ops, rather than run eagerly, where they launch directly. A dispatch
+    mode that only watches eager calls (``eager_inside = True``: a launch or host-read counter) is not a trace."""
+    if torch.compiler.is_compiling():
+        return True
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return not all(getattr(mode, "eager_inside", False) for mode in _get_current_dispatch_mode_stack())
+
+
+def philox_generator(device: torch.device) -> Optional[torch.Generator]:
+    """The generator whose Philox seed and offset an eager call on ``device`` draws its seed from on the host (a
+    CUDA device's default generator); None where the draw is a tensor op (a function, so a test can stand a CPU
+    tensor for a device one)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+
+
+def _mix64(value: int) -> int:
+    """SplitMix64's finalizer: a generator seed's bits spread over all 64."""
+    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return value ^ (value >> 31)
+
+
+def host_seed(generator: torch.Generator) -> int:
+    """A seed below 2**31 taken from ``generator``'s Philox state on the host, no launch: its seed mixed, plus its
+    offset in steps of 4, the offset then advanced by 4 as torch's own random ops advance it. Successive draws differ
+    (until 2**31 of them); ``torch.manual_seed`` and a restored RNG state (activation checkpointing's recompute) draw
+    the same seeds again."""
+    offset = generator.get_offset()
+    generator.set_offset(offset + 4)
+    return (_mix64(generator.initial_seed()) + (offset >> 2)) & 0x7FFFFFFF
+
+
+def draw_dropout_seed(device: Union[torch.device, str]) -> Seed:
+    """A dropout (Philox) seed for an op on ``device``, from torch's generator for that device, so
+    ``torch.manual_seed`` reproduces dropout on every backend.
+
+    An eager call on a CUDA device draws it on the host (``host_seed``), with no kernel launch. A traced call, one
+    inside a CUDA graph's capture or a functorch transform, and a CPU call (its generator keeps no offset) draw a
+    one-element int64 tensor with ``torch.randint``, as torch's own fused dropout does: the draw stays inside a
+    ``torch.compile`` graph (no host value to specialise on, so no recompile per step) and inside a CUDA graph,
+    whose every replay draws a new seed. The kernels read it themselves."""
+    device = torch.device(device)
+    generator = philox_generator(device)
+    if (generator is None or traced() or torch._C._are_functorch_transforms_active()
+            or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+        return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
+    return host_seed(generator)
+
+
+def seed_tensor(seed: Optional[Seed], device: torch.device) -> Optional[Tensor]:
+    """``seed`` as a custom op's schema takes it, a tensor: a host draw becomes one on ``device`` (where the backward
+    of an eager forward is traced, by compiled autograd)."""
+    return torch.tensor([seed], dtype=torch.int64, device=device) if isinstance(seed, int) else seed
+
+
+def traced_seed(seed: Optional[Seed], device: torch.device) -> Optional[Seed]:
+    """``seed_tensor(seed, device)`` where the call is traced, else ``seed``."""
+    return seed_tensor(seed, device) if isinstance(seed, int) and traced() else seed
 
 
 # ------------------------------------------------------------------------------------------------ checks

@@ -16,7 +16,7 @@ backward cancels 1/sqrt(eps)-sized terms), and ``feed_forward`` ATen's ``linear`
 (ours 0.64-0.98x there). With dropout ours win (layer_norm 1.4-4x, feed_forward with relu 1.2-1.4x, gelu at
 parity), saving ATen's separate dropout passes.
 
-Dropout: every op that drops draws one seed tensor with ``draw_dropout_seed`` from torch's generator (so
+Dropout: every op that drops draws one seed tensor with ``draw_dropout_seed`` from torch's CPU generator (so
 ``torch.manual_seed`` reproduces it; the kernel reads it, so the draw stays inside a compiled graph), and
 element ``i`` of the dropped tensor in row-major order (attention: the probabilities ``[B, H, Lq, Lk]``;
 layer_norm: ``x``; feed_forward: the hidden activation ``[..., d_ff]``) is kept as

@@ -10,7 +10,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._env import triton_interpreting
-from ..contract import draw_dropout_seed  # noqa: F401 (re-exported for the tests)
+from ..contract import Seed, draw_dropout_seed, traced  # noqa: F401 (draw_dropout_seed re-exported for the tests)
 
 # Whether the kernels run under the Triton interpreter: fixed when triton is imported (its knob is read then).
 INTERPRETING = triton_interpreting()
@@ -203,9 +203,10 @@ def contiguous_last_dims(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
 
 # ------------------------------------------------------------------------------------- dropout keep-mask
 # Convention: element (row, col) of a [rows, cols] tensor is kept when tl.rand(seed, row * cols + col) >= p.
-# Kernels regenerate the mask from the seed in backward instead of storing it. The seed is a one-element int64
-# tensor (contract.draw_dropout_seed) that the kernels read themselves (SEED is None without dropout): the host
-# never syncs on it, and a CUDA graph replay or a compiled graph draws a new one each time.
+# Kernels regenerate the mask from the seed in backward instead of storing it. The seed (contract.draw_dropout_seed)
+# is *SEED + host_seed (seed_args): an eager call on a GPU draws it on the host and passes it by value (no launch),
+# a traced call or a CUDA graph's capture draws a one-element int64 tensor the kernels read themselves, so a replay
+# or a compiled graph draws a new one each time and the host never syncs on it (SEED is None without dropout).
 
 
 # A fixed Philox key: the seed goes into a counter word instead. With a run-time key (the seed loaded from
@@ -219,13 +220,19 @@ PHILOX_ROUNDS = tl.constexpr(7)
 
 
 @triton.jit
-def dropout_keep(SEED, offsets, dropout_p):
+def dropout_seed(SEED, host_seed):
+    """The op's seed (below 2**31) as a uint32: ``*SEED + host_seed`` (``seed_args``), one int64 drawn on the device
+    or one drawn on the host and passed by value, the other 0. A kernel reads it once, where it starts."""
+    return tl.load(SEED).to(tl.uint32) + host_seed.to(tl.uint32)
+
+
+@triton.jit
+def dropout_keep(seed, offsets, dropout_p):
     """True where the element at ``offsets`` (int64 block) survives dropout of probability ``dropout_p``.
 
-    ``SEED`` is the op's seed tensor (one int64, drawn below 2**31). Philox is a bijection of its 128-bit counter
-    (offset low, offset high, seed, 0) under the fixed key, so every (seed, offset) pair draws its own number.
+    Philox is a bijection of its 128-bit counter (offset low, offset high, ``seed``, 0) under the fixed key, so every
+    (seed, offset) pair draws its own number.
     """
-    seed = tl.load(SEED).to(tl.uint32)
     offset_lo = offsets.to(tl.uint32)
     zero = offset_lo * 0
     bits, _, _, _ = tl.philox(PHILOX_KEY, offset_lo, (offsets >> 32).to(tl.uint32), zero + seed, zero,
@@ -243,58 +250,78 @@ def dropout_keep(SEED, offsets, dropout_p):
 # in attention's tiles the four either moved between register layouts (36 configs spilled 8-128 B or serialized
 # sm_90's wgmma) or stayed live to be picked per score (13 configs spilled 8-24 B).
 @triton.jit
-def _philox_quads(SEED, groups):
-    seed = tl.load(SEED).to(tl.uint32)
+def _philox_quads(seed, groups):
     group_lo = groups.to(tl.uint32)
     zero = group_lo * 0
     return tl.philox(PHILOX_KEY, group_lo, (groups >> 32).to(tl.uint32), zero + seed, zero + 1, PHILOX_ROUNDS)
 
 
 @triton.jit
-def dropout_keep_quads(SEED, first_group, dropout_p, BLOCK: tl.constexpr):
+def dropout_keep_quads(seed, first_group, dropout_p, BLOCK: tl.constexpr):
     """Keep flags of ``BLOCK`` consecutive columns of a row that start a group (a column that is a multiple of 4,
     whose group is ``first_group``): a Philox call per four columns."""
-    a, b, c, d = _philox_quads(SEED, first_group + tl.arange(0, BLOCK // 4))
+    a, b, c, d = _philox_quads(seed, first_group + tl.arange(0, BLOCK // 4))
     bits = tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), [BLOCK])  # a0 b0 c0 d0 a1 ...
     return tl.uint_to_uniform_float(bits) >= dropout_p
 
 
 @triton.jit
-def dropout_keep_quad_lanes(SEED, groups, lanes, dropout_p):
+def dropout_keep_quad_lanes(seed, groups, lanes, dropout_p):
     """Keep flags of elements of any layout, each given by its group and lane: a Philox call per element."""
-    a, b, c, d = _philox_quads(SEED, groups)
+    a, b, c, d = _philox_quads(seed, groups)
     bits = tl.where(lanes == 0, a, tl.where(lanes == 1, b, tl.where(lanes == 2, c, d)))
     return tl.uint_to_uniform_float(bits) >= dropout_p
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["host_seed"])
 def _dropout_keep_mask_kernel(
     KEEP,  # [rows, cols] bool, contiguous
     SEED,  # [1] int64
+    host_seed,
     n_elements, n_cols, dropout_p,
     BLOCK: tl.constexpr, QUADS: tl.constexpr,
 ):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    seed = dropout_seed(SEED, host_seed)
     if QUADS:
         rows = offsets // n_cols
         cols = offsets - rows * n_cols
-        keep = dropout_keep_quad_lanes(SEED, rows * ((n_cols + 3) // 4) + cols // 4, cols % 4, dropout_p)
+        keep = dropout_keep_quad_lanes(seed, rows * ((n_cols + 3) // 4) + cols // 4, cols % 4, dropout_p)
     else:
-        keep = dropout_keep(SEED, offsets, dropout_p)
+        keep = dropout_keep(seed, offsets, dropout_p)
     tl.store(KEEP + offsets, keep, mask=offsets < n_elements)
 
 
-def dropout_keep_mask(seed: torch.Tensor, n_rows: int, n_cols: int, dropout_p: float, device: torch.device,
+# Per device, the zero SEED points at when the seed is a host draw (made by the first such call).
+_ZERO_SEEDS: Dict[torch.device, torch.Tensor] = {}
+
+
+def seed_args(seed: Optional[Seed], device: torch.device) -> Tuple[Optional[torch.Tensor], int]:
+    """The kernels' ``(SEED, host_seed)`` for an op's seed (``contract.Seed``): a tensor drawn on the device is read
+    there, host_seed 0; a host draw goes by value, SEED at a zero on the device. One compiled kernel serves both
+    (``host_seed`` is never specialised: ``do_not_specialize``); None without dropout."""
+    if seed is None:
+        return None, 0
+    if isinstance(seed, int):
+        zero = _ZERO_SEEDS.get(device)
+        if zero is None:
+            zero = _ZERO_SEEDS[device] = torch.zeros(1, dtype=torch.int64, device=device)
+        return zero, seed
+    return seed, 0
+
+
+def dropout_keep_mask(seed: Seed, n_rows: int, n_cols: int, dropout_p: float, device: torch.device,
                       quads: bool = False) -> torch.Tensor:
-    """The bool ``[n_rows, n_cols]`` keep-mask (True = kept) that a kernel drew with the seed tensor ``seed``
+    """The bool ``[n_rows, n_cols]`` keep-mask (True = kept) that a kernel drew with the seed ``seed``
     (``quads``: four lanes a Philox call, the feed-forward's stream; else ``dropout_keep``'s), for
     replaying its dropout in ``fused_transformer.reference`` (``keep_mask=``)."""
     keep = torch.empty((n_rows, n_cols), dtype=torch.bool, device=device)
     if keep.numel() == 0:
         return keep
     block = 1024
-    launch_kernel(_dropout_keep_mask_kernel, (cdiv(keep.numel(), block),), (keep, seed.to(device), keep.numel(),
-                  n_cols, dropout_p), 4, BLOCK=block, QUADS=quads)
+    seed_pointer, seed_value = seed_args(seed if isinstance(seed, int) else seed.to(device), device)
+    launch_kernel(_dropout_keep_mask_kernel, (cdiv(keep.numel(), block),), (keep, seed_pointer, seed_value,
+                  keep.numel(), n_cols, dropout_p), 4, BLOCK=block, QUADS=quads)
     return keep
 
 
@@ -350,19 +377,6 @@ def _launch_sum_rows(x: torch.Tensor, out: torch.Tensor, chunks: int, rows_per_p
     launch_kernel(_sum_rows_kernel, (cdiv(n_cols, SUM_ROWS_BLOCK_COLS), chunks),
                   (x, out, n_rows, n_cols, x.stride(0), n_cols, rows_per_program), 4,
                   BLOCK_ROWS=SUM_ROWS_BLOCK_ROWS, BLOCK_COLS=SUM_ROWS_BLOCK_COLS)
-
-
-def traced() -> bool:
-    """Whether this call is being traced (``torch.compile``, ``torch.export``, a FakeTensor or proxy trace), where
-    the launchers run through their custom ops, rather than run eagerly, where they launch directly. A dispatch
-    mode that only watches eager calls (``eager_inside = True``: a launch or host-read counter) is not a trace."""
-    if torch.compiler.is_compiling():
-        return True
-    if torch._C._len_torch_dispatch_stack() == 0:
-        return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return not all(getattr(mode, "eager_inside", False) for mode in _get_current_dispatch_mode_stack())
 
 
 _CONSTEXPR_ORDER: Dict[tuple, Tuple[object, Tuple[str, ...]]] = {}  # by id(kernel), as _RUNTIME_PARAMS

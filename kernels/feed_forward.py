@@ -31,9 +31,10 @@ import triton
 import triton.language as tl
 
 from .. import contract
-from ..contract import FeedForwardSpec
+from ..contract import FeedForwardSpec, Seed, traced_seed
 from ._common import (
-    cdiv, contiguous_last_dim, dropout_keep_quad_lanes, dropout_keep_quads, launch_kernel, sum_rows, traced,
+    cdiv, contiguous_last_dim, dropout_keep_quad_lanes, dropout_keep_quads, dropout_seed, launch_kernel, seed_args,
+    sum_rows, traced,
 )
 from .aot import AotKernel
 from .toolchain import Version
@@ -77,13 +78,13 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
         return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3 * 0.044715 * x * x)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["host_seed"])
 def _activation_kernel(
     PRE,  # [M, N] contiguous: x @ w1^T + b1 in x's dtype
     DHIDDEN,  # [M, N] contiguous: dy @ w2 (ACTIVATION_GRAD)
     OUT,  # [M, N]: dropout(act(PRE)), or with ACTIVATION_GRAD d PRE
     HIDDEN,  # [M, N]: dropout(act(PRE)), written with ACTIVATION_GRAD (for dw2)
-    n_elements, n_cols, dropout_p, SEED,
+    n_elements, n_cols, dropout_p, SEED, host_seed,
     BLOCK: tl.constexpr, ACTIVATION: tl.constexpr, ACTIVATION_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     # The flat index of (token, unit) is token * d_ff + unit (n_cols = d_ff).
@@ -92,12 +93,13 @@ def _activation_kernel(
     pre = tl.load(PRE + offsets, mask=mask, other=0.0).to(tl.float32)
     hidden = _activation(pre, ACTIVATION)
     if HAS_DROPOUT:
+        seed = dropout_seed(SEED, host_seed)
         if n_cols % 4 == 0:  # every row starts a group, so the block's flat index / 4 is the group
-            keep = dropout_keep_quads(SEED, tl.program_id(0).to(tl.int64) * (BLOCK // 4), dropout_p, BLOCK)
+            keep = dropout_keep_quads(seed, tl.program_id(0).to(tl.int64) * (BLOCK // 4), dropout_p, BLOCK)
         else:
             rows = offsets // n_cols
             cols = offsets - rows * n_cols
-            keep = dropout_keep_quad_lanes(SEED, rows * ((n_cols + 3) // 4) + cols // 4, cols % 4, dropout_p)
+            keep = dropout_keep_quad_lanes(seed, rows * ((n_cols + 3) // 4) + cols // 4, cols % 4, dropout_p)
         keep_scale = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
         hidden *= keep_scale
     if ACTIVATION_GRAD:
@@ -117,7 +119,7 @@ BLOCK = 1024
 NUM_WARPS = 4
 
 
-def _activation_pass(pre: Tensor, activation: str, dropout_p: float, seed: Optional[Tensor],
+def _activation_pass(pre: Tensor, activation: str, dropout_p: float, seed: Optional[Seed],
                      dhidden: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``dropout(act(pre))`` for a contiguous ``pre``; given ``dhidden`` (pre's shape, contiguous), ``(dpre,
     dropout(act(pre)))`` instead."""
@@ -125,7 +127,7 @@ def _activation_pass(pre: Tensor, activation: str, dropout_p: float, seed: Optio
     hidden = torch.empty_like(pre) if dhidden is not None else None
     n = pre.numel()
     if n:
-        args = (pre, dhidden, out, hidden, n, pre.shape[-1], dropout_p, seed)
+        args = (pre, dhidden, out, hidden, n, pre.shape[-1], dropout_p, *seed_args(seed, pre.device))
         launch_kernel(_activation_kernel, (cdiv(n, BLOCK),), args, NUM_WARPS, BLOCK=BLOCK, ACTIVATION=activation,
                       ACTIVATION_GRAD=dhidden is not None, HAS_DROPOUT=dropout_p > 0.0)
     return out if dhidden is None else (out, hidden)
@@ -162,7 +164,7 @@ def _empty(like: Tensor) -> Tensor:
 
 
 def _launch_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
-                dropout_p: float, seed: Optional[Tensor], store_pre: bool, allow_tf32: bool) -> Tuple[Tensor, Tensor]:
+                dropout_p: float, seed: Optional[Seed], store_pre: bool, allow_tf32: bool) -> Tuple[Tensor, Tensor]:
     """Forward on ``x [M, d_model]`` (last dim contiguous); returns ``y [M, d_out]`` and the pre-activation
     ``[M, d_ff]`` (empty unless ``store_pre``)."""
     _check_dtypes(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
@@ -177,7 +179,7 @@ def _launch_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Opt
 
 
 def _launch_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, pre: Optional[Tensor],
-                has_b2: bool, activation: str, dropout_p: float, seed: Optional[Tensor],
+                has_b2: bool, activation: str, dropout_p: float, seed: Optional[Seed],
                 allow_tf32: bool) -> Tuple[Tensor, ...]:
     """Backward from ``dy [M, d_out]``; ``pre`` is the forward's pre-activation, or None to recompute it.
 
@@ -198,19 +200,21 @@ def _launch_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Ten
 
 
 def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-                     spec: FeedForwardSpec, seed: Optional[Tensor], keep: bool) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+                     spec: FeedForwardSpec, seed: Optional[Seed], keep: bool) -> Tuple[Tensor, Tuple[Tensor, ...]]:
     """``y`` of rows ``x [M, d_model]`` and, with ``keep``, ``(pre,)`` for the backward (``_launch_fwd``); traced
     through the custom op."""
     _check_dtypes(x=x)
+    seed = traced_seed(seed, x.device)
     args = (contiguous_last_dim(x), w1, b1, w2, b2, spec.activation, spec.dropout_p, seed, keep, spec.allow_tf32)
     y, pre = torch.ops.fused_transformer.feed_forward_fwd(*args) if traced() else _launch_fwd(*args)
     return y, ((pre,) if keep else ())
 
 
 def feed_forward_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, saved: Tuple[Tensor, ...],
-                     has_b2: bool, spec: FeedForwardSpec, seed: Optional[Tensor]) -> Tuple[Tensor, ...]:
+                     has_b2: bool, spec: FeedForwardSpec, seed: Optional[Seed]) -> Tuple[Tensor, ...]:
     """``dx, dw1, db1, dw2, db2`` (``_launch_bwd``; without ``saved``, the pre-activation is recomputed); traced
     through the custom op."""
+    seed = traced_seed(seed, x.device)
     args = (contiguous_last_dim(dy), x, w1, b1, w2, saved[0] if saved else None, has_b2, spec.activation,
             spec.dropout_p, seed, spec.allow_tf32)
     return torch.ops.fused_transformer.feed_forward_bwd(*args) if traced() else _launch_bwd(*args)
@@ -281,7 +285,7 @@ def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
             ptr = "*" + ty
             signature = {"PRE": ptr, "DHIDDEN": ptr if grad else "constexpr", "OUT": ptr,
                          "HIDDEN": ptr if grad else "constexpr", "n_elements": "i32", "n_cols": "i32",
-                         "dropout_p": "fp32", "SEED": "*i64"}
+                         "dropout_p": "fp32", "SEED": "*i64", "host_seed": "i32"}
             constexprs = {"BLOCK": BLOCK, "ACTIVATION": "gelu", "ACTIVATION_GRAD": grad, "HAS_DROPOUT": True}
             if not grad:
                 constexprs.update(DHIDDEN=None, HIDDEN=None)

@@ -30,8 +30,8 @@ Without dropout there is nothing to fuse that ATen does not: ``fused_transformer
 functional op to ATen's add + ``F.layer_norm``, as torch.nn does; the kernel entry ``layer_norm`` always runs the
 kernels.
 
-Dropout keep-mask: element (row, col) of x viewed as [rows, N] is kept when ``dropout_keep(SEED, row * N +
-col, p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, rows, N, p, device)`` replays it.
+Dropout keep-mask: element (row, col) of x viewed as [rows, N] is kept when ``dropout_keep(seed, row * N + col,
+p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, rows, N, p, device)`` replays it.
 """
 import dataclasses
 import functools
@@ -42,10 +42,10 @@ import triton
 import triton.language as tl
 
 from .. import contract
-from ..contract import LayerNormSpec
+from ..contract import LayerNormSpec, Seed, traced_seed
 from ._common import (
-    SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, cdiv, contiguous_last_dim, dropout_keep, interpreting,
-    launch_kernel, next_power_of_2, sum_rows, traced,
+    SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, cdiv, contiguous_last_dim, dropout_keep, dropout_seed,
+    interpreting, launch_kernel, next_power_of_2, seed_args, sum_rows, traced,
 )
 from .aot import AotKernel
 from .targets import TARGETS, Target, target_of
@@ -57,7 +57,7 @@ MAX_HIDDEN = 16384
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["host_seed"])
 def _layer_norm_fwd_kernel(
     X,  # [rows, N] input
     RESIDUAL,  # [rows, N] (HAS_RESIDUAL)
@@ -68,7 +68,7 @@ def _layer_norm_fwd_kernel(
     MEAN,  # [rows] float32 (not written for RMSNorm)
     RSTD,  # [rows] float32
     stride_x_row, stride_res_row, stride_y_row, stride_z_row,
-    n_cols, eps, dropout_p, SEED,
+    n_cols, eps, dropout_p, SEED, host_seed,
     BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_Z: tl.constexpr, IS_RMS_NORM: tl.constexpr,
@@ -78,7 +78,7 @@ def _layer_norm_fwd_kernel(
     mask = cols < n_cols
     z = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = dropout_keep(SEED, row * n_cols + cols, dropout_p)
+        keep = dropout_keep(dropout_seed(SEED, host_seed), row * n_cols + cols, dropout_p)
         z = tl.where(keep, z * (1.0 / (1.0 - dropout_p)), 0.0)
     if HAS_RESIDUAL:
         z += tl.load(RESIDUAL + row * stride_res_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -124,7 +124,7 @@ def _row_sums(Z, DY, W, row, stride_z_row, stride_dy_row, n_cols, mean, rstd, co
     return xhat, g, dy
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["host_seed"])
 def _layer_norm_bwd_kernel(
     Z,  # [rows, N] the normalised input (x itself when there is no residual and no dropout)
     DY,  # [rows, N] gradient of y
@@ -137,7 +137,7 @@ def _layer_norm_bwd_kernel(
     DW_PARTIAL,  # [programs, N] float32, this program's sum of dy * xhat (HAS_WEIGHT), rows stride_partial_row apart
     DB_PARTIAL,  # [programs, N] float32, this program's sum of dy (HAS_BIAS), the same row stride
     stride_z_row, stride_dy_row, stride_dz_row, stride_dx_row, stride_dres_row, stride_partial_row,
-    n_rows, n_cols, rows_per_program, dropout_p, SEED,
+    n_rows, n_cols, rows_per_program, dropout_p, SEED, host_seed,
     BLOCK_N: tl.constexpr,
     HAS_DZ: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_RMS_NORM: tl.constexpr, SPLIT_COLS: tl.constexpr,
@@ -194,7 +194,7 @@ def _layer_norm_bwd_kernel(
         if HAS_RESIDUAL:
             tl.store(DRESIDUAL + row * stride_dres_row + cols, dz.to(DRESIDUAL.dtype.element_ty), mask=mask)
         if HAS_DROPOUT:
-            keep = dropout_keep(SEED, row * n_cols + cols, dropout_p)
+            keep = dropout_keep(dropout_seed(SEED, host_seed), row * n_cols + cols, dropout_p)
             dz = tl.where(keep, dz * (1.0 / (1.0 - dropout_p)), 0.0)
         tl.store(DX + row * stride_dx_row + cols, dz.to(DX.dtype.element_ty), mask=mask)
 
@@ -307,7 +307,7 @@ def _empty(like: Tensor) -> Tensor:
 
 
 def _launch_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
-                dropout_p: float, seed: Optional[Tensor], rms_norm: bool, store_z: bool) -> Tuple[Tensor, ...]:
+                dropout_p: float, seed: Optional[Seed], rms_norm: bool, store_z: bool) -> Tuple[Tensor, ...]:
     """The forward on ``x`` / ``residual`` ``[rows, N]`` (last dim contiguous, any row stride).
 
     Returns ``y [rows, N]``, ``z [rows, N]`` (empty unless ``store_z``), ``mean [rows]`` (float32, empty for
@@ -327,7 +327,7 @@ def _launch_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], res
         _layer_norm_fwd_kernel, (n_rows,),
         (x, residual, weight, bias, y, z if store_z else None, mean if not rms_norm else None, rstd,
          x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), z.stride(0) if store_z else 0,
-         n_cols, eps, dropout_p, seed), _launch_warps(block_n),
+         n_cols, eps, dropout_p, *seed_args(seed, x.device)), _launch_warps(block_n),
         BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, STORE_Z=store_z, IS_RMS_NORM=rms_norm,
     )
@@ -335,7 +335,7 @@ def _launch_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], res
 
 
 def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor], rms_norm: bool,
+                mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Seed], rms_norm: bool,
                 has_residual: bool, one_sum: bool = True) -> Tuple[Tensor, ...]:
     """The backward; ``dy``, ``dz``, ``z`` are ``[rows, N]`` (last dim contiguous).
 
@@ -363,7 +363,7 @@ def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Te
          dw_partial, db_partial,
          z.stride(0), dy.stride(0), dz.stride(0) if dz is not None else 0, dx.stride(0),
          dresidual.stride(0) if has_residual else 0, width,
-         n_rows, n_cols, rows_per_program, dropout_p, seed),
+         n_rows, n_cols, rows_per_program, dropout_p, *seed_args(seed, z.device)),
         1 if interpreting() else launch.num_warps, num_ctas=launch.num_ctas,
         BLOCK_N=launch.block_n, HAS_DZ=dz is not None, HAS_RESIDUAL=has_residual, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, IS_RMS_NORM=rms_norm,
@@ -381,19 +381,21 @@ def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Te
 
 
 def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                   spec: LayerNormSpec, seed: Optional[Tensor], store_z: bool) -> Tuple[Tensor, ...]:
+                   spec: LayerNormSpec, seed: Optional[Seed], store_z: bool) -> Tuple[Tensor, ...]:
     """``y, z, mean, rstd`` of rows ``[rows, N]`` (``_launch_fwd``); traced through the custom op."""
     _check_dtypes(x, weight, bias, residual)
     x = contiguous_last_dim(x)
     residual = contiguous_last_dim(residual) if residual is not None else None
+    seed = traced_seed(seed, x.device)
     args = (x, weight, bias, residual, spec.eps, spec.dropout_p, seed, spec.rms_norm, store_z)
     return torch.ops.fused_transformer.layer_norm_fwd(*args) if traced() else _launch_fwd(*args)
 
 
 def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                   mean: Tensor, rstd: Tensor, spec: LayerNormSpec, seed: Optional[Tensor],
+                   mean: Tensor, rstd: Tensor, spec: LayerNormSpec, seed: Optional[Seed],
                    has_residual: bool) -> Tuple[Tensor, ...]:
     """``dx, dresidual, dweight, dbias`` (``_launch_bwd``); traced through the custom op."""
+    seed = traced_seed(seed, z.device)
     args = (contiguous_last_dim(dy), contiguous_last_dim(dz) if dz is not None else None, z, weight, bias, mean, rstd,
             spec.dropout_p, seed, spec.rms_norm, has_residual)
     return torch.ops.fused_transformer.layer_norm_bwd(*args) if traced() else _launch_bwd(*args)
@@ -467,14 +469,14 @@ def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
     fwd_signature = {
         "X": "*bf16", "RESIDUAL": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "Z": "*bf16",
         "MEAN": "*fp32", "RSTD": "*fp32", "stride_x_row": "i32", "stride_res_row": "i32", "stride_y_row": "i32",
-        "stride_z_row": "i32", "n_cols": "i32", "eps": "fp32", "dropout_p": "fp32", "SEED": "*i64",
+        "stride_z_row": "i32", "n_cols": "i32", "eps": "fp32", "dropout_p": "fp32", "SEED": "*i64", "host_seed": "i32",
     }
     bwd_signature = {
         "Z": "*bf16", "DY": "*bf16", "DZ": "*bf16", "W": "*bf16", "MEAN": "*fp32", "RSTD": "*fp32",
         "DX": "*bf16", "DRESIDUAL": "*bf16", "DW_PARTIAL": "*fp32", "DB_PARTIAL": "*fp32",
         "stride_z_row": "i32", "stride_dy_row": "i32", "stride_dz_row": "i32", "stride_dx_row": "i32",
         "stride_dres_row": "i32", "stride_partial_row": "i32", "n_rows": "i32", "n_cols": "i32",
-        "rows_per_program": "i32", "dropout_p": "fp32", "SEED": "*i64",
+        "rows_per_program": "i32", "dropout_p": "fp32", "SEED": "*i64", "host_seed": "i32",
     }
     features = {"HAS_RESIDUAL": True, "HAS_WEIGHT": True, "HAS_BIAS": True, "HAS_DROPOUT": True, "IS_RMS_NORM": False}
     configs = []

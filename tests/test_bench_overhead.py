@@ -75,9 +75,8 @@ def test_every_row_counts_its_launches(overhead_run):
     launches = {(row["case"], row["mode"], row["impl"]): int(row["launches"]) for row in rows}
     assert all(n >= 0 for n in launches.values()) and launches[("attention", "fwd", "torch")] >= 1
     assert launches[("attention", "fwd", "ours")] == 1 and launches[("attention", "fwd+bwd", "ours")] == 3
-    dropout_seed = 1  # contract.draw_dropout_seed's draw
-    assert launches[("layer_norm", "fwd", "ours")] == 1 + dropout_seed
-    assert launches[("layer_norm", "fwd+bwd", "ours")] == 3 + dropout_seed
+    # The dropout seed drawn on the host, as from a CUDA generator: no launch of its own.
+    assert launches[("layer_norm", "fwd", "ours")] == 1 and launches[("layer_norm", "fwd+bwd", "ours")] == 3
     assert launches[("attention", "fwd", "thin")] == 0
     assert "launches ours / torch" in (out / "bench_cpu.md").read_text()
 

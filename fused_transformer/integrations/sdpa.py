@@ -120,9 +120,11 @@ def _seed_in(rng_state: Tensor) -> Tensor:
     return rng_state.view(torch.int64)[:1]
 
 
-def _rng_outputs(seed: Optional[Tensor], device: torch.device) -> Tuple[Tensor, Tensor]:
+def _rng_outputs(seed: Optional[contract.Seed], device: torch.device) -> Tuple[Tensor, Tensor]:
     rng_state = torch.zeros(2, dtype=torch.uint64, device=device)
-    if seed is not None:
+    if isinstance(seed, int):
+        rng_state.view(torch.int64)[:1].fill_(seed)
+    elif seed is not None:
         rng_state.view(torch.int64)[:1].copy_(seed)
     return rng_state, torch.zeros((), dtype=torch.uint64, device=device)
 

@@ -27,7 +27,8 @@ Time (``host_ms``): blocks of N back-to-back calls, synchronised before and afte
 (on a GPU, kernels this small keep up with the host, so the time is the host's), divided by N; the
 implementations of a case take turns block by block, and the result is the median over the blocks. On CPU, "ours"
 runs on the Triton backend under the Triton interpreter with every kernel launch skipped (``launches_skipped``), on
-one torch thread: only our Python path and the allocations it makes are timed, which is what a GPU's host would run.
+one torch thread, dropout seeds drawn on the host as from a CUDA generator (``launches.cpu_draws_as_on_a_gpu``): only
+our Python path and the allocations it makes are timed, which is what a GPU's host would run.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from torch import Tensor
 
 import fused_transformer as ft
 from fused_transformer.tools.bench_cases import Built, Case, Setup, module_calls, module_twins
+from fused_transformer.tools.launches import cpu_draws_as_on_a_gpu
 
 SUITE = "overhead"
 BATCH, HEADS, SEQ_LEN, HEAD_DIM, D_MODEL, D_FF = 2, 2, 8, 16, 32, 64
@@ -134,12 +136,14 @@ def conditions(setup: Setup) -> Iterator[None]:
             stack.callback(torch.set_num_threads, threads)
         if skips_launches(setup):
             stack.enter_context(launches_skipped())
+            stack.enter_context(cpu_draws_as_on_a_gpu())
         yield
 
 
 def describe(setup: Setup) -> str:
     """The suite's shapes and conditions in words (the table's header)."""
-    where = ("ours on the Triton backend under the interpreter, every kernel launch skipped" if skips_launches(setup)
+    where = ("ours on the Triton backend under the interpreter, every kernel launch skipped, dropout seeds drawn on the "
+             "host as from a CUDA generator" if skips_launches(setup)
              else f"ours on backend {setup.backend}") + (", 1 torch thread" if setup.device.type == "cpu" else "")
     return (f"batch {BATCH}, {HEADS} heads, L {SEQ_LEN}, head dim {HEAD_DIM}, d_model {D_MODEL}, d_ff {D_FF}: host "
             f"time of one call, N back-to-back calls between two synchronisations, median of {BLOCKS} blocks; {where}")

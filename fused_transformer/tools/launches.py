@@ -4,15 +4,20 @@ A launch is one Triton kernel launch (counted by Triton's launch hook on a GPU, 
 the interpreter), one call of a C++ kernel of ours (``torch.ops.fused_transformer_cpu``), or one ATen op that computes
 (an elementwise op, a product, a reduction, a copy, a random draw: on a GPU a kernel, or for a few of them a
 library's handful); views, allocations and metadata queries are none. ATen ops are counted with a dispatch mode
-marked ``eager_inside``, under which our ops keep their eager path (``kernels._common.traced``).
+marked ``eager_inside``, under which our ops keep their eager path (``contract.traced``).
+
+A CPU run stands for a GPU's host path with ``cpu_draws_as_on_a_gpu``: a CUDA generator's dropout seed is drawn on the
+host (``contract.host_seed``), the CPU's by a ``torch.randint``, which would count as a launch a GPU does not make.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, Iterator
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from fused_transformer import contract
 
 aten = torch.ops.aten
 # ATen ops that queue no kernel: views and aliases, allocations, metadata.
@@ -26,7 +31,7 @@ NO_LAUNCH = {
 
 
 class _ATenLaunches(TorchDispatchMode):
-    eager_inside = True  # our ops keep their eager launch path under this mode (kernels._common.traced)
+    eager_inside = True  # our ops keep their eager launch path under this mode (contract.traced)
 
     def __init__(self, counts: Dict[str, int]) -> None:
         super().__init__()
@@ -106,3 +111,35 @@ def launches(fn: Callable[[], object], device: torch.device) -> Dict[str, int]:
     with counting() as counts:
         fn()
     return counts
+
+
+class PhiloxState:
+    """What ``contract.host_seed`` reads of a CUDA generator, its seed and Philox offset, kept for a CPU device."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.offset = seed, 0
+
+    def initial_seed(self) -> int:
+        return self.seed
+
+    def get_offset(self) -> int:
+        return self.offset
+
+    def set_offset(self, offset: int) -> None:
+        self.offset = offset
+
+
+@contextlib.contextmanager
+def cpu_draws_as_on_a_gpu(seed: Optional[int] = None) -> Iterator[PhiloxState]:
+    """Inside the block, an eager op on a CPU tensor draws its dropout seed as on a CUDA device: on the host, from the
+    ``PhiloxState`` yielded (seeded with ``seed``, default torch's initial seed), with no ``torch.randint``."""
+    state = PhiloxState(torch.initial_seed() if seed is None else seed)
+    found = contract.philox_generator
+
+    def generator(device: torch.device) -> Optional[object]:
+        return state if device.type == "cpu" else found(device)
+    contract.philox_generator = generator
+    try:
+        yield state
+    finally:
+        contract.philox_generator = found

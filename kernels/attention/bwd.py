@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ...contract import AttentionSpec
-from .._common import cdiv, contiguous_last_dim, dropout_keep, launch_kernel
+from .._common import cdiv, contiguous_last_dim, dropout_keep, dropout_seed, launch_kernel
 from .configs import head_dim_bucket
 from .jit import (
     _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _modifies_scores, _real_rows, _row_index,
@@ -33,7 +33,7 @@ def _attention_dq_tile(
     dq,  # the [BLOCK_M, BLOCK_D] float32 sum, returned updated
     q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn, dropout_row,
     batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right,
-    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
+    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, seed, mod_values,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, SCORE_MODS: tl.constexpr, UPCAST: tl.constexpr,
@@ -60,13 +60,13 @@ def _attention_dq_tile(
     p = tl.math.exp2(s - lse[:, None])
     dp = _dot(do, tl.trans(v), UPCAST, DOT_PRECISION)
     if HAS_DROPOUT:
-        keep = dropout_keep(SEED, dropout_row[:, None] + cols[None, :], dropout_p)
+        keep = dropout_keep(seed, dropout_row[:, None] + cols[None, :], dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = _score_mods_grad(p * (dp - delta[:, None]), mod_values, saved, SCORE_MODS)
     return dq + _dot(ds.to(k.dtype), k, UPCAST, DOT_PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["host_seed"])
 def attention_dq_kernel(
     Q, K, V,  # as in the forward (TMA descriptors with USE_TMA)
     O,  # as the forward wrote it (a TMA descriptor with USE_TMA)
@@ -82,7 +82,8 @@ def attention_dq_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb, stride_qpb,
-    n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale, dropout_p, SEED,
+    n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale,
+    dropout_p, SEED, host_seed,
     SINKS, MODS,  # attention sinks (unused: they are in the LSE), score modifiers (see fwd.py)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
@@ -92,6 +93,9 @@ def attention_dq_kernel(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, INTERIOR_LOOP: tl.constexpr,
     DO_STRIDES: tl.constexpr,
 ):
+    seed = 0
+    if HAS_DROPOUT:  # the op's Philox seed, read once
+        seed = dropout_seed(SEED, host_seed)
     first_row = tl.program_id(0) * BLOCK_M
     batch_head = _batch_head(n_heads)
     batch = (batch_head // n_heads).to(tl.int64)
@@ -165,26 +169,26 @@ def attention_dq_kernel(
             dq = _attention_dq_tile(
                 dq, q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
-                BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, seed,
+                mod_values, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
+                HAS_DROPOUT, SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
         for first_col in range(key_start, inner_end, BLOCK_N):
             dq = _attention_dq_tile(
                 dq, q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
-                BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, seed,
+                mod_values, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
+                HAS_DROPOUT, SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
             )
     else:
         for first_col in range(key_start, key_end, BLOCK_N):
             dq = _attention_dq_tile(
                 dq, q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
-                BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, seed,
+                mod_values, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
+                HAS_DROPOUT, SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
     if split or HAS_QUERY_LENS or HAS_QUERY_PADDING:
         # Rows that are no queries get no gradient, even where an inf or NaN in their do or q met their probability 0
@@ -218,7 +222,7 @@ def _attention_dkdv_tile(
     q_start, seq_q, q_len, k_len, seq_k, offset, window_left, window_right, stat_base, LSE, DELTA, QUERY_PAD,
     stride_qpb,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, n_heads, n_queries, n_keys,
-    qk_scale, dropout_p, SEED, mod_values,
+    qk_scale, dropout_p, seed, mod_values,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_PADDING: tl.constexpr, HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCORE_MODS: tl.constexpr,
@@ -266,7 +270,7 @@ def _attention_dkdv_tile(
         # dv's product first: then p takes the modifiers' derivative (ds's factor) and no tile they saved stays live.
         if HAS_DROPOUT:
             dropout_row = (batch_head * n_queries + rows) * n_keys
-            keep = dropout_keep(SEED, dropout_row[None, :] + cols[:, None], dropout_p)
+            keep = dropout_keep(seed, dropout_row[None, :] + cols[:, None], dropout_p)
             keep_scale = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
             dv += _dot((p_t * keep_scale).to(do.dtype), do, UPCAST, DOT_PRECISION)
         else:
@@ -279,7 +283,7 @@ def _attention_dkdv_tile(
         dp_t = _dot(v, tl.trans(do), UPCAST, DOT_PRECISION)
         if HAS_DROPOUT:
             dropout_row = (batch_head * n_queries + rows) * n_keys
-            keep = dropout_keep(SEED, dropout_row[None, :] + cols[:, None], dropout_p)
+            keep = dropout_keep(seed, dropout_row[None, :] + cols[:, None], dropout_p)
             keep_scale = tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
             dv += _dot((p_t * keep_scale).to(do.dtype), do, UPCAST, DOT_PRECISION)
             dp_t *= keep_scale
@@ -290,7 +294,7 @@ def _attention_dkdv_tile(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["host_seed"])
 def attention_dkdv_kernel(
     Q, K, V, DO, LSE,  # as in the dq kernel (Q, K, V and DO TMA descriptors with USE_TMA)
     DELTA,  # LSE's shape and layout, float32, from the dq kernel
@@ -302,7 +306,8 @@ def attention_dkdv_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb, stride_qpb,
-    n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale, dropout_p, SEED,
+    n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale,
+    dropout_p, SEED, host_seed,
     SINKS, MODS,  # attention sinks (unused: they are in the LSE), score modifiers (see fwd.py)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
@@ -312,6 +317,9 @@ def attention_dkdv_kernel(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, INTERIOR_LOOP: tl.constexpr,
     DO_STRIDES: tl.constexpr,
 ):
+    seed = 0
+    if HAS_DROPOUT:  # the op's Philox seed, read once
+        seed = dropout_seed(SEED, host_seed)
     # Works in the transposed orientation (keys along dim 0) so no tile needs a transpose but q's and do's.
     first_col = tl.program_id(0) * BLOCK_N
     n_kv_heads = n_heads // kv_group
@@ -372,8 +380,8 @@ def attention_dkdv_kernel(
                     dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, DO, stride_dob, stride_doh, stride_dom,
                     batch, head, batch_head, q_start, seq_q, q_len, k_len, seq_k, offset, window_left, window_right,
                     stat_base, LSE, DELTA, QUERY_PAD, stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, SEED, mod_values, BLOCK_M,
-                    BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW,
+                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, seed, mod_values,
+                    BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW,
                     MASK_OFFSETS_64, HAS_DROPOUT, SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA,
                     DO_STRIDES, EDGE=True,
                 )
@@ -382,8 +390,8 @@ def attention_dkdv_kernel(
                     dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, DO, stride_dob, stride_doh, stride_dom,
                     batch, head, batch_head, q_start, seq_q, q_len, k_len, seq_k, offset, window_left, window_right,
                     stat_base, LSE, DELTA, QUERY_PAD, stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, SEED, mod_values, BLOCK_M,
-                    BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW,
+                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, seed, mod_values,
+                    BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW,
                     MASK_OFFSETS_64, HAS_DROPOUT, SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA,
                     DO_STRIDES, EDGE=False,
                 )
@@ -393,8 +401,8 @@ def attention_dkdv_kernel(
                     dk, dv, k, v, first_row, cols, dims, q_base, stride_qm, DO, stride_dob, stride_doh, stride_dom,
                     batch, head, batch_head, q_start, seq_q, q_len, k_len, seq_k, offset, window_left, window_right,
                     stat_base, LSE, DELTA, QUERY_PAD, stride_qpb, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, SEED, mod_values, BLOCK_M,
-                    BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW,
+                    PAD, stride_pb, n_heads, n_queries, n_keys, qk_scale, dropout_p, seed, mod_values,
+                    BLOCK_M, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW,
                     MASK_OFFSETS_64, HAS_DROPOUT, SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA,
                     DO_STRIDES, EDGE=True,
                 )

@@ -124,6 +124,8 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     TileRow("bwd_dq", "fp32", (64,), Tile(64, 16, 8, 1), score_mods=True),
     TileRow("fwd", "fp32", (16,), Tile(64, 32, 8, 1), targets=HOPPER, layouts=("dense",), score_mods=True,
             tritons=TRITON_3_6),  # BM64_BN32_w8_s2 spills 8 B under 3.6
+    # BM16_BN32_w8_s1 spills 8 B under 3.9 on sm_80 (since the dropout seed may come by value):
+    TileRow("bwd_dkdv", "fp32", (64,), Tile(16, 16, 8, 1), targets=(80, 90), score_mods=True, tritons=SINCE_3_9),
     TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 1), score_mods=True, do_strides=False),
     TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 1), score_mods=True),
     _older("fwd", "tf32", 64, (32, 16, 8, 1), targets=(80, 86, 89), layouts=("dense",),
@@ -218,6 +220,11 @@ TILE_ROWS: Tuple[TileRow, ...] = (
             interior_loop=(), tritons=TRITON_3_6),  # BM32_BN32_w8_s1 spills 8 B under 3.6
     TileRow("fwd", "bf16", (256,), Tile(32, 32, 8, 1), interior_loop=("dense",), interior_loop_tma=BOTH),  # 24-120 B
     _older("fwd", "fp32", 64, (32, 16, 8, 1), targets=HOPPER),  # BM32_BN32_w8_s1 spills 8-16 B under 3.6, 3.8
+    # Under 3.6, since the dropout seed may come by value: BM64_BN32_w8_s2 spills 8 B at D16 on sm_90, at D32 with
+    # score modifiers; BM32_BN32_w8_s1 8 B at D64 on sm_80 (packed, or with score modifiers).
+    TileRow("fwd", "fp32", (16,), Tile(64, 32, 8, 1), targets=HOPPER, tritons=TRITON_3_6),
+    TileRow("fwd", "fp32", (32,), Tile(32, 32, 8, 2), targets=HOPPER, score_mods=True, tritons=TRITON_3_6),
+    TileRow("fwd", "fp32", (64,), Tile(32, 16, 8, 1), targets=(80,), tritons=TRITON_3_6),
     _older("fwd", "fp32", 128, (16, 64, 8, 2)),  # BM32_BN16_w8_s1 spills 8 B under 3.6, 3.8
     *_rows("fwd", "fp32", {16: (64, 32, 8, 2), 32: (64, 32, 8, 2), 64: (32, 32, 8, 1), 128: (32, 16, 8, 1)}),
     _older("bwd_dq", "bf16", 32, (128, 16, 8, 1), targets=(80, 86, 89),
@@ -239,7 +246,8 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     TileRow("bwd_dkdv", "bf16", (256,), Tile(16, 32, 8, 1), interior_loop_tma=()),  # through TMA: 704-752 B
     # BM32_BN64_w8_s1 spills 8-48 B under 3.6-3.8:
     _older("bwd_dkdv", "fp32", 16, (32, 16, 8, 2), interior_loop=(), do_strides=False),
-    TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 64, 8, 1)),
+    # BM32_BN64_w8_s1 spills 32 B under 3.9 on sm_80 (since the dropout seed may come by value):
+    TileRow("bwd_dkdv", "fp32", (16,), Tile(16, 32, 4, 1)),
     TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 1), targets=(80,), interior_loop=(),
             tritons=TRITON_3_6),  # BM32_BN64_w8_s2 spills 8-40 B under 3.6 (only) on sm_80
     # BM32_BN64_w8_s2 spills 16 B here (from 3.7 on sm_86 / sm_89, from 3.9 on sm_80):

@@ -9,8 +9,9 @@ Score modifiers (``jit._modified_scores``: MODS and the constexpr flags SCORE_MO
 tiles only (a launch with one takes no interior loop). Attention sinks (SINKS [H] float32)
 join each real row's sum once its keys are done: m' = max(m, sink), l' = l e^(m - m') + e^(sink - m'); the LSE
 holds them, so the backward's p = exp(s - lse) needs nothing more.
-Dropout on the probabilities: element (b, h, i, j) is kept when ``dropout_keep(SEED, ((b H + h) Lq + i) Lk + j,
-p)`` (Lq, Lk: max_seqlen_q, max_seqlen_k with VARLEN, i and j counted within the sequence);
+Dropout on the probabilities: element (b, h, i, j) is kept when ``dropout_keep(seed, ((b H + h) Lq + i) Lk + j,
+p)`` (Lq, Lk: max_seqlen_q, max_seqlen_k with VARLEN, i and j counted within the sequence; ``seed`` the op's,
+``dropout_seed``);
 ``attention_keep_mask`` replays the mask for the reference.
 """
 
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ...contract import AttentionSpec
-from .._common import cdiv, dropout_keep, launch_kernel
+from .._common import cdiv, dropout_keep, dropout_seed, launch_kernel
 from .configs import head_dim_bucket
 from .jit import (
     _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _modifies_scores, _real_rows, _row_index,
@@ -35,7 +36,7 @@ def _attention_fwd_tile(
     acc, row_sum, row_max,  # the online softmax's state, returned updated
     q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn, dropout_row,
     batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right,
-    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
+    MASK, stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, seed, mod_values,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, SCORE_MODS: tl.constexpr, UPCAST: tl.constexpr,
@@ -72,7 +73,7 @@ def _attention_fwd_tile(
     rescale = tl.math.exp2(row_max - new_max)
     row_sum = row_sum * rescale + tl.sum(p, axis=1)
     if HAS_DROPOUT:
-        keep = dropout_keep(SEED, dropout_row[:, None] + cols[None, :], dropout_p)
+        keep = dropout_keep(seed, dropout_row[:, None] + cols[None, :], dropout_p)
         p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
     if USE_TMA:
         v = _tma_tile(v_base, batch, kv_head, k_start, first_col, seq_k, VARLEN, EDGE)
@@ -82,7 +83,7 @@ def _attention_fwd_tile(
     return acc, row_sum, new_max
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["host_seed"])
 def attention_fwd_kernel(
     Q,  # [B, H, Lq, D]; VARLEN: [Tq, H, D]; a TMA descriptor with USE_TMA (see _tma_tile)
     K, V,  # [B, Hkv, Lk, D]; VARLEN: [Tk, Hkv, D]; TMA descriptors with USE_TMA
@@ -102,7 +103,7 @@ def attention_fwd_kernel(
     stride_pb, stride_qpb,
     n_heads, kv_group,
     n_queries, n_keys,  # Lq, Lk; VARLEN: max_seqlen_q, max_seqlen_k
-    causal_offset, window_left, window_right, qk_scale, dropout_p, SEED,
+    causal_offset, window_left, window_right, qk_scale, dropout_p, SEED, host_seed,
     SINKS, MODS,  # attention sinks, score modifiers (see above)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
@@ -111,6 +112,9 @@ def attention_fwd_kernel(
     HAS_DROPOUT: tl.constexpr, SCORE_MODS: tl.constexpr, HAS_SINKS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, INTERIOR_LOOP: tl.constexpr,
 ):
+    seed = 0
+    if HAS_DROPOUT:  # the op's Philox seed, read once
+        seed = dropout_seed(SEED, host_seed)
     first_row = tl.program_id(0) * BLOCK_M
     batch_head = _batch_head(n_heads)
     batch = (batch_head // n_heads).to(tl.int64)
@@ -164,26 +168,26 @@ def attention_fwd_kernel(
             acc, row_sum, row_max = _attention_fwd_tile(
                 acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
-                BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, seed,
+                mod_values, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
+                HAS_DROPOUT, SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
         for first_col in range(key_start, inner_end, BLOCK_N):
             acc, row_sum, row_max = _attention_fwd_tile(
                 acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
-                BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, seed,
+                mod_values, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
+                HAS_DROPOUT, SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=False,
             )
     else:
         for first_col in range(key_start, key_end, BLOCK_N):
             acc, row_sum, row_max = _attention_fwd_tile(
                 acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
-                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, SEED, mod_values,
-                BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64, HAS_DROPOUT,
-                SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
+                stride_mb, stride_mh, stride_mm, stride_mn, PAD, stride_pb, qk_scale, dropout_p, seed,
+                mod_values, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
+                HAS_DROPOUT, SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
 
     if HAS_SINKS:

@@ -289,11 +289,13 @@ def tma_can_load(inputs: Tuple[Tensor, ...], layout: Layout) -> bool:
     return has_tma and all(map(tma_addressable, inputs))
 
 
-def shared_args(layout: Layout, masks: MaskArgs, scale: float, dropout_p: float, seed: Optional[Tensor]) -> tuple:
-    """The arguments the forward kernel and both backward kernels take, in this order, after their own tensors."""
+def shared_args(layout: Layout, masks: MaskArgs, scale: float, dropout_p: float,
+                seed: Tuple[Optional[Tensor], int]) -> tuple:
+    """The arguments the forward kernel and both backward kernels take, in this order, after their own tensors;
+    ``seed`` as ``_common.seed_args`` gives it."""
     return (*masks.pointer_args(), *layout.q_strides, *layout.k_strides, *layout.v_strides, *masks.stride_args(),
             layout.heads, layout.kv_group, layout.n_queries, layout.n_keys, *masks.offset_args(), scale * LOG2E,
-            dropout_p, seed, *masks.score_args())
+            dropout_p, *seed, *masks.score_args())
 
 
 class LaunchForm(NamedTuple):

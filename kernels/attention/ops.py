@@ -7,10 +7,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ...contract import (
-    NO_SCORE_MODS, SCORE_MOD_TENSORS, AttentionMasks, AttentionSpec, PackedSequences, ScoreMods, score_mods_flat,
-    score_mods_of_flat, window_bounds, window_of_bounds,
+    NO_SCORE_MODS, SCORE_MOD_TENSORS, AttentionMasks, AttentionSpec, PackedSequences, ScoreMods, Seed,
+    score_mods_flat, score_mods_of_flat, seed_tensor, window_bounds, window_of_bounds,
 )
-from .._common import contiguous_last_dims, dropout_keep_mask, runtime_keys, traced
+from .._common import contiguous_last_dims, dropout_keep_mask, runtime_keys, seed_args, traced
 from .bwd import launch_bwd
 from .fwd import launch_fwd
 from .launch import (
@@ -24,7 +24,7 @@ Tensor = torch.Tensor
 
 
 def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, mods: ScoreMods,
-         sinks: Optional[Tensor], seed: Optional[Tensor], float_output: bool, masks: Optional[AttentionMasks] = None,
+         sinks: Optional[Tensor], seed: Optional[Seed], float_output: bool, masks: Optional[AttentionMasks] = None,
          seqs: Optional[PackedSequences] = None, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """The forward launch: dense with ``masks``, packed with ``seqs``; its layout, masks and arguments in kernel form
     go into ``prepared`` for the backward."""
@@ -41,7 +41,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, mods: ScoreMods,
 
 
 def _bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-         spec: AttentionSpec, mods: ScoreMods, seed: Optional[Tensor],
+         spec: AttentionSpec, mods: ScoreMods, seed: Optional[Seed],
          masks: Optional[AttentionMasks] = None, seqs: Optional[PackedSequences] = None,
          prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """The backward launches (the dq kernel, then the dk/dv kernel): dense with ``masks``, packed with ``seqs``, the
@@ -55,8 +55,9 @@ def _bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o:
         form = _launch_form(q, k, v, spec, mods, None, masks, seqs, seed)
     elif form.masks.sinks is not None:  # in the LSE: the backward kernels take none
         kernel_masks = form.masks._replace(sinks=None)
+        seed_pair = seed_args(seed, q.device)
         form = LaunchForm(form.layout, kernel_masks,
-                          shared_args(form.layout, kernel_masks, spec.scale, spec.dropout_p, seed))
+                          shared_args(form.layout, kernel_masks, spec.scale, spec.dropout_p, seed_pair))
     launch_bwd(do, dlse, q, k, v, o, lse, dq, dk, dv, form, spec)
     return dq, dk, dv
 
@@ -71,13 +72,15 @@ _MAX_PLAIN_FORMS = 256
 
 def _launch_form(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, mods: ScoreMods,
                  sinks: Optional[Tensor], masks: Optional[AttentionMasks], seqs: Optional[PackedSequences],
-                 seed: Optional[Tensor]) -> LaunchForm:
+                 seed: Optional[Seed]) -> LaunchForm:
     """The ``LaunchForm`` of a launch: dense with ``masks``, packed with ``seqs``; made once per shape, strides and
     spec for a plain dense call."""
+    seed_pair = seed_args(seed, q.device)
     if seqs is not None:
         layout = Layout.packed(q, k, v, seqs.cu_seqlens_q.shape[0] - 1, seqs.max_seqlen_q, seqs.max_seqlen_k)
         kernel_masks = varlen_mask_args(seqs, spec, mods, sinks)
-        return LaunchForm(layout, kernel_masks, shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed))
+        return LaunchForm(layout, kernel_masks, shared_args(layout, kernel_masks, spec.scale, spec.dropout_p,
+                                                            seed_pair))
     plain = sinks is None and masks.unmasked and (  # no tensor but q, k, v
         mods is NO_SCORE_MODS or all(getattr(mods, name) is None for name in SCORE_MOD_TENSORS))
     if plain:
@@ -87,18 +90,18 @@ def _launch_form(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, mods: Sco
             form, before_seed, after_seed = found
             if seed is None and form.args:
                 return form
-            return LaunchForm(form.layout, form.masks, (*before_seed, seed, *after_seed), form.args_key,
+            return LaunchForm(form.layout, form.masks, (*before_seed, *seed_pair, *after_seed), form.args_key,
                               form.keyed_args)
     layout, kernel_masks = Layout.dense(q, k, v), mask_args(q, k, masks, spec, mods, sinks)
-    args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed)
+    args = shared_args(layout, kernel_masks, spec.scale, spec.dropout_p, seed_pair)
     if not plain:
         return LaunchForm(layout, kernel_masks, args)
     if len(_PLAIN_FORMS) >= _MAX_PLAIN_FORMS:
         _PLAIN_FORMS.clear()
-    at = len(args) - len(kernel_masks.score_args()) - 1  # the seed's place
-    assert args[at] is seed
+    at = len(args) - len(kernel_masks.score_args()) - len(seed_pair)  # the seed's place
+    assert args[at:at + len(seed_pair)] == seed_pair
     form = LaunchForm(layout, kernel_masks, args, runtime_keys(args[:at]), at)
-    _PLAIN_FORMS[key] = (form if seed is None else form._replace(args=()), args[:at], args[at + 1:])
+    _PLAIN_FORMS[key] = (form if seed is None else form._replace(args=()), args[:at], args[at + len(seed_pair):])
     return form
 
 
@@ -121,48 +124,50 @@ def _flat_masks(masks: AttentionMasks) -> tuple:
 
 
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods,
-                  sinks: Optional[Tensor], seed: Optional[Tensor], float_output: bool,
+                  sinks: Optional[Tensor], seed: Optional[Seed], float_output: bool,
                   prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """``o [B, H, Lq, D]`` laid out as ``[B, Lq, H, D]`` (float32 with ``float_output``) and the float32 LSE."""
     q, k, v = contiguous_last_dims(q, k, v)
     if traced():
         return torch.ops.fused_transformer.attention_fwd(
-            q, k, v, *_flat_masks(masks), *_flat_spec(spec), seed, *score_mods_flat(mods), sinks, float_output)
+            q, k, v, *_flat_masks(masks), *_flat_spec(spec), seed_tensor(seed, q.device), *score_mods_flat(mods),
+            sinks, float_output)
     return _fwd(q, k, v, spec, mods, sinks, seed, float_output, masks=masks, prepared=prepared)
 
 
 def attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                   masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods,
-                  seed: Optional[Tensor], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                  seed: Optional[Seed], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` laid out as o; o in q's dtype or float32 (``float_output``)."""
     q, k, v = contiguous_last_dims(q, k, v)
     o, lse = (o if o.dtype == q.dtype else o.to(q.dtype)), lse.contiguous()
     if traced():
         return torch.ops.fused_transformer.attention_bwd(
-            do, dlse, q, k, v, o, lse, *_flat_masks(masks), *_flat_spec(spec), seed, *score_mods_flat(mods))
+            do, dlse, q, k, v, o, lse, *_flat_masks(masks), *_flat_spec(spec), seed_tensor(seed, q.device),
+            *score_mods_flat(mods))
     return _bwd(do, dlse, q, k, v, o, lse, spec, mods, seed, masks=masks, prepared=prepared)
 
 
 def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences, spec: AttentionSpec,
-                         mods: ScoreMods, sinks: Optional[Tensor], seed: Optional[Tensor],
+                         mods: ScoreMods, sinks: Optional[Tensor], seed: Optional[Seed],
                          float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """``o [Tq, H, D]`` (float32 with ``float_output``) and the float32 LSE ``[H, Tq]``."""
     q, k, v = contiguous_last_dims(q, k, v)
     if traced():
         return torch.ops.fused_transformer.attention_varlen_fwd(
-            q, k, v, *seqs, *_flat_spec(spec), seed, *score_mods_flat(mods), sinks, float_output)
+            q, k, v, *seqs, *_flat_spec(spec), seed_tensor(seed, q.device), *score_mods_flat(mods), sinks, float_output)
     return _fwd(q, k, v, spec, mods, sinks, seed, float_output, seqs=seqs, prepared=prepared)
 
 
 def attention_varlen_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
                          lse: Tensor, seqs: PackedSequences, spec: AttentionSpec, mods: ScoreMods,
-                         seed: Optional[Tensor], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                         seed: Optional[Seed], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq [Tq, H, D], dk, dv [Tk, Hkv, D]``."""
     q, k, v = contiguous_last_dims(q, k, v)
     o, lse = (o if o.dtype == q.dtype else o.to(q.dtype)), lse.contiguous()
     if traced():
         return torch.ops.fused_transformer.attention_varlen_bwd(
-            do, dlse, q, k, v, o, lse, *seqs, *_flat_spec(spec), seed, *score_mods_flat(mods))
+            do, dlse, q, k, v, o, lse, *seqs, *_flat_spec(spec), seed_tensor(seed, q.device), *score_mods_flat(mods))
     return _bwd(do, dlse, q, k, v, o, lse, spec, mods, seed, seqs=seqs, prepared=prepared)
 
 
