@@ -83,9 +83,16 @@ OPS = {"layer_norm": _layer_norm, "attention": _attention, "feed_forward": _feed
 def test_a_host_seed_drops_what_the_same_seed_drawn_on_the_device_drops(op, monkeypatch):
     """One compiled kernel for both: ``*SEED + host_seed``, with SEED at a zero for a host draw, or host_seed 0."""
     run = OPS[op]()
+    drawn_on_host = []
+
+    def recorded(generator):
+        drawn_on_host.append(host_seed(generator))
+        return drawn_on_host[-1]
+    host_seed = contract.host_seed
+    monkeypatch.setattr(contract, "host_seed", recorded)
     with ft.use_backend("triton"), cpu_draws_as_on_a_gpu(99):
         host = run()
-    seed = contract.host_seed(PhiloxState(99))
+    seed = drawn_on_host[0]
     for drawn, same in ((seed, True), (seed + 1, False)):  # the seed decides: another drops other elements
         monkeypatch.setattr(autograd, "draw_dropout_seed", lambda device: torch.tensor([drawn], device=device))
         with ft.use_backend("triton"):
@@ -114,8 +121,10 @@ def test_torch_manual_seed_reproduces_host_draws():
     run = _layer_norm()
     with ft.use_backend("triton"):
         with cpu_draws_as_on_a_gpu(5):
+            torch.manual_seed(5)  # on a GPU, the CUDA generator's
             first = run()
         with cpu_draws_as_on_a_gpu(5):
+            torch.manual_seed(5)
             again = run()
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 

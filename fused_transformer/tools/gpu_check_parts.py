@@ -50,14 +50,14 @@ FINAL_STATUSES = (PASSED, FAILED, TIMED_OUT, NOT_RUN)
 
 REPO_ROOT = os.path.dirname(PACKAGE_ROOT)
 # The test files that run our kernels and modules on CUDA tensors when there is a GPU (tests/numerics.py's DEVICE,
-# test_edges' device_for, the CUDA-graph test of test_drop_in; check, the demo and its checkpoints on the default
-# device), plus the two that ask the GPU which target it is.
+# test_edges' device_for, the CUDA-graph test of test_drop_in, the CUDA generator's seed draws of test_dropout_seed;
+# check, the demo and its checkpoints on the default device), plus the two that ask the GPU which target it is.
 GPU_TEST_FILES = (
     "tests/test_attention_triton.py", "tests/test_attention_varlen_triton.py", "tests/test_attention_score_mods.py",
     "tests/test_attention_decode_triton.py", "tests/test_attention_kvcache.py", "tests/test_layer_norm_triton.py",
     "tests/test_feed_forward_triton.py", "tests/test_drop_in.py", "tests/test_modules.py", "tests/test_edges.py",
     "tests/test_integration_sdpa.py", "tests/test_check.py", "tests/test_seq2seq.py", "tests/test_checkpoints.py",
-    "tests/test_backend.py", "tests/test_targets.py", "tests/test_thin_path.py",
+    "tests/test_backend.py", "tests/test_targets.py", "tests/test_thin_path.py", "tests/test_dropout_seed.py",
 )
 # overhead first: its fixed tiny shapes take seconds, and a part stopped by its limit keeps the rows it measured.
 BENCH_SUITES = ("overhead", "attention", "layer_norm", "feed_forward", "encoder_layer")

@@ -122,6 +122,9 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     TileRow("fwd", "bf16", (32,), Tile(128, 32, 8, 1), targets=(80, 90), loads="pointer", layouts=("packed",),
             score_mods=True, tritons=SINCE_3_9),  # BM128_BN32_w8_s2 spills 8 B on sm_80
     TileRow("bwd_dq", "fp32", (64,), Tile(64, 16, 8, 1), score_mods=True),
+    # BM32_BN32_w8_s1 spills 8 B under 3.7 on the 99 KB parts (o in float32; since the dropout seed may come by value):
+    TileRow("fwd", "bf16", (256,), Tile(32, 16, 8, 1), targets=SMALL_SHARED_MEMORY, score_mods=True,
+            tritons=VersionRange((3, 7), (3, 8))),
     TileRow("fwd", "fp32", (16,), Tile(64, 32, 8, 1), targets=HOPPER, layouts=("dense",), score_mods=True,
             tritons=TRITON_3_6),  # BM64_BN32_w8_s2 spills 8 B under 3.6
     # BM16_BN32_w8_s1 spills 8 B under 3.9 on sm_80 (since the dropout seed may come by value):
@@ -163,8 +166,12 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     # 2. 99 KB parts.
     # BM128_BN64_w8_s2 at D64 spills 208 B under 3.6, 128 B under 3.9 (with every feature):
     *_rows("fwd", "bf16", {32: (128, 64, 8, 2), 64: (128, 32, 8, 2)}, targets=SMALL_SHARED_MEMORY),
-    # BM32_BN32_w8_s2 spills 8 B under 3.6:
-    _older("bwd_dkdv", "fp32", 16, (32, 64, 8, 1), targets=SMALL_SHARED_MEMORY, interior_loop=()),
+    # BM32_BN32_w8_s2 spills 8 B under 3.6 (32 B under 3.7, packed and causal); BM32_BN64_w8_s1 40 B under 3.7
+    # (since the dropout seed may come by value):
+    TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 64, 8, 1), targets=SMALL_SHARED_MEMORY, interior_loop=(),
+            tritons=TRITON_3_6),
+    TileRow("bwd_dkdv", "fp32", (16,), Tile(16, 32, 4, 1), targets=SMALL_SHARED_MEMORY,
+            tritons=VersionRange((3, 7), (3, 8))),
     TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 2), targets=SMALL_SHARED_MEMORY, interior_loop=()),  # 32-48 B
     # 3. sm_90 through TMA. Light packed launches, where the light tiles below spill for packed sequences (which
     # zero a q / do tile's rows past their sequence in registers).
@@ -219,12 +226,13 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     TileRow("fwd", "bf16", (256,), Tile(32, 16, 8, 1), targets=SMALL_SHARED_MEMORY, layouts=("packed",),
             interior_loop=(), tritons=TRITON_3_6),  # BM32_BN32_w8_s1 spills 8 B under 3.6
     TileRow("fwd", "bf16", (256,), Tile(32, 32, 8, 1), interior_loop=("dense",), interior_loop_tma=BOTH),  # 24-120 B
-    _older("fwd", "fp32", 64, (32, 16, 8, 1), targets=HOPPER),  # BM32_BN32_w8_s1 spills 8-16 B under 3.6, 3.8
-    # Under 3.6, since the dropout seed may come by value: BM64_BN32_w8_s2 spills 8 B at D16 on sm_90, at D32 with
-    # score modifiers; BM32_BN32_w8_s1 8 B at D64 on sm_80 (packed, or with score modifiers).
+    # BM32_BN32_w8_s1 spills 8-16 B under 3.6, 3.8 on sm_90, 8 B under 3.6, 3.7 on sm_80 (since the dropout seed may
+    # come by value):
+    _older("fwd", "fp32", 64, (32, 16, 8, 1), targets=(80, 90)),
+    # Since the dropout seed may come by value, BM64_BN32_w8_s2 spills 8 B under 3.6 at D16 on sm_90, and at D32 with
+    # score modifiers:
     TileRow("fwd", "fp32", (16,), Tile(64, 32, 8, 1), targets=HOPPER, tritons=TRITON_3_6),
     TileRow("fwd", "fp32", (32,), Tile(32, 32, 8, 2), targets=HOPPER, score_mods=True, tritons=TRITON_3_6),
-    TileRow("fwd", "fp32", (64,), Tile(32, 16, 8, 1), targets=(80,), tritons=TRITON_3_6),
     _older("fwd", "fp32", 128, (16, 64, 8, 2)),  # BM32_BN16_w8_s1 spills 8 B under 3.6, 3.8
     *_rows("fwd", "fp32", {16: (64, 32, 8, 2), 32: (64, 32, 8, 2), 64: (32, 32, 8, 1), 128: (32, 16, 8, 1)}),
     _older("bwd_dq", "bf16", 32, (128, 16, 8, 1), targets=(80, 86, 89),
