@@ -37,7 +37,7 @@ import torch
 from .._common import next_power_of_2
 from ..targets import LARGE_SHARED_MEMORY, TARGETS, Target
 from ..toolchain import (
-    BEFORE_3_9, EVERY_RELEASE, SINCE_3_7, SINCE_3_9, TRITON_3_6, Version, VersionRange, installed,
+    BEFORE_3_9, EVERY_RELEASE, SINCE_3_7, SINCE_3_9, TRITON_3_6, TRITON_3_7, Version, VersionRange, installed,
 )
 
 KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", "weights")
@@ -120,11 +120,14 @@ TILE_ROWS: Tuple[TileRow, ...] = (
             score_mods=True),
     TileRow("bwd_dq", "tf32", (32,), Tile(32, 16, 8, 2), targets=(86, 89), layouts=("packed",), score_mods=True),
     TileRow("fwd", "bf16", (32,), Tile(128, 32, 8, 1), targets=(80, 90), loads="pointer", layouts=("packed",),
-            score_mods=True, tritons=SINCE_3_9),  # BM128_BN32_w8_s2 spills 8 B on sm_80
+            score_mods=True, tritons=VersionRange((3, 8))),  # BM128_BN32_w8_s2 spills 8 B on sm_80
     TileRow("bwd_dq", "fp32", (64,), Tile(64, 16, 8, 1), score_mods=True),
+    # BM64_BN32_w8_s2 spills 32 B under 3.8 on the 99 KB parts (since the dropout seed may come by value):
+    TileRow("bwd_dq", "bf16", (128,), Tile(64, 32, 8, 1), targets=SMALL_SHARED_MEMORY, score_mods=True,
+            tritons=VersionRange((3, 8), (3, 8))),
     # BM32_BN32_w8_s1 spills 8 B under 3.7 on the 99 KB parts (o in float32; since the dropout seed may come by value):
     TileRow("fwd", "bf16", (256,), Tile(32, 16, 8, 1), targets=SMALL_SHARED_MEMORY, score_mods=True,
-            tritons=VersionRange((3, 7), (3, 8))),
+            tritons=TRITON_3_7),
     TileRow("fwd", "fp32", (16,), Tile(64, 32, 8, 1), targets=HOPPER, layouts=("dense",), score_mods=True,
             tritons=TRITON_3_6),  # BM64_BN32_w8_s2 spills 8 B under 3.6
     # BM16_BN32_w8_s1 spills 8 B under 3.9 on sm_80 (since the dropout seed may come by value):
@@ -171,8 +174,10 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 64, 8, 1), targets=SMALL_SHARED_MEMORY, interior_loop=(),
             tritons=TRITON_3_6),
     TileRow("bwd_dkdv", "fp32", (16,), Tile(16, 32, 4, 1), targets=SMALL_SHARED_MEMORY,
-            tritons=VersionRange((3, 7), (3, 8))),
-    TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 2), targets=SMALL_SHARED_MEMORY, interior_loop=()),  # 32-48 B
+            tritons=TRITON_3_7),
+    # Under 3.8 these parts take the older releases' BM32_BN16_w8_s2 below (since the dropout seed may come by value).
+    TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 2), targets=SMALL_SHARED_MEMORY, interior_loop=(),
+            tritons=SINCE_3_9),  # 32-48 B
     # 3. sm_90 through TMA. Light packed launches, where the light tiles below spill for packed sequences (which
     # zero a q / do tile's rows past their sequence in registers).
     TileRow("fwd", "bf16", (128,), Tile(128, 64, 8, 3), targets=HOPPER, loads="tma", light=True, layouts=("packed",)),
