@@ -292,7 +292,8 @@ def _dropout_keep_mask_kernel(
     tl.store(KEEP + offsets, keep, mask=offsets < n_elements)
 
 
-# Per device, the zero SEED points at when the seed is a host draw (made by the first such call).
+# Per device, the zero SEED points at when the seed is a host draw: made by the first such call, which waits for it
+# once (a kernel on another stream may be the next to read it).
 _ZERO_SEEDS: Dict[torch.device, torch.Tensor] = {}
 
 
@@ -305,7 +306,10 @@ def seed_args(seed: Optional[Seed], device: torch.device) -> Tuple[Optional[torc
     if isinstance(seed, int):
         zero = _ZERO_SEEDS.get(device)
         if zero is None:
-            zero = _ZERO_SEEDS[device] = torch.zeros(1, dtype=torch.int64, device=device)
+            zero = torch.zeros(1, dtype=torch.int64, device=device)
+            if zero.is_cuda:
+                torch.cuda.current_stream(zero.device).synchronize()
+            _ZERO_SEEDS[device] = zero
         return zero, seed
     return seed, 0
 
