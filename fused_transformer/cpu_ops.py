@@ -34,7 +34,7 @@ from . import _C  # noqa: F401  (registers torch.ops.fused_transformer_cpu)
 from . import reference
 from .contract import (
     AttentionMasks, AttentionSpec, FeedForwardSpec, KVCache, KVCacheSpec, LayerNormSpec, PackedSequences, ScoreMods,
-    empty_heads_interleaved, stats_dtype, window_bounds,
+    Seed, empty_heads_interleaved, seed_tensor, stats_dtype, window_bounds,
 )
 
 Tensor = torch.Tensor
@@ -46,6 +46,11 @@ def dropout_keep_mask(seed: Union[int, Tensor], shape: Sequence[int], dropout_p:
     tensor's value), for ``reference.*(keep_mask=)``."""
     numel = math.prod(shape)
     return _ops.dropout_keep_mask(int(seed), numel, float(dropout_p)).view(tuple(shape))
+
+
+def _seed(seed: Optional[Seed]) -> Optional[Tensor]:
+    """The kernels take the seed as a tensor; a host draw (``launches.cpu_draws_as_on_a_gpu``) becomes one."""
+    return seed_tensor(seed, torch.device("cpu"))
 
 
 def cpu_capability() -> str:
@@ -96,7 +101,7 @@ def _exact(float_output: bool, *tensors: Tensor) -> Tuple[Tensor, ...]:
 
 
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
-                  mods: ScoreMods, sinks: Optional[Tensor], seed: Optional[Tensor],
+                  mods: ScoreMods, sinks: Optional[Tensor], seed: Optional[Seed],
                   float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """The C++ flash-attention forward: ``(o, lse)``, the LSE ``[B, H, Lq]`` in float32 (float64 for float64). The
     masks in the kernels' form go into ``prepared`` for the backward, unless that would keep a converted copy of
@@ -105,37 +110,38 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: 
     mask_args = _dense_args(q, masks, spec)
     if prepared is not None and mask_args[0] is masks.attn_mask:
         prepared["mask_args"] = mask_args
-    return _ops.attention_fwd(*_exact(float_output, q, k, v), *mask_args, seed, mods.softcap, mods.alibi_slopes,
+    return _ops.attention_fwd(*_exact(float_output, q, k, v), *mask_args, _seed(seed), mods.softcap, mods.alibi_slopes,
                               sinks)
 
 
 def attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                   masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods,
-                  seed: Optional[Tensor], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                  seed: Optional[Seed], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """The C++ backward; ``o`` in q's dtype or float32; ``dlse`` is None (``DIFFERENTIABLE_LSE``)."""
     mask_args = prepared.get("mask_args") if prepared is not None else None
     if mask_args is None:
         mask_args = _dense_args(q, masks, spec)
-    return _ops.attention_bwd(do, q, k, v, o, lse, *mask_args, seed, mods.softcap, mods.alibi_slopes)
+    return _ops.attention_bwd(do, q, k, v, o, lse, *mask_args, _seed(seed), mods.softcap, mods.alibi_slopes)
 
 
 def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences, spec: AttentionSpec,
-                         mods: ScoreMods, sinks: Optional[Tensor], seed: Optional[Tensor],
+                         mods: ScoreMods, sinks: Optional[Tensor], seed: Optional[Seed],
                          float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """The C++ forward on packed sequences: ``(o [Tq, H, D], lse [H, Tq])``, the sinks in the LSE."""
     _check_cpu("q", q)
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = seqs
     return _ops.attention_varlen_fwd(*_exact(float_output, q, k, v), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                     int(max_seqlen_k), *_options(spec), seed, mods.softcap, mods.alibi_slopes, sinks)
+                                     int(max_seqlen_k), *_options(spec), _seed(seed), mods.softcap, mods.alibi_slopes,
+                                     sinks)
 
 
 def attention_varlen_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
                          lse: Tensor, seqs: PackedSequences, spec: AttentionSpec, mods: ScoreMods,
-                         seed: Optional[Tensor], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                         seed: Optional[Seed], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """The C++ backward on packed sequences."""
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = seqs
     return _ops.attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                     int(max_seqlen_k), *_options(spec), seed, mods.softcap, mods.alibi_slopes)
+                                     int(max_seqlen_k), *_options(spec), _seed(seed), mods.softcap, mods.alibi_slopes)
 
 
 def attention_with_kvcache(q: Tensor, cache: KVCache, mods: ScoreMods, sinks: Optional[Tensor],
@@ -167,17 +173,17 @@ def attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, 
 
 
 def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                   spec: LayerNormSpec, seed: Optional[Tensor], store_z: bool) -> Tuple[Tensor, ...]:
+                   spec: LayerNormSpec, seed: Optional[Seed], store_z: bool) -> Tuple[Tensor, ...]:
     """``y, z, mean, rstd`` of rows ``[rows, N]`` from the C++ kernel."""
     _check_cpu("x", x)
-    return _ops.layer_norm_fwd(x, weight, bias, residual, spec.eps, spec.dropout_p, seed, store_z)
+    return _ops.layer_norm_fwd(x, weight, bias, residual, spec.eps, spec.dropout_p, _seed(seed), store_z)
 
 
 def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                   mean: Tensor, rstd: Tensor, spec: LayerNormSpec, seed: Optional[Tensor],
+                   mean: Tensor, rstd: Tensor, spec: LayerNormSpec, seed: Optional[Seed],
                    has_residual: bool) -> Tuple[Tensor, ...]:
     """``dx, dresidual, dweight, dbias`` from the C++ kernel."""
-    return _ops.layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, spec.dropout_p, seed, has_residual)
+    return _ops.layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, spec.dropout_p, _seed(seed), has_residual)
 
 
 # ---------------------------------------------------------------------------------------- feed_forward
@@ -193,15 +199,15 @@ def _bias_in_kernel(x: Tensor, spec: FeedForwardSpec) -> bool:
     return spec.dropout_p > 0.0 and x.dtype not in (torch.float16, torch.bfloat16)
 
 
-def _hidden(pre: Tensor, b1: Optional[Tensor], x: Tensor, spec: FeedForwardSpec, seed: Optional[Tensor]) -> Tensor:
+def _hidden(pre: Tensor, b1: Optional[Tensor], x: Tensor, spec: FeedForwardSpec, seed: Optional[Seed]) -> Tensor:
     if spec.dropout_p == 0.0:
         return reference.ACTIVATIONS[spec.activation](pre)
     bias = b1 if _bias_in_kernel(x, spec) else None
-    return _ops.bias_activation_fwd(pre, bias, spec.activation, spec.dropout_p, seed)
+    return _ops.bias_activation_fwd(pre, bias, spec.activation, spec.dropout_p, _seed(seed))
 
 
 def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-                     spec: FeedForwardSpec, seed: Optional[Tensor], keep: bool) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+                     spec: FeedForwardSpec, seed: Optional[Seed], keep: bool) -> Tuple[Tensor, Tuple[Tensor, ...]]:
     """``y`` of rows ``x [M, d_model]`` and, with ``keep``, ``(pre, hidden)`` for the backward: the pre-activation
     (without b1 where the C++ pass adds it) and the activation after dropout."""
     _check_cpu("x", x)
@@ -211,7 +217,7 @@ def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2
 
 
 def feed_forward_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, saved: Tuple[Tensor, ...],
-                     has_b2: bool, spec: FeedForwardSpec, seed: Optional[Tensor]) -> Tuple[Tensor, ...]:
+                     has_b2: bool, spec: FeedForwardSpec, seed: Optional[Seed]) -> Tuple[Tensor, ...]:
     """``dx, dw1, db1, dw2, db2``; without ``saved``, the pre-activation and the hidden activation are recomputed (the
     same dropout mask: the same seed)."""
     bias_in_kernel = _bias_in_kernel(x, spec)
@@ -224,7 +230,7 @@ def feed_forward_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2
     dw2 = dy.t().mm(hidden)
     if spec.dropout_p > 0.0:
         dpre = _ops.bias_activation_bwd(dhidden, pre, b1 if bias_in_kernel else None, spec.activation,
-                                        spec.dropout_p, seed)
+                                        spec.dropout_p, _seed(seed))
     elif spec.activation == "relu":
         dpre = torch.ops.aten.threshold_backward(dhidden, pre, 0)
     else:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fused_transformer as ft
-from fused_transformer import autograd, contract
+from fused_transformer import autograd, backend, contract
 from fused_transformer.kernels._common import dropout_keep_mask
 from fused_transformer.tools.launches import PhiloxState, cpu_draws_as_on_a_gpu, launches
 from tests.numerics import DEVICE
@@ -79,9 +79,14 @@ def _feed_forward():
 OPS = {"layer_norm": _layer_norm, "attention": _attention, "feed_forward": _feed_forward}
 
 
+BACKENDS = ["triton"] + (["cpu"] if backend.cpu_unavailable_reason() is None and DEVICE == "cpu" else [])
+
+
+@pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("op", sorted(OPS))
-def test_a_host_seed_drops_what_the_same_seed_drawn_on_the_device_drops(op, monkeypatch):
-    """One compiled kernel for both: ``*SEED + host_seed``, with SEED at a zero for a host draw, or host_seed 0."""
+def test_a_host_seed_drops_what_the_same_seed_drawn_on_the_device_drops(op, name, monkeypatch):
+    """One compiled kernel for both: ``*SEED + host_seed``, with SEED at a zero for a host draw, or host_seed 0. The
+    C++ kernels take a host draw as a tensor."""
     run = OPS[op]()
     drawn_on_host = []
 
@@ -90,12 +95,12 @@ def test_a_host_seed_drops_what_the_same_seed_drawn_on_the_device_drops(op, monk
         return drawn_on_host[-1]
     host_seed = contract.host_seed
     monkeypatch.setattr(contract, "host_seed", recorded)
-    with ft.use_backend("triton"), cpu_draws_as_on_a_gpu(99):
+    with ft.use_backend(name), cpu_draws_as_on_a_gpu(99):
         host = run()
     seed = drawn_on_host[0]
     for drawn, same in ((seed, True), (seed + 1, False)):  # the seed decides: another drops other elements
         monkeypatch.setattr(autograd, "draw_dropout_seed", lambda device: torch.tensor([drawn], device=device))
-        with ft.use_backend("triton"):
+        with ft.use_backend(name):
             device = run()
         assert all(torch.equal(got, expected) for got, expected in zip(host, device)) == same
     assert torch.equal(dropout_keep_mask(seed, 5, 33, P, DEVICE), dropout_keep_mask(torch.tensor([seed]), 5, 33, P,
