@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -467,6 +468,25 @@ def test_pytest_stopped_at_its_limit_still_gives_the_counts_of_what_it_ran(worke
     assert figures["failures"][0]["name"] == "tests/test_slow.py::test_wrong"
     assert "stopped at its limit: the tests it had not reached are not counted" in gpu_check_summary.key_figures(
         "tests", record)
+
+
+def test_a_run_started_with_its_stop_signal_ignored_still_stops_on_it(tmp_path):
+    """``cmd &`` from a shell without job control starts everything below it with SIGINT ignored; the run must still
+    end on its stop signal, well before the SIGKILL its grace would bring."""
+    child = "import signal, sys, time; print(signal.getsignal(signal.SIGINT), flush=True); time.sleep(600)"
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        run = gpu_check_parts.LimitedRun([sys.executable, "-c", child], 600, str(tmp_path / "log"), grace_s=120,
+                                         stop_signal=signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    give_up = time.monotonic() + 60
+    while "default_int_handler" not in (tmp_path / "log").read_text() and time.monotonic() < give_up:
+        time.sleep(0.05)
+    run.stop()
+    finished = run.wait()
+    assert "default_int_handler" in finished.output, finished.output
+    assert finished.returncode not in (None, -signal.SIGKILL) and finished.seconds < 120, finished
 
 
 def _reported(log):

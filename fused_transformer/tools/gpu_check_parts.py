@@ -137,10 +137,20 @@ class Finished:
     output: str
 
 
+def _default_disposition(signum: int):
+    """A ``preexec_fn`` that puts ``signum`` back to its default action in the child."""
+    def reset() -> None:
+        signal.signal(signum, signal.SIG_DFL)
+    return reset
+
+
 class LimitedRun:
     """``command`` running in a session of its own, its stdout and stderr appended to the file ``log``. Past
     ``limit_s`` seconds, or on ``stop()``, the whole session, children included, gets ``stop_signal``, then SIGKILL
-    ``grace_s`` later. ``poll()`` never blocks, so that one loop can watch several runs side by side."""
+    ``grace_s`` later. ``poll()`` never blocks, so that one loop can watch several runs side by side.
+
+    The command starts with ``stop_signal`` at its default disposition: a shell without job control starts ``cmd &``
+    with SIGINT ignored, and every process below it would inherit that and sit out the stop until the SIGKILL."""
 
     def __init__(self, command: Sequence[str], limit_s: float, log: str, *, cwd: Optional[str] = None,
                  env: Optional[Mapping[str, str]] = None, grace_s: float = 5.0,
@@ -154,7 +164,7 @@ class LimitedRun:
             self.started = time.monotonic()
             self.proc = subprocess.Popen(list(command), stdout=sink, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, cwd=cwd, env=None if env is None else dict(env),
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_default_disposition(stop_signal))
 
     def poll(self) -> Optional[Finished]:
         """How the command ended, once it has (and its session with it); None while it runs. Stops it when it is
