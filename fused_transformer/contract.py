@@ -295,10 +295,6 @@ def seed_tensor(seed: Optional[Seed], device: torch.device) -> Optional[Tensor]:
     return torch.tensor([seed], dtype=torch.int64, device=device) if isinstance(seed, int) else seed
 
 
-def traced_seed(seed: Optional[Seed], device: torch.device) -> Optional[Seed]:
-    """``seed_tensor(seed, device)`` where the call is traced, else ``seed``."""
-    return seed_tensor(seed, device) if isinstance(seed, int) and traced() else seed
-
 
 # ------------------------------------------------------------------------------------------------ checks
 

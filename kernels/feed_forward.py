@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .. import contract
-from ..contract import FeedForwardSpec, Seed, traced_seed
+from ..contract import FeedForwardSpec, Seed, seed_tensor
 from ._common import (
     cdiv, contiguous_last_dim, dropout_keep_quad_lanes, dropout_keep_quads, dropout_seed, launch_kernel, seed_args,
     sum_rows, traced,
@@ -204,9 +204,11 @@ def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2
     """``y`` of rows ``x [M, d_model]`` and, with ``keep``, ``(pre,)`` for the backward (``_launch_fwd``); traced
     through the custom op."""
     _check_dtypes(x=x)
-    seed = traced_seed(seed, x.device)
-    args = (contiguous_last_dim(x), w1, b1, w2, b2, spec.activation, spec.dropout_p, seed, keep, spec.allow_tf32)
-    y, pre = torch.ops.fused_transformer.feed_forward_fwd(*args) if traced() else _launch_fwd(*args)
+    args = (contiguous_last_dim(x), w1, b1, w2, b2, spec.activation, spec.dropout_p)
+    if traced():
+        y, pre = torch.ops.fused_transformer.feed_forward_fwd(*args, seed_tensor(seed, x.device), keep, spec.allow_tf32)
+    else:
+        y, pre = _launch_fwd(*args, seed, keep, spec.allow_tf32)
     return y, ((pre,) if keep else ())
 
 
@@ -214,10 +216,11 @@ def feed_forward_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2
                      has_b2: bool, spec: FeedForwardSpec, seed: Optional[Seed]) -> Tuple[Tensor, ...]:
     """``dx, dw1, db1, dw2, db2`` (``_launch_bwd``; without ``saved``, the pre-activation is recomputed); traced
     through the custom op."""
-    seed = traced_seed(seed, x.device)
     args = (contiguous_last_dim(dy), x, w1, b1, w2, saved[0] if saved else None, has_b2, spec.activation,
-            spec.dropout_p, seed, spec.allow_tf32)
-    return torch.ops.fused_transformer.feed_forward_bwd(*args) if traced() else _launch_bwd(*args)
+            spec.dropout_p)
+    if traced():
+        return torch.ops.fused_transformer.feed_forward_bwd(*args, seed_tensor(seed, x.device), spec.allow_tf32)
+    return _launch_bwd(*args, seed, spec.allow_tf32)
 
 
 @torch.library.custom_op("fused_transformer::feed_forward_fwd", mutates_args=())

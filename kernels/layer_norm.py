@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .. import contract
-from ..contract import LayerNormSpec, Seed, traced_seed
+from ..contract import LayerNormSpec, Seed, seed_tensor
 from ._common import (
     SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, cdiv, contiguous_last_dim, dropout_keep, dropout_seed,
     interpreting, launch_kernel, next_power_of_2, seed_args, sum_rows, traced,
@@ -386,19 +386,22 @@ def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
     _check_dtypes(x, weight, bias, residual)
     x = contiguous_last_dim(x)
     residual = contiguous_last_dim(residual) if residual is not None else None
-    seed = traced_seed(seed, x.device)
-    args = (x, weight, bias, residual, spec.eps, spec.dropout_p, seed, spec.rms_norm, store_z)
-    return torch.ops.fused_transformer.layer_norm_fwd(*args) if traced() else _launch_fwd(*args)
+    if traced():
+        return torch.ops.fused_transformer.layer_norm_fwd(x, weight, bias, residual, spec.eps, spec.dropout_p,
+                                                          seed_tensor(seed, x.device), spec.rms_norm, store_z)
+    return _launch_fwd(x, weight, bias, residual, spec.eps, spec.dropout_p, seed, spec.rms_norm, store_z)
 
 
 def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                    mean: Tensor, rstd: Tensor, spec: LayerNormSpec, seed: Optional[Seed],
                    has_residual: bool) -> Tuple[Tensor, ...]:
     """``dx, dresidual, dweight, dbias`` (``_launch_bwd``); traced through the custom op."""
-    seed = traced_seed(seed, z.device)
     args = (contiguous_last_dim(dy), contiguous_last_dim(dz) if dz is not None else None, z, weight, bias, mean, rstd,
-            spec.dropout_p, seed, spec.rms_norm, has_residual)
-    return torch.ops.fused_transformer.layer_norm_bwd(*args) if traced() else _launch_bwd(*args)
+            spec.dropout_p)
+    if traced():
+        return torch.ops.fused_transformer.layer_norm_bwd(*args, seed_tensor(seed, z.device), spec.rms_norm,
+                                                          has_residual)
+    return _launch_bwd(*args, seed, spec.rms_norm, has_residual)
 
 
 @torch.library.custom_op("fused_transformer::layer_norm_fwd", mutates_args=())
