@@ -24,6 +24,7 @@
 #include <optional>
 #include <vector>
 
+#include "attention_forward_tiles.h"
 #include "attention_rows.h"
 #include "common.h"
 
@@ -321,18 +322,62 @@ ForwardTiles forward_tiles(const AttentionProblem<scalar_t>& p, int64_t threads)
   return {std::min(rows, p.q_len), std::min(kLargeCols, std::max<int64_t>(p.k_len, 1)), kKeyBlock};
 }
 
+// out = acc / sum and lse = max + log(sum) of a forward task's rows [0, tile_rows) (query rows i0..), with the
+// attention sink; rows from `rows` on, and query padding, get 0 and -inf.
+template <typename scalar_t>
+void finish_rows(const AttentionProblem<scalar_t>& p, const HeadRows<scalar_t>& out, const HeadRows<scalar_t>& lse,
+                 int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t tile_rows, const scalar_t* acc,
+                 const scalar_t* row_max, const scalar_t* row_sum) {
+  const int64_t d = p.head_dim;
+  const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
+  for (int64_t r = 0; r < tile_rows; ++r) {
+    scalar_t* out_row = out.at(b, h, i0 + r);
+    const bool padding = r >= rows || (p.query_padding && p.query_padding[b * p.q_len + i0 + r]);
+    scalar_t sum = padding ? scalar_t(0) : row_sum[r], max = padding ? minus_inf : row_max[r], acc_scale = 1;
+    if (p.sinks != nullptr && !padding && !std::isnan(sum)) {  // a key with no value, rescaled to max(m, sink)
+      const scalar_t sink = p.sinks[h], new_max = std::max(max, sink);
+      if (new_max != minus_inf) {
+        acc_scale = max == minus_inf ? scalar_t(0) : std::exp(max - new_max);
+        sum = sum * acc_scale + std::exp(sink - new_max);
+        max = new_max;
+      }
+    }
+    const bool has_key = !padding && sum != 0;  // true for NaN, which then fills the row
+    const scalar_t inverse = has_key ? acc_scale / sum : scalar_t(0);
+    for (int64_t c = 0; c < d; ++c) out_row[c] = has_key ? acc[r * d + c] * inverse : scalar_t(0);
+    *lse.at(b, h, i0 + r) = has_key ? max + std::log(sum) : minus_inf;
+  }
+}
+
+// The register-tiled forward (attention_forward_tiles.h) where it serves the problem: float32 on a CPU with AVX2 or
+// AVX-512, scores modified by the softcap and ALiBi and masked only by the causal mask, the window and padding after a
+// sequence's last real key.
+template <typename scalar_t>
+void (*tiled_forward_for(const AttentionProblem<scalar_t>& p))(const TiledForward&) {
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    return nullptr;
+  } else {
+    if (p.bias != nullptr || p.keep != nullptr || p.dropout.enabled()) return nullptr;
+    return tiled_forward();
+  }
+}
+
 template <typename scalar_t>
 void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRows<const scalar_t>& q,
                               const HeadRows<const scalar_t>& k, const HeadRows<const scalar_t>& v,
                               const HeadRows<scalar_t>& out, const HeadRows<scalar_t>& lse) {
   const int64_t d = p.head_dim, q_len = p.q_len;
-  const ForwardTiles tiles = forward_tiles(p, at::get_num_threads());
+  const auto tiled = tiled_forward_for(p);
+  const ForwardTiles tiles = tiled ? ForwardTiles{kTiledRows, kKeyBlock, kKeyBlock} : forward_tiles(p, at::get_num_threads());
   const int64_t q_tile = tiles.rows, k_tile = tiles.cols;
   const int64_t q_blocks = (q_len + q_tile - 1) / q_tile;
   const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
   at::parallel_for(0, p.batch * p.heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> scores(q_tile * k_tile, 0), dropped, acc(q_tile * d);
     std::vector<scalar_t> row_max_(q_tile), row_sum(q_tile);
+    std::vector<float> workspace(tiled ? tiled_workspace_floats(d) : 0);
+    std::vector<int32_t> key_limits(tiled ? 2 * kTiledRows : 0);
+    std::vector<float> alibi_rows(tiled && p.alibi != nullptr ? kTiledRows : 0);
     if (p.dropout.enabled()) dropped.assign(q_tile * k_tile, 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / q_blocks, b = bh / p.heads, h = bh % p.heads;
@@ -340,9 +385,6 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRow
       // Rows past a packed sequence do not exist; past the last real query of a padded one they are zeros.
       const int64_t tile_rows = std::clamp<int64_t>((p.packed ? p.query_length(b) : q_len) - i0, 0, q_tile);
       const int64_t rows = std::clamp<int64_t>(p.query_length(b) - i0, 0, tile_rows);
-      std::fill(row_max_.begin(), row_max_.begin() + rows, minus_inf);
-      std::fill(row_sum.begin(), row_sum.begin() + rows, scalar_t(0));
-      std::fill(acc.begin(), acc.begin() + rows * d, scalar_t(0));
 
       // The tile's first row sees the earliest keys and its last row the latest: key blocks outside the causal
       // mask and the window are never visited. Keys in [seen_by_all_begin, seen_by_all_end) are visible to every
@@ -350,6 +392,38 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRow
       const int64_t key_start = rows > 0 ? p.key_begin(b, i0) : 0, key_stop = rows > 0 ? p.key_end(b, i0 + rows - 1) : 0;
       const int64_t seen_by_all_begin = rows > 0 ? p.key_begin(b, i0 + rows - 1) : 0;
       const int64_t seen_by_all_end = p.limits_right() ? p.key_end(b, i0) : key_stop;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (tiled && !(p.key_padding && p.padding_has_holes[b])) {
+          TiledForward t{q.at(b, h, i0), q.row_stride, k.at(b, h / p.group(), 0), v.at(b, h / p.group(), 0),
+                         k.row_stride, v.row_stride, rows, d, key_start, key_stop, p.scale, p.softcap};
+          if (p.alibi != nullptr) {
+            for (int64_t r = 0; r < kTiledRows; ++r) alibi_rows[r] = static_cast<float>(i0 + r + p.offset(b));
+            t.alibi_rows = alibi_rows.data();
+            t.alibi_slope = p.alibi[b * p.alibi_batch_stride + h];
+          }
+          t.limited = p.limits_right() || p.window_left >= 0;
+          if (t.limited) {
+            for (int64_t r = 0; r < kTiledRows; ++r) {
+              key_limits[r] = r < rows ? static_cast<int32_t>(p.key_begin(b, i0 + r)) : 0;
+              key_limits[kTiledRows + r] = r < rows ? static_cast<int32_t>(p.key_end(b, i0 + r)) : 0;
+            }
+            t.key_begin = key_limits.data();
+            t.key_end = key_limits.data() + kTiledRows;
+            t.all_begin = seen_by_all_begin;
+            t.all_end = seen_by_all_end;
+          }
+          t.acc = acc.data();
+          t.row_max = row_max_.data();
+          t.row_sum = row_sum.data();
+          t.workspace = workspace.data();
+          if (rows > 0) tiled(t);
+          finish_rows(p, out, lse, b, h, i0, rows, tile_rows, acc.data(), row_max_.data(), row_sum.data());
+          continue;
+        }
+      }
+      std::fill(row_max_.begin(), row_max_.begin() + rows, minus_inf);
+      std::fill(row_sum.begin(), row_sum.begin() + rows, scalar_t(0));
+      std::fill(acc.begin(), acc.begin() + rows * d, scalar_t(0));
       for (int64_t j0 = key_start, cols = 0; j0 < key_stop; j0 += cols) {
         const bool seen_by_all = j0 >= seen_by_all_begin && j0 + k_tile <= seen_by_all_end;
         cols = std::min(seen_by_all ? k_tile : tiles.diagonal_cols, key_stop - j0);
@@ -382,23 +456,7 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRow
                                  v.row_stride, 1, acc.data(), d);
       }
 
-      for (int64_t r = 0; r < tile_rows; ++r) {
-        scalar_t* out_row = out.at(b, h, i0 + r);
-        const bool padding = r >= rows || (p.query_padding && p.query_padding[b * q_len + i0 + r]);
-        scalar_t sum = row_sum[r], max = row_max_[r], acc_scale = 1;
-        if (p.sinks != nullptr && !padding && !std::isnan(sum)) {  // a key with no value, rescaled to max(m, sink)
-          const scalar_t sink = p.sinks[h], new_max = std::max(max, sink);
-          if (new_max != minus_inf) {
-            acc_scale = max == minus_inf ? scalar_t(0) : std::exp(max - new_max);
-            sum = sum * acc_scale + std::exp(sink - new_max);
-            max = new_max;
-          }
-        }
-        const bool has_key = !padding && sum != 0;  // true for NaN, which then fills the row
-        const scalar_t inverse = has_key ? acc_scale / sum : scalar_t(0);
-        for (int64_t c = 0; c < d; ++c) out_row[c] = has_key ? acc[r * d + c] * inverse : scalar_t(0);
-        *lse.at(b, h, i0 + r) = has_key ? max + std::log(sum) : minus_inf;
-      }
+      finish_rows(p, out, lse, b, h, i0, rows, tile_rows, acc.data(), row_max_.data(), row_sum.data());
     }
   });
 }

@@ -122,11 +122,18 @@ using Int8 = int32_t __attribute__((vector_size(32)));
 FT_INLINE Float8 broadcast(float value) { return Float8{} + value; }
 // One blend instruction where the ISA has one (and / andnot / or in SSE2).
 FT_INLINE Float8 select(Int8 mask, Float8 if_true, Float8 if_false) { return mask ? if_true : if_false; }
-FT_INLINE Float8 abs(Float8 x) { return reinterpret_cast<Float8>(reinterpret_cast<Int8>(x) & 0x7fffffff); }
+// abs, with_sign_of, fast_exp and fast_tanh take any float vector (8 or 16 lanes).
+template <typename F>
+FT_INLINE F abs(F x) {
+  using I = decltype(x < x);
+  return reinterpret_cast<F>(reinterpret_cast<I>(x) & 0x7fffffff);
+}
 // |magnitude| with the sign of sign.
-FT_INLINE Float8 with_sign_of(Float8 magnitude, Float8 sign) {
-  return reinterpret_cast<Float8>((reinterpret_cast<Int8>(magnitude) & 0x7fffffff) |
-                                  (reinterpret_cast<Int8>(sign) & static_cast<int32_t>(0x80000000u)));
+template <typename F>
+FT_INLINE F with_sign_of(F magnitude, F sign) {
+  using I = decltype(magnitude < sign);
+  return reinterpret_cast<F>((reinterpret_cast<I>(magnitude) & 0x7fffffff) |
+                             (reinterpret_cast<I>(sign) & static_cast<int32_t>(0x80000000u)));
 }
 FT_INLINE Float8 load8(const float* p) {
   Float8 v;
@@ -155,25 +162,27 @@ FT_INLINE void map8(float* x, int64_t n, float fill, F&& f) {
 
 // exp(x), ~1 ulp (Cephes expf): x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n via the exponent bits.
 // Below -87.3 (including -inf: masked scores) it is exactly 0; above 88.7, +inf.
-FT_INLINE Float8 fast_exp(Float8 x) {
-  const Float8 low = broadcast(-87.3365f), high = broadcast(88.7228f);
-  Float8 clamped = select(x < low, low, x);
-  clamped = select(clamped > high, high, clamped);
+template <typename F>
+FT_INLINE F fast_exp(F x) {
+  using I = decltype(x < x);
+  const F low = F{} - 87.3365f, high = F{} + 88.7228f;
+  F clamped = x < low ? low : x;
+  clamped = clamped > high ? high : clamped;
   // Round to nearest by adding and subtracting 1.5 * 2^23.
-  const Float8 n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  Float8 r = clamped - n * 0.693359375f;
+  const F n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  F r = clamped - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  Float8 p = broadcast(1.9875691500e-4f);
+  F p = F{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const Int8 exponent = __builtin_convertvector(n, Int8) << 23;
-  Float8 result = reinterpret_cast<Float8>(reinterpret_cast<Int8>(p) + exponent);
-  result = select(x < low, broadcast(0.0f), result);
-  return select(x > high, broadcast(std::numeric_limits<float>::infinity()), result);
+  const I exponent = __builtin_convertvector(n, I) << 23;
+  F result = reinterpret_cast<F>(reinterpret_cast<I>(p) + exponent);
+  result = x < low ? F{} : result;
+  return x > high ? F{} + std::numeric_limits<float>::infinity() : result;
 }
 
 // erf(x) (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7, the formula of at::vec's AVX2 erf).
@@ -190,12 +199,13 @@ FT_INLINE Float8 fast_erf(Float8 x) {
 
 // tanh(x) = sign(x) (1 - 2 / (exp(2|x|) + 1)); near 0 the series x - x^3/3 + 2x^5/15 - 17x^7/315 avoids the
 // cancellation.
-FT_INLINE Float8 fast_tanh(Float8 x) {
-  const Float8 ax = abs(x);
-  const Float8 large = 1.0f - 2.0f / (fast_exp(2.0f * ax) + 1.0f);
-  const Float8 x2 = ax * ax;
-  const Float8 small = ax * (1.0f + x2 * (-0.333333333f + x2 * (0.133333333f + x2 * -0.0539682540f)));
-  return with_sign_of(select(ax < 0.0625f, small, large), x);
+template <typename F>
+FT_INLINE F fast_tanh(F x) {
+  const F ax = abs(x);
+  const F large = 1.0f - 2.0f / (fast_exp(2.0f * ax) + 1.0f);
+  const F x2 = ax * ax;
+  const F small = ax * (1.0f + x2 * (-0.333333333f + x2 * (0.133333333f + x2 * -0.0539682540f)));
+  return with_sign_of(ax < 0.0625f ? small : large, x);
 }
 
 }  // namespace fused_transformer_cpu

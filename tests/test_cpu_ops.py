@@ -145,7 +145,8 @@ def test_attention_long_sequences_cross_block_boundaries():
 
 @pytest.mark.parametrize("kind", MASK_KINDS)
 def test_attention_large_forward_tiles_match_reference(kind):
-    """Without a causal mask, 128 queries or more run the forward on 256 x 512 tiles: lengths that cross them."""
+    """Lengths that cross the forward's tiles: the tiled forward's 64-row tasks and 256-key blocks, and the BLAS
+    path's 256 x 512 tiles (masks it does not serve, 128 queries or more without a causal mask)."""
     check_attention(torch.float32, 2, 4, 2, 300, 700, 32, kind)
 
 
@@ -497,6 +498,10 @@ cache = [r(2, 48, 2, 24) for _ in range(2)]
 x, w1, w2 = r(9, 40), r(64, 40), r(40, 64)
 with ft.use_backend("cpu"):
     results = [ft.attention(q, k, v, is_causal=True, softcap=5.0),
+               # across the tiled forward's 64-row tasks, 256-key blocks and register tiles' tails
+               ft.attention(r(1, 4, 150, 40), r(1, 2, 301, 40), r(1, 2, 301, 40), window=(90, 20),
+                            alibi_slopes=r(4).abs()),
+               ft.attention(r(1, 2, 130, 64), r(1, 2, 520, 64), r(1, 2, 520, 64)),
                ft.attention_with_kvcache(r(2, 1, 4, 24), *cache, cache_seqlens=torch.tensor([5, 30], dtype=torch.int32),
                                          k_new=r(2, 1, 2, 24), v_new=r(2, 1, 2, 24), softcap=4.0),
                ft.layer_norm(x, r(40), r(40), dropout_p=0.2),
