@@ -24,6 +24,7 @@
 #include <optional>
 #include <vector>
 
+#include "attention_backward_tiles.h"
 #include "attention_forward_tiles.h"
 #include "attention_rows.h"
 #include "common.h"
@@ -349,6 +350,33 @@ void finish_rows(const AttentionProblem<scalar_t>& p, const HeadRows<scalar_t>& 
   }
 }
 
+// The scores of query rows i0 .. i0 + rows (< kTiledRows) of head (b, h) against keys [key_start, key_stop) as the
+// tiled kernels take them; key_limits (2 * kTiledRows) and alibi_rows (kTiledRows) hold what the rows need.
+TiledForward tiled_scores(const AttentionProblem<float>& p, const HeadRows<const float>& q,
+                          const HeadRows<const float>& k, const HeadRows<const float>& v, int64_t b, int64_t h,
+                          int64_t i0, int64_t rows, int64_t key_start, int64_t key_stop, int64_t seen_by_all_begin,
+                          int64_t seen_by_all_end, int32_t* key_limits, float* alibi_rows) {
+  TiledForward t{q.at(b, h, i0), q.row_stride, k.at(b, h / p.group(), 0), v.at(b, h / p.group(), 0),
+                 k.row_stride, v.row_stride, rows, p.head_dim, key_start, key_stop, p.scale, p.softcap};
+  if (p.alibi != nullptr) {
+    for (int64_t r = 0; r < kTiledRows; ++r) alibi_rows[r] = static_cast<float>(i0 + r + p.offset(b));
+    t.alibi_rows = alibi_rows;
+    t.alibi_slope = p.alibi[b * p.alibi_batch_stride + h];
+  }
+  t.limited = p.limits_right() || p.window_left >= 0;
+  if (t.limited) {
+    for (int64_t r = 0; r < kTiledRows; ++r) {
+      key_limits[r] = r < rows ? static_cast<int32_t>(p.key_begin(b, i0 + r)) : 0;
+      key_limits[kTiledRows + r] = r < rows ? static_cast<int32_t>(p.key_end(b, i0 + r)) : 0;
+    }
+    t.key_begin = key_limits;
+    t.key_end = key_limits + kTiledRows;
+    t.all_begin = seen_by_all_begin;
+    t.all_end = seen_by_all_end;
+  }
+  return t;
+}
+
 // The register-tiled forward (attention_forward_tiles.h) where it serves the problem: float32 on a CPU with AVX2 or
 // AVX-512, scores modified by the softcap and ALiBi and masked only by the causal mask, the window and padding after a
 // sequence's last real key.
@@ -359,6 +387,19 @@ void (*tiled_forward_for(const AttentionProblem<scalar_t>& p))(const TiledForwar
   } else {
     if (p.bias != nullptr || p.keep != nullptr || p.dropout.enabled()) return nullptr;
     return tiled_forward();
+  }
+}
+
+// The register-tiled backward (attention_backward_tiles.h) where it serves the problem: what the tiled forward serves,
+// less the softcap and head dims that are not a multiple of the vector width.
+template <typename scalar_t>
+void (*tiled_backward_for(const AttentionProblem<scalar_t>& p))(const TiledBackward&) {
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    return nullptr;
+  } else {
+    if (p.bias != nullptr || p.keep != nullptr || p.dropout.enabled() || p.softcap > 0) return nullptr;
+    const auto [kernel, lanes] = tiled_backward();
+    return kernel != nullptr && p.head_dim % lanes == 0 ? kernel : nullptr;
   }
 }
 
@@ -377,7 +418,7 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRow
     std::vector<scalar_t> row_max_(q_tile), row_sum(q_tile);
     std::vector<float> workspace(tiled ? tiled_workspace_floats(d) : 0);
     std::vector<int32_t> key_limits(tiled ? 2 * kTiledRows : 0);
-    std::vector<float> alibi_rows(tiled && p.alibi != nullptr ? kTiledRows : 0);
+    std::vector<float> alibi_rows(tiled ? kTiledRows : 0);
     if (p.dropout.enabled()) dropped.assign(q_tile * k_tile, 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / q_blocks, b = bh / p.heads, h = bh % p.heads;
@@ -394,24 +435,8 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRow
       const int64_t seen_by_all_end = p.limits_right() ? p.key_end(b, i0) : key_stop;
       if constexpr (std::is_same_v<scalar_t, float>) {
         if (tiled && !(p.key_padding && p.padding_has_holes[b])) {
-          TiledForward t{q.at(b, h, i0), q.row_stride, k.at(b, h / p.group(), 0), v.at(b, h / p.group(), 0),
-                         k.row_stride, v.row_stride, rows, d, key_start, key_stop, p.scale, p.softcap};
-          if (p.alibi != nullptr) {
-            for (int64_t r = 0; r < kTiledRows; ++r) alibi_rows[r] = static_cast<float>(i0 + r + p.offset(b));
-            t.alibi_rows = alibi_rows.data();
-            t.alibi_slope = p.alibi[b * p.alibi_batch_stride + h];
-          }
-          t.limited = p.limits_right() || p.window_left >= 0;
-          if (t.limited) {
-            for (int64_t r = 0; r < kTiledRows; ++r) {
-              key_limits[r] = r < rows ? static_cast<int32_t>(p.key_begin(b, i0 + r)) : 0;
-              key_limits[kTiledRows + r] = r < rows ? static_cast<int32_t>(p.key_end(b, i0 + r)) : 0;
-            }
-            t.key_begin = key_limits.data();
-            t.key_end = key_limits.data() + kTiledRows;
-            t.all_begin = seen_by_all_begin;
-            t.all_end = seen_by_all_end;
-          }
+          TiledForward t = tiled_scores(p, q, k, v, b, h, i0, rows, key_start, key_stop, seen_by_all_begin,
+                                        seen_by_all_end, key_limits.data(), alibi_rows.data());
           t.acc = acc.data();
           t.row_max = row_max_.data();
           t.row_sum = row_sum.data();
@@ -500,7 +525,10 @@ void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRo
   const BackwardPlan plan = plan_backward(p.batch, p.kv_heads, p.k_len, at::get_num_threads());
   const int64_t blocks_per_chunk = plan.blocks_per_chunk, chunks = plan.chunks;
   std::vector<scalar_t> dq_partial(chunks > 1 ? head_tasks * chunks * group * q_len * d : 0, scalar_t(0));
+  const auto tiled = tiled_backward_for(p);
   at::parallel_for(0, head_tasks * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> workspace(tiled ? tiled_backward_workspace_floats(d) : 0), alibi_rows(tiled ? kTiledRows : 0);
+    std::vector<int32_t> key_limits(tiled ? 2 * kTiledRows : 0);
     std::vector<scalar_t> probs(kQueryBlock * kKeyBlock, 0), dprobs(kQueryBlock * kKeyBlock, 0), dropped, tanh_values;
     if (p.dropout.enabled()) dropped.assign(kQueryBlock * kKeyBlock, 0);
     if (p.softcap > 0) tanh_values.assign(kQueryBlock * kKeyBlock, 0);
@@ -510,6 +538,35 @@ void attention_backward_kernel(const AttentionProblem<scalar_t>& p, const HeadRo
       const int64_t key_len = p.key_length(b);
       const int64_t chunk_end = std::min(key_len, (chunk + 1) * blocks_per_chunk * kKeyBlock);
       scalar_t* partial = chunks > 1 ? dq_partial.data() + task * group * q_len * d : nullptr;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (tiled && !(p.key_padding && p.padding_has_holes[b])) {
+          // Per query head and block of 64 rows, every key of the chunk those rows can see.
+          const int64_t chunk_begin = chunk * blocks_per_chunk * kKeyBlock;
+          if (chunk_begin >= chunk_end) continue;
+          const int64_t query_start = p.query_begin(b, chunk_begin), query_stop = p.query_stop(b, chunk_end - 1);
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = first_h + g, bh = b * p.heads + h;
+            for (int64_t i0 = query_start; i0 < query_stop; i0 += kTiledRows) {
+              const int64_t rows = std::min(kTiledRows, query_stop - i0);
+              const int64_t key_start = std::max(chunk_begin, p.key_begin(b, i0));
+              const int64_t key_stop = std::min(chunk_end, p.key_end(b, i0 + rows - 1));
+              if (key_start >= key_stop) continue;
+              const int64_t seen_by_all_end = p.limits_right() ? p.key_end(b, i0) : key_stop;
+              TiledBackward t{q.at(b, h, i0), dout.at(b, h, i0), q.row_stride, dout.row_stride, lse.at(b, h, i0),
+                              delta.data() + bh * q_len + i0,
+                              partial ? partial + (g * q_len + i0) * d : dq.at(b, h, i0),
+                              partial ? d : dq.row_stride, dk.at(b, kv_head, 0), dv.at(b, kv_head, 0),
+                              dk.row_stride, dv.row_stride,
+                              tiled_scores(p, q, k, v, b, h, i0, rows, key_start, key_stop,
+                                           p.key_begin(b, i0 + rows - 1), seen_by_all_end, key_limits.data(),
+                                           alibi_rows.data()),
+                              workspace.data()};
+              tiled(t);
+            }
+          }
+          continue;
+        }
+      }
       for (int64_t j0 = chunk * blocks_per_chunk * kKeyBlock; j0 < chunk_end; j0 += kKeyBlock) {
         const int64_t cols = std::min(kKeyBlock, chunk_end - j0);
         const scalar_t* k_block = k.at(b, kv_head, j0);

@@ -120,11 +120,7 @@ FT_INLINE void scores_tile(const TiledForward& t, const float* qt, int64_t j, in
 template <typename F, int kRowVectors, int kColumns>
 FT_INLINE void values_tile(const float* pt, int64_t keys, const float* v, int64_t v_stride, float* acct) {
   constexpr int kN = sizeof(F) / sizeof(float);
-  F acc[kColumns][kRowVectors];
-#pragma GCC unroll 6
-  for (int c = 0; c < kColumns; ++c)
-#pragma GCC unroll 4
-    for (int r = 0; r < kRowVectors; ++r) acc[c][r] = load_vec<F>(acct + c * kTiledRows + r * kN);
+  F acc[kColumns][kRowVectors] = {};  // the block's own sum, added to acct at the end (shorter chains of rounding)
   for (int64_t key = 0; key < keys; ++key) {
     F p[kRowVectors];
 #pragma GCC unroll 4
@@ -140,7 +136,10 @@ FT_INLINE void values_tile(const float* pt, int64_t keys, const float* v, int64_
 #pragma GCC unroll 6
   for (int c = 0; c < kColumns; ++c)
 #pragma GCC unroll 4
-    for (int r = 0; r < kRowVectors; ++r) store_vec(acct + c * kTiledRows + r * kN, acc[c][r]);
+    for (int r = 0; r < kRowVectors; ++r) {
+      float* at = acct + c * kTiledRows + r * kN;
+      store_vec(at, load_vec<F>(at) + acc[c][r]);
+    }
 }
 
 // The register tiles for the last n < kTileColumns keys or columns.

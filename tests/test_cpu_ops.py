@@ -496,12 +496,15 @@ r = lambda *shape: torch.randn(*shape, generator=g)
 q, k, v = r(2, 4, 37, 24), r(2, 2, 37, 24), r(2, 2, 37, 24)
 cache = [r(2, 48, 2, 24) for _ in range(2)]
 x, w1, w2 = r(9, 40), r(64, 40), r(40, 64)
+def tiled(q, k, v, **options):
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = ft.attention(q, k, v, **options)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), r(*out.shape)))
 with ft.use_backend("cpu"):
     results = [ft.attention(q, k, v, is_causal=True, softcap=5.0),
-               # across the tiled forward's 64-row tasks, 256-key blocks and register tiles' tails
-               ft.attention(r(1, 4, 150, 40), r(1, 2, 301, 40), r(1, 2, 301, 40), window=(90, 20),
-                            alibi_slopes=r(4).abs()),
-               ft.attention(r(1, 2, 130, 64), r(1, 2, 520, 64), r(1, 2, 520, 64)),
+               # across the tiled kernels' 64-row blocks, 256-key blocks and register tiles' tails, with gradients
+               *tiled(r(1, 4, 150, 40), r(1, 2, 301, 40), r(1, 2, 301, 40), window=(90, 20), alibi_slopes=r(4).abs()),
+               *tiled(r(1, 2, 130, 64), r(1, 2, 520, 64), r(1, 2, 520, 64)),
                ft.attention_with_kvcache(r(2, 1, 4, 24), *cache, cache_seqlens=torch.tensor([5, 30], dtype=torch.int32),
                                          k_new=r(2, 1, 2, 24), v_new=r(2, 1, 2, 24), softcap=4.0),
                ft.layer_norm(x, r(40), r(40), dropout_p=0.2),
