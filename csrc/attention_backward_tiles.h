@@ -11,6 +11,8 @@
 // the tanh of every score) and a head dim that is not a multiple of the vector width.
 #pragma once
 
+#include <utility>
+
 #include "attention_forward_tiles.h"
 
 namespace fused_transformer_cpu {

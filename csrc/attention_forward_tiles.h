@@ -31,12 +31,10 @@ struct Lanes;
 template <>
 struct Lanes<8> {
   using F = float __attribute__((vector_size(32)));
-  using I = int32_t __attribute__((vector_size(32)));
 };
 template <>
 struct Lanes<16> {
   using F = float __attribute__((vector_size(64)));
-  using I = int32_t __attribute__((vector_size(64)));
 };
 
 template <typename V>

@@ -172,12 +172,19 @@ layer_norm    forward   sm90    bfloat16         *         *            yes     
 layer_norm    training  sm90    bfloat16         *         *            yes      *           *               0.40-0.94  yes        H200 bench --quick bdb1535 2026-11-28
 feed_forward  forward   sm90    bfloat16         *         *            yes      *           *               0.88-1.00  -          H200 bench --quick bdb1535 2026-11-28
 feed_forward  training  sm90    bfloat16         *         *            yes      *           *               0.72-0.95  yes        H200 bench --quick bdb1535 2026-11-28
-# CPU, at torch's SDPA door (its dispatcher in front of our kernel), against torch's CPU flash kernel, 2 threads:
-# docs/integrations.md.
-attention     *         cpu     *                *         none         *        sdpa        *               0.94-0.99  -          CPU sdpa door, docs/integrations.md
-attention     *         cpu     *                *         causal       *        sdpa        0..128          0.54-0.89  -          CPU sdpa door, docs/integrations.md
-attention     *         cpu     *                *         causal       *        sdpa        128..1025       1.07-1.65  -          CPU sdpa door, docs/integrations.md
-attention     *         cpu     *                *         causal       *        sdpa        1025..          0.94       -          CPU sdpa door, docs/integrations.md
+# CPU, at torch's SDPA door (its dispatcher in front of our kernel), against torch's CPU flash kernel, 2 threads,
+# B 2, H 8, D 64, register-tiled kernels at fefb871 (docs/integrations.md). The door decides a forward and its
+# backward alike from the shapes; where the two disagree the row keeps the forward's figure and the table in
+# docs/integrations.md gives both (float32 below 128 keys: training 0.47-1.09; bfloat16 causal 128-256: 1.29-1.82).
+# float16 was not measured: its rows are bfloat16's (both convert to float32 at the op boundary).
+attention     *         cpu     float32          *         none,causal  *        sdpa        0..128          0.34-0.91  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu     float32          *         none,causal  *        sdpa        128..           1.14-1.75  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu     bfloat16,float16 *         none,causal  *        sdpa        0..128          0.65-0.81  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu     bfloat16,float16 *         none         *        sdpa        128..724        1.09-1.87  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu     bfloat16,float16 *         none         *        sdpa        724..1448       0.93-0.96  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu     bfloat16,float16 *         none         *        sdpa        1448..          1.05-1.23  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu     bfloat16,float16 *         causal       *        sdpa        128..362        0.72-0.91  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu     bfloat16,float16 *         causal       *        sdpa        362..           1.11-1.50  -          CPU sdpa door fefb871 2026-12-06
 """
 
 
