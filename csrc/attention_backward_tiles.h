@@ -41,26 +41,7 @@ inline int64_t tiled_backward_workspace_floats(int64_t d) { return (3 * d + 2 * 
 template <typename F, int kKeys, int kColVectors>
 FT_INLINE void keys_tile(const float* pt, const float* x, int64_t x_stride, int64_t rows, float* out,
                          int64_t out_stride) {
-  constexpr int kN = sizeof(F) / sizeof(float);
-  F acc[kKeys][kColVectors] = {};  // the block's own sum, added to out at the end (shorter chains of rounding)
-  for (int64_t r = 0; r < rows; ++r) {
-    F xv[kColVectors];
-#pragma GCC unroll 4
-    for (int c = 0; c < kColVectors; ++c) xv[c] = load_vec<F>(x + r * x_stride + c * kN);
-#pragma GCC unroll 6
-    for (int key = 0; key < kKeys; ++key) {
-      const float w = pt[key * kTiledRows + r];
-#pragma GCC unroll 4
-      for (int c = 0; c < kColVectors; ++c) acc[key][c] += xv[c] * w;
-    }
-  }
-#pragma GCC unroll 6
-  for (int key = 0; key < kKeys; ++key)
-#pragma GCC unroll 4
-    for (int c = 0; c < kColVectors; ++c) {
-      float* at = out + key * out_stride + c * kN;
-      store_vec(at, load_vec<F>(at) + acc[key][c]);
-    }
+  broadcast_tile<F, kKeys, kColVectors>(rows, pt, kTiledRows, 1, x, x_stride, out, out_stride);
 }
 
 // keys_tile over every head-dim column (d a multiple of the vector width), kKeys keys.

@@ -114,30 +114,39 @@ FT_INLINE void scores_tile(const TiledForward& t, const float* qt, int64_t j, in
   }
 }
 
-// acct[c, rows] += sum over keys of V[key, c] pt[key, rows], for columns c .. c + kColumns.
-template <typename F, int kRowVectors, int kColumns>
-FT_INLINE void values_tile(const float* pt, int64_t keys, const float* v, int64_t v_stride, float* acct) {
+// out[i, 0 .. kVectors * N) += sum over n of scalars[i * scalar_row + n * scalar_step] vectors[n * vector_step ..],
+// for i < kRows: the register tile of every product whose broadcast operand is not K (the forward's P^T V, the
+// backward's dQ^T, dV and dK). It sums its own block from zero and adds that to out: a running sum over every
+// block would chain more rounding.
+template <typename F, int kRows, int kVectors>
+FT_INLINE void broadcast_tile(int64_t n, const float* scalars, int64_t scalar_row, int64_t scalar_step,
+                              const float* vectors, int64_t vector_step, float* out, int64_t out_row) {
   constexpr int kN = sizeof(F) / sizeof(float);
-  F acc[kColumns][kRowVectors] = {};  // the block's own sum, added to acct at the end (shorter chains of rounding)
-  for (int64_t key = 0; key < keys; ++key) {
-    F p[kRowVectors];
+  F acc[kRows][kVectors] = {};
+  for (int64_t k = 0; k < n; ++k) {
+    F x[kVectors];
 #pragma GCC unroll 4
-    for (int r = 0; r < kRowVectors; ++r) p[r] = load_vec<F>(pt + key * kTiledRows + r * kN);
-    const float* v_row = v + key * v_stride;
+    for (int v = 0; v < kVectors; ++v) x[v] = load_vec<F>(vectors + k * vector_step + v * kN);
 #pragma GCC unroll 6
-    for (int c = 0; c < kColumns; ++c) {
-      const float vb = v_row[c];
+    for (int i = 0; i < kRows; ++i) {
+      const float s = scalars[i * scalar_row + k * scalar_step];  // vector * scalar: one broadcast
 #pragma GCC unroll 4
-      for (int r = 0; r < kRowVectors; ++r) acc[c][r] += p[r] * vb;
+      for (int v = 0; v < kVectors; ++v) acc[i][v] += x[v] * s;
     }
   }
 #pragma GCC unroll 6
-  for (int c = 0; c < kColumns; ++c)
+  for (int i = 0; i < kRows; ++i)
 #pragma GCC unroll 4
-    for (int r = 0; r < kRowVectors; ++r) {
-      float* at = acct + c * kTiledRows + r * kN;
-      store_vec(at, load_vec<F>(at) + acc[c][r]);
+    for (int v = 0; v < kVectors; ++v) {
+      float* at = out + i * out_row + v * kN;
+      store_vec(at, load_vec<F>(at) + acc[i][v]);
     }
+}
+
+// acct[c, rows] += sum over keys of V[key, c] pt[key, rows], for columns c .. c + kColumns.
+template <typename F, int kRowVectors, int kColumns>
+FT_INLINE void values_tile(const float* pt, int64_t keys, const float* v, int64_t v_stride, float* acct) {
+  broadcast_tile<F, kColumns, kRowVectors>(keys, v, 1, v_stride, pt, kTiledRows, acct, kTiledRows);
 }
 
 // The register tiles for the last n < kTileColumns keys or columns.
