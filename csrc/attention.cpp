@@ -409,7 +409,8 @@ void attention_forward_kernel(const AttentionProblem<scalar_t>& p, const HeadRow
                               const HeadRows<scalar_t>& out, const HeadRows<scalar_t>& lse) {
   const int64_t d = p.head_dim, q_len = p.q_len;
   const auto tiled = tiled_forward_for(p);
-  const ForwardTiles tiles = tiled ? ForwardTiles{kTiledRows, kKeyBlock, kKeyBlock} : forward_tiles(p, at::get_num_threads());
+  const ForwardTiles tiles =
+      tiled ? ForwardTiles{kTiledRows, kKeyBlock, kKeyBlock} : forward_tiles(p, at::get_num_threads());
   const int64_t q_tile = tiles.rows, k_tile = tiles.cols;
   const int64_t q_blocks = (q_len + q_tile - 1) / q_tile;
   const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();

@@ -183,7 +183,8 @@ FT_INLINE void tiled_forward_body(const TiledForward& t) {
   float* m = acct + d * kTiledRows;  // per row: the max so far, then the sum
   float* l = m + kTiledRows;
   for (int64_t c = 0; c < d; ++c)
-    for (int64_t r = 0; r < kTiledRows; ++r) qt[c * kTiledRows + r] = r < t.rows ? t.q[r * t.q_stride + c] * t.scale : 0.0f;
+    for (int64_t r = 0; r < kTiledRows; ++r)
+      qt[c * kTiledRows + r] = r < t.rows ? t.q[r * t.q_stride + c] * t.scale : 0.0f;
   std::fill(acct, acct + d * kTiledRows, 0.0f);
   std::fill(m, m + kTiledRows, -std::numeric_limits<float>::infinity());
   std::fill(l, l + kTiledRows, 0.0f);
