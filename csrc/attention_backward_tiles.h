@@ -80,20 +80,6 @@ FT_INLINE void keys_product(const float* pt, int64_t keys, const float* x, int64
   }
 }
 
-// st[keys, strip] for keys j0 .. j0 + keys of t's k against the panel qt (its strip's first row).
-template <typename F, int kRowVectors>
-FT_INLINE void scores_strip(const TiledForward& t, const float* qt, int64_t j0, int64_t keys, int64_t row0, float* st,
-                            bool masked) {
-  F block_max[kRowVectors];
-  for (int r = 0; r < kRowVectors; ++r) block_max[r] = F{};
-  int64_t key = 0;
-  for (; key + kTileColumns <= keys; key += kTileColumns)
-    scores_tile<F, kRowVectors, kTileColumns>(t, qt, j0 + key, row0, st + key * kTiledRows, block_max, masked);
-  if (key < keys)
-    scores_tail<F, kRowVectors>(static_cast<int>(keys - key), t, qt, j0 + key, row0, st + key * kTiledRows,
-                                block_max, masked);
-}
-
 template <int kLanes, int kRowVectors, int kColVectors>
 FT_INLINE void tiled_backward_body(const TiledBackward& b) {
   using F = typename Lanes<kLanes>::F;
@@ -130,8 +116,9 @@ FT_INLINE void tiled_backward_body(const TiledBackward& b) {
     const bool masked = t.limited && !(j0 >= t.all_begin && j0 + keys <= t.all_end);
     for (int64_t strip = 0; strip < kStrips; ++strip) {
       const int64_t row0 = strip * kStrip;
-      scores_strip<F, kRowVectors>(t, qt + row0, j0, keys, row0, pt + row0, masked);
-      scores_strip<F, kRowVectors>(values, dot + row0, j0, keys, row0, dst + row0, false);
+      F unused_max[kRowVectors] = {};
+      scores_strip<F, kRowVectors>(t, qt + row0, j0, keys, row0, pt + row0, unused_max, masked);
+      scores_strip<F, kRowVectors>(values, dot + row0, j0, keys, row0, dst + row0, unused_max, false);
       F row_shift[kRowVectors], row_delta[kRowVectors];
       for (int r = 0; r < kRowVectors; ++r) {
         row_shift[r] = load_vec<F>(shift + row0 + r * kLanes);
@@ -150,16 +137,9 @@ FT_INLINE void tiled_backward_body(const TiledBackward& b) {
     }
     keys_product<F, kColVectors>(pt, keys, b.dout, b.dout_stride, rows, d, b.dv + j0 * b.dv_stride, b.dv_stride);
     keys_product<F, kColVectors>(dst, keys, b.q, b.q_stride, rows, d, b.dk + j0 * b.dk_stride, b.dk_stride);
-    const float* k = t.k + j0 * t.k_stride;
-    for (int64_t strip = 0; strip < kStrips; ++strip) {
-      const int64_t row0 = strip * kStrip;
-      int64_t c = 0;
-      for (; c + kTileColumns <= d; c += kTileColumns)
-        values_tile<F, kRowVectors, kTileColumns>(dst + row0, keys, k + c, t.k_stride, dqt + c * kTiledRows + row0);
-      if (c < d)
-        values_tail<F, kRowVectors>(static_cast<int>(d - c), dst + row0, keys, k + c, t.k_stride,
-                                    dqt + c * kTiledRows + row0);
-    }
+    for (int64_t strip = 0; strip < kStrips; ++strip)  // dQ^T: K in V's place
+      values_strip<F, kRowVectors>(dst + strip * kStrip, keys, t.k + j0 * t.k_stride, t.k_stride, d,
+                                   dqt + strip * kStrip);
   }
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < d; ++c) b.dq[r * b.dq_stride + c] += dqt[c * kTiledRows + r];

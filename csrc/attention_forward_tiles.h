@@ -172,6 +172,28 @@ FT_INLINE void values_tail(int n, const float* pt, int64_t keys, const float* v,
   }
 }
 
+// st[keys, strip] for keys j0 .. j0 + keys of t's k against the panel qt (both at the strip's first row), and each
+// row's largest score in block_max (which the caller initialises).
+template <typename F, int kRowVectors>
+FT_INLINE void scores_strip(const TiledForward& t, const float* qt, int64_t j0, int64_t keys, int64_t row0, float* st,
+                            F* block_max, bool masked) {
+  int64_t key = 0;
+  for (; key + kTileColumns <= keys; key += kTileColumns)
+    scores_tile<F, kRowVectors, kTileColumns>(t, qt, j0 + key, row0, st + key * kTiledRows, block_max, masked);
+  if (key < keys)
+    scores_tail<F, kRowVectors>(static_cast<int>(keys - key), t, qt, j0 + key, row0, st + key * kTiledRows,
+                                block_max, masked);
+}
+
+// acct[0 .. d, strip] += sum over keys of v[key, c] pt[key, strip] (pt and acct at the strip's first row).
+template <typename F, int kRowVectors>
+FT_INLINE void values_strip(const float* pt, int64_t keys, const float* v, int64_t v_stride, int64_t d, float* acct) {
+  int64_t c = 0;
+  for (; c + kTileColumns <= d; c += kTileColumns)
+    values_tile<F, kRowVectors, kTileColumns>(pt, keys, v + c, v_stride, acct + c * kTiledRows);
+  if (c < d) values_tail<F, kRowVectors>(static_cast<int>(d - c), pt, keys, v + c, v_stride, acct + c * kTiledRows);
+}
+
 template <int kLanes, int kRowVectors>
 FT_INLINE void tiled_forward_body(const TiledForward& t) {
   using F = typename Lanes<kLanes>::F;
@@ -197,13 +219,7 @@ FT_INLINE void tiled_forward_body(const TiledForward& t) {
       const int64_t row0 = strip * kStrip;
       F block_max[kRowVectors];
       for (int r = 0; r < kRowVectors; ++r) block_max[r] = minus_inf;
-      int64_t key = 0;
-      for (; key + kTileColumns <= keys; key += kTileColumns)
-        scores_tile<F, kRowVectors, kTileColumns>(t, qt + row0, j0 + key, row0, st + key * kTiledRows + row0,
-                                                  block_max, masked);
-      if (key < keys)
-        scores_tail<F, kRowVectors>(static_cast<int>(keys - key), t, qt + row0, j0 + key, row0,
-                                    st + key * kTiledRows + row0, block_max, masked);
+      scores_strip<F, kRowVectors>(t, qt + row0, j0, keys, row0, st + row0, block_max, masked);
       // New maxima, the rescaling of what came before, exp and the sums. A row that has seen no key (max -inf)
       // keeps exp(-inf) = 0 everywhere and a sum of 0.
       F shift[kRowVectors], sum[kRowVectors];
@@ -230,13 +246,7 @@ FT_INLINE void tiled_forward_body(const TiledForward& t) {
         }
       }
       for (int r = 0; r < kRowVectors; ++r) store_vec(l + row0 + r * kLanes, sum[r]);
-      const float* v = t.v + j0 * t.v_stride;
-      int64_t c = 0;
-      for (; c + kTileColumns <= d; c += kTileColumns)
-        values_tile<F, kRowVectors, kTileColumns>(st + row0, keys, v + c, t.v_stride, acct + c * kTiledRows + row0);
-      if (c < d)
-        values_tail<F, kRowVectors>(static_cast<int>(d - c), st + row0, keys, v + c, t.v_stride,
-                                    acct + c * kTiledRows + row0);
+      values_strip<F, kRowVectors>(st + row0, keys, t.v + j0 * t.v_stride, t.v_stride, d, acct + row0);
     }
   }
   for (int64_t r = 0; r < t.rows; ++r) {
