@@ -162,8 +162,8 @@ def parse_rows(text: str, origin: str = "the route table") -> List[Row]:
 
 # The rows measured on GPUs, newest first. bench --device cuda (docs/benchmarks.md "On a GPU" holds the runs).
 MEASURED = HEADER + """
-# H200, torch 2.11 + cuDNN 9.19, triton 3.6, bfloat16; bench --device cuda:0 --quick at bdb1535, 2026-11-28
-# (16k tokens a batch, L 1024 and 4096): SDPA picks cuDNN. cuDNN's backward is taken as not deterministic until gpu-check measures it.
+# H200, torch 2.11 + cuDNN 9.19, triton 3.6, bfloat16; bench --device cuda:0 --quick (16k tokens a batch, L 1024
+# and 4096): SDPA picks cuDNN. cuDNN's backward is taken as not deterministic until gpu-check measures it.
 attention     forward   sm90    bfloat16         64,128    none,causal  no       *           *               0.55-0.79  -          H200 bench --quick bdb1535 2026-11-28
 attention     training  sm90    bfloat16         64,128    none,causal  no       *           *               0.54-0.71  no         H200 bench --quick bdb1535 2026-11-28
 # layer_norm + residual, dropout 0.1, d 1024 and 4096, 8k and 32k rows: ours ahead forward from 32M elements
@@ -173,7 +173,7 @@ layer_norm    training  sm90    bfloat16         *         *            yes     
 feed_forward  forward   sm90    bfloat16         *         *            yes      *           *               0.88-1.00  -          H200 bench --quick bdb1535 2026-11-28
 feed_forward  training  sm90    bfloat16         *         *            yes      *           *               0.72-0.95  yes        H200 bench --quick bdb1535 2026-11-28
 # CPU, at torch's SDPA door (its dispatcher in front of our kernel), against torch's CPU flash kernel, 2 threads,
-# B 2, H 8, D 64, register-tiled kernels at fefb871 (docs/integrations.md). The door decides a forward and its
+# B 2, H 8, D 64, register-tiled kernels (docs/integrations.md). The door decides a forward and its
 # backward alike from the shapes; where the two disagree the row keeps the forward's figure and the table in
 # docs/integrations.md gives both (float32 below 128 keys: training 0.47-1.09; bfloat16 causal 128-256: 1.29-1.82).
 # float16 was not measured: its rows are bfloat16's (both convert to float32 at the op boundary).

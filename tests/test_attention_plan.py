@@ -2,6 +2,8 @@
 fallback order does what its docstring says, and the AOT report compiles exactly what the plan picks. No GPU and
 no compilation: ``plan`` is pure Python, and the report's SASS figures are tests/test_report.py's."""
 import itertools
+import pathlib
+import re
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch
 from fused_transformer.kernels import toolchain
 from fused_transformer.kernels.attention import TILE_ROWS, aot, configs, launch, plan
 from fused_transformer.kernels.targets import BY_CAPABILITY, TARGETS, closest_target
+from fused_transformer.tools import report
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
 HOPPER = BY_CAPABILITY[90]
@@ -242,3 +245,16 @@ def test_every_row_is_compiled(kernel):
     for row in (row for row in TILE_ROWS if row.kernel == kernel):
         assert any((version, row.precision, d, str(row.tile), t) in compiled for version in toolchain.TESTED
                    if version in row.tritons for d in row.head_dims for t in row.targets), row
+
+
+def test_what_was_measured_about_the_rows_is_their_provenance_not_comments():
+    """configs.py's comments hold no spill figure (what was measured lives in ``TileRow.provenance``, which the
+    report's markdown shows), and every row for the older releases only says what spilled under them."""
+    source = pathlib.Path(configs.__file__).read_text()
+    figures = [line for line in source.splitlines() if re.search(r"#.*\b\d+(-\d+)? B\b", line)]
+    assert not figures, figures
+    older = [row for row in TILE_ROWS if row.tritons == toolchain.BEFORE_3_9]
+    assert older and all(row.provenance for row in older), [row for row in older if not row.provenance]
+    plan_lines = report.tile_plan_markdown()
+    assert len(plan_lines) == 2 + len(TILE_ROWS)
+    assert all(row.provenance in line for row, line in zip(TILE_ROWS, plan_lines[2:]) if row.provenance)

@@ -479,8 +479,9 @@ MARKDOWN_ROWS = {
 
 
 def format_markdown(results: Sequence[AotResult], command: Sequence[str]) -> str:
-    """docs/report.md: where the figures come from, the count of compilations and failures per module, and the
-    ``MARKDOWN_ROWS`` of each module as markdown tables."""
+    """docs/report.md: where the figures come from, the count of compilations and failures per module, the
+    ``MARKDOWN_ROWS`` of each module as markdown tables, the decode launches' occupancy and the attention tile plan
+    with each row's provenance."""
     lines = provenance.header("AOT resource report", command)
     lines += ["| module | compilations | failed |", "| --- | --- | --- |"]
     for module in dict.fromkeys(r.module for r in results):
@@ -498,7 +499,29 @@ def format_markdown(results: Sequence[AotResult], command: Sequence[str]) -> str
     lines += ["## decode launches", "", "Programs per SM of a one-token decoding step: the general forward's grid (a "
               "program per query head) -> the split-KV decode kernel's (a program per KV head and key split).", "",
               *decode_occupancy_lines(), ""]
+    lines += ["## The attention tile plan", "", "`TILE_ROWS` of kernels/attention/configs.py in order (a launch takes "
+              "the first row that serves it), each with what was measured about it.", "", *tile_plan_markdown(), ""]
     return "\n".join(lines)
+
+
+TILE_PLAN_HEADER = ("kernel", "precision", "head dims", "tile", "targets", "loads", "light", "layouts", "score_mods",
+                    "tritons", "provenance")
+
+
+def tile_plan_markdown() -> List[str]:
+    """A markdown table of the attention plan's rows (``configs.TILE_ROWS``), provenance included."""
+    from fused_transformer.kernels.attention import configs
+
+    def listed(values) -> str:
+        return ", ".join(str(value) for value in values) or "-"
+
+    lines = ["| " + " | ".join(TILE_PLAN_HEADER) + " |", "|" + " --- |" * len(TILE_PLAN_HEADER)]
+    for row in configs.TILE_ROWS:
+        cells = (row.kernel, row.precision, listed(row.head_dims), str(row.tile),
+                 listed(f"sm_{target}" for target in row.targets), row.loads, "yes" if row.light else "no",
+                 listed(row.layouts), "yes" if row.score_mods else "no", str(row.tritons), row.provenance or "-")
+        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
+    return lines
 
 
 # The decode launches whose programs per SM the report shows: (batch, kv heads, keys), each with 8 and 32 query heads.

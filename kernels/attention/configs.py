@@ -86,6 +86,7 @@ class TileRow:
     # The backward kernels: whether the pointer path reads do through its strides without spilling with this tile
     # (else in o's layout, where the launcher copies a gradient that is not).
     do_strides: bool = True
+    provenance: str = ""  # what was measured: which larger tile spilled how much, under which Triton release / target
 
     def interior_loop_for(self, tma: bool, packed: bool) -> bool:
         """Whether a launch with these loads and layout may run the two-loop path with this row's tile."""
@@ -106,174 +107,198 @@ def _rows(kernel: str, precision: str, tiles: dict, **options) -> Tuple[TileRow,
 
 
 def _older(kernel: str, precision: str, head_dim: int, tile: Tuple[int, int, int, int], **options) -> TileRow:
-    """A row for Triton 3.6-3.8 only, standing before the row tuned under 3.9 that spills there (its comment says
-    what spilled): the first row that matches is the plan, so older releases take this one and 3.9 the next."""
+    """A row for Triton 3.6-3.8 only, standing before the row tuned under 3.9 that spills there (its ``provenance``
+    says what spilled): the first row that matches is the plan, so older releases take this one and 3.9 the next."""
     return TileRow(kernel, precision, (head_dim,), Tile(*tile), tritons=BEFORE_3_9, **options)
 
 
+# What was measured about several rows at once (``TileRow.provenance``).
+_SCORE_MODS_SPILL = "with softcap or ALiBi, the tiles of the later rows spill 8-80 B"
+_SMALL_FP32_DKDV_SPILL = ("BM32_BN32_w8_s2 spills 8 B under 3.6 (32 B under 3.7, packed and causal); BM32_BN64_w8_s1 "
+                          "40 B under 3.7 (since the dropout seed may come by value)")
+_PACKED_FP32_DKDV_SPILL = "BM32_BN64_w8_s2 spills 16 B here (from 3.7 on sm_86 / sm_89, from 3.9 on sm_80)"
+
 TILE_ROWS: Tuple[TileRow, ...] = (
-    # 0. softcap or ALiBi (the scoremods variants of the report): the tiles below spill 8-80 B there (the cap's tanh
-    # and its derivative per score, the ALiBi distance), mostly in the backward.
+    # 0. softcap or ALiBi (the scoremods variants of the report), where the tiles below spill (the cap's tanh and its
+    # derivative per score, the ALiBi distance), mostly in the backward.
     TileRow("bwd_dq", "bf16", (64,), Tile(128, 32, 8, 2), targets=HOPPER, loads="tma", layouts=("packed",),
-            score_mods=True),
+            score_mods=True, provenance=_SCORE_MODS_SPILL),
     TileRow("bwd_dq", "bf16", (128,), Tile(128, 32, 8, 3), targets=HOPPER, loads="tma", layouts=("packed",),
-            score_mods=True),
-    TileRow("bwd_dq", "tf32", (32,), Tile(32, 16, 8, 2), targets=(86, 89), layouts=("packed",), score_mods=True),
+            score_mods=True, provenance=_SCORE_MODS_SPILL),
+    TileRow("bwd_dq", "tf32", (32,), Tile(32, 16, 8, 2), targets=(86, 89), layouts=("packed",), score_mods=True,
+            provenance=_SCORE_MODS_SPILL),
     TileRow("fwd", "bf16", (32,), Tile(128, 32, 8, 1), targets=(80, 90), loads="pointer", layouts=("packed",),
-            score_mods=True, tritons=VersionRange((3, 8))),  # BM128_BN32_w8_s2 spills 8 B on sm_80
-    TileRow("bwd_dq", "fp32", (64,), Tile(64, 16, 8, 1), score_mods=True),
-    # BM64_BN32_w8_s2 spills 32 B under 3.8 on the 99 KB parts (since the dropout seed may come by value):
+            score_mods=True, tritons=VersionRange((3, 8)), provenance="BM128_BN32_w8_s2 spills 8 B on sm_80"),
+    TileRow("bwd_dq", "fp32", (64,), Tile(64, 16, 8, 1), score_mods=True, provenance=_SCORE_MODS_SPILL),
     TileRow("bwd_dq", "bf16", (128,), Tile(64, 32, 8, 1), targets=SMALL_SHARED_MEMORY, score_mods=True,
-            tritons=VersionRange((3, 8), (3, 8))),
-    # BM32_BN32_w8_s1 spills 8 B under 3.7 on the 99 KB parts (o in float32; since the dropout seed may come by value):
+            tritons=VersionRange((3, 8), (3, 8)),
+            provenance="BM64_BN32_w8_s2 spills 32 B under 3.8 on the 99 KB parts (since the dropout seed may come by "
+                       "value)"),
     TileRow("fwd", "bf16", (256,), Tile(32, 16, 8, 1), targets=SMALL_SHARED_MEMORY, score_mods=True,
-            tritons=TRITON_3_7),
+            tritons=TRITON_3_7,
+            provenance="BM32_BN32_w8_s1 spills 8 B under 3.7 on the 99 KB parts (o in float32; since the dropout seed "
+                       "may come by value)"),
     TileRow("fwd", "fp32", (16,), Tile(64, 32, 8, 1), targets=HOPPER, layouts=("dense",), score_mods=True,
-            tritons=TRITON_3_6),  # BM64_BN32_w8_s2 spills 8 B under 3.6
-    # BM16_BN32_w8_s1 spills 8 B under 3.9 on sm_80 (since the dropout seed may come by value):
-    TileRow("bwd_dkdv", "fp32", (64,), Tile(16, 16, 8, 1), targets=(80, 90), score_mods=True, tritons=SINCE_3_9),
-    TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 1), score_mods=True, do_strides=False),
-    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 1), score_mods=True),
-    _older("fwd", "tf32", 64, (32, 16, 8, 1), targets=(80, 86, 89), layouts=("dense",),
-           score_mods=True),  # BM32_BN32_w8_s1 spills 8 B under 3.7
-    _older("fwd", "fp32", 32, (64, 32, 8, 1), targets=SMALL_SHARED_MEMORY,
-           score_mods=True),  # BM64_BN32_w8_s2 spills 8 B under 3.6
-    _older("bwd_dq", "tf32", 16, (16, 32, 8, 1), targets=(80,), layouts=("packed",),
-           score_mods=True),  # BM16_BN32_w4_s1 spills 8 B under 3.6, 3.7
-    _older("bwd_dq", "tf32", 32, (32, 16, 8, 1), targets=HOPPER, layouts=("packed",),
-           score_mods=True),  # BM32_BN16_w8_s2 spills 8 B under 3.6, 3.7
+            tritons=TRITON_3_6, provenance="BM64_BN32_w8_s2 spills 8 B under 3.6"),
+    TileRow("bwd_dkdv", "fp32", (64,), Tile(16, 16, 8, 1), targets=(80, 90), score_mods=True, tritons=SINCE_3_9,
+            provenance="BM16_BN32_w8_s1 spills 8 B under 3.9 on sm_80 (since the dropout seed may come by value)"),
+    TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 1), score_mods=True, do_strides=False,
+            provenance=_SCORE_MODS_SPILL),
+    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 1), score_mods=True, provenance=_SCORE_MODS_SPILL),
+    _older("fwd", "tf32", 64, (32, 16, 8, 1), targets=(80, 86, 89), layouts=("dense",), score_mods=True,
+           provenance="BM32_BN32_w8_s1 spills 8 B under 3.7"),
+    _older("fwd", "fp32", 32, (64, 32, 8, 1), targets=SMALL_SHARED_MEMORY, score_mods=True,
+           provenance="BM64_BN32_w8_s2 spills 8 B under 3.6"),
+    _older("bwd_dq", "tf32", 16, (16, 32, 8, 1), targets=(80,), layouts=("packed",), score_mods=True,
+           provenance="BM16_BN32_w4_s1 spills 8 B under 3.6, 3.7"),
+    _older("bwd_dq", "tf32", 32, (32, 16, 8, 1), targets=HOPPER, layouts=("packed",), score_mods=True,
+           provenance="BM32_BN16_w8_s2 spills 8 B under 3.6, 3.7"),
     TileRow("bwd_dq", "tf32", (32,), Tile(32, 16, 8, 2), targets=(80, 90), layouts=("packed",), score_mods=True,
-            tritons=SINCE_3_9),  # BM32_BN32_w8_s2 spills 8 B on sm_80
+            tritons=SINCE_3_9, provenance="BM32_BN32_w8_s2 spills 8 B on sm_80"),
     # 1. float32 with tf32 products. sm_90's forward through TMA runs 128 query rows as wgmma (HGMMA...TF32).
-    _older("fwd", "tf32", 64, (128, 64, 8, 1), targets=HOPPER, loads="tma"),  # BM128_BN64_w8_s2 spills 16 B under 3.7
+    _older("fwd", "tf32", 64, (128, 64, 8, 1), targets=HOPPER, loads="tma",
+           provenance="BM128_BN64_w8_s2 spills 16 B under 3.7"),
     *_rows("fwd", "tf32", {64: (128, 64, 8, 2), 128: (128, 32, 8, 2)}, targets=HOPPER, loads="tma"),
     *_rows("fwd", "tf32", {16: (16, 32, 4, 1), 32: (32, 32, 4, 1)}),
-    _older("bwd_dq", "tf32", 16, (16, 16, 4, 1), targets=SMALL_SHARED_MEMORY, layouts=("packed",),
-           interior_loop=()),  # BM16_BN32_w4_s1 spills 8 B under 3.6, 3.7 (packed)
-    # BM16_BN32_w4_s1 spills 8-16 B under 3.6, 3.7, 3.8:
-    _older("bwd_dq", "tf32", 16, (16, 32, 4, 1), targets=(86, 89, 90), interior_loop=()),
+    _older("bwd_dq", "tf32", 16, (16, 16, 4, 1), targets=SMALL_SHARED_MEMORY, layouts=("packed",), interior_loop=(),
+           provenance="BM16_BN32_w4_s1 spills 8 B under 3.6, 3.7 (packed)"),
+    _older("bwd_dq", "tf32", 16, (16, 32, 4, 1), targets=(86, 89, 90), interior_loop=(),
+           provenance="BM16_BN32_w4_s1 spills 8-16 B under 3.6, 3.7, 3.8"),
     TileRow("bwd_dq", "tf32", (16,), Tile(16, 32, 4, 1)),
     TileRow("bwd_dq", "tf32", (64,), Tile(16, 32, 8, 1), do_strides=False),
-    TileRow("bwd_dq", "tf32", (128,), Tile(16, 16, 8, 1), interior_loop=("dense",)),  # packed: 8 B
-    # BM16_BN32_w4_s1 spills 8-16 B under 3.6, 3.7, 3.8:
-    _older("bwd_dkdv", "tf32", 16, (16, 32, 8, 1), targets=(86, 89, 90), interior_loop=("packed",), do_strides=False),
-    TileRow("bwd_dkdv", "tf32", (16,), Tile(16, 32, 4, 1), interior_loop=("packed",)),  # dense: 8-16 B
+    TileRow("bwd_dq", "tf32", (128,), Tile(16, 16, 8, 1), interior_loop=("dense",),
+            provenance="the packed two-loop path spills 8 B"),
+    _older("bwd_dkdv", "tf32", 16, (16, 32, 8, 1), targets=(86, 89, 90), interior_loop=("packed",), do_strides=False,
+           provenance="BM16_BN32_w4_s1 spills 8-16 B under 3.6, 3.7, 3.8"),
+    TileRow("bwd_dkdv", "tf32", (16,), Tile(16, 32, 4, 1), interior_loop=("packed",),
+            provenance="the dense two-loop path spills 8-16 B"),
     TileRow("bwd_dkdv", "tf32", (32,), Tile(16, 32, 8, 1)),
-    # BM16_BN16_w8_s1 spills 8 B under 3.6, 3.7, 3.8:
     _older("bwd_dkdv", "tf32", 64, (16, 16, 4, 1), targets=SMALL_SHARED_MEMORY, interior_loop=("packed",),
-           do_strides=False),
-    TileRow("bwd_dkdv", "tf32", (64,), Tile(16, 16, 8, 1), interior_loop=("packed",),
-            do_strides=False),  # dense: 8-16 B
-    _older("bwd_dkdv", "tf32", 128, (32, 32, 8, 2), interior_loop=()),  # BM16_BN16_w8_s1 spills 8-16 B under 3.6, 3.7
-    TileRow("bwd_dkdv", "tf32", (128,), Tile(16, 16, 8, 1), interior_loop=(), do_strides=False),  # 8-16 B
+           do_strides=False, provenance="BM16_BN16_w8_s1 spills 8 B under 3.6, 3.7, 3.8"),
+    TileRow("bwd_dkdv", "tf32", (64,), Tile(16, 16, 8, 1), interior_loop=("packed",), do_strides=False,
+            provenance="the dense two-loop path spills 8-16 B"),
+    _older("bwd_dkdv", "tf32", 128, (32, 32, 8, 2), interior_loop=(),
+           provenance="BM16_BN16_w8_s1 spills 8-16 B under 3.6, 3.7"),
+    TileRow("bwd_dkdv", "tf32", (128,), Tile(16, 16, 8, 1), interior_loop=(), do_strides=False,
+            provenance="the two-loop path spills 8-16 B"),
     # 2. 99 KB parts.
-    # BM128_BN64_w8_s2 at D64 spills 208 B under 3.6, 128 B under 3.9 (with every feature):
-    *_rows("fwd", "bf16", {32: (128, 64, 8, 2), 64: (128, 32, 8, 2)}, targets=SMALL_SHARED_MEMORY),
-    # BM32_BN32_w8_s2 spills 8 B under 3.6 (32 B under 3.7, packed and causal); BM32_BN64_w8_s1 40 B under 3.7
-    # (since the dropout seed may come by value):
+    *_rows("fwd", "bf16", {32: (128, 64, 8, 2), 64: (128, 32, 8, 2)}, targets=SMALL_SHARED_MEMORY,
+           provenance="BM128_BN64_w8_s2 at D64 spills 208 B under 3.6, 128 B under 3.9 (with every feature)"),
     TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 64, 8, 1), targets=SMALL_SHARED_MEMORY, interior_loop=(),
-            tritons=TRITON_3_6),
-    TileRow("bwd_dkdv", "fp32", (16,), Tile(16, 32, 4, 1), targets=SMALL_SHARED_MEMORY,
-            tritons=TRITON_3_7),
+            tritons=TRITON_3_6, provenance=_SMALL_FP32_DKDV_SPILL),
+    TileRow("bwd_dkdv", "fp32", (16,), Tile(16, 32, 4, 1), targets=SMALL_SHARED_MEMORY, tritons=TRITON_3_7,
+            provenance=_SMALL_FP32_DKDV_SPILL),
     # Under 3.8 these parts take the older releases' BM32_BN16_w8_s2 below (since the dropout seed may come by value).
     TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 2), targets=SMALL_SHARED_MEMORY, interior_loop=(),
-            tritons=SINCE_3_9),  # 32-48 B
+            tritons=SINCE_3_9, provenance="the two-loop path spills 32-48 B"),
     # 3. sm_90 through TMA. Light packed launches, where the light tiles below spill for packed sequences (which
     # zero a q / do tile's rows past their sequence in registers).
     TileRow("fwd", "bf16", (128,), Tile(128, 64, 8, 3), targets=HOPPER, loads="tma", light=True, layouts=("packed",)),
     TileRow("bwd_dkdv", "bf16", (64,), Tile(32, 128, 8, 2), targets=HOPPER, loads="tma", light=True,
             layouts=("packed",)),
-    # BM32_BN128_w8_s2 spills 8 B under 3.6:
     _older("bwd_dkdv", "bf16", 128, (32, 128, 8, 1), targets=HOPPER, loads="tma", light=True, layouts=("packed",),
-           interior_loop=()),
+           interior_loop=(), provenance="BM32_BN128_w8_s2 spills 8 B under 3.6"),
     TileRow("bwd_dkdv", "bf16", (128,), Tile(32, 128, 8, 2), targets=HOPPER, loads="tma", light=True,
-            layouts=("packed",), interior_loop=()),  # 328 B
+            layouts=("packed",), interior_loop=(), provenance="the two-loop path spills 328 B"),
     # Light launches: every HGMMA N >= 64 or the head dim.
-    # BM128_BN128_w8_s3 spills 16-24 B under 3.6, 3.7:
-    _older("fwd", "bf16", 128, (128, 64, 8, 3), targets=HOPPER, loads="tma", light=True),
+    _older("fwd", "bf16", 128, (128, 64, 8, 3), targets=HOPPER, loads="tma", light=True,
+           provenance="BM128_BN128_w8_s3 spills 16-24 B under 3.6, 3.7"),
     *_rows("fwd", "bf16", {16: (128, 128, 8, 3), 32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 128, 8, 3)},
            targets=HOPPER, loads="tma", light=True),
-    # BM128_BN64_w8_s2 spills 24-120 B under 3.6, 3.7, 3.8:
-    _older("fwd", "bf16", 256, (128, 32, 8, 1), targets=HOPPER, loads="tma", light=True, interior_loop=("dense",)),
+    _older("fwd", "bf16", 256, (128, 32, 8, 1), targets=HOPPER, loads="tma", light=True, interior_loop=("dense",),
+           provenance="BM128_BN64_w8_s2 spills 24-120 B under 3.6, 3.7, 3.8"),
     TileRow("fwd", "bf16", (256,), Tile(128, 64, 8, 2), targets=HOPPER, loads="tma", light=True,
-            interior_loop=("dense",)),  # packed: 24-120 B
+            interior_loop=("dense",), provenance="the packed two-loop path spills 24-120 B"),
     *_rows("bwd_dq", "bf16", {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 3)},
            targets=HOPPER, loads="tma", light=True),
     TileRow("bwd_dq", "bf16", (256,), Tile(64, 64, 4, 2), targets=HOPPER, loads="tma", light=True,
-            layouts=("dense",), interior_loop=()),  # 8 B; packed, these tiles spill 256 B
-    # BM64_BN128_w8_s2 spills 8 B under 3.7:
-    _older("bwd_dkdv", "bf16", 32, (64, 128, 8, 2), targets=HOPPER, loads="tma", light=True, interior_loop=()),
+            layouts=("dense",), interior_loop=(),
+            provenance="the two-loop path spills 8 B; packed, these tiles spill 256 B"),
+    _older("bwd_dkdv", "bf16", 32, (64, 128, 8, 2), targets=HOPPER, loads="tma", light=True, interior_loop=(),
+           provenance="BM64_BN128_w8_s2 spills 8 B under 3.7"),
     *_rows("bwd_dkdv", "bf16", {16: (64, 128, 8, 2), 32: (64, 128, 8, 2), 64: (64, 128, 8, 2)}, targets=HOPPER,
            loads="tma", light=True),
     TileRow("bwd_dkdv", "bf16", (128,), Tile(64, 64, 4, 1), targets=HOPPER, loads="tma", light=True,
-            interior_loop=()),  # 448 B
+            interior_loop=(), provenance="the two-loop path spills 448 B"),
     # Any launch: pipelined, with every HGMMA as wide as an attn_mask tile and dropout leave registers for.
-    # BM128_BN64_w8_s2 spills 8-160 B under 3.6, 3.7, 3.8:
-    _older("fwd", "bf16", 128, (128, 32, 8, 2), targets=HOPPER, loads="tma"),
+    _older("fwd", "bf16", 128, (128, 32, 8, 2), targets=HOPPER, loads="tma",
+           provenance="BM128_BN64_w8_s2 spills 8-160 B under 3.6, 3.7, 3.8"),
     *_rows("fwd", "bf16", {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 128: (128, 64, 8, 2)}, targets=HOPPER,
            loads="tma"),
-    _older("bwd_dq", "bf16", 16, (128, 32, 4, 1), targets=HOPPER, loads="tma"),  # BM128_BN32_w4_s2 spills 8 B under 3.7
-    # BM128_BN64_w8_s3 spills 8-112 B under 3.6, 3.7, 3.8:
-    _older("bwd_dq", "bf16", 128, (128, 32, 8, 3), targets=HOPPER, loads="tma"),
-    TileRow("bwd_dq", "bf16", (128,), Tile(128, 32, 8, 3), targets=HOPPER, loads="tma",
-            layouts=("packed",)),  # BM128_BN64_w8_s3 spills 8 B packed, with dropout
+    _older("bwd_dq", "bf16", 16, (128, 32, 4, 1), targets=HOPPER, loads="tma",
+           provenance="BM128_BN32_w4_s2 spills 8 B under 3.7"),
+    _older("bwd_dq", "bf16", 128, (128, 32, 8, 3), targets=HOPPER, loads="tma",
+           provenance="BM128_BN64_w8_s3 spills 8-112 B under 3.6, 3.7, 3.8"),
+    TileRow("bwd_dq", "bf16", (128,), Tile(128, 32, 8, 3), targets=HOPPER, loads="tma", layouts=("packed",),
+            provenance="BM128_BN64_w8_s3 spills 8 B packed, with dropout"),
     *_rows("bwd_dq", "bf16", {16: (128, 32, 4, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 3)}, targets=HOPPER,
            loads="tma"),
-    # BM32_BN128_w8_s2 spills 8-80 B under 3.6, 3.8:
-    _older("bwd_dkdv", "bf16", 64, (32, 128, 8, 1), targets=HOPPER, loads="tma"),
+    _older("bwd_dkdv", "bf16", 64, (32, 128, 8, 1), targets=HOPPER, loads="tma",
+           provenance="BM32_BN128_w8_s2 spills 8-80 B under 3.6, 3.8"),
     TileRow("bwd_dkdv", "bf16", (64,), Tile(32, 128, 8, 2), targets=HOPPER, loads="tma"),
     # 4. Every target: the largest tiles that compile without spills with every feature on (float mask, key and
     # query padding, causal, window, dropout) and for packed sequences.
-    _older("fwd", "bf16", 128, (128, 16, 8, 2), targets=SMALL_SHARED_MEMORY),  # BM128_BN32_w8_s2 spills 16 B under 3.6
+    _older("fwd", "bf16", 128, (128, 16, 8, 2), targets=SMALL_SHARED_MEMORY,
+           provenance="BM128_BN32_w8_s2 spills 16 B under 3.6"),
     *_rows("fwd", "bf16", {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 64, 8, 3), 128: (128, 32, 8, 2)}),
-    # BM32_BN32_w8_s1 spills 16 B under 3.7:
-    _older("fwd", "bf16", 256, (32, 16, 8, 1), targets=HOPPER, loads="tma", interior_loop_tma=BOTH),
+    _older("fwd", "bf16", 256, (32, 16, 8, 1), targets=HOPPER, loads="tma", interior_loop_tma=BOTH,
+           provenance="BM32_BN32_w8_s1 spills 16 B under 3.7"),
     TileRow("fwd", "bf16", (256,), Tile(32, 16, 8, 1), targets=SMALL_SHARED_MEMORY, layouts=("packed",),
-            interior_loop=(), tritons=TRITON_3_6),  # BM32_BN32_w8_s1 spills 8 B under 3.6
-    TileRow("fwd", "bf16", (256,), Tile(32, 32, 8, 1), interior_loop=("dense",), interior_loop_tma=BOTH),  # 24-120 B
-    # BM32_BN32_w8_s1 spills 8-16 B under 3.6, 3.8 on sm_90, 8 B under 3.6, 3.7 on sm_80 (since the dropout seed may
-    # come by value):
-    _older("fwd", "fp32", 64, (32, 16, 8, 1), targets=(80, 90)),
-    # Since the dropout seed may come by value, BM64_BN32_w8_s2 spills 8 B under 3.6 at D16 on sm_90, and at D32 with
-    # score modifiers:
-    TileRow("fwd", "fp32", (16,), Tile(64, 32, 8, 1), targets=HOPPER, tritons=TRITON_3_6),
-    TileRow("fwd", "fp32", (32,), Tile(32, 32, 8, 2), targets=HOPPER, score_mods=True, tritons=TRITON_3_6),
-    _older("fwd", "fp32", 128, (16, 64, 8, 2)),  # BM32_BN16_w8_s1 spills 8 B under 3.6, 3.8
+            interior_loop=(), tritons=TRITON_3_6, provenance="BM32_BN32_w8_s1 spills 8 B under 3.6"),
+    TileRow("fwd", "bf16", (256,), Tile(32, 32, 8, 1), interior_loop=("dense",), interior_loop_tma=BOTH,
+            provenance="the packed two-loop path spills 24-120 B"),
+    _older("fwd", "fp32", 64, (32, 16, 8, 1), targets=(80, 90),
+           provenance="BM32_BN32_w8_s1 spills 8-16 B under 3.6, 3.8 on sm_90, 8 B under 3.6, 3.7 on sm_80 (since the "
+                      "dropout seed may come by value)"),
+    TileRow("fwd", "fp32", (16,), Tile(64, 32, 8, 1), targets=HOPPER, tritons=TRITON_3_6,
+            provenance="BM64_BN32_w8_s2 spills 8 B under 3.6 on sm_90 (since the dropout seed may come by value)"),
+    TileRow("fwd", "fp32", (32,), Tile(32, 32, 8, 2), targets=HOPPER, score_mods=True, tritons=TRITON_3_6,
+            provenance="BM64_BN32_w8_s2 spills 8 B under 3.6 at D32 with score modifiers (since the dropout seed may "
+                       "come by value)"),
+    _older("fwd", "fp32", 128, (16, 64, 8, 2), provenance="BM32_BN16_w8_s1 spills 8 B under 3.6, 3.8"),
     *_rows("fwd", "fp32", {16: (64, 32, 8, 2), 32: (64, 32, 8, 2), 64: (32, 32, 8, 1), 128: (32, 16, 8, 1)}),
-    _older("bwd_dq", "bf16", 32, (128, 16, 8, 1), targets=(80, 86, 89),
-           do_strides=False),  # BM128_BN32_w8_s2 spills 8 B under 3.6, 3.7
-    _older("bwd_dq", "bf16", 64, (64, 32, 8, 1), targets=(80,), layouts=("packed",)),  # BM128_BN32_w8_s1: 8 B, 3.6, 3.7
+    _older("bwd_dq", "bf16", 32, (128, 16, 8, 1), targets=(80, 86, 89), do_strides=False,
+           provenance="BM128_BN32_w8_s2 spills 8 B under 3.6, 3.7"),
+    _older("bwd_dq", "bf16", 64, (64, 32, 8, 1), targets=(80,), layouts=("packed",),
+           provenance="BM128_BN32_w8_s1 spills 8 B under 3.6, 3.7"),
     *_rows("bwd_dq", "bf16", {16: (128, 32, 8, 2), 32: (128, 32, 8, 2), 64: (128, 32, 8, 1), 128: (64, 32, 8, 2)}),
-    TileRow("bwd_dq", "bf16", (256,), Tile(32, 32, 8, 1), interior_loop_tma=("dense",)),  # packed through TMA: 680 B
-    _older("bwd_dq", "fp32", 32, (32, 16, 8, 2)),  # BM32_BN32_w8_s2 spills 16 B under 3.6, 3.7, 3.8
+    TileRow("bwd_dq", "bf16", (256,), Tile(32, 32, 8, 1), interior_loop_tma=("dense",),
+            provenance="the packed two-loop path through TMA spills 680 B"),
+    _older("bwd_dq", "fp32", 32, (32, 16, 8, 2), provenance="BM32_BN32_w8_s2 spills 16 B under 3.6, 3.7, 3.8"),
     TileRow("bwd_dq", "fp32", (16,), Tile(32, 32, 4, 1)),
     TileRow("bwd_dq", "fp32", (32,), Tile(32, 32, 8, 2), do_strides=False),
-    # BM64_BN32_w8_s2 spills 16-40 B under 3.6:
-    _older("bwd_dq", "fp32", 64, (64, 16, 8, 1), targets=(80, 90), interior_loop=()),
-    TileRow("bwd_dq", "fp32", (64,), Tile(64, 32, 8, 2), interior_loop=()),  # 296-336 B
+    _older("bwd_dq", "fp32", 64, (64, 16, 8, 1), targets=(80, 90), interior_loop=(),
+           provenance="BM64_BN32_w8_s2 spills 16-40 B under 3.6"),
+    TileRow("bwd_dq", "fp32", (64,), Tile(64, 32, 8, 2), interior_loop=(),
+            provenance="the two-loop path spills 296-336 B"),
     TileRow("bwd_dq", "fp32", (128,), Tile(16, 16, 8, 1)),
-    _older("bwd_dkdv", "bf16", 16, (32, 64, 8, 1), targets=(80, 86, 89)),  # BM32_BN128_w8_s1 spills 8 B under 3.6, 3.7
-    # BM16_BN64_w8_s1 spills 16-32 B under 3.6, 3.7, 3.8:
-    _older("bwd_dkdv", "bf16", 128, (16, 64, 4, 1), targets=HOPPER, loads="tma"),
+    _older("bwd_dkdv", "bf16", 16, (32, 64, 8, 1), targets=(80, 86, 89),
+           provenance="BM32_BN128_w8_s1 spills 8 B under 3.6, 3.7"),
+    _older("bwd_dkdv", "bf16", 128, (16, 64, 4, 1), targets=HOPPER, loads="tma",
+           provenance="BM16_BN64_w8_s1 spills 16-32 B under 3.6, 3.7, 3.8"),
     *_rows("bwd_dkdv", "bf16", {16: (32, 128, 8, 1), 32: (32, 128, 8, 1), 64: (16, 64, 4, 1), 128: (16, 64, 8, 1)}),
-    TileRow("bwd_dkdv", "bf16", (256,), Tile(16, 32, 8, 1), interior_loop_tma=()),  # through TMA: 704-752 B
-    # BM32_BN64_w8_s1 spills 8-48 B under 3.6-3.8:
-    _older("bwd_dkdv", "fp32", 16, (32, 16, 8, 2), interior_loop=(), do_strides=False),
-    # BM32_BN64_w8_s1 spills 32 B under 3.9 on sm_80 (since the dropout seed may come by value):
-    TileRow("bwd_dkdv", "fp32", (16,), Tile(16, 32, 4, 1)),
-    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 1), targets=(80,), interior_loop=(),
-            tritons=TRITON_3_6),  # BM32_BN64_w8_s2 spills 8-40 B under 3.6 (only) on sm_80
-    # BM32_BN64_w8_s2 spills 16 B here (from 3.7 on sm_86 / sm_89, from 3.9 on sm_80):
+    TileRow("bwd_dkdv", "bf16", (256,), Tile(16, 32, 8, 1), interior_loop_tma=(),
+            provenance="the two-loop path through TMA spills 704-752 B"),
+    _older("bwd_dkdv", "fp32", 16, (32, 16, 8, 2), interior_loop=(), do_strides=False,
+           provenance="BM32_BN64_w8_s1 spills 8-48 B under 3.6-3.8"),
+    TileRow("bwd_dkdv", "fp32", (16,), Tile(16, 32, 4, 1),
+            provenance="BM32_BN64_w8_s1 spills 32 B under 3.9 on sm_80 (since the dropout seed may come by value)"),
+    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 1), targets=(80,), interior_loop=(), tritons=TRITON_3_6,
+            provenance="BM32_BN64_w8_s2 spills 8-40 B under 3.6 (only) on sm_80"),
     TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 32, 8, 1), targets=SMALL_SHARED_MEMORY, layouts=("packed",),
-            tritons=SINCE_3_7),
-    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 32, 8, 1), targets=(80, 90), layouts=("packed",), tritons=SINCE_3_9),
-    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 2), interior_loop=(), do_strides=False),  # 8-48 B
-    _older("bwd_dkdv", "fp32", 64, (16, 16, 8, 1), targets=(80, 90)),  # BM16_BN32_w8_s1 spills 8-16 B under 3.6, 3.7
-    # BM16_BN64_w8_s1 spills 8-24 B under 3.8:
-    _older("bwd_dkdv", "fp32", 128, (16, 64, 16, 1), interior_loop=(), do_strides=False),
+            tritons=SINCE_3_7, provenance=_PACKED_FP32_DKDV_SPILL),
+    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 32, 8, 1), targets=(80, 90), layouts=("packed",), tritons=SINCE_3_9,
+            provenance=_PACKED_FP32_DKDV_SPILL),
+    TileRow("bwd_dkdv", "fp32", (32,), Tile(32, 64, 8, 2), interior_loop=(), do_strides=False,
+            provenance="the two-loop path spills 8-48 B"),
+    _older("bwd_dkdv", "fp32", 64, (16, 16, 8, 1), targets=(80, 90),
+           provenance="BM16_BN32_w8_s1 spills 8-16 B under 3.6, 3.7"),
+    _older("bwd_dkdv", "fp32", 128, (16, 64, 16, 1), interior_loop=(), do_strides=False,
+           provenance="BM16_BN64_w8_s1 spills 8-24 B under 3.8"),
     TileRow("bwd_dkdv", "fp32", (64,), Tile(16, 32, 8, 1), do_strides=False),
     TileRow("bwd_dkdv", "fp32", (128,), Tile(16, 64, 8, 1)),
-    _older("weights", "bf16", 256, (32, 16, 4, 1), targets=SMALL_SHARED_MEMORY),  # BM32_BN32_w4_s1 spills 8 B under 3.6
+    _older("weights", "bf16", 256, (32, 16, 4, 1), targets=SMALL_SHARED_MEMORY,
+           provenance="BM32_BN32_w4_s1 spills 8 B under 3.6"),
     *_rows("weights", "bf16", {16: (64, 64, 4, 1), 32: (64, 64, 4, 1), 64: (64, 64, 4, 1), 128: (64, 64, 4, 1),
                                256: (32, 32, 4, 1)}),
     *_rows("weights", "fp32", {16: (64, 64, 4, 1), 32: (64, 64, 4, 1), 64: (64, 64, 8, 1), 128: (32, 32, 8, 1)}),
