@@ -21,6 +21,13 @@ sees it). Before sm_90 (no clusters), and where the installed Triton cannot buil
 (``toolchain.cluster_launches``), they are split over programs of 8192 columns (SPLIT_COLS), each of which also
 reads the row's other block to get the row sums. ``python -m fused_transformer report`` checks the shipped configs.
 
+Variants (``variants``: the default until ``bench --suite variants`` measured a GPU, then its winner per
+``shape_class``): "row" normalises one row per program, and the backward's programs take one row per step of their
+loop; "rows" takes BLOCK_M rows as one [BLOCK_M, BLOCK_N] tile instead (``rows_per_tile``: up to ROWS_TILE elements,
+MAX_BLOCK_M rows), which gives short rows' programs more bytes to move. It applies to rows narrower than ROWS_TILE
+columns, in the forward and the backward's whole-row path; wider rows run "row"'s launch in either. Both draw the
+same dropout mask (below).
+
 Bytes moved per element of z (element size s: 2 for bf16, 4 for fp32): read dy and z, write dx (3s), plus dz (s)
 and dresidual (s) when present; with SPLIT_COLS over C column blocks dy and z are read C times (+2s(C - 1)).
 Each program writes 4 bytes per column per partial (dweight, dbias) and walks at least MIN_ROWS_PER_PROGRAM
@@ -47,6 +54,7 @@ from ._common import (
     SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, cdiv, contiguous_last_dim, dropout_keep, dropout_seed,
     interpreting, launch_kernel, next_power_of_2, seed_args, sum_rows, traced,
 )
+from . import variants
 from .aot import AotKernel
 from .targets import TARGETS, Target, target_of
 from .toolchain import Version, cluster_launches, installed
@@ -68,59 +76,65 @@ def _layer_norm_fwd_kernel(
     MEAN,  # [rows] float32 (not written for RMSNorm)
     RSTD,  # [rows] float32
     stride_x_row, stride_res_row, stride_y_row, stride_z_row,
-    n_cols, eps, dropout_p, SEED, host_seed,
-    BLOCK_N: tl.constexpr,
+    n_rows, n_cols, eps, dropout_p, SEED, host_seed,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_Z: tl.constexpr, IS_RMS_NORM: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    # Program i normalises rows [i * BLOCK_M, (i + 1) * BLOCK_M) as one [BLOCK_M, BLOCK_N] tile, each row's
+    # statistics reduced along axis 1 (BLOCK_M = 1: the "row" variant; "rows" gives a short row's program more work).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < n_cols
-    z = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    z = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = dropout_keep(dropout_seed(SEED, host_seed), row * n_cols + cols, dropout_p)
+        keep = dropout_keep(dropout_seed(SEED, host_seed), rows[:, None] * n_cols + cols[None, :], dropout_p)
         z = tl.where(keep, z * (1.0 / (1.0 - dropout_p)), 0.0)
     if HAS_RESIDUAL:
-        z += tl.load(RESIDUAL + row * stride_res_row + cols, mask=mask, other=0.0).to(tl.float32)
+        z += tl.load(RESIDUAL + rows[:, None] * stride_res_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL or HAS_DROPOUT:
         # Normalise exactly the z that is returned and that the backward reads back.
         z = z.to(X.dtype.element_ty).to(tl.float32)
     if STORE_Z:
-        tl.store(Z + row * stride_z_row + cols, z.to(Z.dtype.element_ty), mask=mask)
+        tl.store(Z + rows[:, None] * stride_z_row + cols[None, :], z.to(Z.dtype.element_ty), mask=mask)
 
     if IS_RMS_NORM:
         centered = z
     else:
-        mean = tl.sum(z, axis=0) / n_cols
-        tl.store(MEAN + row, mean)
-        centered = tl.where(mask, z - mean, 0.0)
-    rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
-    tl.store(RSTD + row, rstd)
+        mean = tl.sum(z, axis=1) / n_cols
+        tl.store(MEAN + rows, mean, mask=row_mask)
+        centered = tl.where(mask, z - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
 
-    y = centered * rstd
+    y = centered * rstd[:, None]
     if HAS_WEIGHT:
-        y *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        y *= tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
-        y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
+        y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _row_sums(Z, DY, W, row, stride_z_row, stride_dy_row, n_cols, mean, rstd, col_start,
+def _row_sums(Z, DY, W, rows, row_mask, stride_z_row, stride_dy_row, n_cols, mean, rstd, col_start,
               BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS_NORM: tl.constexpr):
-    """(xhat, g, dy) on the columns ``col_start + [0, BLOCK_N)`` of one row, zero past the row's end."""
+    """(xhat, g, dy) on the columns ``col_start + [0, BLOCK_N)`` of ``rows`` (``[BLOCK_M]``, with their ``mean`` and
+    ``rstd``), ``[BLOCK_M, BLOCK_N]`` tiles zero past the row's end and on the rows outside ``row_mask``."""
     cols = col_start + tl.arange(0, BLOCK_N)
-    mask = cols < n_cols
-    z = tl.load(Z + row * stride_z_row + cols, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + row * stride_dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    z = tl.load(Z + rows[:, None] * stride_z_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if IS_RMS_NORM:
-        xhat = z * rstd
+        xhat = z * rstd[:, None]
     else:
-        xhat = tl.where(mask, (z - mean) * rstd, 0.0)
+        xhat = tl.where(mask, (z - mean[:, None]) * rstd[:, None], 0.0)
     g = dy
     if HAS_WEIGHT:
         # Read per row (from L1) rather than held across the row loop: a register row more spills at 8192.
-        g *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        g *= tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     return xhat, g, dy
 
 
@@ -138,28 +152,32 @@ def _layer_norm_bwd_kernel(
     DB_PARTIAL,  # [programs, N] float32, this program's sum of dy (HAS_BIAS), the same row stride
     stride_z_row, stride_dy_row, stride_dz_row, stride_dx_row, stride_dres_row, stride_partial_row,
     n_rows, n_cols, rows_per_program, dropout_p, SEED, host_seed,
-    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DZ: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_RMS_NORM: tl.constexpr, SPLIT_COLS: tl.constexpr,
 ):
-    # Program (i, j) walks rows [i * rows_per_program, ...) on columns [j * BLOCK_N, ...). Without SPLIT_COLS
-    # one block holds the whole row (j = 0). With it (the widest rows, whose partial sums would not fit in
-    # registers next to the row) the row sums also need the row's other column blocks.
+    # Program (i, j) walks rows [i * rows_per_program, ...), BLOCK_M at a time as a [BLOCK_M, BLOCK_N] tile ("rows";
+    # one at a time: "row"), on columns [j * BLOCK_N, ...). Without SPLIT_COLS one block holds the whole row (j = 0).
+    # With it (the widest rows, one at a time, whose partial sums would not fit in registers next to the row) the
+    # row sums also need the row's other column blocks.
     program = tl.program_id(0).to(tl.int64)
     col_start = tl.program_id(1) * BLOCK_N
     cols = col_start + tl.arange(0, BLOCK_N)
-    mask = cols < n_cols
-    dw_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    col_mask = cols < n_cols
+    dw_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    db_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     row_start = program * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    for row in range(row_start, row_end):
-        rstd = tl.load(RSTD + row)
+    for first_row in range(row_start, row_end, BLOCK_M):
+        rows = first_row + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         mean = 0.0
         if not IS_RMS_NORM:
-            mean = tl.load(MEAN + row)
-        xhat, g, dy = _row_sums(Z, DY, W, row, stride_z_row, stride_dy_row, n_cols, mean, rstd, col_start,
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        xhat, g, dy = _row_sums(Z, DY, W, rows, row_mask, stride_z_row, stride_dy_row, n_cols, mean, rstd, col_start,
                                 BLOCK_N, HAS_WEIGHT, IS_RMS_NORM)
         # Summed before the row sums, so dy is not held across SPLIT_COLS's reads of the other blocks (the split
         # kernel at 8192 columns otherwise kept a pointer on the stack on sm_80, and the whole-row one at 1024 on
@@ -171,37 +189,38 @@ def _layer_norm_bwd_kernel(
         if SPLIT_COLS:
             # Summed block by block in column order, the own block from registers: every program of the row gets
             # bit-identical sums and reads each other block of the row once.
-            sum_gx = 0.0
-            sum_g = 0.0
+            sum_gx = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            sum_g = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for block_start in range(0, n_cols, BLOCK_N):
                 if block_start == col_start:
-                    sum_gx += tl.sum(g * xhat, axis=0)
-                    sum_g += tl.sum(g, axis=0)
+                    sum_gx += tl.sum(g * xhat, axis=1)
+                    sum_g += tl.sum(g, axis=1)
                 else:
-                    xhat_o, g_o, _ = _row_sums(Z, DY, W, row, stride_z_row, stride_dy_row, n_cols, mean, rstd,
-                                               block_start, BLOCK_N, HAS_WEIGHT, IS_RMS_NORM)
-                    sum_gx += tl.sum(g_o * xhat_o, axis=0)
-                    sum_g += tl.sum(g_o, axis=0)
+                    xhat_o, g_o, _ = _row_sums(Z, DY, W, rows, row_mask, stride_z_row, stride_dy_row, n_cols, mean,
+                                               rstd, block_start, BLOCK_N, HAS_WEIGHT, IS_RMS_NORM)
+                    sum_gx += tl.sum(g_o * xhat_o, axis=1)
+                    sum_g += tl.sum(g_o, axis=1)
         else:
-            sum_gx = tl.sum(g * xhat, axis=0)
-            sum_g = tl.sum(g, axis=0)
-        dz = g - xhat * (sum_gx / n_cols)
+            sum_gx = tl.sum(g * xhat, axis=1)
+            sum_g = tl.sum(g, axis=1)
+        dz = g - xhat * (sum_gx / n_cols)[:, None]
         if not IS_RMS_NORM:
-            dz -= sum_g / n_cols
-        dz *= rstd
+            dz -= (sum_g / n_cols)[:, None]
+        dz *= rstd[:, None]
         if HAS_DZ:
-            dz += tl.load(DZ + row * stride_dz_row + cols, mask=mask, other=0.0).to(tl.float32)
+            dz += tl.load(DZ + rows[:, None] * stride_dz_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            tl.store(DRESIDUAL + row * stride_dres_row + cols, dz.to(DRESIDUAL.dtype.element_ty), mask=mask)
+            tl.store(DRESIDUAL + rows[:, None] * stride_dres_row + cols[None, :], dz.to(DRESIDUAL.dtype.element_ty),
+                     mask=mask)
         if HAS_DROPOUT:
-            keep = dropout_keep(dropout_seed(SEED, host_seed), row * n_cols + cols, dropout_p)
+            keep = dropout_keep(dropout_seed(SEED, host_seed), rows[:, None] * n_cols + cols[None, :], dropout_p)
             dz = tl.where(keep, dz * (1.0 / (1.0 - dropout_p)), 0.0)
-        tl.store(DX + row * stride_dx_row + cols, dz.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + rows[:, None] * stride_dx_row + cols[None, :], dz.to(DX.dtype.element_ty), mask=mask)
 
     if HAS_WEIGHT:
-        tl.store(DW_PARTIAL + program * stride_partial_row + cols, dw_sum, mask=mask)
+        tl.store(DW_PARTIAL + program * stride_partial_row + cols, tl.sum(dw_sum, axis=0), mask=col_mask)
     if HAS_BIAS:
-        tl.store(DB_PARTIAL + program * stride_partial_row + cols, db_sum, mask=mask)
+        tl.store(DB_PARTIAL + program * stride_partial_row + cols, tl.sum(db_sum, axis=0), mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -218,6 +237,66 @@ def warps_for(block_n: int) -> int:
     return 8 if block_n <= 4096 else (16 if block_n <= 8192 else 32)
 
 
+# The variants (``variants``): "row", one row per program (forward) or per step of a program's row loop (backward);
+# "rows", BLOCK_M rows as one tile of at most ROWS_TILE elements, so that a short row's program moves more bytes per
+# step (the forward on the warps of its tile: 16-32 float32 values a thread). Rows of ROWS_TILE columns and more take
+# one row either way: "rows" launches "row"'s kernel there.
+FWD, BWD = "layer_norm.fwd", "layer_norm.bwd"
+VARIANTS = ("row", "rows")
+variants.register(FWD, "row", {name: "" for name in VARIANTS})
+variants.register(BWD, "row", {name: "" for name in VARIANTS})
+ROWS_TILE = 4096
+MAX_BLOCK_M = 16
+
+
+def rows_per_tile(block_n: int) -> int:
+    """BLOCK_M of the "rows" variant for rows of ``block_n`` columns (1 from ROWS_TILE columns on)."""
+    return max(1, min(MAX_BLOCK_M, ROWS_TILE // block_n))
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdLaunch:
+    """How the forward covers rows of a given width."""
+
+    block_m: int  # rows one program normalises
+    block_n: int
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_launch(n_cols: int, variant: str = "row") -> FwdLaunch:
+    """The forward's launch for rows of ``n_cols`` in ``variant`` ("row": one row a program; "rows": rows_per_tile)."""
+    block_n = block_width(n_cols)
+    block_m = rows_per_tile(block_n) if variant == "rows" else 1
+    return FwdLaunch(block_m, block_n, warps_for(block_m * block_n))
+
+
+# Row-count classes of ``shape_class``: fewer than 4096 rows, fewer than 65536, the rest.
+ROW_CLASS_BOUNDS = (4096, 65536)
+ROW_CLASS_NAMES = ("R<4k", "R<64k", "R64k+")
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def shape_class(n_cols: int, n_rows: int, dtype: torch.dtype) -> str:
+    """The shape class a call on ``n_rows`` rows of ``n_cols`` in ``dtype`` is measured and chosen by (the rows of
+    ``bench --suite variants``): dtype, the row width's power of two, a row-count class, e.g. "bf16/N1024/R64k+"."""
+    rows_class = 0 if n_rows < ROW_CLASS_BOUNDS[0] else (1 if n_rows < ROW_CLASS_BOUNDS[1] else 2)
+    return _shape_class(dtype, n_cols, rows_class)
+
+
+@functools.lru_cache(maxsize=None)
+def _shape_class(dtype: torch.dtype, n_cols: int, rows_class: int) -> str:
+    return f"{DTYPE_NAMES.get(dtype, str(dtype))}/N{block_width(n_cols)}/{ROW_CLASS_NAMES[rows_class]}"
+
+
+def _variant(op: str, n_rows: int, n_cols: int, t: Tensor) -> str:
+    """The variant of ``op`` that runs on ``n_rows`` rows of ``n_cols`` like ``t``: forced, measured on its GPU, or
+    the default (the launchers ask on every call: no shape class is worked out while nothing can change the answer)."""
+    if not variants.deciding(op):
+        return variants.default_of(op)
+    return variants.choose(op, variants.gpu_name(t.device), shape_class(n_cols, n_rows, t.dtype))
+
+
 @functools.lru_cache(maxsize=None)
 def backward_programs(device: torch.device) -> int:
     """Backward grid size: a few programs per SM keep the GPU busy while the partial sums stay small."""
@@ -231,8 +310,10 @@ def backward_programs(device: torch.device) -> int:
 MIN_ROWS_PER_PROGRAM = 8
 
 
-def backward_rows_per_program(n_rows: int, device: torch.device) -> int:
-    return max(cdiv(n_rows, backward_programs(device)), MIN_ROWS_PER_PROGRAM)
+def backward_rows_per_program(n_rows: int, device: torch.device, block_m: int = 1) -> int:
+    """Rows one backward program walks: a multiple of the ``block_m`` rows of each step of its loop."""
+    rows = max(cdiv(n_rows, backward_programs(device)), MIN_ROWS_PER_PROGRAM)
+    return cdiv(rows, block_m) * block_m
 
 
 def _check_dtype(name: str, t: Optional[Tensor]) -> None:
@@ -264,6 +345,7 @@ class BwdLaunch:
     col_blocks: int  # programs per row (SPLIT_COLS when > 1)
     num_ctas: int  # blocks per program (a cluster when > 1)
     num_warps: int  # per block
+    block_m: int = 1  # rows each step of a program's row loop takes
 
 
 # The backward of 1024-column rows on 4 warps put 8 B on the stack on sm_86 / sm_89 under Triton 3.6 (72 registers:
@@ -271,9 +353,17 @@ class BwdLaunch:
 BWD_WARPS = {1024: 8}
 
 
-def bwd_launch(n_cols: int, clusters: bool) -> BwdLaunch:
-    """The backward's launch for rows of ``n_cols`` on a GPU with thread-block ``clusters`` or not."""
+@functools.lru_cache(maxsize=None)
+def bwd_launch(n_cols: int, clusters: bool, variant: str = "row") -> BwdLaunch:
+    """The backward's launch for rows of ``n_cols`` on a GPU with thread-block ``clusters`` or not, in ``variant``.
+    "rows" takes rows_per_tile rows a step where that is more than one (rows narrower than ROWS_TILE, all on the
+    whole-row path), on the warps of a tile twice as large: it holds about twice the forward's float32 tiles live (z,
+    dy, g and the dweight and dbias sums). Wider rows, those of the cluster and SPLIT_COLS launches among them, take
+    one a step as in "row"."""
     block_n = block_width(n_cols)
+    block_m = rows_per_tile(block_n) if variant == "rows" else 1
+    if block_m > 1:
+        return BwdLaunch(block_n, 1, 1, warps_for(2 * block_m * block_n), block_m)
     if block_n <= MAX_BWD_BLOCK:
         return BwdLaunch(block_n, 1, 1, BWD_WARPS.get(block_n, warps_for(block_n)))
     if clusters:
@@ -298,10 +388,6 @@ def launches_clusters(device: torch.device) -> bool:
 CLUSTERS_UNDER_INTERPRETER = False
 
 
-def _launch_warps(block_n: int) -> int:
-    return 1 if interpreting() else warps_for(block_n)
-
-
 def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
@@ -322,14 +408,15 @@ def _launch_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], res
     rstd = x.new_empty((n_rows,), dtype=torch.float32)
     if y.numel() == 0:  # nothing to normalise; the statistics of an empty row are NaN (0 / 0)
         return y, z, mean.fill_(float("nan")), rstd.fill_(float("nan"))
-    block_n = block_width(n_cols)
+    launch = fwd_launch(n_cols, _variant(FWD, n_rows, n_cols, x))
     launch_kernel(
-        _layer_norm_fwd_kernel, (n_rows,),
+        _layer_norm_fwd_kernel, (cdiv(n_rows, launch.block_m),),
         (x, residual, weight, bias, y, z if store_z else None, mean if not rms_norm else None, rstd,
          x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), z.stride(0) if store_z else 0,
-         n_cols, eps, dropout_p, *seed_args(seed, x.device)), _launch_warps(block_n),
-        BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, STORE_Z=store_z, IS_RMS_NORM=rms_norm,
+         n_rows, n_cols, eps, dropout_p, *seed_args(seed, x.device)), 1 if interpreting() else launch.num_warps,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, HAS_RESIDUAL=residual is not None,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, STORE_Z=store_z,
+        IS_RMS_NORM=rms_norm,
     )
     return y, z, mean, rstd
 
@@ -348,7 +435,8 @@ def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Te
     dresidual = torch.empty_like(dx) if has_residual else _empty(dx)
     if n_cols == 0:  # every result is empty: no column block to launch
         return dx, dresidual, *(torch.empty_like(p) if p is not None else _empty(dx) for p in (weight, bias))
-    rows_per_program = backward_rows_per_program(n_rows, z.device)
+    launch = bwd_launch(n_cols, launches_clusters(z.device), _variant(BWD, n_rows, n_cols, z))
+    rows_per_program = backward_rows_per_program(n_rows, z.device, launch.block_m)
     programs = max(cdiv(n_rows, rows_per_program), 1)
     # One buffer holds both partials side by side, [programs, dweight's N | dbias's N], so that one reduction sums both.
     width = n_cols * ((weight is not None) + (bias is not None))
@@ -356,7 +444,6 @@ def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Te
     dw_partial = partials if weight is not None else None  # [:, :N]: the kernel takes a pointer and a row stride
     db_partial = (partials[:, n_cols:] if weight is not None else partials) if bias is not None else None
     # Launched even for zero rows: every program writes its (possibly zero) partial sums.
-    launch = bwd_launch(n_cols, launches_clusters(z.device))
     launch_kernel(
         _layer_norm_bwd_kernel, (programs, launch.col_blocks),
         (z, dy, dz, weight, mean if not rms_norm else None, rstd, dx, dresidual if has_residual else None,
@@ -365,8 +452,8 @@ def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Te
          dresidual.stride(0) if has_residual else 0, width,
          n_rows, n_cols, rows_per_program, dropout_p, *seed_args(seed, z.device)),
         1 if interpreting() else launch.num_warps, num_ctas=launch.num_ctas,
-        BLOCK_N=launch.block_n, HAS_DZ=dz is not None, HAS_RESIDUAL=has_residual, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, IS_RMS_NORM=rms_norm,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, HAS_DZ=dz is not None, HAS_RESIDUAL=has_residual,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, IS_RMS_NORM=rms_norm,
         SPLIT_COLS=launch.col_blocks > 1,
     )
     if one_sum and weight is not None and bias is not None and weight.dtype == bias.dtype:
@@ -464,15 +551,20 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps:
 AOT_BLOCK_SIZES = tuple(2**i for i in range(4, 15))  # 16 .. 16384, every bucket block_width can pick
 
 
+def _variant_suffix(block_m: int) -> str:
+    """The config name's mark of the "rows" variant's tile (none for one row, the "row" variant's launch)."""
+    return f",BLOCK_M={block_m}/rows" if block_m > 1 else ""
+
 
 def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
     """Every LayerNorm kernel this module launches on a GPU with Triton release ``triton`` (default: the installed
-    one), one per block-size bucket, in bfloat16 with all features on (the largest register footprint), plus the
-    partial-sum reduction."""
+    one), one per block-size bucket and variant ("rows" where its tile holds more than one row: ".../rows"), in
+    bfloat16 with all features on (the largest register footprint), plus the partial-sum reduction."""
     fwd_signature = {
         "X": "*bf16", "RESIDUAL": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "Z": "*bf16",
         "MEAN": "*fp32", "RSTD": "*fp32", "stride_x_row": "i32", "stride_res_row": "i32", "stride_y_row": "i32",
-        "stride_z_row": "i32", "n_cols": "i32", "eps": "fp32", "dropout_p": "fp32", "SEED": "*i64", "host_seed": "i32",
+        "stride_z_row": "i32", "n_rows": "i32", "n_cols": "i32", "eps": "fp32", "dropout_p": "fp32", "SEED": "*i64",
+        "host_seed": "i32",
     }
     bwd_signature = {
         "Z": "*bf16", "DY": "*bf16", "DZ": "*bf16", "W": "*bf16", "MEAN": "*fp32", "RSTD": "*fp32",
@@ -483,24 +575,30 @@ def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
     }
     features = {"HAS_RESIDUAL": True, "HAS_WEIGHT": True, "HAS_BIAS": True, "HAS_DROPOUT": True, "IS_RMS_NORM": False}
     configs = []
-    for block_n in AOT_BLOCK_SIZES:
+    for launch in dict.fromkeys(fwd_launch(block_n, variant) for variant in VARIANTS for block_n in AOT_BLOCK_SIZES):
         configs.append(AotKernel(
-            name="layer_norm_fwd", config=f"BLOCK_N={block_n}", fn=_layer_norm_fwd_kernel, signature=fwd_signature,
-            constexprs={"BLOCK_N": block_n, "STORE_Z": True, **features}, num_warps=warps_for(block_n),
-            num_stages=1,
+            name="layer_norm_fwd", config=f"BLOCK_N={launch.block_n}" + _variant_suffix(launch.block_m),
+            fn=_layer_norm_fwd_kernel, signature=fwd_signature,
+            constexprs={"BLOCK_M": launch.block_m, "BLOCK_N": launch.block_n, "STORE_Z": True, **features},
+            num_warps=launch.num_warps, num_stages=1,
         ))
     # Every launch bwd_launch gives, for the targets that take it: whole rows up to MAX_BWD_BLOCK everywhere, wider
     # ones on a cluster from sm_90 (clusters, where this Triton builds them) and split elsewhere.
     targets_of = {}
-    for block_n in AOT_BLOCK_SIZES:
-        for target in TARGETS:
-            targets_of.setdefault(bwd_launch(block_n, clusters_on(target, triton)), []).append(target.capability)
+    for variant in VARIANTS:
+        for block_n in AOT_BLOCK_SIZES:
+            for target in TARGETS:
+                launch = bwd_launch(block_n, clusters_on(target, triton), variant)
+                targets = targets_of.setdefault(launch, [])
+                if target.capability not in targets:
+                    targets.append(target.capability)
     for launch, targets in targets_of.items():
         config = f"BLOCK_N={launch.block_n}" + (",SPLIT_COLS" if launch.col_blocks > 1 else "") + (
-            f",CTAS={launch.num_ctas}" if launch.num_ctas > 1 else "")
+            f",CTAS={launch.num_ctas}" if launch.num_ctas > 1 else "") + _variant_suffix(launch.block_m)
         configs.append(AotKernel(
             name="layer_norm_bwd", config=config, fn=_layer_norm_bwd_kernel, signature=bwd_signature,
-            constexprs={"BLOCK_N": launch.block_n, "HAS_DZ": True, "SPLIT_COLS": launch.col_blocks > 1, **features},
+            constexprs={"BLOCK_M": launch.block_m, "BLOCK_N": launch.block_n, "HAS_DZ": True,
+                        "SPLIT_COLS": launch.col_blocks > 1, **features},
             num_warps=launch.num_warps, num_stages=1, num_ctas=launch.num_ctas, targets=tuple(targets),
         ))
     # The partial-sum reduction: float32 partials here, bfloat16 / float16 gradients in feed_forward's bias grads.

@@ -1,4 +1,5 @@
-"""Triton LayerNorm / RMSNorm (residual + dropout) against the float64 reference, outputs and every gradient.
+"""Triton LayerNorm / RMSNorm (residual + dropout) against the float64 reference, outputs and every gradient, in each
+kernel variant ("row", "rows": ``layer_norm.VARIANTS``, run with ``variants.forced``).
 
 Runs on CUDA when present, else on CPU tensors under the Triton interpreter (set up in conftest.py).
 """
@@ -7,7 +8,9 @@ import torch
 
 from fused_transformer import autograd, backend, contract, functional, reference
 from fused_transformer.kernels import layer_norm as triton_layer_norm
+from fused_transformer.kernels import variants
 from fused_transformer.kernels._common import dropout_keep_mask, interpreting
+from fused_transformer.kernels.targets import TARGETS
 from tests.kernel_checks import DTYPES, check_against_reference, replayed_keep_mask
 from tests.numerics import DEVICE, assert_close_to_reference
 
@@ -33,6 +36,13 @@ def _replayed_keep_mask(torch_seed, x, dropout_p):
     return replayed_keep_mask(torch_seed, x.numel() // n, n, dropout_p, x.device).reshape(x.shape)
 
 
+def _forced(kernel_variant):
+    """Run the forward and the backward in ``kernel_variant`` whatever the measured rows say."""
+    return variants.forced({triton_layer_norm.FWD: kernel_variant, triton_layer_norm.BWD: kernel_variant})
+
+
+KERNEL_VARIANTS = triton_layer_norm.VARIANTS
+
 VARIANTS = {
     # name: (residual, prenorm, dropout_p, weight, bias)
     "affine": (False, False, 0.0, True, True),
@@ -44,10 +54,12 @@ VARIANTS = {
 }
 
 
+@pytest.mark.parametrize("kernel_variant", KERNEL_VARIANTS)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("hidden", [1, 13, 768])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_layer_norm_matches_reference(dtype, hidden, variant):
+def test_layer_norm_matches_reference(dtype, hidden, variant, kernel_variant):
+    """37 rows: "rows" takes 16 (hidden 1, 13) or 4 (768) a tile, forward and backward, the last tile part empty."""
     residual, prenorm, dropout_p, weight, bias = VARIANTS[variant]
     torch.manual_seed(hidden)
     inputs = _random_inputs((37, hidden), dtype, weight=weight, bias=bias, residual=residual)
@@ -64,7 +76,8 @@ def test_layer_norm_matches_reference(dtype, hidden, variant):
             x, weight, bias, EPS, residual=residual, dropout_p=dropout_p, prenorm=prenorm, keep_mask=keep
         )
 
-    check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
+    with _forced(kernel_variant):
+        check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
 
 
 def test_a_named_backend_runs_the_kernels_and_torchs_path_is_torch_nn(monkeypatch):
@@ -91,15 +104,16 @@ def test_a_named_backend_runs_the_kernels_and_torchs_path_is_torch_nn(monkeypatc
 
 
 @pytest.mark.parametrize(
-    "shape, dtype, param_dtype",
+    "shape, dtype, param_dtype, kernel_variant",
     [
-        ((1, 1000), torch.float32, torch.float32),
-        ((2, 3, 1000), torch.bfloat16, torch.float32),  # leading dims, float32 params with bfloat16 x
-        ((3, 16384), torch.float32, torch.float32),  # the largest hidden size
-        ((2, 5000), torch.float16, torch.float16),
+        ((1, 1000), torch.float32, torch.float32, "row"),
+        ((2, 3, 1000), torch.bfloat16, torch.float32, "row"),  # leading dims, float32 params with bfloat16 x
+        ((2, 3, 1000), torch.bfloat16, torch.float32, "rows"),  # the same, 4 rows a tile
+        ((3, 16384), torch.float32, torch.float32, "row"),  # the largest hidden size
+        ((2, 5000), torch.float16, torch.float16, "row"),
     ],
 )
-def test_layer_norm_shapes_and_mixed_dtypes(shape, dtype, param_dtype):
+def test_layer_norm_shapes_and_mixed_dtypes(shape, dtype, param_dtype, kernel_variant):
     torch.manual_seed(len(shape))
     inputs = _random_inputs(shape, dtype, residual=True, param_dtype=param_dtype)
     out_grads = [torch.randn_like(inputs["x"]) for _ in range(2)]
@@ -110,7 +124,8 @@ def test_layer_norm_shapes_and_mixed_dtypes(shape, dtype, param_dtype):
     def reference_fn(x, weight, bias, residual):
         return reference.layer_norm(x, weight, bias, EPS, residual=residual, prenorm=True)
 
-    check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
+    with _forced(kernel_variant):
+        check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
 
 
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
@@ -173,14 +188,129 @@ def test_widest_rows_backward(monkeypatch, rms_norm, clusters):
                             for launch in launches), launches
 
 
-def test_layer_norm_strided_rows():
+@pytest.mark.parametrize("kernel_variant", KERNEL_VARIANTS)
+def test_layer_norm_strided_rows(kernel_variant):
     torch.manual_seed(0)
     storage = torch.randn(37, 80, device=DEVICE, dtype=torch.float32)
     x = storage[:, 3:67]  # rows 80 apart, last dim contiguous: no copy needed
     weight, bias = torch.randn(64, device=DEVICE), torch.randn(64, device=DEVICE)
     expected = reference.layer_norm(x.double(), weight.double(), bias.double(), EPS)
     baseline = reference.layer_norm(x, weight, bias, EPS)
-    assert_close_to_reference(triton_layer_norm.layer_norm(x, weight, bias, EPS), expected, baseline)
+    with _forced(kernel_variant):
+        assert_close_to_reference(triton_layer_norm.layer_norm(x, weight, bias, EPS), expected, baseline)
+
+
+def test_the_variants_are_registered_with_row_as_the_default():
+    for op in (triton_layer_norm.FWD, triton_layer_norm.BWD):
+        assert variants.registered()[op] == ("row", {"row": "", "rows": ""})
+
+
+def test_forcing_an_unknown_variant_raises():
+    with pytest.raises(ValueError, match="no variant 'columns'"):
+        with variants.forced({triton_layer_norm.FWD: "columns"}):
+            pass
+
+
+def test_shape_classes():
+    shape_class = triton_layer_norm.shape_class
+    assert shape_class(1024, 16384, torch.bfloat16) == "bf16/N1024/R<64k"
+    assert shape_class(1000, 4095, torch.float16) == "fp16/N1024/R<4k"
+    assert shape_class(1, 65536, torch.float32) == "fp32/N16/R64k+"
+
+
+def _spy_block_m(monkeypatch):
+    """(forward or backward, BLOCK_M, grid) of every LayerNorm kernel launch from here on."""
+    launched, launch = [], triton_layer_norm.launch_kernel
+
+    def spy(kernel, grid, *args, **constexprs):
+        if kernel in (triton_layer_norm._layer_norm_fwd_kernel, triton_layer_norm._layer_norm_bwd_kernel):
+            fwd = kernel is triton_layer_norm._layer_norm_fwd_kernel
+            launched.append(("fwd" if fwd else "bwd", constexprs["BLOCK_M"], grid))
+        return launch(kernel, grid, *args, **constexprs)
+
+    monkeypatch.setattr(triton_layer_norm, "launch_kernel", spy)
+    return launched
+
+
+@pytest.mark.parametrize("kernel_variant", KERNEL_VARIANTS)
+def test_the_launchers_run_the_forced_variant(monkeypatch, kernel_variant):
+    """37 rows of 13 columns: "rows" normalises 16 a program (3 programs, the last with 5) and the backward's programs
+    step 16 rows at a time over a multiple of 16 rows each; "row" one row a program."""
+    launched = _spy_block_m(monkeypatch)
+    x = torch.randn(37, 13, device=DEVICE, requires_grad=True)
+    with _forced(kernel_variant):
+        triton_layer_norm.layer_norm(x, None, None, EPS, dropout_p=0.2).sum().backward()
+    block_m = 16 if kernel_variant == "rows" else 1
+    rows_per_program = triton_layer_norm.backward_rows_per_program(37, x.device, block_m)
+    assert launched == [("fwd", block_m, (-(-37 // block_m),)), ("bwd", block_m, (-(-37 // rows_per_program), 1))]
+    assert rows_per_program % block_m == 0
+
+
+@pytest.fixture
+def rows_file(tmp_path, monkeypatch):
+    """An empty variants file standing for the package's measured rows."""
+    monkeypatch.setattr(variants, "MEASURED_FILE", str(tmp_path / "variant_rows.json"))
+    variants.measured.cache_clear()
+    variants._measured_ops.cache_clear()
+    yield
+    variants.measured.cache_clear()
+    variants._measured_ops.cache_clear()
+
+
+def test_a_measured_row_picks_the_variant_of_its_gpu_and_shape_class(monkeypatch, rows_file):
+    x, wider = torch.randn(37, 13, device=DEVICE), torch.randn(37, 100, device=DEVICE)
+    shape = triton_layer_norm.shape_class(13, 37, x.dtype)
+    variants.write_rows([variants.VariantRow(triton_layer_norm.FWD, variants.gpu_name(x.device), shape, "rows", 0.8,
+                                             1.5, "F.layer_norm", "test")])
+    launched = _spy_block_m(monkeypatch)
+    for t in (x, wider):  # the second is of another class (N128): the default runs
+        triton_layer_norm._launch_fwd(t, None, None, None, EPS, 0.0, None, False, False)
+    assert [block_m for _, block_m, _ in launched] == [16, 1]
+
+
+def test_the_variants_draw_the_same_dropout_mask():
+    """Element (row, col) keeps dropout_keep(seed, row * N + col) in either variant: z = dropout(x) + residual is
+    bitwise the same, and dx is zero at the same elements."""
+    torch.manual_seed(0)
+    x, residual, dy = (torch.randn(37, 100, device=DEVICE) for _ in range(3))
+    weight, bias = torch.randn(100, device=DEVICE), torch.randn(100, device=DEVICE)
+    results = []
+    for kernel_variant in KERNEL_VARIANTS:
+        x_v = x.clone().requires_grad_()
+        with _forced(kernel_variant):
+            torch.manual_seed(7)
+            y, z = triton_layer_norm.layer_norm(x_v, weight, bias, EPS, residual=residual, dropout_p=0.5,
+                                                prenorm=True)
+            (y * dy).sum().backward()
+        results.append((y.detach(), z.detach(), x_v.grad))
+    (y_row, z_row, dx_row), (y_rows, z_rows, dx_rows) = results
+    assert torch.equal(z_row, z_rows)
+    torch.testing.assert_close(y_row, y_rows)  # the same math; the sums' order may differ on a GPU
+    assert torch.equal(dx_row == 0, dx_rows == 0) and 0.4 < (dx_row == 0).float().mean().item() < 0.6
+
+
+def test_the_aot_configs_hold_every_launch_of_every_variant():
+    """What ``python -m fused_transformer report`` compiles: each variant's launch for each row width and target,
+    "rows" as configs of their own (".../rows") where its tile holds more than one row."""
+    configs = triton_layer_norm.aot_configs()
+    fwd = {(k.constexprs["BLOCK_M"], k.constexprs["BLOCK_N"], k.num_warps): k.config
+           for k in configs if k.name == "layer_norm_fwd"}
+    bwd = {(k.constexprs["BLOCK_M"], k.constexprs["BLOCK_N"], k.constexprs["SPLIT_COLS"], k.num_warps, k.num_ctas,
+            target): k.config for k in configs if k.name == "layer_norm_bwd" for target in k.targets}
+    for n_cols in (1, 13, 100, 1000, 1024, 2049, 4096, 8193, 16384):
+        for kernel_variant in KERNEL_VARIANTS:
+            launch = triton_layer_norm.fwd_launch(n_cols, kernel_variant)
+            config = fwd[(launch.block_m, launch.block_n, launch.num_warps)]
+            assert config.endswith("/rows") == (launch.block_m > 1), (n_cols, config)
+            for target in TARGETS:
+                launch = triton_layer_norm.bwd_launch(n_cols, triton_layer_norm.clusters_on(target), kernel_variant)
+                config = bwd[(launch.block_m, launch.block_n, launch.col_blocks > 1, launch.num_warps, launch.num_ctas,
+                              target.capability)]
+                assert config.endswith("/rows") == (launch.block_m > 1), (n_cols, config)
+    rows = triton_layer_norm.fwd_launch(1000, "rows")
+    assert (rows.block_m, rows.block_n, rows.num_warps) == (4, 1024, 8)
+    assert triton_layer_norm.fwd_launch(4096, "rows") == triton_layer_norm.fwd_launch(4096, "row")
+    assert triton_layer_norm.bwd_launch(8193, False, "rows") == triton_layer_norm.bwd_launch(8193, False, "row")
 
 
 def _reference_rms_norm(x, weight, bias, residual, eps):
@@ -190,9 +320,10 @@ def _reference_rms_norm(x, weight, bias, residual, eps):
     return y.to(x.dtype), z
 
 
+@pytest.mark.parametrize("kernel_variant", KERNEL_VARIANTS)
 @pytest.mark.parametrize("hidden", [13, 1000])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_matches_reference(dtype, hidden):
+def test_rms_norm_matches_reference(dtype, hidden, kernel_variant):
     torch.manual_seed(hidden)
     inputs = _random_inputs((37, hidden), dtype, residual=True)
     out_grads = [torch.randn_like(inputs["x"]) for _ in range(2)]
@@ -203,7 +334,8 @@ def test_rms_norm_matches_reference(dtype, hidden):
     def reference_fn(x, weight, bias, residual):
         return _reference_rms_norm(x, weight, bias, residual, EPS)
 
-    check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
+    with _forced(kernel_variant):
+        check_against_reference(kernel_fn, reference_fn, inputs, out_grads)
 
 
 def test_dropout_is_reproducible_from_torch_seed():
