@@ -31,6 +31,11 @@ class AotKernel:
     num_stages: int
     targets: Tuple[int, ...] = CAPABILITIES
     expect_tensor_cores: bool = False
+    # SASS opcodes (prefixes: "HGMMA", "UTMALDG", "USETMAXREG") the config must issue: what its variant exists for.
+    expect_instructions: Tuple[str, ...] = ()
+    # Why the plan refuses this config's variant (no supported release builds it), else "": the report compiles it to
+    # check that it still fails or lacks ``expect_instructions``, and fails when it builds them.
+    refused: str = ""
     # Arguments compiled as multiples of 16 (None: every pointer and integer argument, as the JIT specialises
     # a launch whose sizes and strides are multiples of 16). Odd sizes compile another, unchecked variant.
     divisible_by_16: Optional[Tuple[str, ...]] = None

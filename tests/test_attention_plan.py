@@ -184,12 +184,12 @@ def test_plan_constexprs_are_what_the_kernels_take():
 # ----------------------------------------------------------------------------------- the report compiles the plan
 
 
-def _variant(light: bool, packed: bool, two_loop: bool) -> aot.Variant:
+def _variant(light: bool, packed: bool, two_loop: bool) -> aot.FeatureSet:
     """The report's variant a launch of this kind is compiled in."""
     names = {(False, False, False): "", (False, True, False): "/varlen", (True, False, True): "/causal",
              (True, True, True): "/varlen/causal", (True, False, False): "/padded",
              (True, True, False): "/varlen/nodropout"}
-    return next(v for v in aot.VARIANTS if v.name == names[(light, packed, two_loop)])
+    return next(v for v in aot.FEATURE_SETS if v.name == names[(light, packed, two_loop)])
 
 
 def test_the_report_compiles_every_plan_a_launcher_picks():
@@ -206,7 +206,7 @@ def test_the_report_compiles_every_plan_a_launcher_picks():
             chosen = plan_of(kernel, precision, head_dim, target, light=light, packed=packed)
             if variant.unless_tiles_of is not None and chosen.tile == plan_of(
                     kernel, precision, head_dim, target, packed=packed).tile:
-                variant = next(v for v in aot.VARIANTS if v.name == variant.unless_tiles_of)
+                variant = next(v for v in aot.FEATURE_SETS if v.name == variant.unless_tiles_of)
             name = aot.config_name(precision, head_dim, chosen.tile, variant.name, chosen.use_tma)
             compiled = listed[(f"attention_{kernel}", name, target.capability)]
             assert compiled.constexprs.get("INTERIOR_LOOP", True) == chosen.interior_loop, name

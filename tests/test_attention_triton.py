@@ -961,3 +961,32 @@ def test_tma_is_refused_for_inputs_it_cannot_address(monkeypatch):
     ref = reference.attention(q.double(), k.double(), v.double(), is_causal=True)
     base = reference.attention(q, k, v, is_causal=True)
     assert_close_to_reference(out, ref, base, "out (pointer path for an unaligned row stride)")
+
+
+# The forward's variants (configs.VARIANTS) other than the default that the interpreter runs: the tile orders. They
+# serve light dense launches in 16 bits at head dims 64 and 128; batch 3 so that a persistent program walks several
+# batch elements.
+TILE_ORDER_VARIANTS = [v.name for v in configs.VARIANTS if v.tile_order != configs.GRID_ORDER and not v.refused]
+
+
+@pytest.mark.parametrize("variant", TILE_ORDER_VARIANTS)
+@pytest.mark.parametrize("mask_kind", ["none", "key_padding", "key_padding_scattered", "causal", "causal_bottom_right"])
+def test_forward_variants_match_reference(variant, mask_kind):
+    from fused_transformer.kernels import variants
+
+    lq = 40 if mask_kind == "causal_bottom_right" else 77
+    planned = configs.plan("fwd", torch.bfloat16, 64, None, light=True, variant=variant)
+    assert (planned.variant, planned.tile_order) == (variant, configs.VARIANTS_BY_NAME[variant].tile_order)
+    with variants.forced({"attention.fwd": variant}):
+        _check(batch=3, heads=2, kv_heads=1, lq=lq, lk=77, head_dim=64, dtype=torch.bfloat16, mask_kind=mask_kind,
+               seed=len(mask_kind))
+
+
+@pytest.mark.parametrize("variant", TILE_ORDER_VARIANTS)
+def test_forward_variants_leave_the_launches_they_do_not_serve_to_the_default(variant):
+    default = configs.DEFAULT_VARIANT
+    assert configs.plan("fwd", torch.bfloat16, 64, None, light=False, variant=variant).variant == default
+    assert configs.plan("fwd", torch.float32, 64, None, light=True, variant=variant).variant == default
+    assert configs.plan("fwd", torch.bfloat16, 32, None, light=True, variant=variant).variant == default
+    assert configs.plan("fwd", torch.bfloat16, 64, None, light=True, packed=True, variant=variant).variant == default
+    assert configs.plan("bwd_dq", torch.bfloat16, 64, None, light=True, variant=variant).variant == default

@@ -37,10 +37,10 @@ def test_without_cuda_it_writes_the_summary_says_so_in_one_line_and_exits_2(tmp_
     reason = (f"no CUDA device (torch {torch.__version__}, torch.version.cuda={torch.version.cuda}, "
               "torch.cuda.is_available() False)")
     assert {part: (r["status"], r["reason"]) for part, r in summary["parts"].items()} == {
-        part: ("not run", reason) for part in ("tests", "check", "bench", "graphs")}
+        part: ("not run", reason) for part in gpu_check_parts.PARTS}
     markdown = (out / "summary.md").read_text()
     assert "**NO CUDA DEVICE: nothing ran here**" in markdown
-    assert markdown.count(f"| not run: {reason} |") == 4
+    assert markdown.count(f"| not run: {reason} |") == len(gpu_check_parts.PARTS)
     assert summary["run"] is None and "This run:" not in markdown
     assert not list(out.glob("*.log")), "nothing ran, so no part left a log"
 
@@ -127,13 +127,17 @@ def test_a_part_sees_only_the_chosen_gpu(index, parent, visible, monkeypatch):
 
 def test_the_default_budget_fits_the_gpu_machines_and_splits_for_the_tests_and_bench():
     budget = gpu_check.DEFAULT_BUDGET_S
-    assert budget == 480 and budget + gpu_check.KILL_GRACE_S <= 600  # 10 minutes a command, 15 a machine
-    side, share = gpu_check.split_budget(budget, gpu_check_parts.PARTS)
-    assert (side, share) == (300, 180) and side + share == budget
-    assert side - gpu_check_parts.INNER_MARGIN_S >= 270  # pytest -n 8 took about 180 s alone on the H200
-    assert gpu_check_parts.bench_lengths(share) == (1024, 4096)  # bench --quick's lengths fit its share alone
+    assert budget == 540 and budget + gpu_check.KILL_GRACE_S <= 600  # 10 minutes a command, 15 a machine
+    variants = gpu_check.variants_limit(budget, gpu_check_parts.PARTS)
+    assert variants == 120  # bench --suite variants --quick, first and alone
+    side, share = gpu_check.split_budget(budget - variants, gpu_check_parts.PARTS)
+    assert (side, share) == (262.5, 157.5) and variants + side + share == budget
+    assert side - gpu_check_parts.INNER_MARGIN_S >= 240  # pytest -n 8 took about 180 s alone on the H200
+    assert gpu_check_parts.bench_lengths(share) == (4096,)  # bench --quick's longer length fits its share
     # tune takes what one length of bench leaves of the share: the route's rows, then bench at L 4096
-    assert gpu_check_parts.tune_seconds(share) == 55 and gpu_check_parts.bench_lengths(share - 55) == (4096,)
+    assert gpu_check_parts.tune_seconds(share) == 32.5 and gpu_check_parts.bench_lengths(share - 32.5) == (4096,)
+    # alone, the variants part takes the whole budget
+    assert gpu_check.variants_limit(300, ("variants",)) == 300
 
 
 @pytest.mark.parametrize("budget, asked, split", [
@@ -230,7 +234,7 @@ def test_parts_from_separate_invocations_merge_in_the_summary(tmp_path, monkeypa
     assert first["parts"]["tests"]["status"] == "passed"
     assert first["parts"]["bench"] == {"part": "bench", "status": "not run", "figures": {}, "key_figures": "-",
                                        "reason": "not asked for yet (gpu-check --only bench)"}
-    assert first["verdict"].startswith("INCOMPLETE: passed: tests; not run: check, bench, graphs")
+    assert first["verdict"].startswith("INCOMPLETE: not run: variants, check, bench, graphs; passed: tests")
 
     monkeypatch.setattr(gpu_check, "part_command", lambda part, out, limit_s, all_tests: fake_part(
         "failed", CHECK_FIGURES)(part, out, limit_s))
@@ -240,7 +244,8 @@ def test_parts_from_separate_invocations_merge_in_the_summary(tmp_path, monkeypa
     assert parts["tests"]["status"] == "passed" and parts["tests"]["started"] == first["parts"]["tests"]["started"]
     assert parts["check"]["status"] == "failed" and parts["check"]["reason"] == "it broke"
     assert parts["check"]["environment"]["device"]["name"] == "Fake GPU 2"
-    assert summary["verdict"] == "FAILED: check failed (passed: tests; failed: check; not run: bench, graphs)"
+    assert summary["verdict"] == ("FAILED: check failed (not run: variants, bench, graphs; passed: tests; failed: "
+                                  "check)")
     assert summary["run"]["side_by_side"] == ["check"] and summary["run"]["alone"] == []
     markdown = (tmp_path / "summary.md").read_text()
     assert "| tests | passed |" in markdown and "8 passed, 0 failed, 0 errors, 2 skipped (1 files)" in markdown
@@ -260,18 +265,21 @@ def test_every_part_runs_on_the_gpu_asked_for_and_the_summary_names_it(tmp_path,
         gpu_check_parts.PARTS, "6")
     assert summary["environment"]["device"]["name"] == "Fake GPU 1"
     assert summary["environment"]["device"]["torch_device"] == "cuda:1"
-    assert summary["verdict"] == "PASSED: all 4 parts passed on Fake GPU 1"
+    assert summary["verdict"] == "PASSED: all 5 parts passed on Fake GPU 1"
     run = summary["run"]
-    assert (run["budget_s"], run["side_by_side_limit_s"], run["bench_share_s"]) == (120, 75, 45)
+    assert (run["budget_s"], run["variants_limit_s"], run["side_by_side_limit_s"], run["bench_share_s"]) == (
+        120, 60, 37.5, 22.5)
     assert 0 < run["wall_s"] < run["budget_s"]
     assert all(r["duration_s"] < r["limit_s"] for r in summary["parts"].values())
     markdown = (tmp_path / "summary.md").read_text()
-    assert ("This run: tests, check, graphs side by side, each within 75 s; then bench alone on the GPU (its share "
-            f"45 s, and what they left). Wall time {run['wall_s']:.0f} s of its 120 s budget.") in markdown
-    assert f"| tests | passed | {summary['parts']['tests']['duration_s']:.0f} s of 75 s |" in markdown
+    assert ("This run: variants first, alone on the GPU, within 60 s; tests, check, graphs side by side, each within "
+            "38 s; then bench alone on the GPU (its share 22 s, and what they left). Wall time "
+            f"{run['wall_s']:.0f} s of its 120 s budget.") in markdown
+    assert f"| tests | passed | {summary['parts']['tests']['duration_s']:.0f} s of 38 s |" in markdown
     printed = capsys.readouterr().out
     assert "Fake GPU 1 (cuda:1, CUDA_VISIBLE_DEVICES=6 for the parts)" in printed
-    assert "tests, check, graphs: side by side, each at most 75 s (the budget less bench's 45 s share)" in printed
+    assert "variants: first, alone on the GPU, at most 60 s" in printed
+    assert "tests, check, graphs: side by side, each at most 38 s (the budget less bench's 22 s share)" in printed
     assert f"the whole run: {run['wall_s']:.0f} s of its 120 s budget" in printed
     for part in gpu_check_parts.PARTS:
         assert f"] {part}: passed in " in printed
@@ -309,7 +317,8 @@ def test_tests_check_and_graphs_run_side_by_side_and_bench_alone_after_them(tmp_
     assert records["bench"]["figures"]["begun"] >= max(f["ended"] for f in side), "bench shared the GPU"
     assert {part: r["phase"] for part, r in records.items()} == {
         "tests": "side by side with check, graphs", "check": "side by side with tests, graphs",
-        "graphs": "side by side with tests, check", "bench": "alone, after the others"}
+        "graphs": "side by side with tests, check", "bench": "alone, after the others", "variants": "alone"}
+    assert records["variants"]["figures"]["ended"] <= min(f["begun"] for f in side), "variants shared the GPU"
     assert records["bench"]["limit_s"] > 45 and "the parts before it left" in records["bench"]["limit_note"]
 
 
@@ -324,10 +333,11 @@ def test_a_part_past_its_limit_is_stopped_with_its_children_while_the_others_fin
         "tests": fake_part("passed", TEST_FIGURES),
     }
     monkeypatch.setattr(gpu_check, "MIN_PART_S", 1.0)
+    parts = [part for part in gpu_check_parts.PARTS if part != "variants"]
     # Side by side at most 10 s each, as long as graphs and tests need several times over on a busy machine; bench
     # gets what is left of its 6 s share once check has been stopped.
     budget = 16.0
-    records, run = gpu_check.run_parts(gpu_check_parts.PARTS, str(tmp_path), budget,
+    records, run = gpu_check.run_parts(parts, str(tmp_path), budget,
                                        lambda part, out, limit_s: commands[part](part, out, limit_s),
                                        say=lambda line: None)
     assert run["wall_s"] < budget, "the run went past its budget"
@@ -729,7 +739,7 @@ def test_graphs_figures_read_in_the_summary():
     assert "Replay: bitwise equal to eager over 26 tensors: ok." in markdown
     assert "| float16 | padded | 3, 4, 777, 64 | NO | dk (max difference 0.00781) |" in markdown
     assert "| 2048 | 32.0 | 80.0 | x2.00 |" in markdown and "| 1024 | 16.0 | 40.0 | - |" in markdown
-    assert summary["verdict"] == "FAILED: graphs failed (not run: tests, check, bench; failed: graphs)"
+    assert summary["verdict"] == "FAILED: graphs failed (not run: variants, tests, check, bench; failed: graphs)"
 
 
 def test_the_commands_run_where_tqdm_is_not_installed():
@@ -766,3 +776,16 @@ def test_sdpa_determinism_is_measured_per_backend_and_read_in_the_summary():
     markdown = gpu_check_summary.render_markdown(summary)
     assert "| math | bfloat16 | none | 1, 2, 16, 8 | NO | dq (max difference 0.0156) |" in markdown
     assert "| cudnn_attention | float16 | causal | 1, 2, 16, 8 | n/a | " in markdown
+
+
+def test_variants_figures_read_in_the_summary():
+    rows = [{"op": "attention.fwd", "gpu": "H200", "shape": "bf16/D128/causal/L4096", "variant": "persistent",
+             "vs_default": 0.87, "vs_vendor": 0.93, "vendor": "sdpa:cudnn_attention", "provenance": "NVIDIA H200, x"},
+            {"op": "decode.split", "gpu": "H200", "shape": "P8/L8192", "variant": "fill_sms", "vs_default": 1.0,
+             "vs_vendor": 1.2, "vendor": "sdpa", "provenance": "NVIDIA H200, x"}]
+    record = gpu_check_parts.part_record("variants", "passed", None, {"rows": rows, "rows_copy": "out/v.json"})
+    summary = gpu_check_summary.build_summary({"variants": record}, FAKE_ENVIRONMENT, lambda part: "not asked for")
+    assert summary["parts"]["variants"]["key_figures"] == (
+        "2 verdicts, 1 won by another variant than the default; rows in out/v.json")
+    markdown = gpu_check_summary.render_markdown(summary)
+    assert "| attention.fwd | bf16/D128/causal/L4096 | persistent | 0.870 | 0.930 | sdpa:cudnn_attention |" in markdown

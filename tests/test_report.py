@@ -454,8 +454,8 @@ def test_16_bit_attention_loads_through_tma_on_hopper_only(results):
     hopper = [r for r in attention_16_bit if r.target == 90]
     assert {r.name for r in hopper} == {"attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv",
                                         "attention_weights"}
-    for r in attention_16_bit:
-        assert (r.target == 90) == r.config.endswith("/tma") == ("UTMALDG" in r.async_copy), (
+    for r in attention_16_bit:  # the plan's variant, if any, follows a "+"
+        assert (r.target == 90) == r.config.split("+")[0].endswith("/tma") == ("UTMALDG" in r.async_copy), (
             r.name, r.config, r.target, r.async_copy)
 
 

@@ -6,7 +6,9 @@
 
 Runs the suites of ``fused_transformer.tools.bench_cases`` (attention, layer_norm, feed_forward, encoder_layer,
 decoder_layer, decode_step, decode, module_call; all by default) and, only when named, ``overhead``
-(``fused_transformer.tools.bench_overhead``: the host time of one call of each op and module on a tiny input), prints
+(``fused_transformer.tools.bench_overhead``: the host time of one call of each op and module on a tiny input) and
+``variants`` (``fused_transformer.tools.bench_variants``: every variant of our kernels against the vendor's, the
+winners written to ``--variant-rows``, the rows the plans read), prints
 one table row per measurement as it goes, and writes to ``--out`` (default ``bench-results/``):
 
 - ``bench_<device>.csv``, one row per (case, implementation), columns ``COLUMNS``:
@@ -49,9 +51,10 @@ from fused_transformer._progress import tqdm
 
 import fused_transformer as ft
 from fused_transformer import route
+from fused_transformer.kernels import variants
 from fused_transformer.interrupts import Interrupted
 from fused_transformer.tools import (
-    add_device_option, bench_overhead, bench_summary, bench_work, make_folder, positive_seconds,
+    add_device_option, bench_overhead, bench_summary, bench_variants, bench_work, make_folder, positive_seconds,
 )
 from fused_transformer.tools import bench_cases as suites
 from fused_transformer.tools.bench_cases import Case, Setup
@@ -63,7 +66,8 @@ COLUMNS = (
     "d_ff", "causal", "padding", "ms", "tflops", "tokens_per_s", "gb_per_s", "bw_of_peak", "peak_mem_mb",
     "mem_measure", "baseline", "speedup", "launches", "note",
 )
-SUITE_CHOICES = (*suites.SUITES, bench_overhead.SUITE)  # the overhead suite runs only when named
+# The overhead and variants suites run only when named.
+SUITE_CHOICES = (*suites.SUITES, bench_overhead.SUITE, bench_variants.SUITE)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # as check spells them
 Row = Dict[str, object]
 
@@ -208,7 +212,8 @@ def say(text: str = "") -> None:
 
 
 def print_header(suite: str, setup: Setup, baseline: str) -> None:
-    describe = bench_overhead.describe(setup) if suite == bench_overhead.SUITE else suites.describe(suite, setup)
+    describe = (bench_overhead.describe(setup) if suite == bench_overhead.SUITE else bench_variants.describe(setup)
+                if suite == bench_variants.SUITE else suites.describe(suite, setup))
     say(f"\n== {suite}: {describe}; {setup.device.type} {str(setup.dtype)[6:]}; "
         f"speed-up = {baseline} ms / ms (> 1: faster than {baseline})")
     say(TABLE.format(case="case", mode="mode", seq_len="L", impl="impl", ms="ms", rate="throughput",
@@ -270,6 +275,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help=f"with --suite {bench_overhead.SUITE}: also write where each case's host time goes "
                         "(cProfile and the torch profiler) to DIR/overhead_profile_<device>.txt")
+    parser.add_argument("--variant-rows", metavar="PATH",
+                        help=f"with --suite {bench_variants.SUITE}: where the winners go (default: the package's "
+                        "kernels/variant_rows.json on CUDA, which the plans read; DIR/variant_rows_cpu.json on the "
+                        "CPU)")
     parser.add_argument("--no-plots", action="store_true", help="write the CSV only")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
@@ -285,10 +294,14 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
             parser.error(f"--backend {args.backend}: {exc}")
     if args.profile and bench_overhead.SUITE not in (args.suite or ()):
         parser.error(f"--profile profiles the {bench_overhead.SUITE} suite: add --suite {bench_overhead.SUITE}")
-    if bench_overhead.SUITE in (args.suite or ()):
-        reason = bench_overhead.unusable_reason(Setup(args.device, args.dtype, args.backend))
-        if reason:
-            parser.error(f"--suite {bench_overhead.SUITE}: {reason}")
+    for named in (bench_overhead, bench_variants):
+        if named.SUITE in (args.suite or ()):
+            reason = named.unusable_reason(Setup(args.device, args.dtype, args.backend))
+            if reason:
+                parser.error(f"--suite {named.SUITE}: {reason}")
+    if args.variant_rows is not None and bench_variants.SUITE not in (args.suite or ()):
+        parser.error(f"--variant-rows holds the winners of the {bench_variants.SUITE} suite: add --suite "
+                     f"{bench_variants.SUITE}")
     make_folder(parser, f"--out {args.out!r}", args.out)
     return args
 
@@ -330,6 +343,7 @@ def run(args: argparse.Namespace, command: Optional[List[str]] = None, recap: Op
     started = time.perf_counter()
     suite_setups = {name: bench_overhead.setup_for(setup) if name == bench_overhead.SUITE else setup for name in names}
     suite_cases = {name: bench_overhead.cases(suite_setups[name]) if name == bench_overhead.SUITE
+                   else bench_variants.cases(setup, args.quick) if name == bench_variants.SUITE
                    else suites.cases(name, setup, args.lengths, args.quick) for name in names}
     # Rows go to a new file as they are measured; the previous CSV is replaced only by a complete run.
     partial_path = csv_path + ".partial"
@@ -357,6 +371,9 @@ def run(args: argparse.Namespace, command: Optional[List[str]] = None, recap: Op
                         bar.update()
                 if overhead:
                     say("\n".join(["", *bench_overhead.table(rows)]))
+                if name == bench_variants.SUITE:
+                    verdicts = bench_variants.verdicts(rows, setup)
+                    say("\n".join(["", *bench_variants.table(verdicts)]))
                 say(f"({name}: {len(cases)} cases in {time.perf_counter() - suite_started:.0f} s)")
             os.fsync(f.fileno())
     except KeyboardInterrupt:
@@ -366,13 +383,18 @@ def run(args: argparse.Namespace, command: Optional[List[str]] = None, recap: Op
     bar.close()
     os.replace(partial_path, csv_path)
     written = [csv_path]
+    if bench_variants.SUITE in names:
+        rows_path = args.variant_rows or (variants.MEASURED_FILE if setup.device.type == "cuda"
+                                          else os.path.join(args.out, f"variant_rows_{setup.device.type}.json"))
+        variants.write_rows(verdicts, rows_path)
+        written.append(rows_path)
     if not args.no_plots:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             print("matplotlib is NOT INSTALLED: no plots written (pip install matplotlib, or the [bench] extra)")
         else:
-            written += [path for name in names if name != bench_overhead.SUITE  # its table is the figure
+            written += [path for name in names if name not in (bench_overhead.SUITE, bench_variants.SUITE)
                         for path in plot_suite(rows, name, setup, args.out)]
     summary_path = os.path.join(args.out, f"bench_{setup.device.type}.md")
     with open(summary_path, "w") as f:

@@ -3,8 +3,11 @@
     python -m fused_transformer gpu-check [--out DIR] [--only PART ...] [--budget SECONDS] [--device DEVICE]
                                           [--all-tests]
 
-Four parts (``gpu_check_parts``), each in a process of its own under a wall-clock limit, so that a CUDA fault, a
+Five parts (``gpu_check_parts``), each in a process of its own under a wall-clock limit, so that a CUDA fault, a
 hang or a timeout in one is recorded and the others still run:
+
+- ``variants``: ``bench --suite variants --quick``: every variant of our kernels against the vendor's, the winners
+  written as the rows the plans read (``kernels/variant_rows.json``; a copy in ``DIR/variants``), first and alone;
 
 - ``tests``: the GPU test files on the GPU itself (no Triton interpreter), judged by pytest's junit XML;
 - ``check``: ``check --quick``: every op and module against float64;
@@ -13,8 +16,9 @@ hang or a timeout in one is recorded and the others still run:
 - ``graphs``: a CUDA graph of a training step against eager, backward determinism, peak memory against L
   (``gpu_check_graphs``).
 
-The parts that time nothing (``SIDE_BY_SIDE``: tests, check, graphs) run at the same time; bench runs after them,
-alone, so that nothing shares the GPU with its timings. The whole run is held to ``--budget`` (``DEFAULT_BUDGET_S``):
+The variants part runs first, alone, in its share (``variants_limit``). The parts that time nothing (``SIDE_BY_SIDE``:
+tests, check, graphs) then run at the same time; bench runs after them, alone, so that nothing shares the GPU with its
+timings. The whole run is held to ``--budget`` (``DEFAULT_BUDGET_S``):
 bench's share of it is ``bench_share`` and the parts side by side get the rest; bench gets whatever they leave
 (``split_budget``, ``bench_limit``). Every part runs on one GPU, the ``--device``: its process sees only that one
 (``CUDA_VISIBLE_DEVICES``, ``visible_devices``).
@@ -48,14 +52,18 @@ from fused_transformer.tools.gpu_check_parts import (
 from fused_transformer.tools.gpu_check_summary import write_summary
 from fused_transformer.tools.provenance import package_version
 
-# A GPU machine is lent for 15 minutes, its start included, and 10 minutes a command: 8 minutes leave room for both.
-DEFAULT_BUDGET_S = 480.0
+# A GPU machine is lent for 15 minutes, its start included, and 10 minutes a command: 9 minutes leave room for both.
+DEFAULT_BUDGET_S = 540.0
 SIDE_BY_SIDE = ("tests", "check", "graphs")  # they time nothing, so they may share the GPU and the CPU cores
 # bench's share of the budget: 3/8 of it, at most 3 minutes, which bench --quick's two lengths fit (docs/gpu-check.md);
 # every second beyond that goes to the tests, the part that grows with its time.
 BENCH_SHARE = 0.375
 BENCH_SHARE_MAX_S = 180.0
 MIN_PART_S = 60.0  # a part with less left than this is not started (and --budget is at least this)
+# The variants part runs first and alone (it times the kernels' variants): a quarter of the budget, at most 2 minutes,
+# which bench --suite variants --quick fits (docs/gpu-check.md); the other parts share what it leaves.
+VARIANTS_SHARE = 0.25
+VARIANTS_SHARE_MAX_S = 120.0
 KILL_GRACE_S = 15.0  # a part stopped at its limit gets this long to end its own commands before SIGKILL
 TICK_S = 0.2  # how often the parts running are looked at
 NO_CUDA_STATUS = 2
@@ -114,6 +122,14 @@ def part_command(part: str, out: str, limit_s: float, all_tests: bool = False) -
 def bench_share(budget_s: float) -> float:
     """The seconds of ``budget_s`` kept for bench, which runs after the parts side by side."""
     return min(BENCH_SHARE_MAX_S, budget_s * BENCH_SHARE)
+
+
+def variants_limit(budget_s: float, asked: Sequence[str]) -> float:
+    """The seconds of ``budget_s`` the variants part runs for, first and alone: its share (``VARIANTS_SHARE``, at most
+    ``VARIANTS_SHARE_MAX_S``), or the whole budget when it is the only part asked for."""
+    if all(part == "variants" for part in asked):
+        return budget_s
+    return max(MIN_PART_S, min(VARIANTS_SHARE_MAX_S, budget_s * VARIANTS_SHARE))
 
 
 def split_budget(budget_s: float, asked: Sequence[str]) -> Tuple[Optional[float], Optional[float]]:
@@ -228,11 +244,18 @@ def run_parts(asked: Sequence[str], out: str, budget_s: float, command_for: Comm
     and what the summary says of the run: its budget, its split and its wall time."""
     started = time.monotonic() if started is None else started
     side = [part for part in PARTS if part in SIDE_BY_SIDE and part in asked]
-    side_limit, share = split_budget(budget_s, asked)
     clock = lambda: time.monotonic() - started  # noqa: E731
     stamped = lambda line: say(f"[{clock():4.0f} s] {line}")  # noqa: E731
     fields = dict({"environment": stamp} if stamp is not None else {}, budget_s=budget_s)
     records: Dict[str, dict] = {}
+    variants_s = None
+    if "variants" in asked:
+        variants_s = variants_limit(budget_s, asked)
+        stamped(f"variants: first, alone on the GPU, at most {variants_s:.0f} s; output in "
+                f"{log_path(out, 'variants')}")
+        records["variants"] = run_side_by_side({"variants": command_for("variants", out, variants_s)}, out,
+                                               variants_s, env, stamped, fields)["variants"]
+    side_limit, share = split_budget(budget_s - (variants_s or 0.0), asked)
     if side:
         stamped(f"{', '.join(side)}: {'side by side, each' if len(side) > 1 else 'running,'} at most "
                 f"{side_limit:.0f} s" + (f" (the budget less bench's {share:.0f} s share)" if share else "")
@@ -252,7 +275,8 @@ def run_parts(asked: Sequence[str], out: str, budget_s: float, command_for: Comm
             records["bench"] = run_side_by_side({"bench": command_for("bench", out, limit)}, out, limit, env, stamped,
                                                 fields)["bench"]
     run = {"budget_s": budget_s, "wall_s": round(clock(), 1), "side_by_side": side,
-           "side_by_side_limit_s": side_limit, "alone": ["bench"] if "bench" in asked else [], "bench_share_s": share}
+           "side_by_side_limit_s": side_limit, "alone": [part for part in ("variants", "bench") if part in asked],
+           "bench_share_s": share, "variants_limit_s": variants_s}
     stamped(f"the whole run: {run['wall_s']:.0f} s of its {budget_s:.0f} s budget")
     return records, run
 
@@ -269,11 +293,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="folder for the part records, their logs, the benchmark and the summary (default: "
                              "%(default)s); parts run in separate invocations into one folder merge there")
     parser.add_argument("--only", action="append", choices=PARTS, metavar="PART",
-                        help=f"run only this part (repeatable; one of {', '.join(PARTS)}); default: all four")
+                        help=f"run only this part (repeatable; one of {', '.join(PARTS)}); default: all five")
     parser.add_argument("--budget", type=positive_seconds, default=DEFAULT_BUDGET_S, metavar="SECONDS",
                         help="wall-clock seconds for the whole run, compiling included (default: %(default)g): "
-                             f"{', '.join(SIDE_BY_SIDE)} side by side, then bench alone in its share (3/8, at most "
-                             f"{BENCH_SHARE_MAX_S:.0f} s) and what they left")
+                             f"variants first, alone, in its share (1/4, at most {VARIANTS_SHARE_MAX_S:.0f} s), then "
+                             f"{', '.join(SIDE_BY_SIDE)} side by side, then bench alone in its share (3/8 of what is "
+                             f"left, at most {BENCH_SHARE_MAX_S:.0f} s) and what they left")
     add_device_option(parser, "runs every part on (a CUDA device; without one, the summary says so)")
     parser.add_argument("--all-tests", action="store_true",
                         help="tests: the whole test suite instead of the GPU test files (longer: give --budget)")

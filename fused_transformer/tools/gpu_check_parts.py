@@ -19,6 +19,9 @@ runs one part and writes its record to ``DIR/<part>.json``: ``status`` (passed /
   our time and TFLOP/s (tokens/s) and our speed-up over every other implementation measured.
 - ``graphs``: ``gpu_check_graphs``, in this process: CUDA-graph replay of a training step, backward determinism,
   peak memory against the sequence length.
+- ``variants``: ``python -m fused_transformer bench --device cuda:0 --suite variants --quick`` into
+  ``DIR/variants``: every kernel variant against the vendor's kernel, the winners written to the package's
+  ``kernels/variant_rows.json`` (the rows the plans read) and copied to ``DIR/variants/variant_rows.json``.
 
 An inner command gets the part's limit less ``INNER_MARGIN_S``, so that a part that runs out of time still writes
 what it has (pytest's junit XML of the tests it ran, the benchmark rows measured so far) as "timed out".
@@ -39,12 +42,12 @@ import time
 import traceback
 import xml.etree.ElementTree as ElementTree
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from fused_transformer.tools.provenance import PACKAGE_ROOT
 
-PARTS = ("tests", "check", "bench", "graphs")
+PARTS = ("variants", "tests", "check", "bench", "graphs")
 PASSED, FAILED, TIMED_OUT, NOT_RUN, RUNNING = "passed", "failed", "timed out", "not run", "running"
 FINAL_STATUSES = (PASSED, FAILED, TIMED_OUT, NOT_RUN)
 
@@ -538,6 +541,42 @@ def bench_part(out: str, limit_s: float) -> dict:
     return part_record("bench", status, reason, figures, command, finished.output)
 
 
+# --------------------------------------------------------------------------------------------------- variants
+
+
+def variants_part(out: str, limit_s: float) -> dict:
+    """``bench --suite variants --quick`` alone on the GPU: every kernel variant timed against the vendor's, the
+    winners written to the package's ``kernels/variant_rows.json`` (which the plans read) and copied to
+    ``DIR/variants/variant_rows.json`` (what comes back from a lent machine, to commit)."""
+    from fused_transformer.kernels import variants
+
+    folder = os.path.join(out, "variants")
+    os.makedirs(folder, exist_ok=True)
+    command = [sys.executable, "-m", "fused_transformer", "bench", "--device", PART_DEVICE, "--suite", "variants",
+               "--quick", "--out", folder, "--no-progress", "--no-plots"]
+    before = os.path.getmtime(variants.MEASURED_FILE) if os.path.exists(variants.MEASURED_FILE) else None
+    finished = run_with_limit(command, max(limit_s - INNER_MARGIN_S, 1.0), log_path(out, "variants"),
+                              env=gpu_environment())
+    written = os.path.exists(variants.MEASURED_FILE) and os.path.getmtime(variants.MEASURED_FILE) != before
+    figures: dict = {"exit_status": finished.returncode, "failures": _bench_failures(finished.output),
+                     "rows_file": variants.MEASURED_FILE if written else None}
+    if written:
+        copy = os.path.join(folder, "variant_rows.json")
+        with open(variants.MEASURED_FILE) as source, open(copy, "w") as target:
+            target.write(source.read())
+        figures["rows"] = [asdict(row) for row in variants.read_rows(copy)]
+        figures["rows_copy"] = copy
+    if finished.timed_out:
+        status, reason = TIMED_OUT, f"the variants suite ran past {finished.seconds:.0f} s and was stopped"
+    elif not written:
+        status, reason = FAILED, f"the variants suite wrote no rows (exit status {finished.returncode})"
+    elif finished.returncode != 0:
+        status, reason = FAILED, f"{len(figures['failures'])} variant(s) failed on a case"
+    else:
+        status, reason = PASSED, None
+    return part_record("variants", status, reason, figures, command, finished.output)
+
+
 # ----------------------------------------------------------------------------------------------------- graphs
 
 
@@ -556,8 +595,8 @@ def graphs_part(out: str, limit_s: float) -> dict:
 # ---------------------------------------------------------------------------------------------------- the part
 
 
-RUNNERS: Dict[str, Callable[..., dict]] = {"tests": tests_part, "check": check_part, "bench": bench_part,
-                                           "graphs": graphs_part}
+RUNNERS: Dict[str, Callable[..., dict]] = {"variants": variants_part, "tests": tests_part, "check": check_part,
+                                           "bench": bench_part, "graphs": graphs_part}
 
 
 def _stop(signum: int, frame: object) -> None:

@@ -107,6 +107,10 @@ def key_figures(part: str, record: Mapping[str, object]) -> str:
         lengths = f" at L {', '.join(map(str, figures['lengths']))}" if figures.get("lengths") else ""
         return (f"{len(figures['shapes'])} shapes{lengths}{partial}; median speed-up: "
                 + (", ".join(medians) or "-"))
+    if part == "variants" and figures.get("rows"):
+        won = [row for row in figures["rows"] if row["vs_default"] < 1.0]
+        return (f"{len(figures['rows'])} verdicts, {len(won)} won by another variant than the default; rows in "
+                f"{figures.get('rows_copy') or figures.get('rows_file')}")
     if part == "graphs" and figures:
         found = []
         graph = figures.get("cuda_graph")
@@ -264,16 +268,30 @@ def _graphs_details(figures: Mapping[str, object]) -> List[str]:
             + _measured(["", "### Peak memory against L", ""], figures.get("memory"), _memory_lines))
 
 
+def _variants_details(figures: Mapping[str, object]) -> List[str]:
+    rows = figures.get("rows") or []
+    if not rows:
+        return []
+    lines = ["", "| op | shape | winner | its time / the default's | vendor's time / its time | vendor |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {row['op']} | {row['shape']} | {row['variant']} | {row['vs_default']:.3f} | {row['vs_vendor']:.3f} "
+              f"| {row['vendor']} |" for row in rows]
+    return lines + ["", f"Provenance: {rows[0]['provenance']}."]
+
+
 DETAILS: Dict[str, Callable[[Mapping[str, object]], List[str]]] = {
-    "tests": _tests_details, "check": _check_details, "bench": _bench_details, "graphs": _graphs_details}
+    "variants": _variants_details, "tests": _tests_details, "check": _check_details, "bench": _bench_details,
+    "graphs": _graphs_details}
 
 
 def describe_run(run: Optional[Mapping[str, object]]) -> Optional[str]:
     """This invocation's parts, its budget and its wall time, in one sentence; None when nothing ran."""
     if not run or not (run.get("side_by_side") or run.get("alone")):
         return None
-    side, alone = run["side_by_side"], run["alone"]
+    side, alone = run["side_by_side"], [part for part in run["alone"] if part != "variants"]
     phases = []
+    if run.get("variants_limit_s"):
+        phases.append(f"variants first, alone on the GPU, within {run['variants_limit_s']:.0f} s")
     if side:
         each = " side by side, each" if len(side) > 1 else ""
         phases.append(f"{', '.join(side)}{each} within {run['side_by_side_limit_s']:.0f} s")

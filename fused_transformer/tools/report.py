@@ -95,6 +95,9 @@ class AotResult:
     loop_mma_instructions: int = 0
     loop_macs_per_warp: int = 0  # multiply-accumulates one warp's share of the loop's MMAs compute
     serialized_mmas: int = 0  # HGMMAs that wait for the one before them in their own product (``serialized_mmas``)
+    # The opcodes of ``AotKernel.expect_instructions`` that its SASS for this target lacks (sm_90's claims only).
+    missing_instructions: Tuple[str, ...] = ()
+    refused: bool = False  # a variant the plan refuses (``AotKernel.refused``): failing to build it is its verdict
 
     @property
     def non_mma_per_mma(self) -> Optional[float]:
@@ -114,6 +117,10 @@ class AotResult:
 
     @property
     def problems(self) -> List[str]:
+        if self.refused:
+            if self.error is not None or self.missing_instructions:
+                return []
+            return ["the plan refuses this variant, but this release builds it with what it claims: update the plan"]
         if self.error is not None:
             return [f"compile error: {self.error}"]
         found = []
@@ -126,6 +133,8 @@ class AotResult:
             found.append("no mma/wgmma")
         if self.serialized_mmas:
             found.append(f"wgmma serialized ({self.serialized_mmas} HGMMA wait for the one before)")
+        if self.missing_instructions:
+            found.append(f"its variant's instructions missing: {', '.join(self.missing_instructions)}")
         return found
 
     @property
@@ -210,7 +219,7 @@ def needs_sass(kernel: AotKernel, target: int, figures: bool) -> bool:
     """Whether compiling ``kernel`` for ``sm_<target>`` reads its SASS: always for the figures, else only where a
     verdict needs it (``serialized_mmas``: the wgmma matmuls of sm_90). Disassembling takes about a third of the
     time of a compilation."""
-    return figures or (target == 90 and kernel.expect_tensor_cores)
+    return figures or (target == 90 and (kernel.expect_tensor_cores or bool(kernel.expect_instructions)))
 
 
 # Where a compilation may start from another target's: Triton lowers a kernel to the same TTGIR for sm_80, sm_86 and
@@ -270,7 +279,7 @@ def _assemble(kernel: AotKernel, ptx: str, target: int) -> bytes:
 def _identity(kernel: AotKernel, target: int, module: str) -> Dict[str, object]:
     """The ``AotResult`` fields that say which compilation it is, whatever it gave."""
     return dict(module=module, name=kernel.name, config=kernel.config, target=target, num_warps=kernel.num_warps,
-                expect_tensor_cores=kernel.expect_tensor_cores)
+                expect_tensor_cores=kernel.expect_tensor_cores, refused=bool(kernel.refused))
 
 
 def _result(kernel: AotKernel, target: int, module: str, figures: bool, ptx: str, cubin: bytes,
@@ -279,12 +288,16 @@ def _result(kernel: AotKernel, target: int, module: str, figures: bool, ptx: str
     dump = cuobjdump(cubin, "--dump-resource-usage", *sass_flags)
     usage = resource_usage(dump)
     sass = analyse_sass(dump)
+    # A variant's claims are sm_90's instructions (wgmma, TMA, setmaxnreg): the other targets run it without them.
+    claimed = kernel.expect_instructions if target == 90 else ()
+    missing = tuple(opcode for opcode in claimed if not re.search(rf"\b{opcode}\b", dump))
     # A block holds its static shared memory (1 KB on sm_90, none below) besides the dynamic part the launch asks for.
     blocks_per_sm, warps_per_sm = occupancy(target, kernel.num_warps, usage["registers"], shared + usage["shared"])
     return AotResult(
         **_identity(kernel, target, module), registers=usage["registers"], spill_bytes=usage["local"],
         stack_bytes=usage["stack"], shared_bytes=max(shared, usage["shared"]), tensor_cores=uses_tensor_cores(ptx),
-        blocks_per_sm=blocks_per_sm, warps_per_sm=warps_per_sm, **dataclasses.asdict(sass),
+        blocks_per_sm=blocks_per_sm, warps_per_sm=warps_per_sm, missing_instructions=missing,
+        **dataclasses.asdict(sass),
     )
 
 

@@ -1,5 +1,6 @@
 """What the AOT report compiles of the attention kernels: every tile ``configs.plan`` picks for each target, in
-each feature set a launch runs with (``VARIANTS``), with the loads the plan picks there."""
+each feature set a launch runs with (``FEATURE_SETS``), with the loads the plan picks there, in the default variant
+and in each of the plan's other variants (``configs.VARIANTS``) where it changes the launch."""
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -21,14 +22,14 @@ KERNELS = {"fwd": attention_fwd_kernel, "bwd_dq": attention_dq_kernel, "bwd_dkdv
 TRAINING_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")
 
 
-class Variant(NamedTuple):
+class FeatureSet(NamedTuple):
     """A feature set the report compiles a tile config in (its config-name suffix is ``name``)."""
 
     name: str
     features: Dict[str, object]  # the kernels' mask constexprs, and HAS_DROPOUT when it is off
     kernels: Tuple[str, ...]  # the kernels that have it
     # Compiled only for the targets where it picks other tiles than this variant does (elsewhere it runs that
-    # variant's tiles with fewer features); None: everywhere.
+    # feature set's tiles with fewer features); None: everywhere.
     unless_tiles_of: object = None
     float_output: bool = False  # the forward writes o in float32 (kept for the sinks' gradient)
 
@@ -55,21 +56,21 @@ SCORE_MODS = dict(SCORE_MODS=EVERY_SCORE_MOD, HAS_SINKS=True)
 # Dense with every mask on (the largest register footprint), and packed sequences, which take no attn_mask or
 # padding but compute their bounds and alignment per sequence; the two-loop path (unmasked interior tiles), causal
 # with the most it takes and no dropout; and the most a light launch takes, dense and packed.
-VARIANTS = (
-    Variant("", _features(MASK_FLOAT, True, True, True, False), tuple(KERNELS)),
-    Variant("/varlen", _features(MASK_NONE, False, False, True, True), TRAINING_KERNELS),
-    Variant("/causal", _features(MASK_NONE, True, False, False, False, HAS_DROPOUT=False), TRAINING_KERNELS),
-    Variant("/varlen/causal", _features(MASK_NONE, False, False, False, True, HAS_DROPOUT=False), TRAINING_KERNELS),
-    Variant("/padded", _features(MASK_NONE, True, True, True, False, HAS_DROPOUT=False), TRAINING_KERNELS, ""),
-    Variant("/varlen/nodropout", _features(MASK_NONE, False, False, True, True, HAS_DROPOUT=False), TRAINING_KERNELS,
+FEATURE_SETS = (
+    FeatureSet("", _features(MASK_FLOAT, True, True, True, False), tuple(KERNELS)),
+    FeatureSet("/varlen", _features(MASK_NONE, False, False, True, True), TRAINING_KERNELS),
+    FeatureSet("/causal", _features(MASK_NONE, True, False, False, False, HAS_DROPOUT=False), TRAINING_KERNELS),
+    FeatureSet("/varlen/causal", _features(MASK_NONE, False, False, False, True, HAS_DROPOUT=False), TRAINING_KERNELS),
+    FeatureSet("/padded", _features(MASK_NONE, True, True, True, False, HAS_DROPOUT=False), TRAINING_KERNELS, ""),
+    FeatureSet("/varlen/nodropout", _features(MASK_NONE, False, False, True, True, HAS_DROPOUT=False), TRAINING_KERNELS,
             "/varlen"),
     # every score modifier and sinks (which take the tiles of the launches above that are not light), dense with padding
     # and a window, and packed; and the forward of trainable sinks in 16 bits, which writes o in float32.
-    Variant("/scoremods", _features(MASK_NONE, True, True, True, False, **SCORE_MODS), TRAINING_KERNELS),
-    Variant("/varlen/scoremods", _features(MASK_NONE, False, False, True, True, **SCORE_MODS), TRAINING_KERNELS),
-    Variant("/scoremods/float_o", _features(MASK_NONE, True, True, True, False, **SCORE_MODS), ("fwd",),
+    FeatureSet("/scoremods", _features(MASK_NONE, True, True, True, False, **SCORE_MODS), TRAINING_KERNELS),
+    FeatureSet("/varlen/scoremods", _features(MASK_NONE, False, False, True, True, **SCORE_MODS), TRAINING_KERNELS),
+    FeatureSet("/scoremods/float_o", _features(MASK_NONE, True, True, True, False, **SCORE_MODS), ("fwd",),
             float_output=True),
-    Variant("/varlen/scoremods/float_o", _features(MASK_NONE, False, False, True, True, **SCORE_MODS), ("fwd",),
+    FeatureSet("/varlen/scoremods/float_o", _features(MASK_NONE, False, False, True, True, **SCORE_MODS), ("fwd",),
             float_output=True),
 )
 # Pointers whose type does not follow the inputs' dtype (the float mask as a float32 additive bias).
@@ -84,22 +85,29 @@ QUERY_TILE_INPUTS = ("Q", "O", "DO")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
 
 
-def config_name(precision: str, head_dim: int, tile: configs.Tile, variant: str, use_tma: bool) -> str:
-    """The report's name of a config: ``bf16/D64/BM128_BN64_w8_s3/causal/tma``."""
-    return f"{precision}/D{head_dim}/{tile}{variant}{'/tma' if use_tma else ''}"
+def config_name(precision: str, head_dim: int, tile: configs.Tile, variant: str, use_tma: bool,
+                plan_variant: str = configs.DEFAULT_VARIANT) -> str:
+    """The report's name of a config: ``bf16/D64/BM128_BN64_w8_s3/causal/tma``, with the plan's variant after a
+    ``+`` where it is not the default: ``bf16/D64/BM128_BN64_w8_s3/causal/tma+persistent``."""
+    suffix = "" if plan_variant == configs.DEFAULT_VARIANT else f"+{plan_variant}"
+    return f"{precision}/D{head_dim}/{tile}{variant}{'/tma' if use_tma else ''}{suffix}"
 
 
-def _plans(kernel: str, precision: str, head_dim: int, variant: Variant,
-           triton: Optional[Version]) -> Dict[tuple, List[int]]:
+def _plans(kernel: str, precision: str, head_dim: int, variant: FeatureSet, triton: Optional[Version],
+           plan_variant: str = configs.DEFAULT_VARIANT) -> Dict[configs.Plan, List[int]]:
     """(plan, targets picking it) for a launch of ``variant``'s features, as each target's launcher plans it under
-    Triton release ``triton``."""
+    Triton release ``triton`` in the plan's ``plan_variant`` (only the targets where that changes the launch, for
+    another variant than the default)."""
     picked: Dict[configs.Plan, List[int]] = {}
     for target in TARGETS:
         def plan(light: bool) -> configs.Plan:
             return configs.plan(kernel, DTYPES[precision], head_dim, target, allow_tf32=precision == "tf32",
-                                light=light, packed=variant.packed, triton=triton, score_mods=variant.score_mods)
+                                light=light, packed=variant.packed, triton=triton, score_mods=variant.score_mods,
+                                variant=plan_variant, refused_too=True)
 
         chosen = plan(variant.light)
+        if chosen.variant != plan_variant:  # the variant changes nothing here: the default's compilation holds
+            continue
         if variant.unless_tiles_of is not None and chosen.tile == plan(False).tile:
             continue
         picked.setdefault(chosen, []).append(target.capability)
@@ -109,7 +117,7 @@ def _plans(kernel: str, precision: str, head_dim: int, variant: Variant,
 def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
     """Every attention kernel x tile config the launchers pick on a GPU with Triton release ``triton`` (default: the
     installed one), in bfloat16 (16-bit tiles), float32 and float32 with tf32 products, for the targets that pick it,
-    in each variant of ``VARIANTS``."""
+    in each feature set of ``FEATURE_SETS``, in the default variant and the others the plan builds."""
     shipped = []
     for kernel in configs.KERNELS:
         for bits_precision in ("bf16", "fp32"):
@@ -119,18 +127,22 @@ def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
                 if head_dim > configs.MAX_HEAD_DIM[bits_precision]:
                     continue
                 for precision in precisions:
-                    for variant in VARIANTS:
+                    for variant in FEATURE_SETS:
                         # float32 inputs write a float32 o anyway
                         if kernel not in variant.kernels or (variant.float_output and precision != "bf16"):
                             continue
-                        for plan, targets in _plans(kernel, precision, head_dim, variant, triton).items():
-                            shipped.append(_aot_kernel(kernel, precision, head_dim, variant, plan, tuple(targets)))
+                        for plan_variant in configs.VARIANTS:
+                            if plan_variant.builds_on or kernel not in plan_variant.kernels:
+                                continue
+                            for plan, targets in _plans(kernel, precision, head_dim, variant, triton,
+                                                        plan_variant.name).items():
+                                shipped.append(_aot_kernel(kernel, precision, head_dim, variant, plan, tuple(targets)))
     shipped.extend(decode_aot_configs(triton))
     shipped.extend(lengths_aot_configs(triton))
     return shipped
 
 
-def _aot_kernel(kernel: str, precision: str, head_dim: int, variant: Variant, plan: configs.Plan,
+def _aot_kernel(kernel: str, precision: str, head_dim: int, variant: FeatureSet, plan: configs.Plan,
                 targets: Tuple[int, ...]) -> AotKernel:
     fn, tile = KERNELS[kernel], plan.tile
     elem = "*bf16" if precision == "bf16" else "*fp32"
@@ -153,9 +165,12 @@ def _aot_kernel(kernel: str, precision: str, head_dim: int, variant: Variant, pl
                       SCORE_MODS=NO_SCORE_MOD, HAS_SINKS=False, **plan.constexprs())
     constexprs.update(variant.features)
     return AotKernel(
-        name=f"attention_{kernel}", config=config_name(precision, head_dim, tile, variant.name, plan.use_tma), fn=fn,
+        name=f"attention_{kernel}", config=config_name(precision, head_dim, tile, variant.name, plan.use_tma,
+                                                       plan.variant), fn=fn,
         signature=signature, constexprs={name: value for name, value in constexprs.items() if name in fn.arg_names},
         num_warps=tile.num_warps, num_stages=tile.num_stages, expect_tensor_cores=precision == "bf16",
+        expect_instructions=configs.VARIANTS_BY_NAME[plan.variant].claims,
+        refused=configs.VARIANTS_BY_NAME[plan.variant].refused,
         targets=targets,
         # What the JIT specialises for inputs from torch: aligned pointers and strides, odd lengths.
         divisible_by_16=tuple(n for n, t in signature.items() if isinstance(t, tuple) or t.startswith("*")

@@ -122,8 +122,8 @@ def attention_dq_kernel(
             + dims[None, :],
             mask=tile_mask, other=0.0,
         )
-    stat_offsets = _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN) + rows
-    tile_offsets = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, False)[:, None] * HEAD_DIM + (
+    stat_offsets = _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN, 0, False) + rows
+    tile_offsets = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, False, batch, False)[:, None] * HEAD_DIM + (
         dims[None, :])
     if USE_TMA:
         do = _tma_tile(DO, batch, head, q_start, first_row, seq_q, VARLEN, True)
@@ -163,7 +163,7 @@ def attention_dq_kernel(
     split = INTERIOR_LOOP and MASK_KIND == 0 and not (
         HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or _modifies_scores(SCORE_MODS))
     if split:
-        inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING),
+        inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING, 0, False),
                                        offset, BLOCK_N, IS_CAUSAL)
         for first_col in tl.range(inner_end, key_end, BLOCK_N, num_stages=1):
             dq = _attention_dq_tile(
@@ -246,7 +246,7 @@ def _attention_dkdv_tile(
             do_base = DO + tl.program_id(2).to(tl.int64) * stride_dob + head * stride_doh + q_start * stride_dom
             do = tl.load(do_base + rows[:, None].to(tl.int64) * stride_dom + dims[None, :], mask=tile_mask, other=0.0)
         else:
-            do_rows = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, True)
+            do_rows = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, True, batch, False)
             do = tl.load(DO + do_rows[:, None] * HEAD_DIM + dims[None, :], mask=tile_mask, other=0.0)
     if EDGE:
         lse = tl.load(LSE + stat_offsets, mask=row_ok, other=float("-inf")) * 1.4426950408889634
@@ -360,7 +360,7 @@ def attention_dkdv_kernel(
     inner_start, inner_end = row_end, row_end
     if split:
         inner_start, inner_end = _unmasked_queries(
-            first_col, row_start, row_end, q_len, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING), offset,
+            first_col, row_start, row_end, q_len, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING, 0, False), offset,
             BLOCK_M, BLOCK_N, IS_CAUSAL)
     leading_edge_tiles = tl.cdiv(inner_start - row_start, BLOCK_M)
     edge_tiles = leading_edge_tiles + tl.cdiv(row_end - inner_end, BLOCK_M)
@@ -370,7 +370,7 @@ def attention_dkdv_kernel(
         q_base = Q
         if not USE_TMA:
             q_base = Q + batch * stride_qb + head * stride_qh + q_start * stride_qm
-        stat_base = _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN)
+        stat_base = _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN, 0, False)
         mod_values = _score_mod_values(MODS, batch, head, SCORE_MODS)
         if split:
             for edge_tile in tl.range(0, edge_tiles, num_stages=1):
@@ -416,7 +416,7 @@ def attention_dkdv_kernel(
         DK.store(tile_start, dk.to(k.dtype).reshape(1, 1, BLOCK_N, BLOCK_D))
         DV.store(tile_start, dv.to(k.dtype).reshape(1, 1, BLOCK_N, BLOCK_D))
     else:
-        out_rows = _row_index(kv_head, n_kv_heads, cols, n_keys, k_start, VARLEN, True)
+        out_rows = _row_index(kv_head, n_kv_heads, cols, n_keys, k_start, VARLEN, True, batch, False)
         out_offsets = out_rows[:, None] * HEAD_DIM + dims[None, :]
         tl.store(DK + out_offsets, dk.to(DK.dtype.element_ty), mask=kv_mask)
         tl.store(DV + out_offsets, dv.to(DV.dtype.element_ty), mask=kv_mask)

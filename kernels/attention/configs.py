@@ -34,6 +34,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .. import variants
 from .._common import next_power_of_2
 from ..targets import LARGE_SHARED_MEMORY, TARGETS, Target
 from ..toolchain import (
@@ -319,6 +320,73 @@ TF32_TMA_HEAD_DIMS = tuple(sorted({d for row in TILE_ROWS if row.precision == "t
                                    for d in row.head_dims}))
 
 
+# The forward's tile orders (its TILE_ORDER constexpr): programs in grid order; the grid's query tiles reversed; a
+# persistent grid whose programs walk the tiles, the heaviest first.
+GRID_ORDER, HEAVIEST_FIRST, PERSISTENT = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A named way of running the attention kernels, beside the default one (``DEFAULT_VARIANT``): tile rows of its
+    own tried before ``TILE_ROWS``, a tile order, or both. The bench's variants suite times each on the GPU it runs
+    on and writes which one wins where (``kernels/variants.py``); the launchers run that one."""
+
+    name: str
+    kernels: Tuple[str, ...]  # the kernels it changes; the others run the default
+    about: str
+    rows: Tuple[TileRow, ...] = ()  # its own tiles, where they differ from TILE_ROWS' (the first match wins)
+    tile_order: int = GRID_ORDER
+    warp_specialize: bool = False
+    # The launches it serves (the others run the default): precisions, head-dim buckets, light ones only or not,
+    # layouts.
+    precisions: Tuple[str, ...] = PRECISIONS
+    head_dims: Tuple[int, ...] = HEAD_DIM_BUCKETS
+    light: bool = False
+    layouts: Tuple[str, ...] = BOTH
+    targets: Tuple[int, ...] = ALL
+    claims: Tuple[str, ...] = ()  # the SASS instructions it exists for, which the AOT report checks it issues
+    refused: str = ""  # why the plan refuses it: no supported Triton release builds it
+    builds_on: str = ""  # the refused variant whose code it would run (the report compiles that one only)
+
+
+DEFAULT_VARIANT = "tiles"
+# The launches the other variants serve: the bench's, where the GPU targets are (16-bit, head dims 64 and 128, light
+# and dense: no attn_mask, dropout or score modifier; key padding and causal masks).
+MEASURED_LAUNCHES = dict(precisions=("bf16",), head_dims=(64, 128), light=True, layouts=("dense",))
+WARP_SPECIALIZE_REFUSED = (
+    "no supported Triton (3.6-3.9) warp-specializes this kernel's key loop: with 8 warps their Hopper pass "
+    "(tl.range(..., warp_specialize=True)) leaves the loop as it was (no setmaxnreg, which the AOT report checks), "
+    "with 4 warps it fails (NVGPUWarpSpecialization); a bare FlashAttention loop of 64-row tiles and 4 warps builds "
+    "under all four (setmaxnreg x8), so what stops it is this loop: masks, two loops, per-sequence descriptors")
+VARIANTS: Tuple[Variant, ...] = (
+    Variant(DEFAULT_VARIANT, KERNELS, "TILE_ROWS' tiles, programs in grid order"),
+    Variant("heaviest_first", ("fwd",), "the grid's query tiles in reverse order: the GPU starts programs in grid "
+            "order, so under a causal mask the ones with the most keys start first", tile_order=HEAVIEST_FIRST,
+            rows=(TileRow("fwd", "bf16", (128,), Tile(64, 32, 8, 2), targets=SMALL_SHARED_MEMORY, light=True,
+                          provenance="BM128_BN32_w8_s2 spills 8 B causal under 3.9"),),
+            **MEASURED_LAUNCHES),
+    Variant("persistent", ("fwd",), "as many programs as the SMs hold, each walking the tiles a grid's width apart, "
+            "the last query tiles (the heaviest under a causal mask) first", tile_order=PERSISTENT,
+            rows=(TileRow("fwd", "bf16", (128,), Tile(128, 64, 8, 3), targets=HOPPER, loads="tma", light=True,
+                          provenance="BM128_BN128_w8_s3 spills 104 B causal under 3.9"),
+                  TileRow("fwd", "bf16", (128,), Tile(64, 32, 8, 2), targets=(80,), light=True,
+                          provenance="BM128_BN32_w8_s2 spills 8 B causal under 3.9")),
+            **MEASURED_LAUNCHES),
+    Variant("deep_pipeline", ("fwd",), "sm_90 through TMA: one more key tile in flight than the default's rows",
+            rows=_rows("fwd", "bf16", {64: (128, 128, 8, 4), 128: (128, 64, 8, 4)}, targets=HOPPER, loads="tma",
+                       light=True),
+            claims=("HGMMA", "UTMALDG"), **MEASURED_LAUNCHES),
+    Variant("warp_specialized", ("fwd",), "a producer warp loading K and V through TMA for consumer warpgroups "
+            "(FlashAttention-3's split)", warp_specialize=True, claims=("USETMAXREG",), refused=WARP_SPECIALIZE_REFUSED,
+            targets=HOPPER, **MEASURED_LAUNCHES),
+    Variant("pingpong", ("fwd",), "two consumer warpgroups on 128 x 128 tiles taking turns at softmax and the "
+            "GEMMs", warp_specialize=True, claims=("USETMAXREG",), builds_on="warp_specialized",
+            refused="needs the warp-specialized loop: " + WARP_SPECIALIZE_REFUSED, targets=HOPPER, **MEASURED_LAUNCHES),
+)
+VARIANTS_BY_NAME = {variant.name: variant for variant in VARIANTS}
+variants.register("attention.fwd", DEFAULT_VARIANT, {v.name: v.refused for v in VARIANTS if "fwd" in v.kernels})
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything a launch needs beyond its arguments."""
@@ -330,11 +398,17 @@ class Plan:
     dot_precision: str  # tl.dot's input_precision: "ieee" or "tf32"
     upcast: bool  # bfloat16 dots in float32 (the interpreter computes bfloat16 dots wrongly)
     do_strides: bool = True  # the backward reads do through its strides (``TileRow.do_strides``)
+    variant: str = DEFAULT_VARIANT  # the variant this launch runs (``VARIANTS``; the default where the asked one
+    # changes nothing for it)
+    tile_order: int = GRID_ORDER  # the forward's TILE_ORDER
+    warp_specialize: bool = False  # the forward's WARP_SPECIALIZE: its interior key loop warp-specialized
 
     def constexprs(self) -> dict:
         """The launch's tile constexprs."""
         constexprs = dict(BLOCK_M=self.tile.block_m, BLOCK_N=self.tile.block_n, USE_TMA=self.use_tma,
                           DOT_PRECISION=self.dot_precision, UPCAST=self.upcast)
+        if self.kernel == "fwd":
+            constexprs.update(TILE_ORDER=self.tile_order, WARP_SPECIALIZE=self.warp_specialize)
         if self.kernel != "weights":
             constexprs["INTERIOR_LOOP"] = self.interior_loop
         if self.kernel in ("bwd_dq", "bwd_dkdv"):
@@ -344,6 +418,14 @@ class Plan:
 
 def head_dim_bucket(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
+
+
+def shape_class(dtype: torch.dtype, head_dim: int, n_keys: int, causal: bool, light: bool) -> str:
+    """The class of shapes a measured variant row holds for (``kernels/variants.py``): 16-bit or float32, the head-dim
+    bucket, causal or not, light or not, the keys' power of two within 1024..16384: ``bf16/D128/causal/L4096``."""
+    keys = min(max(next_power_of_2(max(n_keys, 1)), 1024), 16384)
+    return (f"{'fp32' if dtype == torch.float32 else 'bf16'}/D{head_dim_bucket(head_dim)}/"
+            f"{'causal' if causal else 'none'}{'' if light else '/masked'}/L{keys}")
 
 
 def precision_of(dtype: torch.dtype, allow_tf32: bool = False) -> str:
@@ -361,30 +443,47 @@ def takes_tma(kernel: str, precision: str, head_dim: int) -> bool:
 
 @functools.lru_cache(maxsize=None)  # launches ask again and again; TILE_ROWS is fixed
 def find_row(kernel: str, precision: str, head_dim: int, target: int, tma: bool, light: bool, packed: bool,
-             triton: Version, score_mods: bool = False) -> TileRow:
-    """The first row of ``TILE_ROWS`` that serves this launch under Triton release ``triton`` (tf32 falls back to
-    exact float32's rows)."""
+             triton: Version, score_mods: bool = False, variant: str = DEFAULT_VARIANT) -> TileRow:
+    """The first row of ``variant``'s own rows, then of ``TILE_ROWS``, that serves this launch under Triton release
+    ``triton`` (tf32 falls back to exact float32's rows)."""
     bucket, layout = head_dim_bucket(head_dim), "packed" if packed else "dense"
-    for asked in (precision, "fp32") if precision == "tf32" else (precision,):
-        for row in TILE_ROWS:
-            if row.serves(kernel, asked, bucket, target, tma, light, layout, triton, score_mods):
-                return row
+    own = VARIANTS_BY_NAME[variant].rows
+    for table in (own, TILE_ROWS) if own else (TILE_ROWS,):
+        for asked in (precision, "fp32") if precision == "tf32" else (precision,):
+            for row in table:
+                if row.serves(kernel, asked, bucket, target, tma, light, layout, triton, score_mods):
+                    return row
     raise ValueError(f"attention: no tile for {kernel} in {precision} at head_dim={head_dim} on sm_{target}")
 
 
 def plan(kernel: str, dtype: torch.dtype, head_dim: int, target: Optional[Target], *, allow_tf32: bool = False,
          tma_addressable: bool = True, light: bool = False, packed: bool = False,
-         triton: Optional[Version] = None, score_mods: bool = False) -> Plan:
+         triton: Optional[Version] = None, score_mods: bool = False, variant: str = DEFAULT_VARIANT,
+         refused_too: bool = False) -> Plan:
     """The plan of a ``kernel`` launch on ``dtype`` inputs of ``head_dim`` on ``target`` (None: the interpreter),
     with products in tf32 or not, inputs that TMA can address or not (``_common.tma_addressable``), light or not
     (no attn_mask tile, no dropout), on packed sequences or not, compiled by Triton release ``triton`` (default:
-    the installed one), with softcap or ALiBi or not."""
+    the installed one), with softcap or ALiBi or not, in ``variant`` (``VARIANTS``; the plan says the default where
+    the variant changes nothing for this kernel or launch). A refused variant raises, unless ``refused_too`` (the AOT
+    report, which compiles it to check that it still does not build)."""
+    chosen = VARIANTS_BY_NAME.get(variant)
+    if chosen is None or (chosen.refused and not refused_too):
+        raise ValueError(f"attention: variant {variant!r} " + (f"is refused: {chosen.refused}" if chosen else
+                         f"is not one of {', '.join(VARIANTS_BY_NAME)}"))
     precision = precision_of(dtype, allow_tf32)
+    if kernel not in chosen.kernels or precision not in chosen.precisions or (chosen.light and not light) or \
+            head_dim_bucket(head_dim) not in chosen.head_dims or ("packed" if packed else "dense") not in chosen.layouts:
+        chosen = VARIANTS_BY_NAME[DEFAULT_VARIANT]
     tma = takes_tma(kernel, precision, head_dim) and tma_addressable
-    if target is None:
-        return Plan(kernel, INTERPRETER_TILE, tma and TMA_UNDER_INTERPRETER, True, "ieee", dtype == torch.bfloat16)
+    if target is None:  # the interpreter: every tile order, on its small tiles
+        variant = chosen.name if chosen.tile_order != GRID_ORDER else DEFAULT_VARIANT
+        return Plan(kernel, INTERPRETER_TILE, tma and TMA_UNDER_INTERPRETER, True, "ieee", dtype == torch.bfloat16,
+                    variant=variant, tile_order=chosen.tile_order)  # the interpreter has no warp specialization
+    if target.capability not in chosen.targets:
+        chosen = VARIANTS_BY_NAME[DEFAULT_VARIANT]
     tma = tma and target.tma
     row = find_row(kernel, precision, head_dim, target.capability, tma, light, packed,
-                   installed() if triton is None else triton, score_mods)
+                   installed() if triton is None else triton, score_mods, chosen.name)
+    changes = any(row is own for own in chosen.rows) or chosen.tile_order != GRID_ORDER or chosen.warp_specialize
     return Plan(kernel, row.tile, tma, row.interior_loop_for(tma, packed), "tf32" if allow_tf32 else "ieee", False,
-                row.do_strides)
+                row.do_strides, chosen.name if changes else DEFAULT_VARIANT, chosen.tile_order, chosen.warp_specialize)

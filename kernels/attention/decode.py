@@ -36,7 +36,10 @@ from ...contract import (
     KVCache, KVCacheSpec, ScoreMods, score_mods_flat, score_mods_of_flat, window_bounds, window_of_bounds,
 )
 from ...reference import append_to_cache
-from .._common import cdiv, interpreting as interpreting_now, launch_kernel, positional_constexprs, traced
+from .. import variants
+from .._common import (
+    cdiv, interpreting as interpreting_now, launch_kernel, next_power_of_2, positional_constexprs, traced,
+)
 from ..aot import AotKernel
 from ..targets import CAPABILITIES, Target
 from ..toolchain import Version
@@ -45,7 +48,7 @@ from .jit import (
     EVERY_SCORE_MOD, MODS_SIGNATURE, NO_SCORE_MOD, _dot, _modified_scores, _score_mod_values, _tile_mask,
     score_mod_args, score_mod_flags,
 )
-from .launch import MAX_GRID_YZ, kernel_window
+from .launch import MAX_GRID_YZ, kernel_window, sm_count_of
 
 Tensor = torch.Tensor
 
@@ -276,8 +279,6 @@ MERGE_WARPS = 4
 MERGE_ROWS = 16
 # Splits at most: more would only add merge work (the merge reads every split's partial output).
 MAX_SPLITS = 128
-# The SM count the launcher plans for where there is no CUDA device to ask (the interpreter): an H100's.
-DEFAULT_SM_COUNT = 132
 # SMs of a typical part of each target, for the report's table of programs per SM: A100, A40, L40S, H100.
 TYPICAL_SM_COUNT = {80: 108, 86: 84, 89: 142, 90: 132}
 
@@ -293,27 +294,41 @@ def decode_tile(rows: int, dtype: torch.dtype, interpreting: Optional[bool] = No
     return Tile(16, 64, 4, 2) if rows <= 16 else Tile(64, 64, 8, 2)
 
 
-def decode_splits(batch: int, kv_heads: int, query_tiles: int, max_keys: int, sm_count: int, block_n: int) -> int:
-    """How many key splits to launch: the fewest that give every SM a program (``batch * kv_heads * query_tiles *
-    splits >= sm_count``, under two waves), 1 when the grid fills the SMs already; never more than the key blocks
-    (``cdiv(max_keys, block_n)``, so each split has one at least) nor ``MAX_SPLITS``."""
+# The rules the decode launcher picks its key splits by (``decode_splits``), a variant of op "decode.split"
+# (``kernels/variants.py``): the fewest splits that give every SM a program; or the fewest whose waves fill the SMs
+# nearly as well as the best count does (the last wave of a grid that is not a multiple of the SM count leaves SMs
+# idle).
+SPLIT_RULES = ("fill_sms", "full_waves")
+DEFAULT_SPLIT_RULE = "fill_sms"
+# "full_waves": a count whose waves keep this share of the best count's SMs busy is as good.
+WAVE_EFFICIENCY = 0.85
+variants.register("decode.split", DEFAULT_SPLIT_RULE, {rule: "" for rule in SPLIT_RULES})
+
+
+def shape_class(batch: int, kv_heads: int, max_keys: int) -> str:
+    """The class of decode launches a measured split rule holds for: the (batch, kv head) programs and the cache's
+    keys, each to its power of two (keys within 1024..65536): ``P8/L8192``."""
+    return f"P{next_power_of_2(max(batch * kv_heads, 1))}/L{min(max(next_power_of_2(max(max_keys, 1)), 1024), 65536)}"
+
+
+def decode_splits(batch: int, kv_heads: int, query_tiles: int, max_keys: int, sm_count: int, block_n: int,
+                  rule: str = DEFAULT_SPLIT_RULE) -> int:
+    """How many key splits to launch, never more than the key blocks (``cdiv(max_keys, block_n)``, so each split has
+    one at least) nor ``MAX_SPLITS``; 1 when the grid fills the SMs already. ``rule`` "fill_sms": the fewest that
+    give every SM a program (``batch * kv_heads * query_tiles * splits >= sm_count``, under two waves);
+    "full_waves": the fewest whose waves keep ``WAVE_EFFICIENCY`` of the SMs busy that the best count keeps busy."""
     programs = batch * kv_heads * query_tiles
     key_blocks = cdiv(max_keys, block_n)
     if programs <= 0 or programs >= sm_count or key_blocks <= 1:
         return 1
-    return max(1, min(cdiv(sm_count, programs), key_blocks, MAX_SPLITS))
-
-
-def sm_count_of(device: torch.device) -> int:
-    """The SMs of ``device`` (CUDA), else ``DEFAULT_SM_COUNT``."""
-    if device.type == "cuda" and not interpreting_now():
-        return _cuda_sm_count(device)
-    return DEFAULT_SM_COUNT
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    most = min(key_blocks, MAX_SPLITS)
+    if rule == "fill_sms":
+        return max(1, min(cdiv(sm_count, programs), most))
+    if rule != "full_waves":
+        raise ValueError(f"decode split rule {rule!r} is not one of {', '.join(SPLIT_RULES)}")
+    busy = {splits: programs * splits / (cdiv(programs * splits, sm_count) * sm_count) for splits in range(1, most + 1)}
+    best = max(busy.values())
+    return min(splits for splits, share in busy.items() if share >= WAVE_EFFICIENCY * best)
 
 
 def programs_per_sm(batch: int, kv_heads: int, max_keys: int, lq: int, heads: int,
@@ -442,7 +457,10 @@ def _launch_decode(
     tile = decode_tile(rows, q.dtype)
     query_tiles = cdiv(rows, tile.block_m)
     if num_splits is None:
-        num_splits = decode_splits(batch, kv_heads, query_tiles, max_keys, sm_count_of(q.device), tile.block_n)
+        rule = DEFAULT_SPLIT_RULE
+        if variants.deciding("decode.split"):
+            rule = variants.choose("decode.split", variants.gpu_name(q.device), shape_class(batch, kv_heads, max_keys))
+        num_splits = decode_splits(batch, kv_heads, query_tiles, max_keys, sm_count_of(q.device), tile.block_n, rule)
     if num_splits < 1:
         raise ValueError(f"attention_decode: num_splits={num_splits} must be at least 1")
     if batch * kv_heads > MAX_GRID_YZ or query_tiles > MAX_GRID_YZ:

@@ -21,14 +21,19 @@ import triton.language as tl
 
 from ...contract import AttentionSpec
 from .._common import cdiv, dropout_keep, dropout_seed, launch_kernel
+from . import configs
 from .configs import head_dim_bucket
 from .jit import (
     _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _modifies_scores, _real_rows, _row_index,
     _score_mod_values, _sequence, _stat_base, _tile_mask, _tma_tile, _unmasked_keys_end, _visible_keys,
 )
-from .launch import LaunchForm, grid, known_args, launch_options, tiles_of, tma_can_load
+from .launch import (
+    LaunchForm, chosen_variant, grid, known_args, launch_options, persistent_programs, tiles_of, tma_can_load,
+)
 
 Tensor = torch.Tensor
+# The forward's tile orders other than the grid's, as the kernel reads them (configs.py).
+HEAVIEST_FIRST, PERSISTENT = tl.constexpr(configs.HEAVIEST_FIRST), tl.constexpr(configs.PERSISTENT)
 
 
 @triton.jit
@@ -83,40 +88,23 @@ def _attention_fwd_tile(
     return acc, row_sum, new_max
 
 
-@triton.jit(do_not_specialize=["host_seed"])
-def attention_fwd_kernel(
-    Q,  # [B, H, Lq, D]; VARLEN: [Tq, H, D]; a TMA descriptor with USE_TMA (see _tma_tile)
-    K, V,  # [B, Hkv, Lk, D]; VARLEN: [Tk, Hkv, D]; TMA descriptors with USE_TMA
-    O,  # [B, H, Lq, D] laid out as [B, Lq, H, D] (see _row_index); VARLEN: [Tq, H, D] contiguous
-    LSE,  # [B, H, Lq] float32 contiguous, natural log; VARLEN: [H, Tq]
-    MASK,  # attn_mask, read through strides (MASK_KIND != 0)
-    PAD,  # [B, Lk] uint8, 1 = padding (HAS_PADDING)
-    KEY_LENS,  # [2, B] int32: one past each sequence's last key that is not padding, then its keys before the first
-    # padding key (HAS_PADDING; lengths.padding_lengths)
-    QUERY_LENS,  # [B] int32 (or the first row of [2, B]): one past each sequence's last query row to compute
-    QUERY_PAD,  # [B, Lq] uint8, 1 = padding (HAS_QUERY_PADDING)
-    CU_SEQLENS_Q, CU_SEQLENS_K,  # [B + 1] int32: each packed sequence's first row, then the total (VARLEN)
-    stride_qb, stride_qh, stride_qm,  # the batch strides are unused with VARLEN
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_pb, stride_qpb,
-    n_heads, kv_group,
-    n_queries, n_keys,  # Lq, Lk; VARLEN: max_seqlen_q, max_seqlen_k
-    causal_offset, window_left, window_right, qk_scale, dropout_p, SEED, host_seed,
-    SINKS, MODS,  # attention sinks, score modifiers (see above)
+@triton.jit
+def _attention_fwd_block(
+    first_row, batch_head, seed,  # the tile's first query row, its batch * n_heads + head, the dropout seed
+    Q, K, V, O, LSE, MASK, PAD, KEY_LENS, QUERY_LENS, QUERY_PAD, CU_SEQLENS_Q, CU_SEQLENS_K,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_mb, stride_mh, stride_mm, stride_mn, stride_pb, stride_qpb,
+    n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale, dropout_p,
+    SINKS, MODS, n_batch,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
     HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, SCORE_MODS: tl.constexpr, HAS_SINKS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, INTERIOR_LOOP: tl.constexpr,
+    BATCH_GIVEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
-    seed = 0
-    if HAS_DROPOUT:  # the op's Philox seed, read once
-        seed = dropout_seed(SEED, host_seed)
-    first_row = tl.program_id(0) * BLOCK_M
-    batch_head = _batch_head(n_heads)
+    """One program's tile of BLOCK_M query rows from ``first_row`` of one (batch, head): o and lse."""
     batch = (batch_head // n_heads).to(tl.int64)
     head = (batch_head % n_heads).to(tl.int64)
     kv_head = head // kv_group
@@ -160,7 +148,7 @@ def attention_fwd_kernel(
     split = INTERIOR_LOOP and MASK_KIND == 0 and not (
         HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or _modifies_scores(SCORE_MODS))
     if split:
-        inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING),
+        inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING, n_batch, BATCH_GIVEN),
                                        offset, BLOCK_N, IS_CAUSAL)
         if qk_scale < 0:  # the interior tiles take the row max before scaling, which a negative scale turns over
             inner_end = key_start
@@ -172,7 +160,7 @@ def attention_fwd_kernel(
                 mod_values, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, IS_CAUSAL, HAS_WINDOW, MASK_OFFSETS_64,
                 HAS_DROPOUT, SCORE_MODS, UPCAST, DOT_PRECISION, VARLEN, USE_TMA, EDGE=True,
             )
-        for first_col in range(key_start, inner_end, BLOCK_N):
+        for first_col in tl.range(key_start, inner_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             acc, row_sum, row_max = _attention_fwd_tile(
                 acc, row_sum, row_max, q, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
                 dropout_row, batch, head, kv_head, k_start, k_len, seq_k, offset, window_left, window_right, MASK,
@@ -206,10 +194,78 @@ def attention_fwd_kernel(
     lse = tl.where(has_key, (row_max + tl.math.log2(tl.where(has_key, row_sum, 1.0))) * 0.6931471805599453,
                    float("-inf"))
     row_ok = rows < seq_q
-    tl.store(LSE + _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN) + rows, lse, mask=row_ok)
-    out_rows = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, False)
+    tl.store(LSE + _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN, n_batch, BATCH_GIVEN) + rows, lse, mask=row_ok)
+    out_rows = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, False, batch, BATCH_GIVEN)
     tl.store(O + out_rows[:, None] * HEAD_DIM + dims[None, :], out.to(O.dtype.element_ty),
              mask=_tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D))
+
+
+
+
+@triton.jit(do_not_specialize=["host_seed"])
+def attention_fwd_kernel(
+    Q,  # [B, H, Lq, D]; VARLEN: [Tq, H, D]; a TMA descriptor with USE_TMA (see _tma_tile)
+    K, V,  # [B, Hkv, Lk, D]; VARLEN: [Tk, Hkv, D]; TMA descriptors with USE_TMA
+    O,  # [B, H, Lq, D] laid out as [B, Lq, H, D] (see _row_index); VARLEN: [Tq, H, D] contiguous
+    LSE,  # [B, H, Lq] float32 contiguous, natural log; VARLEN: [H, Tq]
+    MASK,  # attn_mask, read through strides (MASK_KIND != 0)
+    PAD,  # [B, Lk] uint8, 1 = padding (HAS_PADDING)
+    KEY_LENS,  # [2, B] int32: one past each sequence's last key that is not padding, then its keys before the first
+    # padding key (HAS_PADDING; lengths.padding_lengths)
+    QUERY_LENS,  # [B] int32 (or the first row of [2, B]): one past each sequence's last query row to compute
+    QUERY_PAD,  # [B, Lq] uint8, 1 = padding (HAS_QUERY_PADDING)
+    CU_SEQLENS_Q, CU_SEQLENS_K,  # [B + 1] int32: each packed sequence's first row, then the total (VARLEN)
+    stride_qb, stride_qh, stride_qm,  # the batch strides are unused with VARLEN
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_pb, stride_qpb,
+    n_heads, kv_group,
+    n_queries, n_keys,  # Lq, Lk; VARLEN: max_seqlen_q, max_seqlen_k
+    causal_offset, window_left, window_right, qk_scale, dropout_p, SEED, host_seed,
+    SINKS, MODS,  # attention sinks, score modifiers (see above)
+    n_batch,  # B (PERSISTENT)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_PADDING: tl.constexpr, HAS_QUERY_LENS: tl.constexpr,
+    HAS_QUERY_PADDING: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, SCORE_MODS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, INTERIOR_LOOP: tl.constexpr,
+    TILE_ORDER: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    seed = 0
+    if HAS_DROPOUT:  # the op's Philox seed, read once
+        seed = dropout_seed(SEED, host_seed)
+    if TILE_ORDER == PERSISTENT:
+        # Each program walks the tiles from its own, a grid's width apart, the last query tiles first: a causal
+        # mask gives them the most keys, so the programs' loads even out as the light tiles come last.
+        query_tiles = tl.cdiv(n_queries, BLOCK_M)
+        pairs = n_batch * n_heads
+        for tile in tl.range(tl.program_id(0), query_tiles * pairs, tl.num_programs(0), num_stages=1):
+            _attention_fwd_block((query_tiles - 1 - tile // pairs) * BLOCK_M, tile % pairs, seed,
+                Q, K, V, O, LSE, MASK, PAD, KEY_LENS, QUERY_LENS, QUERY_PAD, CU_SEQLENS_Q, CU_SEQLENS_K,
+                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                stride_mb, stride_mh, stride_mm, stride_mn, stride_pb, stride_qpb,
+                n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale, dropout_p,
+                SINKS, MODS, n_batch, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_LENS,
+                HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, PER_SEQUENCE_OFFSET, VARLEN, MASK_OFFSETS_64, HAS_DROPOUT,
+                SCORE_MODS, HAS_SINKS, UPCAST, DOT_PRECISION, USE_TMA, INTERIOR_LOOP, TILE_ORDER == PERSISTENT,
+                WARP_SPECIALIZE,
+            )
+    else:
+        query_tile = tl.program_id(0)
+        if TILE_ORDER == HEAVIEST_FIRST:  # the GPU starts programs in grid order: the causal long ones first
+            query_tile = tl.num_programs(0) - 1 - query_tile
+        _attention_fwd_block(query_tile * BLOCK_M, _batch_head(n_heads), seed,
+                Q, K, V, O, LSE, MASK, PAD, KEY_LENS, QUERY_LENS, QUERY_PAD, CU_SEQLENS_Q, CU_SEQLENS_K,
+                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                stride_mb, stride_mh, stride_mm, stride_mn, stride_pb, stride_qpb,
+                n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale, dropout_p,
+                SINKS, MODS, n_batch, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_LENS,
+                HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, PER_SEQUENCE_OFFSET, VARLEN, MASK_OFFSETS_64, HAS_DROPOUT,
+                SCORE_MODS, HAS_SINKS, UPCAST, DOT_PRECISION, USE_TMA, INTERIOR_LOOP, TILE_ORDER == PERSISTENT,
+                WARP_SPECIALIZE,
+        )
 
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, form: LaunchForm,
@@ -218,12 +274,18 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, form: La
     layout, masks = form.layout, form.masks
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
     launch = launch_options("fwd", attention_fwd_kernel, q, layout.head_dim, masks, spec.dropout_p, spec.allow_tf32,
-                            tma_can_load((q, k, v), layout))
-    tile = launch.plan.tile
-    if launch.plan.use_tma:
+                            tma_can_load((q, k, v), layout),
+                            variant=chosen_variant("attention.fwd", q, layout, masks, spec.dropout_p))
+    plan = launch.plan
+    tile = plan.tile
+    if plan.use_tma:
         block_d = head_dim_bucket(layout.head_dim)
         q, k = tiles_of(q, tile.block_m, block_d, True), tiles_of(k, tile.block_n, block_d, True)
         v = tiles_of(v, tile.block_n, block_d, True)
-    launch_kernel(attention_fwd_kernel, grid(cdiv(layout.n_queries, tile.block_m), layout.batch, layout.heads),
-                  (q, k, v, o, lse, *form.args, *launch.constexprs), launch.num_warps, launch.num_stages,
-                  known=known_args(5, form))
+    query_tiles = cdiv(layout.n_queries, tile.block_m)
+    if plan.tile_order == configs.PERSISTENT:
+        launch_grid = (persistent_programs(o.device, tile, query_tiles * layout.batch * layout.heads), 1, 1)
+    else:
+        launch_grid = grid(query_tiles, layout.batch, layout.heads)
+    launch_kernel(attention_fwd_kernel, launch_grid, (q, k, v, o, lse, *form.args, layout.batch, *launch.constexprs),
+                  launch.num_warps, launch.num_stages, known=known_args(5, form))

@@ -229,25 +229,34 @@ def _sequence(
 
 
 @triton.jit
-def _row_index(head, n_heads, rows, n_rows, start, VARLEN: tl.constexpr, PER_ROW_INT64: tl.constexpr):
+def _row_index(head, n_heads, rows, n_rows, start, VARLEN: tl.constexpr, PER_ROW_INT64: tl.constexpr, batch,
+               BATCH_GIVEN: tl.constexpr):
     """Each row's index in an output seen as rows of HEAD_DIM elements, [T, H] (VARLEN: packed [T, H, D], the
     sequence starting at row ``start``) or [B L, H] (dense: [B, H, L, D] laid out as [B, L, H, D]). The batch is the
-    program's (``_batch_head``), read here rather than held in registers through the main loop. Within one batch
+    program's (``_batch_head``), read here rather than held in registers through the main loop (BATCH_GIVEN: ``batch``,
+    for programs that walk several tiles). Within one batch
     element the index fits in int32 (the launcher checks Lq H < 2**31): PER_ROW_INT64 computes it in int64 anyway,
     the form ptxas allocates without spills in the dk/dv kernel, where the forward's and dq's need the int32 one."""
     if VARLEN:
         return (start + rows) * n_heads + head
-    first = tl.program_id(2).to(tl.int64) * n_rows
+    if BATCH_GIVEN:
+        first = batch.to(tl.int64) * n_rows
+    else:
+        first = tl.program_id(2).to(tl.int64) * n_rows
     if PER_ROW_INT64:
         return (first + rows) * n_heads + head
     return first * n_heads + (rows * n_heads + head.to(tl.int32))
 
 
 @triton.jit
-def _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN: tl.constexpr):
+def _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN: tl.constexpr, n_batch,
+               BATCH_GIVEN: tl.constexpr):
     """Index of query row 0 of this (batch, head) in the float32 row statistics (LSE, its gradient, delta):
-    [B, H, Lq], or [H, Tq] with VARLEN (Tq, the packed length, is cu_seqlens_q's last element)."""
+    [B, H, Lq], or [H, Tq] with VARLEN (Tq, the packed length, is cu_seqlens_q's last element; B the grid's axis 2, or
+    with BATCH_GIVEN ``n_batch``)."""
     if VARLEN:
+        if BATCH_GIVEN:
+            return head * tl.load(CU_SEQLENS_Q + n_batch) + q_start
         return head * tl.load(CU_SEQLENS_Q + tl.num_programs(2)) + q_start
     return batch_head.to(tl.int64) * n_queries
 
@@ -285,11 +294,13 @@ def _visible_queries(first_col, q_len, k_len, offset, window_left, window_right,
 
 
 @triton.jit
-def _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING: tl.constexpr):
+def _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING: tl.constexpr, n_batch, BATCH_GIVEN: tl.constexpr):
     """How many keys of sequence ``batch`` come before its first padding key (k_len when it has padding only at the
     end, or none): key tiles below that need no padding mask. KEY_LENS is [2, B] int32
-    (``lengths.padding_lengths``), this the second row; the grid's axis 2 is the batch."""
+    (``lengths.padding_lengths``), this the second row; B is the grid's axis 2, or with BATCH_GIVEN ``n_batch``."""
     if HAS_PADDING:
+        if BATCH_GIVEN:
+            return tl.load(KEY_LENS + n_batch + batch)
         return tl.load(KEY_LENS + tl.num_programs(2) + batch)
     return k_len
 

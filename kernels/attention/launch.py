@@ -5,6 +5,7 @@ packed layout with sequence b starting at row b L), so that a module merges the 
 reads o in that layout and do through its own strides, in whatever layout autograd hands it, except on the rows
 whose tiles spill doing so (``configs``' ``do_strides=False``): those read do in o's layout, ``output_layout``
 copying a gradient that is not in it."""
+import functools
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -13,7 +14,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...contract import (
     NO_SCORE_MODS, AttentionMasks, AttentionSpec, PackedSequences, ScoreMods, Window, heads_interleaved_strides,
 )
-from .._common import interpreting, positional_constexprs, tma_addressable, tma_descriptor
+from .. import variants
+from .._common import cdiv, interpreting, positional_constexprs, tma_addressable, tma_descriptor
 from ..targets import Target, target_of
 from . import configs
 from .jit import LOG2E, NO_SCORE_MOD, score_mod_args, score_mod_flags
@@ -331,18 +333,54 @@ _LAUNCHES: Dict[tuple, Launch] = {}
 _PLANNER = configs.plan
 
 
+def chosen_variant(op: str, q: Tensor, layout: Layout, masks: MaskArgs, dropout_p: float) -> str:
+    """The variant of ``op`` ("attention.fwd") a launch on ``layout`` runs: the one the variant rows name for this GPU
+    and shape class, forced or measured (``kernels/variants.py``), else the default."""
+    if not variants.deciding(op):
+        return configs.DEFAULT_VARIANT
+    shape = configs.shape_class(q.dtype, layout.head_dim, layout.n_keys, masks.is_causal, masks.light(dropout_p))
+    return variants.choose(op, variants.gpu_name(q.device), shape)
+
+
+# Persistent programs under the interpreter: few, so that the tests' short sequences give each several tiles.
+INTERPRETER_PERSISTENT_PROGRAMS = 3
+# The SM count the launcher plans for where there is no CUDA device to ask (the interpreter): an H100's.
+DEFAULT_SM_COUNT = 132
+
+
+def sm_count_of(device: torch.device) -> int:
+    """The SMs of ``device`` (CUDA), else ``DEFAULT_SM_COUNT``."""
+    if device.type == "cuda" and not interpreting():
+        return _cuda_sm_count(device)
+    return DEFAULT_SM_COUNT
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def persistent_programs(device: torch.device, tile: configs.Tile, tiles: int) -> int:
+    """The grid of a persistent launch of ``tiles`` tiles: as many programs as the SMs hold at once (two of four
+    warps, one of eight or more, as the sm_90 tiles' shared memory allows), at most one per tile."""
+    if interpreting():
+        return max(1, min(tiles, INTERPRETER_PERSISTENT_PROGRAMS))
+    return max(1, min(tiles, sm_count_of(device) * max(1, 8 // tile.num_warps)))
+
+
 def launch_options(kernel: str, jit_kernel: object, q: Tensor, head_dim: int, masks: MaskArgs, dropout_p: float,
-                   allow_tf32: bool, tma_loadable: bool, has_dlse: bool = False) -> Launch:
+                   allow_tf32: bool, tma_loadable: bool, has_dlse: bool = False,
+                   variant: str = configs.DEFAULT_VARIANT) -> Launch:
     """The ``Launch`` of ``jit_kernel`` (``configs.plan``'s ``kernel``) on ``q``'s dtype and device with these masks
     and dropout, on inputs TMA can load or not (``tma_can_load``), reading the LSE's gradient or not (the dq
-    kernel): made once per kind of launch."""
+    kernel), in ``variant`` (``chosen_variant``): made once per kind of launch."""
     key = (kernel, q.dtype, q.device, head_dim, allow_tf32, tma_loadable, dropout_p > 0.0, has_dlse, masks.kind(),
-           configs.TMA_UNDER_INTERPRETER)
+           configs.TMA_UNDER_INTERPRETER, variant)
     found = _LAUNCHES.get(key)
     if found is None or configs.plan is not _PLANNER:
         plan = configs.plan(kernel, q.dtype, head_dim, launch_target(q.device), allow_tf32=allow_tf32,
                             tma_addressable=tma_loadable, light=masks.light(dropout_p), packed=masks.packed,
-                            score_mods=masks.modifies_scores)
+                            score_mods=masks.modifies_scores, variant=variant)
         values = dict(BLOCK_D=configs.head_dim_bucket(head_dim), HEAD_DIM=head_dim,
                       **masks.constexprs(score_modifiers=kernel != "weights"), **plan.constexprs())
         if kernel != "weights":
