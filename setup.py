@@ -81,6 +81,8 @@ setup(
     python_requires=">=3.10",
     packages=PACKAGES,
     package_dir={"fused_transformer": "fused_transformer", "fused_transformer.kernels": "kernels"},
+    # The variant rows the plans read (kernels/variants.py), written by bench --suite variants on a GPU.
+    package_data={"fused_transformer.kernels": ["variant_rows.json"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     install_requires=[TORCH_FLOOR, "numpy", "tqdm"],

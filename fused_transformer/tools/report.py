@@ -514,7 +514,19 @@ def format_markdown(results: Sequence[AotResult], command: Sequence[str]) -> str
               *decode_occupancy_lines(), ""]
     lines += ["## The attention tile plan", "", "`TILE_ROWS` of kernels/attention/configs.py in order (a launch takes "
               "the first row that serves it), each with what was measured about it.", "", *tile_plan_markdown(), ""]
+    lines += ["## Kernel variants", "", "Each op's variants (configs named `...+<variant>` above), the refused ones "
+              "with why, and which GPUs' measured rows (`bench --suite variants`) pick among them:", "",
+              *(f"- {line.strip()}" for line in variant_status_lines()), ""]
     return "\n".join(lines)
+
+
+def variant_status_lines() -> List[str]:
+    """``kernels.variants.status()`` with every op's plan imported (each registers its variants)."""
+    import fused_transformer.kernels.attention.decode  # noqa: F401
+    import fused_transformer.kernels.layer_norm  # noqa: F401
+    from fused_transformer.kernels import variants
+
+    return variants.status()
 
 
 TILE_PLAN_HEADER = ("kernel", "precision", "head dims", "tile", "targets", "loads", "light", "layouts", "score_mods",
@@ -584,6 +596,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_table(results))
     print("\nDecode launches, programs per SM (general forward -> split-KV decode):")
     print("\n".join(decode_occupancy_lines()))
+    print("\nKernel variants (bench --suite variants measures them on a GPU):")
+    print("\n".join(variant_status_lines()))
     if args.markdown is not None:
         with open(args.markdown, "w") as f:
             f.write(format_markdown(results, ["report", *(argv if argv is not None else sys.argv[1:])]))
