@@ -971,22 +971,26 @@ TILE_ORDER_VARIANTS = [v.name for v in configs.VARIANTS if v.tile_order != confi
 
 @pytest.mark.parametrize("variant", TILE_ORDER_VARIANTS)
 @pytest.mark.parametrize("mask_kind", ["none", "key_padding", "key_padding_scattered", "causal", "causal_bottom_right"])
-def test_forward_variants_match_reference(variant, mask_kind):
+def test_tile_order_variants_match_reference(variant, mask_kind):
+    """The forward's, and where the variant has one the dq kernel's, tile order."""
     from fused_transformer.kernels import variants
 
     lq = 40 if mask_kind == "causal_bottom_right" else 77
-    planned = configs.plan("fwd", torch.bfloat16, 64, None, light=True, variant=variant)
-    assert (planned.variant, planned.tile_order) == (variant, configs.VARIANTS_BY_NAME[variant].tile_order)
-    with variants.forced({"attention.fwd": variant}):
+    forced = {op: variant for op in ("attention.fwd", "attention.bwd") if variant in variants.registered()[op][1]}
+    for kernel, op in (("fwd", "attention.fwd"), ("bwd_dq", "attention.bwd")):
+        planned = configs.plan(kernel, torch.bfloat16, 64, None, light=True, variant=variant)
+        expected = configs.VARIANTS_BY_NAME[variant].tile_order if op in forced else configs.GRID_ORDER
+        assert planned.tile_order == expected and planned.constexprs()["TILE_ORDER"] == expected
+    with variants.forced(forced):
         _check(batch=3, heads=2, kv_heads=1, lq=lq, lk=77, head_dim=64, dtype=torch.bfloat16, mask_kind=mask_kind,
                seed=len(mask_kind))
 
 
 @pytest.mark.parametrize("variant", TILE_ORDER_VARIANTS)
-def test_forward_variants_leave_the_launches_they_do_not_serve_to_the_default(variant):
+def test_variants_leave_the_launches_they_do_not_serve_to_the_default(variant):
     default = configs.DEFAULT_VARIANT
     assert configs.plan("fwd", torch.bfloat16, 64, None, light=False, variant=variant).variant == default
     assert configs.plan("fwd", torch.float32, 64, None, light=True, variant=variant).variant == default
     assert configs.plan("fwd", torch.bfloat16, 32, None, light=True, variant=variant).variant == default
     assert configs.plan("fwd", torch.bfloat16, 64, None, light=True, packed=True, variant=variant).variant == default
-    assert configs.plan("bwd_dq", torch.bfloat16, 64, None, light=True, variant=variant).variant == default
+    assert configs.plan("bwd_dkdv", torch.bfloat16, 64, None, light=True, variant=variant).variant == default

@@ -33,7 +33,8 @@ def _row(op="attention.fwd", gpu="H200", shape="bf16/D128/causal/L4096", variant
 
 def test_every_op_registers_a_default_that_builds():
     ops = variants.registered()
-    assert {"attention.fwd", "decode.split", "layer_norm.fwd", "layer_norm.bwd"} <= set(ops)
+    assert {"attention.fwd", "attention.bwd", "decode.split", "layer_norm.fwd", "layer_norm.bwd"} <= set(ops)
+    assert set(ops["attention.bwd"][1]) == {"tiles", "heaviest_first", "deep_pipeline"}
     for op, (default, known) in ops.items():
         assert known[default] == "", op
 
@@ -140,10 +141,11 @@ def test_the_report_compiles_each_variant_where_it_changes_the_launch():
     assert names == {v.name for v in configs.VARIANTS if v.name != "tiles" and not v.builds_on}
     for k in variant_configs:
         variant = configs.VARIANTS_BY_NAME[k.config.rsplit("+", 1)[1]]
-        assert k.name == "attention_fwd" and k.config.startswith("bf16/D")
+        assert k.name[len("attention_"):] in variant.kernels and k.config.startswith(("bf16/D64/", "bf16/D128/"))
         assert k.expect_instructions == variant.claims and k.refused == variant.refused
         assert set(k.targets) <= set(variant.targets)
-        assert k.constexprs["TILE_ORDER"] == variant.tile_order
+        assert k.constexprs.get("TILE_ORDER", configs.GRID_ORDER) == variant.tile_order
+    assert {k.name for k in variant_configs} == {"attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv"}
     assert all(not k.expect_instructions and not k.refused for k in shipped if "+" not in k.config)
 
 
@@ -162,9 +164,12 @@ def test_the_variants_suite_runs_under_the_interpreter_and_writes_rows(tmp_path,
     printed = capsys.readouterr().out
     assert status == 0, printed
     found = variants.read_rows(str(rows_path))
-    assert {row.op for row in found} == {"attention.fwd", "layer_norm.fwd", "layer_norm.bwd", "decode.split"}
+    assert {row.op for row in found} == {"attention.fwd", "attention.bwd", "layer_norm.fwd", "layer_norm.bwd",
+                                         "decode.split"}
     assert all(row.gpu == "cpu" and row.vs_default <= 1.0 and "interpreter" in row.provenance for row in found)
     timed = (tmp_path / "bench_cpu.csv").read_text()
     for variant in ("tiles", "heaviest_first", "persistent"):
         assert f"attention.fwd bf16/D64/causal/L1024,fwd,variant:{variant}" in timed
+    for variant in ("tiles", "heaviest_first"):
+        assert f"attention.bwd bf16/D64/causal/L1024,fwd+bwd,variant:{variant}" in timed
     assert "FAILED" not in timed

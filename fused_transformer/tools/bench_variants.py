@@ -7,6 +7,7 @@ Per op, on CUDA (bfloat16):
 - ``attention.fwd``: our forward kernel (``kernels.attention.attention``, whatever the route says) under
   ``no_grad``, head dims 64 and 128, no mask and causal, L 1024, 4096 and 16384 (``--quick``: 4096), 16k tokens a
   batch and 2048 / D heads as the attention suite; against SDPA's cuDNN backend (``sdpa:cudnn_attention``).
+  ``attention.bwd``: the same shapes forward + backward, the variant applied to the backward's two kernels.
 - ``layer_norm.fwd`` / ``layer_norm.bwd``: ``kernels.layer_norm.layer_norm`` with a residual (no dropout: the
   kernels' own speed), d 1024 and 4096, 16k and 64k rows (``--quick``: 16k); against ``F.layer_norm(x + r)``.
 - ``decode.split``: one decoding step of ``attention_with_kvcache`` (one query per sequence, 8 KV heads of 32 query
@@ -102,34 +103,41 @@ def _agreeing(op: str, calls: Dict[str, Callable[[], object]], checks: Dict[str,
 # ------------------------------------------------------------------------------------------- attention.fwd
 
 
-def attention_variants(setup: Setup, head_dim: int, length: int, batch: int, heads: int, causal: bool) -> List[str]:
-    """The buildable variants of the attention forward whose plan differs on this launch (the default first)."""
+def attention_variants(setup: Setup, op: str, head_dim: int, length: int, batch: int, heads: int) -> List[str]:
+    """The buildable variants of ``op`` ("attention.fwd", "attention.bwd") whose plan differs on this launch from the
+    default's (the default first)."""
     from fused_transformer.kernels.attention import configs
     from fused_transformer.kernels.attention.launch import launch_target
 
     target = launch_target(setup.device)
     tma = batch * heads * length * length >= configs.TMA_MIN_SCORES  # the inputs are fresh: TMA addresses them
-    names = [configs.DEFAULT_VARIANT]
-    for variant in configs.VARIANTS:
-        if variant.refused or variant.name == configs.DEFAULT_VARIANT or "fwd" not in variant.kernels:
-            continue
-        plan = configs.plan("fwd", setup.dtype, head_dim, target, tma_addressable=tma, light=True,
-                            variant=variant.name)
-        if plan.variant == variant.name:
-            names.append(variant.name)
+    kernels = ("fwd",) if op == "attention.fwd" else ("bwd_dq", "bwd_dkdv")
+    default, known = variants.registered()[op]
+    names = [default]
+    for name, refused in known.items():
+        if name != default and not refused and any(
+                configs.plan(kernel, setup.dtype, head_dim, target, tma_addressable=tma, light=True,
+                             variant=name).variant == name for kernel in kernels):
+            names.append(name)
     return names
 
 
-def _build_attention(setup: Setup, names: Tuple[str, ...], batch: int, heads: int, length: int, head_dim: int,
-                     causal: bool) -> Built:
+def _build_attention(setup: Setup, op: str, names: Tuple[str, ...], batch: int, heads: int, length: int,
+                     head_dim: int, causal: bool) -> Built:
     from fused_transformer.kernels.attention import attention as kernel_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, length, head_dim, device=setup.device, dtype=setup.dtype) for _ in range(3))
-    calls = _variant_calls("attention.fwd", names, lambda: kernel_attention(q, k, v, is_causal=causal))
-    calls = _agreeing("attention.fwd", calls, {impl: _forward(call) for impl, call in calls.items()}, names[0],
-                      setup.dtype)
+    backward = op == "attention.bwd"
+    q, k, v = (torch.randn(batch, heads, length, head_dim, device=setup.device, dtype=setup.dtype,
+                           requires_grad=backward) for _ in range(3))
+    grad = torch.randn_like(q)
+    calls = _variant_calls(op, names, lambda: kernel_attention(q, k, v, is_causal=causal))
+    if backward:
+        checks = {impl: (lambda call=call: torch.autograd.grad(call(), (q, k, v), grad)) for impl, call in calls.items()}
+    else:
+        checks = {impl: _forward(call) for impl, call in calls.items()}
+    calls = _agreeing(op, calls, checks, names[0], setup.dtype)
 
     def vendor() -> Tensor:
         if setup.device.type != "cuda":
@@ -137,7 +145,9 @@ def _build_attention(setup: Setup, names: Tuple[str, ...], batch: int, heads: in
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    fns = {vendor_name(setup, "attention.fwd"): vendor, **calls}
+    fns = {vendor_name(setup, op): vendor, **calls}
+    if backward:
+        return Built({impl: _forward_backward(fn, grad) for impl, fn in fns.items()}, [q, k, v])
     return Built({impl: _forward(fn) for impl, fn in fns.items()})
 
 
@@ -147,19 +157,25 @@ def attention_cases(setup: Setup, quick: bool) -> Iterator[Case]:
     gpu = setup.device.type == "cuda"
     if not gpu:  # the variants serve 16-bit launches: the interpreter's tiny case is one
         setup = dataclasses.replace(setup, dtype=torch.bfloat16)
-    for head_dim in (64, 128) if gpu else (64,):
-        for causal in (False, True):
-            for length in ATTENTION_LENGTHS[(gpu, quick)]:
-                batch, heads = (max(GPU_TOKENS // length, 1), 2048 // head_dim) if gpu else (2, 2)
-                names = tuple(attention_variants(setup, head_dim, length, batch, heads, causal))
-                shape = configs.shape_class(setup.dtype, head_dim, length, causal, True)
-                yield Case(
-                    SUITE, f"attention.fwd {shape}", "fwd", length, batch,
-                    (vendor_name(setup, "attention.fwd"), *map(impl_name, names)), heads=heads, head_dim=head_dim,
-                    d_model=heads * head_dim, causal=causal, padding=0.0,
-                    flops=attention_flops(batch, heads, length, head_dim, causal=causal, kept=None, backward=False),
-                    build=functools.partial(_build_attention, setup, names, batch, heads, length, head_dim, causal),
-                )
+    for op in ("attention.fwd", "attention.bwd"):
+        backward = op == "attention.bwd"
+        for head_dim in (64, 128) if gpu else (64,):
+            for causal in (False, True):
+                for length in ATTENTION_LENGTHS[(gpu, quick)]:
+                    batch, heads = (max(GPU_TOKENS // length, 1), 2048 // head_dim) if gpu else (2, 2)
+                    names = tuple(attention_variants(setup, op, head_dim, length, batch, heads))
+                    if len(names) < 2:
+                        continue
+                    shape = configs.shape_class(setup.dtype, head_dim, length, causal, True)
+                    yield Case(
+                        SUITE, f"{op} {shape}", "fwd+bwd" if backward else "fwd", length, batch,
+                        (vendor_name(setup, op), *map(impl_name, names)), heads=heads, head_dim=head_dim,
+                        d_model=heads * head_dim, causal=causal, padding=0.0,
+                        flops=attention_flops(batch, heads, length, head_dim, causal=causal, kept=None,
+                                              backward=backward),
+                        build=functools.partial(_build_attention, setup, op, names, batch, heads, length, head_dim,
+                                                causal),
+                    )
 
 
 # ------------------------------------------------------------------------------------------ layer_norm
@@ -282,7 +298,7 @@ def decode_cases(setup: Setup, quick: bool) -> Iterator[Case]:
 
 def vendor_name(setup: Setup, op: str) -> str:
     """The baseline of ``op``'s cases: the vendor's kernel as the bench names it."""
-    if op == "attention.fwd":
+    if op.startswith("attention"):
         return "sdpa:cudnn_attention" if setup.device.type == "cuda" else "sdpa"
     if op.startswith("layer_norm"):
         return "torch"

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ...contract import AttentionSpec
 from .._common import cdiv, contiguous_last_dim, dropout_keep, dropout_seed, launch_kernel
+from . import configs
 from .configs import head_dim_bucket
 from .jit import (
     _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _modifies_scores, _real_rows, _row_index,
@@ -22,10 +23,12 @@ from .jit import (
     _unmasked_keys_end, _visible_keys, _visible_queries,
 )
 from .launch import (
-    LaunchForm, grid, known_args, launch_options, output_layout, row_strides, tiles_of, tma_can_load,
+    LaunchForm, chosen_variant, grid, known_args, launch_options, output_layout, row_strides, tiles_of, tma_can_load,
 )
 
 Tensor = torch.Tensor
+# The dq kernel's tile order other than the grid's, as the kernel reads it (configs.py).
+HEAVIEST_FIRST = tl.constexpr(configs.HEAVIEST_FIRST)
 
 
 @triton.jit
@@ -91,12 +94,15 @@ def attention_dq_kernel(
     PER_SEQUENCE_OFFSET: tl.constexpr, VARLEN: tl.constexpr, MASK_OFFSETS_64: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, SCORE_MODS: tl.constexpr, HAS_SINKS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, INTERIOR_LOOP: tl.constexpr,
-    DO_STRIDES: tl.constexpr,
+    DO_STRIDES: tl.constexpr, TILE_ORDER: tl.constexpr,
 ):
     seed = 0
     if HAS_DROPOUT:  # the op's Philox seed, read once
         seed = dropout_seed(SEED, host_seed)
-    first_row = tl.program_id(0) * BLOCK_M
+    query_tile = tl.program_id(0)
+    if TILE_ORDER == HEAVIEST_FIRST:  # the GPU starts programs in grid order: the causal long ones first
+        query_tile = tl.num_programs(0) - 1 - query_tile
+    first_row = query_tile * BLOCK_M
     batch_head = _batch_head(n_heads)
     batch = (batch_head // n_heads).to(tl.int64)
     head = (batch_head % n_heads).to(tl.int64)
@@ -429,10 +435,11 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
     delta = torch.empty_like(lse)  # lse's shape and layout
     # Both kernels load alike: through TMA only if it can address every input and output.
     addressable = tma_can_load((q, k, v, o, do, dk, dv), layout)
+    variant = chosen_variant("attention.bwd", q, layout, masks, spec.dropout_p)
     dq_launch = launch_options("bwd_dq", attention_dq_kernel, q, layout.head_dim, masks, spec.dropout_p,
-                               spec.allow_tf32, addressable, has_dlse=dlse is not None)
+                               spec.allow_tf32, addressable, has_dlse=dlse is not None, variant=variant)
     dkdv_launch = launch_options("bwd_dkdv", attention_dkdv_kernel, q, layout.head_dim, masks, spec.dropout_p,
-                                 spec.allow_tf32, addressable)
+                                 spec.allow_tf32, addressable, variant=variant)
     dq_tile, dkdv_tile = dq_launch.plan.tile, dkdv_launch.plan.tile
     dq_tma, dkdv_tma = dq_launch.plan.use_tma, dkdv_launch.plan.use_tma
     if not (dq_tma and dkdv_tma):  # the pointer path reads o in its own layout; TMA in any

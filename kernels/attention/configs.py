@@ -360,8 +360,9 @@ WARP_SPECIALIZE_REFUSED = (
     "under all four (setmaxnreg x8), so what stops it is this loop: masks, two loops, per-sequence descriptors")
 VARIANTS: Tuple[Variant, ...] = (
     Variant(DEFAULT_VARIANT, KERNELS, "TILE_ROWS' tiles, programs in grid order"),
-    Variant("heaviest_first", ("fwd",), "the grid's query tiles in reverse order: the GPU starts programs in grid "
-            "order, so under a causal mask the ones with the most keys start first", tile_order=HEAVIEST_FIRST,
+    Variant("heaviest_first", ("fwd", "bwd_dq"), "the grid's query tiles in reverse order (the forward, dq): the GPU "
+            "starts programs in grid order, so under a causal mask the ones with the most keys start first",
+            tile_order=HEAVIEST_FIRST,
             rows=(TileRow("fwd", "bf16", (128,), Tile(64, 32, 8, 2), targets=SMALL_SHARED_MEMORY, light=True,
                           provenance="BM128_BN32_w8_s2 spills 8 B causal under 3.9"),),
             **MEASURED_LAUNCHES),
@@ -372,9 +373,13 @@ VARIANTS: Tuple[Variant, ...] = (
                   TileRow("fwd", "bf16", (128,), Tile(64, 32, 8, 2), targets=(80,), light=True,
                           provenance="BM128_BN32_w8_s2 spills 8 B causal under 3.9")),
             **MEASURED_LAUNCHES),
-    Variant("deep_pipeline", ("fwd",), "sm_90 through TMA: one more key tile in flight than the default's rows",
-            rows=_rows("fwd", "bf16", {64: (128, 128, 8, 4), 128: (128, 64, 8, 4)}, targets=HOPPER, loads="tma",
-                       light=True),
+    Variant("deep_pipeline", ("fwd", "bwd_dq", "bwd_dkdv"), "sm_90 through TMA: one more tile in flight than the "
+            "default's rows (dk/dv at head dim 128 keeps the default's: BM64_BN64_w4_s2 spills 520 B under 3.9)",
+            rows=(*_rows("fwd", "bf16", {64: (128, 128, 8, 4), 128: (128, 64, 8, 4)}, targets=HOPPER, loads="tma",
+                         light=True),
+                  *_rows("bwd_dq", "bf16", {64: (128, 64, 8, 3), 128: (128, 64, 8, 4)}, targets=HOPPER, loads="tma",
+                         light=True),
+                  TileRow("bwd_dkdv", "bf16", (64,), Tile(64, 128, 8, 3), targets=HOPPER, loads="tma", light=True)),
             claims=("HGMMA", "UTMALDG"), **MEASURED_LAUNCHES),
     Variant("warp_specialized", ("fwd",), "a producer warp loading K and V through TMA for consumer warpgroups "
             "(FlashAttention-3's split)", warp_specialize=True, claims=("USETMAXREG",), refused=WARP_SPECIALIZE_REFUSED,
@@ -385,6 +390,8 @@ VARIANTS: Tuple[Variant, ...] = (
 )
 VARIANTS_BY_NAME = {variant.name: variant for variant in VARIANTS}
 variants.register("attention.fwd", DEFAULT_VARIANT, {v.name: v.refused for v in VARIANTS if "fwd" in v.kernels})
+variants.register("attention.bwd", DEFAULT_VARIANT,
+                  {v.name: v.refused for v in VARIANTS if {"bwd_dq", "bwd_dkdv"} & set(v.kernels)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,6 +416,8 @@ class Plan:
                           DOT_PRECISION=self.dot_precision, UPCAST=self.upcast)
         if self.kernel == "fwd":
             constexprs.update(TILE_ORDER=self.tile_order, WARP_SPECIALIZE=self.warp_specialize)
+        if self.kernel == "bwd_dq":
+            constexprs["TILE_ORDER"] = self.tile_order
         if self.kernel != "weights":
             constexprs["INTERIOR_LOOP"] = self.interior_loop
         if self.kernel in ("bwd_dq", "bwd_dkdv"):
