@@ -430,6 +430,7 @@ def head_dim_bucket(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
+@functools.lru_cache(maxsize=4096)  # asked per launch once measured rows exist: a dict lookup, not a format
 def shape_class(dtype: torch.dtype, head_dim: int, n_keys: int, causal: bool, light: bool) -> str:
     """The class of shapes a measured variant row holds for (``kernels/variants.py``): 16-bit or float32, the head-dim
     bucket, causal or not, light or not, the keys' power of two within 1024..16384: ``bf16/D128/causal/L4096``."""
