@@ -134,7 +134,8 @@ def _build_attention(setup: Setup, op: str, names: Tuple[str, ...], batch: int, 
     grad = torch.randn_like(q)
     calls = _variant_calls(op, names, lambda: kernel_attention(q, k, v, is_causal=causal))
     if backward:
-        checks = {impl: (lambda call=call: torch.autograd.grad(call(), (q, k, v), grad)) for impl, call in calls.items()}
+        checks = {impl: (lambda call=call: torch.autograd.grad(call(), (q, k, v), grad))
+                  for impl, call in calls.items()}
     else:
         checks = {impl: _forward(call) for impl, call in calls.items()}
     calls = _agreeing(op, calls, checks, names[0], setup.dtype)

@@ -271,7 +271,8 @@ def run_parts(asked: Sequence[str], out: str, budget_s: float, command_for: Comm
         else:
             stamped(f"bench: alone on the GPU, at most {limit:.0f} s" + (f" ({note})" if note else "")
                     + f"; output in {log_path(out, 'bench')}")
-            fields.update({"phase": "alone, after the others"} if side else {}, **({"limit_note": note} if note else {}))
+            fields.update({"phase": "alone, after the others"} if side else {},
+                          **({"limit_note": note} if note else {}))
             records["bench"] = run_side_by_side({"bench": command_for("bench", out, limit)}, out, limit, env, stamped,
                                                 fields)["bench"]
     run = {"budget_s": budget_s, "wall_s": round(clock(), 1), "side_by_side": side,

@@ -129,8 +129,8 @@ def attention_dq_kernel(
             mask=tile_mask, other=0.0,
         )
     stat_offsets = _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN, 0, False) + rows
-    tile_offsets = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, False, batch, False)[:, None] * HEAD_DIM + (
-        dims[None, :])
+    tile_offsets = (_row_index(head, n_heads, rows, n_queries, q_start, VARLEN, False, batch, False)[:, None] * HEAD_DIM
+                    + dims[None, :])
     if USE_TMA:
         do = _tma_tile(DO, batch, head, q_start, first_row, seq_q, VARLEN, True)
         o = _tma_tile(O, batch, head, q_start, first_row, seq_q, VARLEN, True)
@@ -169,8 +169,8 @@ def attention_dq_kernel(
     split = INTERIOR_LOOP and MASK_KIND == 0 and not (
         HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or _modifies_scores(SCORE_MODS))
     if split:
-        inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING, 0, False),
-                                       offset, BLOCK_N, IS_CAUSAL)
+        leading_keys = _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING, 0, False)
+        inner_end = _unmasked_keys_end(first_row, key_end, leading_keys, offset, BLOCK_N, IS_CAUSAL)
         for first_col in tl.range(inner_end, key_end, BLOCK_N, num_stages=1):
             dq = _attention_dq_tile(
                 dq, q, do, lse, delta, first_col, rows, real_rows, dims, k_base, v_base, stride_kn, stride_vn,
@@ -366,8 +366,8 @@ def attention_dkdv_kernel(
     inner_start, inner_end = row_end, row_end
     if split:
         inner_start, inner_end = _unmasked_queries(
-            first_col, row_start, row_end, q_len, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING, 0, False), offset,
-            BLOCK_M, BLOCK_N, IS_CAUSAL)
+            first_col, row_start, row_end, q_len, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING, 0, False),
+            offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
     leading_edge_tiles = tl.cdiv(inner_start - row_start, BLOCK_M)
     edge_tiles = leading_edge_tiles + tl.cdiv(row_end - inner_end, BLOCK_M)
     for group_member in range(0, kv_group):

@@ -482,8 +482,9 @@ def plan(kernel: str, dtype: torch.dtype, head_dim: int, target: Optional[Target
         raise ValueError(f"attention: variant {variant!r} " + (f"is refused: {chosen.refused}" if chosen else
                          f"is not one of {', '.join(VARIANTS_BY_NAME)}"))
     precision = precision_of(dtype, allow_tf32)
-    if kernel not in chosen.kernels or precision not in chosen.precisions or (chosen.light and not light) or \
-            head_dim_bucket(head_dim) not in chosen.head_dims or ("packed" if packed else "dense") not in chosen.layouts:
+    serves = (kernel in chosen.kernels and precision in chosen.precisions and (light or not chosen.light)
+              and head_dim_bucket(head_dim) in chosen.head_dims and ("packed" if packed else "dense") in chosen.layouts)
+    if not serves:
         chosen = VARIANTS_BY_NAME[DEFAULT_VARIANT]
     tma = takes_tma(kernel, precision, head_dim) and tma_addressable
     if target is None:  # the interpreter: every tile order, on its small tiles

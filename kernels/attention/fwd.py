@@ -148,8 +148,8 @@ def _attention_fwd_block(
     split = INTERIOR_LOOP and MASK_KIND == 0 and not (
         HAS_QUERY_PADDING or HAS_WINDOW or HAS_DROPOUT or _modifies_scores(SCORE_MODS))
     if split:
-        inner_end = _unmasked_keys_end(first_row, key_end, _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING, n_batch, BATCH_GIVEN),
-                                       offset, BLOCK_N, IS_CAUSAL)
+        leading_keys = _leading_real_keys(KEY_LENS, batch, k_len, HAS_PADDING, n_batch, BATCH_GIVEN)
+        inner_end = _unmasked_keys_end(first_row, key_end, leading_keys, offset, BLOCK_N, IS_CAUSAL)
         if qk_scale < 0:  # the interior tiles take the row max before scaling, which a negative scale turns over
             inner_end = key_start
         for first_col in tl.range(inner_end, key_end, BLOCK_N, num_stages=1):
@@ -194,12 +194,11 @@ def _attention_fwd_block(
     lse = tl.where(has_key, (row_max + tl.math.log2(tl.where(has_key, row_sum, 1.0))) * 0.6931471805599453,
                    float("-inf"))
     row_ok = rows < seq_q
-    tl.store(LSE + _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN, n_batch, BATCH_GIVEN) + rows, lse, mask=row_ok)
+    lse_base = _stat_base(batch_head, head, n_queries, q_start, CU_SEQLENS_Q, VARLEN, n_batch, BATCH_GIVEN)
+    tl.store(LSE + lse_base + rows, lse, mask=row_ok)
     out_rows = _row_index(head, n_heads, rows, n_queries, q_start, VARLEN, False, batch, BATCH_GIVEN)
     tl.store(O + out_rows[:, None] * HEAD_DIM + dims[None, :], out.to(O.dtype.element_ty),
              mask=_tile_mask(row_ok, dims, HEAD_DIM, BLOCK_D))
-
-
 
 
 @triton.jit(do_not_specialize=["host_seed"])
@@ -241,8 +240,10 @@ def attention_fwd_kernel(
         # mask gives them the most keys, so the programs' loads even out as the light tiles come last.
         query_tiles = tl.cdiv(n_queries, BLOCK_M)
         pairs = n_batch * n_heads
+        # (num_stages=1: the key loops inside are the ones to pipeline, not this one)
         for tile in tl.range(tl.program_id(0), query_tiles * pairs, tl.num_programs(0), num_stages=1):
-            _attention_fwd_block((query_tiles - 1 - tile // pairs) * BLOCK_M, tile % pairs, seed,
+            _attention_fwd_block(
+                (query_tiles - 1 - tile // pairs) * BLOCK_M, tile % pairs, seed,
                 Q, K, V, O, LSE, MASK, PAD, KEY_LENS, QUERY_LENS, QUERY_PAD, CU_SEQLENS_Q, CU_SEQLENS_K,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 stride_mb, stride_mh, stride_mm, stride_mn, stride_pb, stride_qpb,
@@ -256,15 +257,16 @@ def attention_fwd_kernel(
         query_tile = tl.program_id(0)
         if TILE_ORDER == HEAVIEST_FIRST:  # the GPU starts programs in grid order: the causal long ones first
             query_tile = tl.num_programs(0) - 1 - query_tile
-        _attention_fwd_block(query_tile * BLOCK_M, _batch_head(n_heads), seed,
-                Q, K, V, O, LSE, MASK, PAD, KEY_LENS, QUERY_LENS, QUERY_PAD, CU_SEQLENS_Q, CU_SEQLENS_K,
-                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                stride_mb, stride_mh, stride_mm, stride_mn, stride_pb, stride_qpb,
-                n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale, dropout_p,
-                SINKS, MODS, n_batch, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_LENS,
-                HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, PER_SEQUENCE_OFFSET, VARLEN, MASK_OFFSETS_64, HAS_DROPOUT,
-                SCORE_MODS, HAS_SINKS, UPCAST, DOT_PRECISION, USE_TMA, INTERIOR_LOOP, TILE_ORDER == PERSISTENT,
-                WARP_SPECIALIZE,
+        _attention_fwd_block(
+            query_tile * BLOCK_M, _batch_head(n_heads), seed,
+            Q, K, V, O, LSE, MASK, PAD, KEY_LENS, QUERY_LENS, QUERY_PAD, CU_SEQLENS_Q, CU_SEQLENS_K,
+            stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+            stride_mb, stride_mh, stride_mm, stride_mn, stride_pb, stride_qpb,
+            n_heads, kv_group, n_queries, n_keys, causal_offset, window_left, window_right, qk_scale, dropout_p,
+            SINKS, MODS, n_batch, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_KIND, HAS_PADDING, HAS_QUERY_LENS,
+            HAS_QUERY_PADDING, IS_CAUSAL, HAS_WINDOW, PER_SEQUENCE_OFFSET, VARLEN, MASK_OFFSETS_64, HAS_DROPOUT,
+            SCORE_MODS, HAS_SINKS, UPCAST, DOT_PRECISION, USE_TMA, INTERIOR_LOOP, TILE_ORDER == PERSISTENT,
+            WARP_SPECIALIZE,
         )
 
 
