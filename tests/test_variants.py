@@ -146,7 +146,8 @@ def test_the_report_compiles_each_variant_where_it_changes_the_launch():
         assert k.expect_instructions == variant.claims and k.refused == variant.refused
         assert set(k.targets) <= set(variant.targets)
         assert k.constexprs.get("TILE_ORDER", configs.GRID_ORDER) == variant.tile_order
-    assert {k.name for k in variant_configs} == {"attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv"}
+    # dk/dv's one variant row holds from Triton 3.7 (it spills under 3.6): the forward and dq have some under every one
+    assert {"attention_fwd", "attention_bwd_dq"} <= {k.name for k in variant_configs}
     assert all(not k.expect_instructions and not k.refused for k in shipped if "+" not in k.config)
 
 
