@@ -69,8 +69,7 @@ def write_rows(rows: Sequence[VariantRow], path: Optional[str] = None, keep_othe
                             "(kernels/variants.py)",
                    "rows": [dataclasses.asdict(row) for row in ordered]}, f, indent=1)
         f.write("\n")
-    measured.cache_clear()
-    _measured_ops.cache_clear()
+    forget_rows()
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,8 +156,14 @@ def forced(choices: Mapping[str, str]) -> Iterator[None]:
 
 
 def forcing() -> Dict[str, str]:
-    """The variants forced now (op -> name): the launchers key their cached plans on it."""
+    """The variants forced now (op -> name)."""
     return dict(_FORCED)
+
+
+def forget_rows() -> None:
+    """Read ``MEASURED_FILE`` again at the next ``choose`` (after it, or where it points, changed)."""
+    measured.cache_clear()
+    _measured_ops.cache_clear()
 
 
 def status() -> List[str]:

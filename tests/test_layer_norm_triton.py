@@ -250,11 +250,9 @@ def test_the_launchers_run_the_forced_variant(monkeypatch, kernel_variant):
 def rows_file(tmp_path, monkeypatch):
     """An empty variants file standing for the package's measured rows."""
     monkeypatch.setattr(variants, "MEASURED_FILE", str(tmp_path / "variant_rows.json"))
-    variants.measured.cache_clear()
-    variants._measured_ops.cache_clear()
+    variants.forget_rows()
     yield
-    variants.measured.cache_clear()
-    variants._measured_ops.cache_clear()
+    variants.forget_rows()
 
 
 def test_a_measured_row_picks_the_variant_of_its_gpu_and_shape_class(monkeypatch, rows_file):

@@ -21,11 +21,9 @@ def rows_file(tmp_path, monkeypatch):
     """An empty variants file standing for the package's."""
     path = tmp_path / "variant_rows.json"
     monkeypatch.setattr(variants, "MEASURED_FILE", str(path))
-    variants.measured.cache_clear()
-    variants._measured_ops.cache_clear()
+    variants.forget_rows()
     yield path
-    variants.measured.cache_clear()
-    variants._measured_ops.cache_clear()
+    variants.forget_rows()
 
 
 def _row(op="attention.fwd", gpu="H200", shape="bf16/D128/causal/L4096", variant="persistent"):

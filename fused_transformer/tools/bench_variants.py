@@ -43,7 +43,7 @@ from fused_transformer.tools.bench_work import attention_flops, layer_norm_bytes
 SUITE = "variants"
 PREFIX = "variant:"
 GPU_TOKENS = 16384
-# (op, CUDA, --quick) -> sizes
+# The sizes each op's cases run at: by (on CUDA, --quick), or by on CUDA.
 ATTENTION_LENGTHS = {(True, False): (1024, 4096, 16384), (True, True): (4096,), (False, False): (40,),
                      (False, True): (40,)}
 LAYER_NORM_ROWS = {(True, False): (16384, 65536), (True, True): (16384,), (False, False): (24,), (False, True): (24,)}
