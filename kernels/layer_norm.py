@@ -292,9 +292,7 @@ def _shape_class(dtype: torch.dtype, n_cols: int, rows_class: int) -> str:
 def _variant(op: str, n_rows: int, n_cols: int, t: Tensor) -> str:
     """The variant of ``op`` that runs on ``n_rows`` rows of ``n_cols`` like ``t``: forced, measured on its GPU, or
     the default (the launchers ask on every call: no shape class is worked out while nothing can change the answer)."""
-    if not variants.deciding(op):
-        return variants.default_of(op)
-    return variants.choose(op, variants.gpu_name(t.device), shape_class(n_cols, n_rows, t.dtype))
+    return variants.chosen(op, t.device, lambda: shape_class(n_cols, n_rows, t.dtype))
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -133,6 +133,14 @@ def choose(op: str, gpu: str, shape: str) -> str:
         if found is not None and found in _REGISTERED[op][1] and not _REGISTERED[op][1][found]:
             return found
     return _REGISTERED[op][0]
+
+
+def chosen(op: str, device: torch.device, shape: Callable[[], str]) -> str:
+    """``choose`` for a launch on ``device``, whose shape class ``shape()`` gives: the launchers ask on every call, so
+    the shape class is worked out only when something (a forced variant, a measured row) can change the answer."""
+    if not deciding(op):
+        return _REGISTERED[op][0]
+    return choose(op, gpu_name(device), shape())
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -561,9 +562,7 @@ def variants_part(out: str, limit_s: float) -> dict:
     figures: dict = {"exit_status": finished.returncode, "failures": _bench_failures(finished.output),
                      "rows_file": variants.MEASURED_FILE if written else None}
     if written:
-        copy = os.path.join(folder, "variant_rows.json")
-        with open(variants.MEASURED_FILE) as source, open(copy, "w") as target:
-            target.write(source.read())
+        copy = shutil.copyfile(variants.MEASURED_FILE, os.path.join(folder, "variant_rows.json"))
         figures["rows"] = [asdict(row) for row in variants.read_rows(copy)]
         figures["rows_copy"] = copy
     if finished.timed_out:

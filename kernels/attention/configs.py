@@ -408,7 +408,7 @@ class Plan:
     do_strides: bool = True  # the backward reads do through its strides (``TileRow.do_strides``)
     variant: str = DEFAULT_VARIANT  # the variant this launch runs (``VARIANTS``; the default where the asked one
     # changes nothing for it)
-    tile_order: int = GRID_ORDER  # the forward's TILE_ORDER
+    tile_order: int = GRID_ORDER  # the forward's and dq's TILE_ORDER
     warp_specialize: bool = False  # the forward's WARP_SPECIALIZE: its interior key loop warp-specialized
 
     def constexprs(self) -> dict:

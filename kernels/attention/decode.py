@@ -457,9 +457,7 @@ def _launch_decode(
     tile = decode_tile(rows, q.dtype)
     query_tiles = cdiv(rows, tile.block_m)
     if num_splits is None:
-        rule = DEFAULT_SPLIT_RULE
-        if variants.deciding("decode.split"):
-            rule = variants.choose("decode.split", variants.gpu_name(q.device), shape_class(batch, kv_heads, max_keys))
+        rule = variants.chosen("decode.split", q.device, lambda: shape_class(batch, kv_heads, max_keys))
         num_splits = decode_splits(batch, kv_heads, query_tiles, max_keys, sm_count_of(q.device), tile.block_n, rule)
     if num_splits < 1:
         raise ValueError(f"attention_decode: num_splits={num_splits} must be at least 1")

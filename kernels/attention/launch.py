@@ -15,7 +15,7 @@ from ...contract import (
     NO_SCORE_MODS, AttentionMasks, AttentionSpec, PackedSequences, ScoreMods, Window, heads_interleaved_strides,
 )
 from .. import variants
-from .._common import cdiv, interpreting, positional_constexprs, tma_addressable, tma_descriptor
+from .._common import interpreting, positional_constexprs, tma_addressable, tma_descriptor
 from ..targets import Target, target_of
 from . import configs
 from .jit import LOG2E, NO_SCORE_MOD, score_mod_args, score_mod_flags
@@ -334,12 +334,10 @@ _PLANNER = configs.plan
 
 
 def chosen_variant(op: str, q: Tensor, layout: Layout, masks: MaskArgs, dropout_p: float) -> str:
-    """The variant of ``op`` ("attention.fwd") a launch on ``layout`` runs: the one the variant rows name for this GPU
-    and shape class, forced or measured (``kernels/variants.py``), else the default."""
-    if not variants.deciding(op):
-        return configs.DEFAULT_VARIANT
-    shape = configs.shape_class(q.dtype, layout.head_dim, layout.n_keys, masks.is_causal, masks.light(dropout_p))
-    return variants.choose(op, variants.gpu_name(q.device), shape)
+    """The variant of ``op`` ("attention.fwd", "attention.bwd") a launch on ``layout`` runs: the one the variant rows
+    name for this GPU and shape class, forced or measured (``kernels/variants.py``), else the default."""
+    return variants.chosen(op, q.device, lambda: configs.shape_class(
+        q.dtype, layout.head_dim, layout.n_keys, masks.is_causal, masks.light(dropout_p)))
 
 
 # Persistent programs under the interpreter: few, so that the tests' short sequences give each several tiles.
