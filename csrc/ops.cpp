@@ -2,7 +2,8 @@
 // and the Python module fused_transformer._C whose import loads them.
 //
 // Tensors in the accumulate dtype (float32, float64 for float64) unless said otherwise; the kernels live in
-// attention.cpp, layer_norm.cpp and bias_activation.cpp.
+// attention.cpp, attention_kvcache.cpp, norm.cpp and bias_activation.cpp; norm.cpp's are registered here, beside
+// their schemas.
 #include <Python.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
@@ -41,6 +42,8 @@ std::string cpu_capability() {
   return "baseline";
 #endif
 }
+
+const char* norm_op_name(bool rms_norm) { return rms_norm ? "rms_norm" : "layer_norm"; }
 
 // The keep-mask (True = kept) of elements 0 .. numel - 1 that a kernel drew with (seed, dropout_p).
 at::Tensor dropout_keep_mask(int64_t seed, int64_t numel, double dropout_p) {
@@ -98,18 +101,25 @@ TORCH_LIBRARY(fused_transformer_cpu, m) {
   m.def("attention_with_kvcache_fwd(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
         "Tensor? block_table, Tensor? k_new, Tensor? v_new, bool is_causal, int window_left, int window_right, "
         "float scale, float? softcap, Tensor? alibi_slopes, Tensor? sinks) -> (Tensor, Tensor)");
-  // x, residual [rows, N]. Returns y, z (empty unless store_z), mean, rstd [rows].
+  // x, residual [rows, N]. Returns y, z (empty unless store_z), mean, rstd [rows]. rms_norm: RMSNorm (the
+  // rms_norm op shares these), with mean [0], empty.
   m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, float dropout_p, "
-        "Tensor? seed, bool store_z) -> (Tensor, Tensor, Tensor, Tensor)");
-  // Returns dx, dresidual (empty unless has_residual), dweight, dbias (empty when absent).
+        "Tensor? seed, bool store_z, bool rms_norm=False) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Returns dx, dresidual (empty unless has_residual), dweight, dbias (empty when absent). rms_norm: mean is not
+  // read (it may be empty).
   m.def("layer_norm_bwd(Tensor dy, Tensor? dz, Tensor z, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
-        "float dropout_p, Tensor? seed, bool has_residual) -> (Tensor, Tensor, Tensor, Tensor)");
+        "float dropout_p, Tensor? seed, bool has_residual, bool rms_norm=False) -> (Tensor, Tensor, Tensor, Tensor)");
   // h [rows, F] = x @ w1^T. Returns dropout(act(h + bias)).
   m.def("bias_activation_fwd(Tensor h, Tensor? bias, str activation, float dropout_p, Tensor? seed) -> Tensor");
   // Returns the gradient of h + bias.
   m.def("bias_activation_bwd(Tensor grad, Tensor h, Tensor? bias, str activation, float dropout_p, Tensor? seed) "
         "-> Tensor");
   m.def("dropout_keep_mask(int seed, int numel, float dropout_p) -> Tensor", &dropout_keep_mask);
+}
+
+TORCH_LIBRARY_IMPL(fused_transformer_cpu, CPU, m) {
+  m.impl("layer_norm_fwd", &norm_fwd);
+  m.impl("layer_norm_bwd", &norm_bwd);
 }
 
 }  // namespace fused_transformer_cpu

@@ -1,11 +1,13 @@
-// LayerNorm with residual add and dropout, one pass per row.
+// LayerNorm, or RMSNorm with rms_norm, with residual add and dropout, one pass per row.
 //
 // Forward, per row of N features:
 //   z = dropout(x) + residual   (each part optional; rounded to x's dtype, as the returned z is)
 //   y = (z - mean) * rstd * weight + bias,   rstd = 1 / sqrt(mean((z - mean)^2) + eps)
+//   RMSNorm: mean is 0 (neither computed nor stored), so rstd = 1 / sqrt(mean(z^2) + eps)
 // Backward, with xhat = (z - mean) * rstd and g = dy * weight:
 //   dz = (g - xhat * mean(g * xhat) - mean(g)) * rstd  [+ dz of the returned z],  dresidual = dz,
 //   dx = dropout(dz) with the forward's mask,  dweight = sum_rows(dy * xhat),  dbias = sum_rows(dy)
+//   RMSNorm: mean = 0 again, and no mean(g) term (y does not depend on a shift of z)
 // dweight / dbias: each fixed chunk of rows writes a partial row, then the partials are added in chunk order,
 // so the result does not depend on the number of threads.
 #include <ATen/OpMathType.h>
@@ -37,9 +39,9 @@ acc_t lane_sum(int64_t n, F&& term) {
 }
 
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void layer_norm_forward_kernel(const scalar_t* x, const scalar_t* residual, const acc_t* weight, const acc_t* bias,
-                               scalar_t* y, scalar_t* z_out, acc_t* mean, acc_t* rstd, int64_t rows, int64_t n,
-                               acc_t eps, const DropoutMask& dropout) {
+void norm_forward_kernel(const scalar_t* x, const scalar_t* residual, const acc_t* weight, const acc_t* bias,
+                         scalar_t* y, scalar_t* z_out, acc_t* mean, acc_t* rstd, int64_t rows, int64_t n, acc_t eps,
+                         bool rms_norm, const DropoutMask& dropout) {
   const bool round_z = residual != nullptr || dropout.enabled();
   const acc_t keep_scale = static_cast<acc_t>(dropout.keep_scale());
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
@@ -56,10 +58,10 @@ void layer_norm_forward_kernel(const scalar_t* x, const scalar_t* residual, cons
       if (z_out != nullptr)
         for (int64_t c = 0; c < n; ++c) z_out[offset + c] = static_cast<scalar_t>(z[c]);
 
-      const acc_t row_mean = lane_sum<acc_t>(n, [&](int64_t c) { return z[c]; }) / n;
+      const acc_t row_mean = rms_norm ? acc_t(0) : lane_sum<acc_t>(n, [&](int64_t c) { return z[c]; }) / n;
       const acc_t variance = lane_sum<acc_t>(n, [&](int64_t c) { return (z[c] - row_mean) * (z[c] - row_mean); }) / n;
       const acc_t row_rstd = acc_t(1) / std::sqrt(variance + eps);
-      mean[row] = row_mean;
+      if (!rms_norm) mean[row] = row_mean;
       rstd[row] = row_rstd;
       for (int64_t c = 0; c < n; ++c) {
         acc_t value = (z[c] - row_mean) * row_rstd;
@@ -71,12 +73,12 @@ void layer_norm_forward_kernel(const scalar_t* x, const scalar_t* residual, cons
   });
 }
 
-// dweight_partial / dbias_partial: [chunks, n], written when the parameter exists.
+// dweight_partial / dbias_partial: [chunks, n], written when the parameter exists. mean is not read with rms_norm.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void layer_norm_backward_kernel(const scalar_t* dy, const scalar_t* dz, const scalar_t* z, const acc_t* weight,
-                                const acc_t* mean, const acc_t* rstd, scalar_t* dx, scalar_t* dresidual,
-                                acc_t* dweight_partial, acc_t* dbias_partial, int64_t rows, int64_t n,
-                                int64_t chunk_rows, const DropoutMask& dropout) {
+void norm_backward_kernel(const scalar_t* dy, const scalar_t* dz, const scalar_t* z, const acc_t* weight,
+                          const acc_t* mean, const acc_t* rstd, scalar_t* dx, scalar_t* dresidual,
+                          acc_t* dweight_partial, acc_t* dbias_partial, int64_t rows, int64_t n, int64_t chunk_rows,
+                          bool rms_norm, const DropoutMask& dropout) {
   const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
   const acc_t keep_scale = static_cast<acc_t>(dropout.keep_scale());
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
@@ -88,13 +90,14 @@ void layer_norm_backward_kernel(const scalar_t* dy, const scalar_t* dz, const sc
       if (dbias_sum != nullptr) std::fill(dbias_sum, dbias_sum + n, acc_t(0));
       for (int64_t row = chunk * chunk_rows; row < std::min(rows, (chunk + 1) * chunk_rows); ++row) {
         const int64_t offset = row * n;
+        const acc_t row_mean = rms_norm ? acc_t(0) : mean[row];
         for (int64_t c = 0; c < n; ++c) {
-          xhat[c] = (static_cast<acc_t>(z[offset + c]) - mean[row]) * rstd[row];
+          xhat[c] = (static_cast<acc_t>(z[offset + c]) - row_mean) * rstd[row];
           dy_row[c] = static_cast<acc_t>(dy[offset + c]);
           g[c] = weight != nullptr ? dy_row[c] * weight[c] : dy_row[c];
         }
         const acc_t mean_g_xhat = lane_sum<acc_t>(n, [&](int64_t c) { return g[c] * xhat[c]; }) / n;
-        const acc_t mean_g = lane_sum<acc_t>(n, [&](int64_t c) { return g[c]; }) / n;
+        const acc_t mean_g = rms_norm ? acc_t(0) : lane_sum<acc_t>(n, [&](int64_t c) { return g[c]; }) / n;
         for (int64_t c = 0; c < n; ++c) {
           acc_t grad = (g[c] - xhat[c] * mean_g_xhat - mean_g) * rstd[row];
           if (dz != nullptr) grad += static_cast<acc_t>(dz[offset + c]);
@@ -124,20 +127,21 @@ at::Tensor sum_partials(const at::Tensor& partial, at::ScalarType out_dtype) {
   return total.to(out_dtype);
 }
 
-void check_rows(const at::Tensor& t, const char* name, const at::Tensor& like) {
+// op: the name of the op the caller called (norm_op_name), for the messages.
+void check_rows(const at::Tensor& t, const char* name, const at::Tensor& like, const char* op) {
   check_cpu(t, name);
-  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), "layer_norm: ", name, " must have shape ", like.sizes(), ", got ",
+  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), op, ": ", name, " must have shape ", like.sizes(), ", got ",
                     t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), "layer_norm: ", name, " must have dtype ",
-                   like.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), op, ": ", name, " must have dtype ", like.scalar_type(),
+                   ", got ", t.scalar_type());
 }
 
 // A parameter [n] in the accumulate dtype of x, or an undefined tensor.
-at::Tensor parameter(const std::optional<at::Tensor>& p, const char* name, const at::Tensor& x) {
+at::Tensor parameter(const std::optional<at::Tensor>& p, const char* name, const at::Tensor& x, const char* op) {
   if (!p.has_value()) return at::Tensor();
   check_cpu(*p, name);
-  TORCH_CHECK_VALUE(p->dim() == 1 && p->size(0) == x.size(1), "layer_norm: ", name, " must be [", x.size(1),
-                    "], got ", p->sizes());
+  TORCH_CHECK_VALUE(p->dim() == 1 && p->size(0) == x.size(1), op, ": ", name, " must be [", x.size(1), "], got ",
+                    p->sizes());
   return p->to(accumulate_dtype(x.scalar_type())).contiguous();
 }
 
@@ -148,77 +152,78 @@ T* pointer_or_null(const at::Tensor& t) {
 
 }  // namespace
 
-// x, residual: [rows, N]. Returns y, z (empty unless store_z), mean and rstd [rows] in the accumulate dtype.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(
     const at::Tensor& x_in, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& residual, double eps, double dropout_p, const std::optional<at::Tensor>& seed,
-    bool store_z) {
+    bool store_z, bool rms_norm) {
+  const char* op = norm_op_name(rms_norm);
   check_cpu(x_in, "x");
-  TORCH_CHECK_VALUE(x_in.dim() == 2, "layer_norm: x must be [rows, N], got ", x_in.sizes());
+  TORCH_CHECK_VALUE(x_in.dim() == 2, op, ": x must be [rows, N], got ", x_in.sizes());
   const at::Tensor x = x_in.contiguous();
   at::Tensor residual_rows;
   if (residual.has_value()) {
-    check_rows(*residual, "residual", x);
+    check_rows(*residual, "residual", x, op);
     residual_rows = residual->contiguous();
   }
-  const at::Tensor weight_acc = parameter(weight, "weight", x), bias_acc = parameter(bias, "bias", x);
+  const at::Tensor weight_acc = parameter(weight, "weight", x, op), bias_acc = parameter(bias, "bias", x, op);
   const int64_t rows = x.size(0), n = x.size(1);
   const auto stats_options = x.options().dtype(accumulate_dtype(x.scalar_type()));
   at::Tensor y = at::empty_like(x), z = store_z ? at::empty_like(x) : at::empty({0}, x.options());
-  at::Tensor mean = at::empty({rows}, stats_options), rstd = at::empty({rows}, stats_options);
+  at::Tensor mean = at::empty({rms_norm ? 0 : rows}, stats_options), rstd = at::empty({rows}, stats_options);
   const DropoutMask dropout(seed_value(seed), dropout_p);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm_fwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm_fwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    layer_norm_forward_kernel<scalar_t>(x.data_ptr<scalar_t>(), pointer_or_null<scalar_t>(residual_rows),
-                                        pointer_or_null<acc_t>(weight_acc), pointer_or_null<acc_t>(bias_acc),
-                                        y.data_ptr<scalar_t>(), store_z ? z.data_ptr<scalar_t>() : nullptr,
-                                        mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(), rows, n,
-                                        static_cast<acc_t>(eps), dropout);
+    norm_forward_kernel<scalar_t>(x.data_ptr<scalar_t>(), pointer_or_null<scalar_t>(residual_rows),
+                                  pointer_or_null<acc_t>(weight_acc), pointer_or_null<acc_t>(bias_acc),
+                                  y.data_ptr<scalar_t>(), store_z ? z.data_ptr<scalar_t>() : nullptr,
+                                  rms_norm ? nullptr : mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(), rows, n,
+                                  static_cast<acc_t>(eps), rms_norm, dropout);
   });
   return {y, z, mean, rstd};
 }
 
-// Returns dx, dresidual (empty unless has_residual), dweight and dbias (empty when the parameter is absent).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_bwd(
     const at::Tensor& dy_in, const std::optional<at::Tensor>& dz_in, const at::Tensor& z_in,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& mean,
-    const at::Tensor& rstd, double dropout_p, const std::optional<at::Tensor>& seed, bool has_residual) {
+    const at::Tensor& rstd, double dropout_p, const std::optional<at::Tensor>& seed, bool has_residual,
+    bool rms_norm) {
+  const char* op = norm_op_name(rms_norm);
   check_cpu(z_in, "z");
-  TORCH_CHECK_VALUE(z_in.dim() == 2, "layer_norm_bwd: z must be [rows, N], got ", z_in.sizes());
+  TORCH_CHECK_VALUE(z_in.dim() == 2, op, " backward: z must be [rows, N], got ", z_in.sizes());
   const at::Tensor z = z_in.contiguous();
-  check_rows(dy_in, "dy", z);
+  check_rows(dy_in, "dy", z, op);
   const at::Tensor dy = dy_in.contiguous();
   at::Tensor dz;
   if (dz_in.has_value()) {
-    check_rows(*dz_in, "dz", z);
+    check_rows(*dz_in, "dz", z, op);
     dz = dz_in->contiguous();
   }
-  const at::Tensor weight_acc = parameter(weight, "weight", z);
+  const at::Tensor weight_acc = parameter(weight, "weight", z, op);
   const int64_t rows = z.size(0), n = z.size(1);
   const int64_t chunk_rows = std::max<int64_t>(1, (rows + kMaxChunks - 1) / kMaxChunks);
   const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
   const auto acc_options = z.options().dtype(accumulate_dtype(z.scalar_type()));
   at::Tensor dx = at::empty_like(z), dresidual = has_residual ? at::empty_like(z) : at::empty({0}, z.options());
-  at::Tensor dweight_partial = weight.has_value() ? at::zeros({std::max<int64_t>(chunks, 1), n}, acc_options) : at::Tensor();
-  at::Tensor dbias_partial = bias.has_value() ? at::zeros({std::max<int64_t>(chunks, 1), n}, acc_options) : at::Tensor();
+  const auto partial = [&](bool present) {
+    return present ? at::zeros({std::max<int64_t>(chunks, 1), n}, acc_options) : at::Tensor();
+  };
+  at::Tensor dweight_partial = partial(weight.has_value()), dbias_partial = partial(bias.has_value());
   const DropoutMask dropout(seed_value(seed), dropout_p);
-  const at::Tensor mean_acc = mean.to(acc_options.dtype()).contiguous(), rstd_acc = rstd.to(acc_options.dtype()).contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "layer_norm_bwd", [&] {
+  const at::Tensor mean_acc = rms_norm ? at::Tensor() : mean.to(acc_options.dtype()).contiguous();
+  const at::Tensor rstd_acc = rstd.to(acc_options.dtype()).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "norm_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    layer_norm_backward_kernel<scalar_t>(
-        dy.data_ptr<scalar_t>(), pointer_or_null<scalar_t>(dz), z.data_ptr<scalar_t>(), pointer_or_null<acc_t>(weight_acc),
-        mean_acc.data_ptr<acc_t>(), rstd_acc.data_ptr<acc_t>(), dx.data_ptr<scalar_t>(),
-        has_residual ? dresidual.data_ptr<scalar_t>() : nullptr, pointer_or_null<acc_t>(dweight_partial),
-        pointer_or_null<acc_t>(dbias_partial), rows, n, chunk_rows, dropout);
+    norm_backward_kernel<scalar_t>(
+        dy.data_ptr<scalar_t>(), pointer_or_null<scalar_t>(dz), z.data_ptr<scalar_t>(),
+        pointer_or_null<acc_t>(weight_acc), pointer_or_null<acc_t>(mean_acc), rstd_acc.data_ptr<acc_t>(),
+        dx.data_ptr<scalar_t>(), has_residual ? dresidual.data_ptr<scalar_t>() : nullptr,
+        pointer_or_null<acc_t>(dweight_partial), pointer_or_null<acc_t>(dbias_partial), rows, n, chunk_rows, rms_norm,
+        dropout);
   });
-  at::Tensor dweight = weight.has_value() ? sum_partials(dweight_partial, weight->scalar_type()) : at::empty({0}, z.options());
+  at::Tensor dweight = weight.has_value() ? sum_partials(dweight_partial, weight->scalar_type())
+                                          : at::empty({0}, z.options());
   at::Tensor dbias = bias.has_value() ? sum_partials(dbias_partial, bias->scalar_type()) : at::empty({0}, z.options());
   return {dx, dresidual, dweight, dbias};
-}
-
-TORCH_LIBRARY_IMPL(fused_transformer_cpu, CPU, m) {
-  m.impl("layer_norm_fwd", &layer_norm_fwd);
-  m.impl("layer_norm_bwd", &layer_norm_bwd);
 }
 
 }  // namespace fused_transformer_cpu
