@@ -2,6 +2,10 @@
 and its replay, and a deterministic row reduction. What each GPU has is kernels/targets.py's."""
 from __future__ import annotations
 
+import inspect
+import os
+import re
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -56,6 +60,8 @@ def tma_descriptor(x: torch.Tensor, block_shape: List[int]) -> TensorDescriptor:
 # compiled kernel that run returned under a key of its own, and calls its launcher directly the next time.
 # Its key is finer than Triton's or equal to it (``launch_key``, checked against Triton's specialization by the
 # tests), so a reused kernel is one Triton would have picked. Under the interpreter every launch goes through run.
+# The launcher is Triton's private API: its layout is checked at a compiled kernel's first use
+# (``direct_launch_mismatch``), and a kernel whose compiled kernel does not fit launches through run for good.
 
 
 def _runtime_key(arg: object) -> object:
@@ -80,6 +86,8 @@ def _runtime_key(arg: object) -> object:
 # caches here key kernels by id: hashing a JITFunction takes a lock (its cache_key), a microsecond a launch. Each
 # kernel's entry here holds it, so its id is never reused while any cache keys by it.
 _RUNTIME_PARAMS: Dict[int, Tuple[object, Optional[int]]] = {}
+# Kernels whose compiled kernel did not fit the direct call (``direct_launch_mismatch``), by id as above: (kernel, why).
+_REFUSED: Dict[int, Tuple[object, str]] = {}
 # Compiled kernels by launch_key; emptied when it grows past _MAX_COMPILED (a key per shape class, not per call).
 _COMPILED: Dict[tuple, object] = {}
 _MAX_COMPILED = 4096
@@ -99,6 +107,8 @@ def _runtime_params(kernel: object) -> Optional[int]:
         found = runtime if all(flags[runtime:]) else None
         if getattr(kernel, "pre_run_hooks", None):  # hooks run from JITFunction.run only
             found = None
+    if _REFUSED.get(id(kernel), (None,))[0] is kernel:
+        found = None
     _RUNTIME_PARAMS[id(kernel)] = (kernel, found)
     return found
 
@@ -144,14 +154,100 @@ def current_stream(device: int) -> int:
     return triton.runtime.driver.active.get_current_stream(device)
 
 
+# Whether launch_kernel may call a compiled kernel's launcher directly: FUSED_TRANSFORMER_DIRECT_LAUNCH=0 sends every
+# launch through Triton's public JITFunction.run (read once, here; ``set_direct_launch`` for tests).
+_DIRECT_LAUNCH = os.environ.get("FUSED_TRANSFORMER_DIRECT_LAUNCH", "1") != "0"
+
+# What the direct call reads of a compiled kernel (``launch_metadata`` only under a launch-enter hook, a profiler's).
+_COMPILED_FIELDS = ("run", "function", "packed_metadata")
+_HOOK_FIELDS = ("launch_enter_hook", "launch_exit_hook")  # of triton.knobs.runtime
+# The direct call passes, by position, what JITFunction.run passes its compiled kernel's launcher (``compiled.run``,
+# backends/nvidia/driver.py's CudaLauncher, AMD's HIPLauncher alike): the grid, the stream, the function, the packed
+# metadata, the launch metadata, the two hooks, then the kernel's arguments. Per release, the launcher's parameters
+# (``inspect.signature``) that this layout was checked against; up to 3.6 the launcher took the metadata and the hooks
+# in its ``*args`` and its C code parsed them in the same order. A release not listed must have the newest's.
+_HOOKED_LAUNCHER = ("(gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata, launch_enter_hook, "
+                    "launch_exit_hook, *args)")
+LAUNCHER_SIGNATURES: Dict[Tuple[int, int], str] = {
+    (3, 6): "(gridX, gridY, gridZ, stream, function, *args)",
+    (3, 7): _HOOKED_LAUNCHER,
+    (3, 8): _HOOKED_LAUNCHER,
+    (3, 9): _HOOKED_LAUNCHER,
+}
+
+
+def set_direct_launch(enabled: bool) -> bool:
+    """Let ``launch_kernel`` call compiled kernels' launchers directly (the default) or send every launch through
+    Triton's public ``JITFunction.run`` (as ``FUSED_TRANSFORMER_DIRECT_LAUNCH=0`` at import does); returns the
+    setting it replaces."""
+    global _DIRECT_LAUNCH
+    previous, _DIRECT_LAUNCH = _DIRECT_LAUNCH, bool(enabled)
+    return previous
+
+
+def direct_launch_refusals() -> Dict[str, str]:
+    """The kernels that launch through ``JITFunction.run`` for good because their compiled kernel did not fit the direct
+    call (``direct_launch_mismatch``): kernel name -> why."""
+    return {_kernel_name(kernel): why for kernel, why in _REFUSED.values()}
+
+
+def _kernel_name(kernel: object) -> str:
+    return getattr(kernel, "__name__", None) or type(kernel).__name__
+
+
+def _release(version: str) -> Optional[Tuple[int, int]]:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def _bare_signature(fn: object) -> str:
+    """``fn``'s parameters as ``inspect.signature`` writes them, without annotations (not part of a call's layout)."""
+    signature = inspect.signature(fn)
+    parameters = [p.replace(annotation=p.empty) for p in signature.parameters.values()]
+    return str(signature.replace(parameters=parameters, return_annotation=signature.empty))
+
+
+def direct_launch_mismatch(compiled: object, version: Optional[str] = None) -> Optional[str]:
+    """Why ``launch_kernel``'s direct call would not fit ``compiled`` (a compiled kernel that ``JITFunction.run``
+    returned) under Triton ``version`` (the installed one by default), None where it fits: a field it reads is
+    missing, or its launcher's parameters are not ``LAUNCHER_SIGNATURES``'s for the release. A launcher that takes
+    every argument through ``*args`` (a tool's wrapper, which hands them on as they come) fits too."""
+    missing = [name for name in _COMPILED_FIELDS if getattr(compiled, name, None) is None]
+    missing += [f"triton.knobs.runtime.{name}" for name in _HOOK_FIELDS if not hasattr(triton.knobs.runtime, name)]
+    if missing:
+        return f"the compiled kernel has no {', '.join(missing)}"
+    try:
+        found = _bare_signature(compiled.run)
+    except (TypeError, ValueError) as exc:
+        return f"its launcher's parameters cannot be read ({exc})"
+    version = triton.__version__ if version is None else version
+    release = _release(version)
+    listed = release if release in LAUNCHER_SIGNATURES else max(LAUNCHER_SIGNATURES)
+    expected = LAUNCHER_SIGNATURES[listed]
+    variadic = re.fullmatch(r"\(\*\w+(, \*\*\w+)?\)", found) is not None
+    if found != expected and not variadic:
+        return (f"its launcher takes {found}, not {expected} (Triton {listed[0]}.{listed[1]}'s launcher; Triton "
+                f"{version} is installed)")
+    return None
+
+
+def _refuse(kernel: object, why: str) -> None:
+    """Send ``kernel``'s launches through ``JITFunction.run`` for good (its launch key None), and say why once."""
+    _REFUSED[id(kernel)] = (kernel, why)
+    _RUNTIME_PARAMS[id(kernel)] = (kernel, None)
+    warnings.warn(f"fused_transformer: {_kernel_name(kernel)} launches through Triton's JITFunction.run from now on: "
+                  f"{why}", RuntimeWarning, stacklevel=3)
+
+
 def launch_kernel(kernel: object, grid: Tuple[int, ...], args: tuple, num_warps: int,
                   num_stages: Optional[int] = None, num_ctas: int = 1,
                   known: Optional[Tuple[int, int, int]] = None, **constexprs: object) -> None:
     """``kernel[grid](*args, **constexprs, num_warps=..., num_stages=..., num_ctas=...)``: through
-    ``JITFunction.run`` the first time a ``launch_key`` is seen, to its compiled kernel directly after that.
-    ``args`` are the kernel's parameters by position; the constexprs, its last parameters, may end them or come by
-    name. ``known``: part of the launch key, made before (``launch_key``)."""
-    if interpreting():
+    ``JITFunction.run`` the first time a ``launch_key`` is seen, to its compiled kernel directly after that, where the
+    compiled kernel fits the direct call (``direct_launch_mismatch``; else through run for good) and the direct launch
+    is on (``set_direct_launch``). ``args`` are the kernel's parameters by position; the constexprs, its last
+    parameters, may end them or come by name. ``known``: part of the launch key, made before (``launch_key``)."""
+    if interpreting() or not _DIRECT_LAUNCH:
         kernel.run(*args, grid=grid, warmup=False, num_warps=num_warps, num_stages=num_stages, num_ctas=num_ctas,
                    **constexprs)
         return
@@ -170,7 +266,11 @@ def launch_kernel(kernel: object, grid: Tuple[int, ...], args: tuple, num_warps:
         compiled = kernel.run(*args, grid=grid, warmup=False, **options)
         if hasattr(compiled, "result"):  # a compilation that was asynchronous
             compiled = compiled.result()
-        if key is not None and all(hasattr(compiled, name) for name in ("function", "packed_metadata")):
+        if key is not None:
+            mismatch = direct_launch_mismatch(compiled)
+            if mismatch is not None:
+                _refuse(kernel, mismatch)
+                return
             if len(_COMPILED) >= _MAX_COMPILED:
                 _COMPILED.clear()
             _COMPILED[key] = compiled
@@ -180,8 +280,13 @@ def launch_kernel(kernel: object, grid: Tuple[int, ...], args: tuple, num_warps:
     enter_hook = hooks.launch_enter_hook
     # The metadata only an enter hook reads (a profiler's): None, as launch_metadata gives, where no hook is set
     # (None up to Triton 3.6, an empty HookChain since 3.7, whose launch_metadata builds it anyway).
-    has_hook = enter_hook is not None and bool(getattr(enter_hook, "calls", True))
-    metadata = compiled.launch_metadata(grid, stream, *args) if has_hook else None
+    metadata = None
+    if enter_hook is not None and bool(getattr(enter_hook, "calls", True)):
+        if not callable(getattr(compiled, "launch_metadata", None)):  # read only here: checked at its first use
+            _refuse(kernel, "the compiled kernel has no launch_metadata, which a launch-enter hook reads")
+            kernel.run(*args, grid=grid, warmup=False, **options)
+            return
+        metadata = compiled.launch_metadata(grid, stream, *args)
     grid_y = grid[1] if len(grid) > 1 else 1
     grid_z = grid[2] if len(grid) > 2 else 1
     compiled.run(grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, metadata, enter_hook,

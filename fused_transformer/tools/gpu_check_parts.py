@@ -9,7 +9,8 @@ runs one part and writes its record to ``DIR/<part>.json``: ``status`` (passed /
 
 - ``tests``: pytest on the GPU subset ``GPU_TEST_FILES`` (or the whole suite) of the source checkout beside the
   package, on the GPU itself (``TRITON_INTERPRET`` removed), over pytest-xdist's workers when it is installed
-  (``xdist_workers``); its junit XML gives the counts and the failures.
+  (``xdist_workers``); its junit XML gives the counts and the failures. Then the kernels' test files again, ``--quick``,
+  with ``FUSED_TRANSFORMER_DIRECT_LAUNCH=0`` (``public_launch_tests``): their counts under ``public_launch``.
 - ``check``: ``python -m fused_transformer check --device cuda:0 --quick --no-progress``: its summary line and the
   rows that failed.
 - ``bench``: first ``python -m fused_transformer tune --device cuda:0`` for what the limit leaves beyond one length
@@ -63,6 +64,10 @@ GPU_TEST_FILES = (
     "tests/test_integration_sdpa.py", "tests/test_check.py", "tests/test_seq2seq.py", "tests/test_checkpoints.py",
     "tests/test_backend.py", "tests/test_targets.py", "tests/test_thin_path.py", "tests/test_dropout_seed.py",
 )
+# The kernels' own test files run once more, --quick, with every launch through Triton's public JITFunction.run
+# (FUSED_TRANSFORMER_DIRECT_LAUNCH=0): the path launch_kernel falls back to where a launcher does not fit its call.
+PUBLIC_LAUNCH_TEST_FILES = tuple(f for f in GPU_TEST_FILES if f.endswith("_triton.py"))
+PUBLIC_LAUNCH_MIN_S = 60.0  # less left of the part's limit: that run is left out, and the record says so
 # overhead first: its fixed tiny shapes take seconds, and a part stopped by its limit keeps the rows it measured.
 BENCH_SUITES = ("overhead", "attention", "layer_norm", "feed_forward", "encoder_layer")
 BENCH_LENGTHS = (1024, 4096)  # bench --quick's on CUDA; with less time, the longest are kept
@@ -330,6 +335,9 @@ def tests_part(out: str, limit_s: float, whole_suite: bool = False, root: str = 
                               env=gpu_environment(), stop_signal=signal.SIGINT, grace_s=INNER_GRACE_S)
     figures: dict = {"files": files, "missing_files": missing, "exit_status": finished.returncode,
                      "xdist_workers": workers or None}
+    public = ({"not_run": "the run before was stopped at its limit"} if finished.timed_out
+              else public_launch_tests(out, root, workers, limit_s - finished.seconds))
+    figures["public_launch"] = public
     if os.path.exists(junit):
         figures.update(parse_junit(junit, root), stopped=finished.timed_out)
     elif finished.timed_out:  # killed before its junit XML: count its progress lines instead
@@ -342,9 +350,30 @@ def tests_part(out: str, limit_s: float, whole_suite: bool = False, root: str = 
         status, reason = FAILED, f"{figures['failed']} failed, {figures['errors']} errors"
     elif finished.returncode != 0 or not figures["tests"]:
         status, reason = FAILED, f"pytest exit status {finished.returncode} with {figures['tests']} tests"
+    elif public.get("exit_status", 0) != 0:
+        status, reason = (TIMED_OUT if public["timed_out"] else FAILED), (
+            f"with FUSED_TRANSFORMER_DIRECT_LAUNCH=0: {public['failed']} failed, {public['errors']} errors"
+            + (", stopped at its limit" if public["timed_out"] else f", exit status {public['exit_status']}"))
     else:
         status, reason = PASSED, None
     return part_record("tests", status, reason, figures, command, finished.output)
+
+
+def public_launch_tests(out: str, root: str, workers: Optional[int], limit_s: float) -> dict:
+    """``PUBLIC_LAUNCH_TEST_FILES``, ``--quick``, with ``FUSED_TRANSFORMER_DIRECT_LAUNCH=0`` within ``limit_s``: the
+    counts of their junit XML (``DIR/tests_public_launch.xml``), exit status and files; ``not_run`` says why it did
+    not run."""
+    files = [f for f in PUBLIC_LAUNCH_TEST_FILES if os.path.isfile(os.path.join(root, f))]
+    if not files or limit_s < PUBLIC_LAUNCH_MIN_S:
+        return {"not_run": f"{limit_s:.0f} s left" if files else "no kernel test files", "files": files}
+    junit = os.path.join(out, "tests_public_launch.xml")
+    if os.path.exists(junit):
+        os.remove(junit)
+    finished = run_with_limit(tests_command([*files, "--quick"], junit, workers), max(limit_s - INNER_MARGIN_S, 1.0),
+                              log_path(out, "tests_public_launch"), cwd=root, stop_signal=signal.SIGINT,
+                              env={**gpu_environment(), "FUSED_TRANSFORMER_DIRECT_LAUNCH": "0"}, grace_s=INNER_GRACE_S)
+    counts = parse_junit(junit, root) if os.path.exists(junit) else pytest_progress(finished.output)
+    return {**counts, "files": files, "exit_status": finished.returncode, "timed_out": finished.timed_out}
 
 
 # ------------------------------------------------------------------------------------------------------ check
