@@ -80,20 +80,20 @@ inline int64_t seed_value(const std::optional<at::Tensor>& seed) {
 }
 
 // ------------------------------------------------------------------------------------------ norm.cpp
-// LayerNorm, or RMSNorm with rms_norm; registered in ops.cpp, whose schemas give the shapes. norm_fwd returns y, z,
-// mean, rstd (mean empty with rms_norm); norm_bwd returns dx, dresidual, dweight, dbias (it reads no mean with
-// rms_norm).
+// LayerNorm, or RMSNorm with rms; registered in ops.cpp, whose schemas give the shapes. norm_fwd returns y, z,
+// mean, rstd (mean empty with rms); norm_bwd returns dx, dresidual, dweight, dbias (it reads no mean with
+// rms).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(
     const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& residual, double eps, double dropout_p, const std::optional<at::Tensor>& seed,
-    bool store_z, bool rms_norm);
+    bool store_z, bool rms);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_bwd(
     const at::Tensor& dy, const std::optional<at::Tensor>& dz, const at::Tensor& z,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& mean,
     const at::Tensor& rstd, double dropout_p, const std::optional<at::Tensor>& seed, bool has_residual,
-    bool rms_norm);
+    bool rms);
 // The name of the op a norm call serves, for its messages (ops.cpp).
-const char* norm_op_name(bool rms_norm);
+const char* norm_op_name(bool rms);
 
 // ------------------------------------------------------------------------------------------ float math
 // at::vec's portable (DEFAULT) build computes exp and erf with scalar std:: calls, and building its AVX2

@@ -1,4 +1,4 @@
-// LayerNorm, or RMSNorm with rms_norm, with residual add and dropout, one pass per row.
+// LayerNorm, or RMSNorm with rms, with residual add and dropout, one pass per row.
 //
 // Forward, per row of N features:
 //   z = dropout(x) + residual   (each part optional; rounded to x's dtype, as the returned z is)
@@ -41,7 +41,7 @@ acc_t lane_sum(int64_t n, F&& term) {
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void norm_forward_kernel(const scalar_t* x, const scalar_t* residual, const acc_t* weight, const acc_t* bias,
                          scalar_t* y, scalar_t* z_out, acc_t* mean, acc_t* rstd, int64_t rows, int64_t n, acc_t eps,
-                         bool rms_norm, const DropoutMask& dropout) {
+                         bool rms, const DropoutMask& dropout) {
   const bool round_z = residual != nullptr || dropout.enabled();
   const acc_t keep_scale = static_cast<acc_t>(dropout.keep_scale());
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
@@ -58,10 +58,10 @@ void norm_forward_kernel(const scalar_t* x, const scalar_t* residual, const acc_
       if (z_out != nullptr)
         for (int64_t c = 0; c < n; ++c) z_out[offset + c] = static_cast<scalar_t>(z[c]);
 
-      const acc_t row_mean = rms_norm ? acc_t(0) : lane_sum<acc_t>(n, [&](int64_t c) { return z[c]; }) / n;
+      const acc_t row_mean = rms ? acc_t(0) : lane_sum<acc_t>(n, [&](int64_t c) { return z[c]; }) / n;
       const acc_t variance = lane_sum<acc_t>(n, [&](int64_t c) { return (z[c] - row_mean) * (z[c] - row_mean); }) / n;
       const acc_t row_rstd = acc_t(1) / std::sqrt(variance + eps);
-      if (!rms_norm) mean[row] = row_mean;
+      if (!rms) mean[row] = row_mean;
       rstd[row] = row_rstd;
       for (int64_t c = 0; c < n; ++c) {
         acc_t value = (z[c] - row_mean) * row_rstd;
@@ -73,12 +73,12 @@ void norm_forward_kernel(const scalar_t* x, const scalar_t* residual, const acc_
   });
 }
 
-// dweight_partial / dbias_partial: [chunks, n], written when the parameter exists. mean is not read with rms_norm.
+// dweight_partial / dbias_partial: [chunks, n], written when the parameter exists. mean is not read with rms.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void norm_backward_kernel(const scalar_t* dy, const scalar_t* dz, const scalar_t* z, const acc_t* weight,
                           const acc_t* mean, const acc_t* rstd, scalar_t* dx, scalar_t* dresidual,
                           acc_t* dweight_partial, acc_t* dbias_partial, int64_t rows, int64_t n, int64_t chunk_rows,
-                          bool rms_norm, const DropoutMask& dropout) {
+                          bool rms, const DropoutMask& dropout) {
   const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
   const acc_t keep_scale = static_cast<acc_t>(dropout.keep_scale());
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
@@ -90,14 +90,14 @@ void norm_backward_kernel(const scalar_t* dy, const scalar_t* dz, const scalar_t
       if (dbias_sum != nullptr) std::fill(dbias_sum, dbias_sum + n, acc_t(0));
       for (int64_t row = chunk * chunk_rows; row < std::min(rows, (chunk + 1) * chunk_rows); ++row) {
         const int64_t offset = row * n;
-        const acc_t row_mean = rms_norm ? acc_t(0) : mean[row];
+        const acc_t row_mean = rms ? acc_t(0) : mean[row];
         for (int64_t c = 0; c < n; ++c) {
           xhat[c] = (static_cast<acc_t>(z[offset + c]) - row_mean) * rstd[row];
           dy_row[c] = static_cast<acc_t>(dy[offset + c]);
           g[c] = weight != nullptr ? dy_row[c] * weight[c] : dy_row[c];
         }
         const acc_t mean_g_xhat = lane_sum<acc_t>(n, [&](int64_t c) { return g[c] * xhat[c]; }) / n;
-        const acc_t mean_g = rms_norm ? acc_t(0) : lane_sum<acc_t>(n, [&](int64_t c) { return g[c]; }) / n;
+        const acc_t mean_g = rms ? acc_t(0) : lane_sum<acc_t>(n, [&](int64_t c) { return g[c]; }) / n;
         for (int64_t c = 0; c < n; ++c) {
           acc_t grad = (g[c] - xhat[c] * mean_g_xhat - mean_g) * rstd[row];
           if (dz != nullptr) grad += static_cast<acc_t>(dz[offset + c]);
@@ -155,8 +155,8 @@ T* pointer_or_null(const at::Tensor& t) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(
     const at::Tensor& x_in, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& residual, double eps, double dropout_p, const std::optional<at::Tensor>& seed,
-    bool store_z, bool rms_norm) {
-  const char* op = norm_op_name(rms_norm);
+    bool store_z, bool rms) {
+  const char* op = norm_op_name(rms);
   check_cpu(x_in, "x");
   TORCH_CHECK_VALUE(x_in.dim() == 2, op, ": x must be [rows, N], got ", x_in.sizes());
   const at::Tensor x = x_in.contiguous();
@@ -169,15 +169,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(
   const int64_t rows = x.size(0), n = x.size(1);
   const auto stats_options = x.options().dtype(accumulate_dtype(x.scalar_type()));
   at::Tensor y = at::empty_like(x), z = store_z ? at::empty_like(x) : at::empty({0}, x.options());
-  at::Tensor mean = at::empty({rms_norm ? 0 : rows}, stats_options), rstd = at::empty({rows}, stats_options);
+  at::Tensor mean = at::empty({rms ? 0 : rows}, stats_options), rstd = at::empty({rows}, stats_options);
   const DropoutMask dropout(seed_value(seed), dropout_p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm_fwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     norm_forward_kernel<scalar_t>(x.data_ptr<scalar_t>(), pointer_or_null<scalar_t>(residual_rows),
                                   pointer_or_null<acc_t>(weight_acc), pointer_or_null<acc_t>(bias_acc),
                                   y.data_ptr<scalar_t>(), store_z ? z.data_ptr<scalar_t>() : nullptr,
-                                  rms_norm ? nullptr : mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(), rows, n,
-                                  static_cast<acc_t>(eps), rms_norm, dropout);
+                                  rms ? nullptr : mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(), rows, n,
+                                  static_cast<acc_t>(eps), rms, dropout);
   });
   return {y, z, mean, rstd};
 }
@@ -186,8 +186,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_bwd(
     const at::Tensor& dy_in, const std::optional<at::Tensor>& dz_in, const at::Tensor& z_in,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& mean,
     const at::Tensor& rstd, double dropout_p, const std::optional<at::Tensor>& seed, bool has_residual,
-    bool rms_norm) {
-  const char* op = norm_op_name(rms_norm);
+    bool rms) {
+  const char* op = norm_op_name(rms);
   check_cpu(z_in, "z");
   TORCH_CHECK_VALUE(z_in.dim() == 2, op, " backward: z must be [rows, N], got ", z_in.sizes());
   const at::Tensor z = z_in.contiguous();
@@ -209,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_bwd(
   };
   at::Tensor dweight_partial = partial(weight.has_value()), dbias_partial = partial(bias.has_value());
   const DropoutMask dropout(seed_value(seed), dropout_p);
-  const at::Tensor mean_acc = rms_norm ? at::Tensor() : mean.to(acc_options.dtype()).contiguous();
+  const at::Tensor mean_acc = rms ? at::Tensor() : mean.to(acc_options.dtype()).contiguous();
   const at::Tensor rstd_acc = rstd.to(acc_options.dtype()).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "norm_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -217,7 +217,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_bwd(
         dy.data_ptr<scalar_t>(), pointer_or_null<scalar_t>(dz), z.data_ptr<scalar_t>(),
         pointer_or_null<acc_t>(weight_acc), pointer_or_null<acc_t>(mean_acc), rstd_acc.data_ptr<acc_t>(),
         dx.data_ptr<scalar_t>(), has_residual ? dresidual.data_ptr<scalar_t>() : nullptr,
-        pointer_or_null<acc_t>(dweight_partial), pointer_or_null<acc_t>(dbias_partial), rows, n, chunk_rows, rms_norm,
+        pointer_or_null<acc_t>(dweight_partial), pointer_or_null<acc_t>(dbias_partial), rows, n, chunk_rows, rms,
         dropout);
   });
   at::Tensor dweight = weight.has_value() ? sum_partials(dweight_partial, weight->scalar_type())

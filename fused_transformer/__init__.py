@@ -5,6 +5,7 @@ from .functional import (
     attention, attention_varlen, attention_weights, attention_with_kvcache, feed_forward, layer_norm,
 )
 from .integrations import sdpa as _sdpa_registry
+from .route import explain
 from .modules import (
     LayerNorm,
     MultiheadAttention,
@@ -24,6 +25,6 @@ _sdpa_registry.register()
 __all__ = [
     "attention", "attention_varlen", "attention_weights", "attention_with_kvcache", "layer_norm", "feed_forward",
     "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
-    "TransformerDecoder", "Transformer", "LayerNorm", "fuse",
+    "TransformerDecoder", "Transformer", "LayerNorm", "fuse", "explain",
     "backend", "reference", "current", "set_backend", "use_backend", "integrations",
 ]

@@ -17,12 +17,20 @@ import torch
 
 from . import backend, reference
 from .contract import (
-    NO_SCORE_MODS, AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, PackedSequences, ScoreMods, Seed,
-    as_rows, draw_dropout_seed, score_mods_flat, score_mods_of_flat,
+    NO_SCORE_MODS, AttentionMasks, AttentionSpec, PackedSequences, ScoreMods, Seed, draw_dropout_seed,
+    score_mods_flat, score_mods_of_flat,
 )
 from .route import needs_grad as _needs_grad
 
 Tensor = torch.Tensor
+
+
+def traced_apply() -> bool:
+    """Whether a Function must be applied through torch's Python layer (``Function.apply``): under torch.compile
+    and functorch transforms. Elsewhere the ops call autograd's own (C++) apply, which skips that layer's look for
+    functorch wrappers left over from a finished transform among the arguments, one by one (about 4 us of a 60 us
+    attention forward + backward on the host), and adds no frame."""
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
 
 
 def _eager_apply(function: type) -> Callable[..., object]:
@@ -39,17 +47,18 @@ def _eager_apply(function: type) -> Callable[..., object]:
     return apply
 
 
-def _seed(p: float, device: torch.device) -> Optional[Seed]:
+def draw_seed(p: float, device: torch.device) -> Optional[Seed]:
+    """A dropout seed for a call with dropout ``p`` on ``device`` (None without dropout)."""
     return draw_dropout_seed(device) if p > 0.0 else None
 
 
-def _saved_seed(ctx, seed: Optional[Seed]) -> Optional[Tensor]:
+def saved_seed(ctx, seed: Optional[Seed]) -> Optional[Tensor]:
     """What ``save_for_backward`` takes of a seed: a tensor; a host draw (an int) is kept on ctx instead."""
     ctx.host_seed = seed if isinstance(seed, int) else None
     return None if isinstance(seed, int) else seed
 
 
-def _backward_seed(ctx, saved: Optional[Tensor]) -> Optional[Seed]:
+def backward_seed(ctx, saved: Optional[Tensor]) -> Optional[Seed]:
     """The forward's seed, from what ``_saved_seed`` kept."""
     return saved if ctx.host_seed is None else ctx.host_seed
 
@@ -106,7 +115,7 @@ def _attention_forward(ctx, q: Tensor, sinks: Optional[Tensor], spec: AttentionS
     """What both attention Functions' forwards do around ``run(ops, seed, float_output, prepared)``, the backend's
     call: ``(seed, o, lse)``, o as the backward reads it; the LSE an output only ``with_lse``."""
     ops = backend.ops(name)
-    seed = _seed(spec.dropout_p, q.device)
+    seed = draw_seed(spec.dropout_p, q.device)
     float_output = _float_output(ctx, q, sinks)
     # What the backend's forward leaves for the backward of the same call (``prepared`` in the interface): nothing
     # in a graph torch.compile traces, whose custom ops keep nothing.
@@ -151,13 +160,13 @@ class AttentionFunction(torch.autograd.Function):
         seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, with_lse, lambda ops, seed, float_output,
                                           prepared: ops.attention_fwd(q, k, v, masks, spec, mods, sinks, seed,
                                                                       float_output, prepared))
-        ctx.save_for_backward(q, k, v, o, lse, sinks, _saved_seed(ctx, seed), *masks, *_saved_mods(ctx, mods))
+        ctx.save_for_backward(q, k, v, o, lse, sinks, saved_seed(ctx, seed), *masks, *_saved_mods(ctx, mods))
         return _attention_outputs(ctx, q, o, lse, with_lse)
 
     @staticmethod
     def backward(ctx, do, dlse=None):
         q, k, v, o, lse, sinks, seed, *rest = ctx.saved_tensors
-        seed = _backward_seed(ctx, seed)
+        seed = backward_seed(ctx, seed)
         masks, mods = AttentionMasks(*rest[:4]), _mods_of(ctx, rest[4:])
         grads = _attention_backward(ctx, do, dlse, q, o, lse, sinks, False, lambda ops, do: ops.attention_bwd(
             do, dlse, q, k, v, o, lse, masks, ctx.spec, mods, seed, ctx.prepared))
@@ -174,7 +183,7 @@ class AttentionVarlenFunction(torch.autograd.Function):
         seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, with_lse, lambda ops, seed, float_output,
                                           prepared: ops.attention_varlen_fwd(q, k, v, seqs, spec, mods, sinks, seed,
                                                                              float_output, prepared))
-        ctx.save_for_backward(q, k, v, o, lse, sinks, _saved_seed(ctx, seed), cu_seqlens_q, cu_seqlens_k,
+        ctx.save_for_backward(q, k, v, o, lse, sinks, saved_seed(ctx, seed), cu_seqlens_q, cu_seqlens_k,
                               *_saved_mods(ctx, mods))
         ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
         return _attention_outputs(ctx, q, o, lse, with_lse)
@@ -182,7 +191,7 @@ class AttentionVarlenFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse=None):
         q, k, v, o, lse, sinks, seed, cu_seqlens_q, cu_seqlens_k, *mod_tensors = ctx.saved_tensors
-        seed = _backward_seed(ctx, seed)
+        seed = backward_seed(ctx, seed)
         seqs, mods = PackedSequences(cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens), _mods_of(ctx, mod_tensors)
         grads = _attention_backward(ctx, do, dlse, q, o, lse, sinks, True, lambda ops, do: ops.attention_varlen_bwd(
             do, dlse, q, k, v, o, lse, seqs, ctx.spec, mods, seed, ctx.prepared))
@@ -220,7 +229,7 @@ def attention(name: str, q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks,
         with_lse = _tracked_lse(return_lse)
         out = _attention_apply(q, k, v, sinks, *masks, mods, spec, name, with_lse)
         return out if with_lse else (out, None)
-    return ops.attention_fwd(q, k, v, masks, spec, mods, sinks, _seed(spec.dropout_p, q.device), False)
+    return ops.attention_fwd(q, k, v, masks, spec, mods, sinks, draw_seed(spec.dropout_p, q.device), False)
 
 
 def attention_varlen(name: str, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences, spec: AttentionSpec,
@@ -236,101 +245,4 @@ def attention_varlen(name: str, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeq
         out = _attention_varlen_apply(q, k, v, sinks, seqs.cu_seqlens_q, seqs.cu_seqlens_k, mods,
                                         int(seqs.max_seqlen_q), int(seqs.max_seqlen_k), spec, name, with_lse)
         return out if with_lse else (out, None)
-    return ops.attention_varlen_fwd(q, k, v, seqs, spec, mods, sinks, _seed(spec.dropout_p, q.device), False)
-
-
-# ------------------------------------------------------------------------------------------ layer_norm
-
-
-class LayerNormFunction(torch.autograd.Function):
-    """Autograd over a backend's ``layer_norm_fwd`` / ``layer_norm_bwd`` on rows ``[rows, N]``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, spec: LayerNormSpec, name: str):
-        seed = _seed(spec.dropout_p, x.device)
-        # z (the normalised sum) is what the backward reads when it is not x itself
-        keeps_sum = residual is not None or spec.dropout_p > 0.0
-        y, z, mean, rstd = backend.ops(name).layer_norm_fwd(x, weight, bias, residual, spec, seed,
-                                                            spec.prenorm or keeps_sum)
-        ctx.save_for_backward(z if keeps_sum else x, weight, bias, mean, rstd, _saved_seed(ctx, seed))
-        ctx.spec, ctx.name, ctx.has_residual = spec, name, residual is not None
-        return (y, z) if spec.prenorm else y
-
-    @staticmethod
-    def backward(ctx, dy, dz=None):
-        z, weight, bias, mean, rstd, seed = ctx.saved_tensors
-        seed = _backward_seed(ctx, seed)
-        dx, dresidual, dweight, dbias = backend.ops(ctx.name).layer_norm_bwd(
-            dy, dz, z, weight, bias, mean, rstd, ctx.spec, seed, ctx.has_residual)
-        return (dx, dweight if weight is not None else None, dbias if bias is not None else None,
-                dresidual if ctx.has_residual else None, None, None)
-
-
-_layer_norm_apply = _eager_apply(LayerNormFunction)
-
-
-def layer_norm(name: str, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-               spec: LayerNormSpec) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """``y``, or ``(y, z)`` with ``spec.prenorm``, of checked arguments ``[..., N]`` on backend ``name``
-    (``"torch"``: ATen's dropout, add and ``layer_norm``)."""
-    if name == "torch":
-        return reference.layer_norm_aten(x, weight, bias, residual, spec)
-    ops = backend.ops(name)
-    if name == "reference":
-        return ops.layer_norm(x, weight, bias, residual, spec)
-    shape = x.shape
-    x_rows = as_rows(x)
-    residual_rows = as_rows(residual) if residual is not None else None
-    if _needs_grad(x, weight, bias, residual):
-        out = _layer_norm_apply(x_rows, weight, bias, residual_rows, spec, name)
-    else:
-        y, z, _, _ = ops.layer_norm_fwd(x_rows, weight, bias, residual_rows, spec, _seed(spec.dropout_p, x.device),
-                                        spec.prenorm)
-        out = (y, z) if spec.prenorm else y
-    if spec.prenorm:
-        y, z = out
-        return y.view(shape), z.view(shape)
-    return out.view(shape)
-
-
-# ---------------------------------------------------------------------------------------- feed_forward
-
-
-class FeedForwardFunction(torch.autograd.Function):
-    """Autograd over a backend's ``feed_forward_fwd`` / ``feed_forward_bwd`` on rows ``x [M, d_model]``."""
-
-    @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, spec: FeedForwardSpec, name: str):
-        seed = _seed(spec.dropout_p, x.device)
-        y, saved = backend.ops(name).feed_forward_fwd(x, w1, b1, w2, b2, spec, seed, not spec.recompute)
-        ctx.save_for_backward(x, w1, b1, w2, _saved_seed(ctx, seed), *saved)
-        ctx.spec, ctx.name, ctx.has_b2 = spec, name, b2 is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w1, b1, w2, seed, *saved = ctx.saved_tensors
-        seed = _backward_seed(ctx, seed)
-        dx, dw1, db1, dw2, db2 = backend.ops(ctx.name).feed_forward_bwd(dy, x, w1, b1, w2, tuple(saved), ctx.has_b2,
-                                                                        ctx.spec, seed)
-        return dx, dw1, db1 if b1 is not None else None, dw2, db2 if ctx.has_b2 else None, None, None
-
-
-_feed_forward_apply = _eager_apply(FeedForwardFunction)
-
-
-def feed_forward(name: str, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-                 spec: FeedForwardSpec) -> Tensor:
-    """``linear2(dropout(act(linear1(x))))`` of checked arguments ``[..., d_model]`` on backend ``name``
-    (``"torch"``: ATen's ``linear``, activation, dropout and ``linear``)."""
-    if name == "torch":
-        return reference.feed_forward_aten(x, w1, b1, w2, b2, spec)
-    ops = backend.ops(name)
-    if name == "reference":
-        return ops.feed_forward(x, w1, b1, w2, b2, spec)
-    x_rows = as_rows(x)
-    if _needs_grad(x, w1, b1, w2, b2):
-        y = _feed_forward_apply(x_rows, w1, b1, w2, b2, spec, name)
-    else:
-        y, _ = ops.feed_forward_fwd(x_rows, w1, b1, w2, b2, spec, _seed(spec.dropout_p, x.device), False)
-    return y.view(*x.shape[:-1], w2.shape[0])
+    return ops.attention_varlen_fwd(q, k, v, seqs, spec, mods, sinks, draw_seed(spec.dropout_p, q.device), False)

@@ -172,13 +172,12 @@ def _resolve(name: str, device: torch.device, dtype: Optional[torch.dtype]) -> s
     return name
 
 
-# The names of a backend's functions (contract.py writes down their interface; what each computes is route.SUPPORTS);
-# the reference has the composed ops instead of the forward / backward pairs, autograd differentiating them.
+# The names of a backend's attention functions (contract.py writes down their interface; what each computes is
+# route.SUPPORTS); the reference has the composed ops instead of the forward / backward pairs, autograd
+# differentiating them. The other ops find their launchers themselves (``fused_transformer.ops.Launchers``).
 INTERFACE = ("attention_fwd", "attention_bwd", "attention_varlen_fwd", "attention_varlen_bwd", "attention_weights",
-             "attention_with_kvcache", "layer_norm_fwd", "layer_norm_bwd", "feed_forward_fwd", "feed_forward_bwd",
-             "DIFFERENTIABLE_LSE")
-REFERENCE_OPS = ("attention", "attention_varlen", "attention_weights", "attention_with_kvcache", "layer_norm",
-                 "feed_forward")
+             "attention_with_kvcache", "DIFFERENTIABLE_LSE")
+REFERENCE_OPS = ("attention", "attention_varlen", "attention_weights", "attention_with_kvcache")
 # backend -> its functions, filled on its first use: importing the C++ extension or triton is its first use's cost,
 # not the package's.
 _OPS: Dict[str, types.SimpleNamespace] = {}

@@ -16,27 +16,21 @@ argument checked here before; ``fused_transformer.autograd`` writes each op's Fu
     attention_varlen_bwd(do, dlse, q, k, v, o, lse, seqs, spec, mods, seed, prepared=None) -> (dq, dk, dv)
     attention_weights(q, k, lse, masks, spec) -> weights [B, H, Lq, Lk]
     attention_with_kvcache(q, cache, mods, sinks, spec, k_new, v_new) -> (out [B, Lq, H, D], lse)
-    layer_norm_fwd(x, weight, bias, residual, spec, seed, store_z) -> (y, z, mean, rstd)
-    layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, spec, seed, has_residual) -> (dx, dresidual, dweight, dbias)
-    feed_forward_fwd(x, w1, b1, w2, b2, spec, seed, keep) -> (y, saved)
-    feed_forward_bwd(dy, x, w1, b1, w2, saved, has_b2, spec, seed) -> (dx, dw1, db1, dw2, db2)
 
-Shapes: attention q ``[B, H, Lq, D]``, k / v ``[B, Hkv, Lk, D]``, o ``[B, H, Lq, D]`` (laid out as the backend
-writes it), lse ``[B, H, Lq]``; packed q ``[Tq, H, D]``, lse ``[H, Tq]``, ``seqs`` a ``PackedSequences``; lse in
+Shapes: attention q ``[B, H, Lq, D]``, k / v ``[B, Hkv, Lk, D]``, o ``[B, H, Lq, D]`` (laid out as the backend writes
+it), lse ``[B, H, Lq]``; packed q ``[Tq, H, D]``, lse ``[H, Tq]``, ``seqs`` a ``PackedSequences``; lse in
 ``stats_dtype``, the sinks in it, so the backward needs no sinks; ``dlse`` None when the LSE was not used; o in
 float32 with ``float_output`` (16-bit inputs whose sinks need a gradient, ``autograd.sinks_gradient``); ``mods`` a
 ``ScoreMods`` (``NO_SCORE_MODS`` for none), the sinks apart (they change no score); ``seed`` from
 ``draw_dropout_seed`` or None without dropout; ``prepared`` a dict the forward may fill with what it derived from its
-arguments (the masks and strides in the kernels' form), handed unchanged to the backward of the same call, which
-then need not derive it again (None: nothing kept). layer_norm and feed_forward take rows ``[rows, N]`` (``as_rows``);
-``z`` is ``dropout(x) + residual`` (empty unless ``store_z``), ``mean`` / ``rstd`` per row in float32 (empty where
-a backend keeps none); ``saved`` the tensors a feed-forward backward reads beyond the inputs (``()`` unless
-``keep``: the backward then recomputes them); an absent parameter's gradient is empty. What a backend computes
-(score modifiers, RMSNorm) is data in ``fused_transformer.route.SUPPORTS``, which sends a call it lacks to the
-reference, and a call torch's own ops run faster to them (``route``). ``attention_with_kvcache`` is forward only: with
-``k_new`` / ``v_new`` (only for a backend whose function has ``appends_new_keys``) it writes them into the cache
-itself, else they are in the cache already. The reference backend (``fused_transformer.reference``) takes the same
-calls composed of torch ops and differentiated by autograd: the oracle does not go through the Functions it checks.
+arguments (the masks and strides in the kernels' form), handed unchanged to the backward of the same call, which then
+need not derive it again (None: nothing kept). The other ops write down their launchers' interface in their own
+modules (``fused_transformer.ops``). What a backend computes (score modifiers, sinks) is data in
+``fused_transformer.route.SUPPORTS``, which sends a call it lacks to the reference, and a call torch's own ops run
+faster to them (``route``). ``attention_with_kvcache`` is forward only: with ``k_new`` / ``v_new`` (only for a backend
+whose function has ``appends_new_keys``) it writes them into the cache itself, else they are in the cache already. The
+reference backend (``fused_transformer.reference``) takes the same calls composed of torch ops and differentiated by
+autograd: the oracle does not go through the Functions it checks.
 """
 from __future__ import annotations
 
@@ -51,7 +45,6 @@ Tensor = torch.Tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
 # ``(left, right)``: query i sees keys i + o - left .. i + o + right, a side that is None is unlimited; None: no window.
 # The kernels take the two sides as ints, -1 for no limit (``window_bounds``, FlashAttention's convention).
@@ -150,24 +143,6 @@ class PackedSequences(NamedTuple):
     max_seqlen_k: int
 
 
-class LayerNormSpec(NamedTuple):
-    """A ``layer_norm`` call's options, checked: ``y = LN(dropout(x) + residual)``, and the sum with ``prenorm``."""
-
-    eps: float
-    dropout_p: float
-    prenorm: bool
-    rms_norm: bool = False  # RMSNorm: no mean subtracted (the Triton entry's option)
-
-
-class FeedForwardSpec(NamedTuple):
-    """A ``feed_forward`` call's options, checked."""
-
-    activation: str  # one of ACTIVATIONS
-    dropout_p: float
-    recompute: bool = False  # keep only the inputs; the backward recomputes the pre-activation (Triton entry's option)
-    allow_tf32: bool = False  # float32 products in TF32 on tensor cores (the Triton entry's option)
-
-
 # The keyword arguments of functional's ops and their defaults, for the kernel-level entries that take them as
 # ``**options`` beside options of their own (``options_of`` checks the names).
 ATTENTION_OPTIONS = dict(attn_mask=None, key_padding_mask=None, query_padding_mask=None, is_causal=False,
@@ -177,8 +152,6 @@ ATTENTION_WEIGHTS_OPTIONS = dict(attn_mask=None, key_padding_mask=None, query_pa
                                  causal_alignment="top_left", window=None, scale=None)
 ATTENTION_VARLEN_OPTIONS = dict(is_causal=False, causal_alignment="top_left", window=None, dropout_p=0.0, scale=None,
                                 softcap=None, alibi_slopes=None, sinks=None, return_lse=False)
-LAYER_NORM_OPTIONS = dict(residual=None, dropout_p=0.0, prenorm=False)
-FEED_FORWARD_OPTIONS = dict(activation="gelu", dropout_p=0.0)
 
 
 def options_of(op: str, given: Dict[str, object], defaults: Dict[str, object]) -> Dict[str, object]:
@@ -204,6 +177,28 @@ def softmax_scale(head_dim: int, scale: Optional[float] = None) -> float:
     if scale is not None:
         return float(scale)
     return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
+# --------------------------------------------------------------------------------------------- autocast
+
+_AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def autocast_dtype(anchor: object, matmul: bool) -> Optional[torch.dtype]:
+    """The dtype ``torch.autocast`` runs an op in on ``anchor``'s device, None when autocast is off there: the
+    autocast dtype for matrix products, float32 for normalisation (autocast's own policy for what the op replaces)."""
+    if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled():
+        return None  # an eager call with autocast off everywhere: one question instead of a device's
+    if not isinstance(anchor, Tensor) or not torch.is_autocast_enabled(anchor.device.type):
+        return None
+    return torch.get_autocast_dtype(anchor.device.type) if matmul else torch.float32
+
+
+def autocast_all(dtype: Optional[torch.dtype], *args: object) -> Tuple[object, ...]:
+    """``args`` with their float16 / bfloat16 / float32 tensors cast to ``dtype`` (None: autocast is off)."""
+    if dtype is None:
+        return args
+    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.dtype in _AUTOCAST_ELIGIBLE else t for t in args)
 
 
 # ----------------------------------------------------------------------------------------------- layouts
@@ -548,68 +543,6 @@ def check_cu_seqlens_values(name: str, cu: Tensor, total: int, max_seqlen: int) 
         raise ValueError(f"{name} must be non-decreasing, got {values}")
     if lengths and max(lengths) > max_seqlen:
         raise ValueError(f"{name} holds a sequence of {max(lengths)} tokens, more than {max_name}={max_seqlen}")
-
-
-def _plain_param(p: Optional[Tensor], x: Tensor) -> bool:
-    """Whether ``p`` is None or a float tensor ``[N]`` on x's device (``layer_norm_spec``'s checks, passed)."""
-    return p is None or (isinstance(p, Tensor) and p.dtype in FLOAT_DTYPES and p.device == x.device
-                         and p.dim() == 1 and p.shape[0] == x.shape[-1])
-
-
-def layer_norm_spec(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: object,
-                    residual: Optional[Tensor], dropout_p: object, prenorm: object) -> LayerNormSpec:
-    """The checked ``LayerNormSpec`` of a ``layer_norm`` call on these tensors."""
-    if (isinstance(x, Tensor) and x.dtype in FLOAT_DTYPES and x.dim() > 0 and eps.__class__ is float and eps >= 0
-            and dropout_p.__class__ is float and 0.0 <= dropout_p < 1.0 and prenorm.__class__ is bool
-            and _plain_param(weight, x) and _plain_param(bias, x) and (residual is None or (
-                isinstance(residual, Tensor) and residual.dtype == x.dtype and residual.device == x.device
-                and residual.shape == x.shape))):
-        return LayerNormSpec(eps, dropout_p, prenorm)  # checked: the common case, in one expression
-    check_tensor("x", x)
-    if x.dim() == 0:
-        raise ValueError("x must have at least 1 dim (the normalised one), got a scalar")
-    n = x.shape[-1]
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None:
-            check_tensor(name, p)
-            check_same(name, p, "x", x, dtype=False)
-            if tuple(p.shape) != (n,):
-                raise ValueError(f"{name} must be [{n}] (x's last dim), got {describe(p)}")
-    if residual is not None:
-        check_tensor("residual", residual)
-        check_same("residual", residual, "x", x)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {describe(residual)}")
-    if type(eps) is not float and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)) or eps < 0:
-        raise ValueError(f"eps={eps!r} must be a non-negative number")
-    return LayerNormSpec(float(eps), check_dropout(dropout_p), bool(prenorm))
-
-
-def feed_forward_spec(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-                      activation: object, dropout_p: object) -> FeedForwardSpec:
-    """The checked ``FeedForwardSpec`` of a ``feed_forward`` call: x ``[..., d_model]``, weights in ``nn.Linear``
-    layout."""
-    check_tensor("x", x)
-    if x.dim() == 0:
-        raise ValueError("x must have at least 1 dim (the features), got a scalar")
-    d_model = x.shape[-1]
-    for name, w in (("w1", w1), ("w2", w2)):
-        check_tensor(name, w, rank=2)
-        check_same(name, w, "x", x)
-    d_ff = w1.shape[0]
-    if w1.shape[1] != d_model:
-        raise ValueError(f"w1 must be [d_ff, d_model={d_model}], got {describe(w1)}")
-    if w2.shape[1] != d_ff:
-        raise ValueError(f"w2 must be [d_out, d_ff={d_ff}] to follow w1 {tuple(w1.shape)}, got {describe(w2)}")
-    for name, b, size in (("b1", b1, d_ff), ("b2", b2, w2.shape[0])):
-        if b is not None:
-            check_tensor(name, b)
-            check_same(name, b, "x", x)
-            if tuple(b.shape) != (size,):
-                raise ValueError(f"{name} must be [{size}], got {describe(b)}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
-    return FeedForwardSpec(activation, check_dropout(dropout_p))
 
 
 # ------------------------------------------------------------------------------------------ KV cache attention

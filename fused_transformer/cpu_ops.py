@@ -9,17 +9,13 @@ says why when that fails).
 Kernels compute in float32 (float64 for float64 inputs); bfloat16 / float16 inputs are converted at the op
 boundary and results returned in the input dtype. Matrix products outside attention stay with ATen.
 
-Where an ATen op is faster, ``fused_transformer.route`` runs it instead of our kernel: without dropout, a float32 ``layer_norm`` is ATen's
-add + ``layer_norm`` (about 2x faster forward+backward than ours at 640x256 to 4096x512, 2 threads; not in 16
-bits, where ATen's weight gradient is 4x less accurate than the rule allows, nor for a single feature, where its
-backward cancels 1/sqrt(eps)-sized terms), and ``feed_forward`` ATen's ``linear`` + activation + ``linear``
-(ours 0.64-0.98x there). With dropout ours win (layer_norm 1.4-4x, feed_forward with relu 1.2-1.4x, gelu at
-parity), saving ATen's separate dropout passes.
+Where an ATen op is faster, ``fused_transformer.route`` runs it instead of our kernel. The ops with modules of their
+own (``fused_transformer.ops``) call their C++ kernels from there.
 
 Dropout: every op that drops draws one seed tensor with ``draw_dropout_seed`` from torch's CPU generator (so
 ``torch.manual_seed`` reproduces it; the kernel reads it, so the draw stays inside a compiled graph), and
-element ``i`` of the dropped tensor in row-major order (attention: the probabilities ``[B, H, Lq, Lk]``;
-layer_norm: ``x``; feed_forward: the hidden activation ``[..., d_ff]``) is kept as
+element ``i`` of the dropped tensor in row-major order (attention: the probabilities ``[B, H, Lq, Lk]``; the norms:
+``x``; the feed-forward: the hidden activation ``[..., d_ff]``) is kept as
 ``dropout_keep_mask(seed, shape, p)`` says, for replaying the mask in the reference.
 """
 from __future__ import annotations
@@ -28,13 +24,12 @@ import math
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 
 from . import _C  # noqa: F401  (registers torch.ops.fused_transformer_cpu)
 from . import reference
 from .contract import (
-    AttentionMasks, AttentionSpec, FeedForwardSpec, KVCache, KVCacheSpec, LayerNormSpec, PackedSequences, ScoreMods,
-    Seed, empty_heads_interleaved, seed_tensor, stats_dtype, window_bounds,
+    AttentionMasks, AttentionSpec, KVCache, KVCacheSpec, PackedSequences, ScoreMods, Seed, empty_heads_interleaved,
+    seed_tensor, stats_dtype, window_bounds,
 )
 
 Tensor = torch.Tensor
@@ -169,79 +164,6 @@ def attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, 
     return reference.run_attention_weights(q, k, lse, masks, spec)
 
 
-# ------------------------------------------------------------------------------------------ layer_norm
-
-
-def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                   spec: LayerNormSpec, seed: Optional[Seed], store_z: bool) -> Tuple[Tensor, ...]:
-    """``y, z, mean, rstd`` of rows ``[rows, N]`` from the C++ kernel."""
-    _check_cpu("x", x)
-    return _ops.layer_norm_fwd(x, weight, bias, residual, spec.eps, spec.dropout_p, _seed(seed), store_z)
-
-
-def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                   mean: Tensor, rstd: Tensor, spec: LayerNormSpec, seed: Optional[Seed],
-                   has_residual: bool) -> Tuple[Tensor, ...]:
-    """``dx, dresidual, dweight, dbias`` from the C++ kernel."""
-    return _ops.layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, spec.dropout_p, _seed(seed), has_residual)
-
-
-# ---------------------------------------------------------------------------------------- feed_forward
-# Without dropout ATen runs it all (``linear`` + activation + ``linear``: route.py); with dropout the
-# bias, activation and dropout of the hidden layer are one C++ pass (``bias_activation``) between ATen's products,
-# one in backward.
-
-
-def _bias_in_kernel(x: Tensor, spec: FeedForwardSpec) -> bool:
-    """Whether the C++ pass adds b1 (float32 with dropout). In 16 bits the bias must be added before the
-    pre-activation is rounded, as ATen's addmm does: rounding first moves values near 0 across ReLU's kink, whose
-    gradient then flips between 0 and 1."""
-    return spec.dropout_p > 0.0 and x.dtype not in (torch.float16, torch.bfloat16)
-
-
-def _hidden(pre: Tensor, b1: Optional[Tensor], x: Tensor, spec: FeedForwardSpec, seed: Optional[Seed]) -> Tensor:
-    if spec.dropout_p == 0.0:
-        return reference.ACTIVATIONS[spec.activation](pre)
-    bias = b1 if _bias_in_kernel(x, spec) else None
-    return _ops.bias_activation_fwd(pre, bias, spec.activation, spec.dropout_p, _seed(seed))
-
-
-def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-                     spec: FeedForwardSpec, seed: Optional[Seed], keep: bool) -> Tuple[Tensor, Tuple[Tensor, ...]]:
-    """``y`` of rows ``x [M, d_model]`` and, with ``keep``, ``(pre, hidden)`` for the backward: the pre-activation
-    (without b1 where the C++ pass adds it) and the activation after dropout."""
-    _check_cpu("x", x)
-    pre = F.linear(x, w1, None if _bias_in_kernel(x, spec) else b1)
-    hidden = _hidden(pre, b1, x, spec, seed)
-    return F.linear(hidden, w2, b2), ((pre, hidden) if keep else ())
-
-
-def feed_forward_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, saved: Tuple[Tensor, ...],
-                     has_b2: bool, spec: FeedForwardSpec, seed: Optional[Seed]) -> Tuple[Tensor, ...]:
-    """``dx, dw1, db1, dw2, db2``; without ``saved``, the pre-activation and the hidden activation are recomputed (the
-    same dropout mask: the same seed)."""
-    bias_in_kernel = _bias_in_kernel(x, spec)
-    if saved:
-        pre, hidden = saved
-    else:
-        pre = F.linear(x, w1, None if bias_in_kernel else b1)
-        hidden = _hidden(pre, b1, x, spec, seed)
-    dhidden = dy.mm(w2)
-    dw2 = dy.t().mm(hidden)
-    if spec.dropout_p > 0.0:
-        dpre = _ops.bias_activation_bwd(dhidden, pre, b1 if bias_in_kernel else None, spec.activation,
-                                        spec.dropout_p, _seed(seed))
-    elif spec.activation == "relu":
-        dpre = torch.ops.aten.threshold_backward(dhidden, pre, 0)
-    else:
-        dpre = torch.ops.aten.gelu_backward(dhidden, pre, approximate="tanh" if spec.activation == "gelu_tanh"
-                                            else "none")
-    empty = x.new_empty((0,))
-    db1 = dpre.sum(dim=0, dtype=stats_dtype(dpre.dtype)).to(b1.dtype) if b1 is not None else empty
-    db2 = dy.sum(dim=0, dtype=stats_dtype(dy.dtype)).to(dy.dtype) if has_b2 else empty
-    return dpre.mm(w1), dpre.t().mm(x), db1, dw2, db2
-
-
 # ----------------------------------------------------------------------- shapes for torch.compile tracing
 
 
@@ -269,18 +191,6 @@ def _register_fakes() -> None:
     @torch.library.register_fake("fused_transformer_cpu::attention_varlen_bwd")
     def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *options_and_seed):
         return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-
-    @torch.library.register_fake("fused_transformer_cpu::layer_norm_fwd")
-    def _(x, weight, bias, residual, eps, dropout_p, seed, store_z):
-        z = torch.empty_like(x) if store_z else x.new_empty((0,))
-        return torch.empty_like(x), z, stats(x, x.shape[:1]), stats(x, x.shape[:1])
-
-    @torch.library.register_fake("fused_transformer_cpu::layer_norm_bwd")
-    def _(dy, dz, z, weight, bias, mean, rstd, dropout_p, seed, has_residual):
-        empty = z.new_empty((0,))
-        return (torch.empty_like(z), torch.empty_like(z) if has_residual else empty,
-                torch.empty_like(weight) if weight is not None else empty,
-                torch.empty_like(bias) if bias is not None else empty)
 
     @torch.library.register_fake("fused_transformer_cpu::bias_activation_fwd")
     def _(h, bias, activation, dropout_p, seed):

@@ -22,34 +22,16 @@ import torch
 
 from . import autograd, backend, contract, reference, route
 from .contract import AttentionMasks, Window
+from .ops.feed_forward import ACTIVATIONS, feed_forward  # noqa: F401  (the ops described in modules of their own)
+from .ops.layer_norm import layer_norm  # noqa: F401
 
 Tensor = torch.Tensor
 
 FLOAT_DTYPES = contract.FLOAT_DTYPES
 CAUSAL_ALIGNMENTS = contract.CAUSAL_ALIGNMENTS
-ACTIVATIONS = contract.ACTIVATIONS
 
 
-# --------------------------------------------------------------------------------------------- autocast
-
-_AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _autocast_dtype(anchor: object, matmul: bool) -> Optional[torch.dtype]:
-    """The dtype ``torch.autocast`` runs the op in on ``anchor``'s device, None when autocast is off there:
-    the autocast dtype for matrix products, float32 for normalisation."""
-    if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled():
-        return None  # an eager call with autocast off everywhere: one question instead of a device's
-    if not isinstance(anchor, Tensor) or not torch.is_autocast_enabled(anchor.device.type):
-        return None
-    return torch.get_autocast_dtype(anchor.device.type) if matmul else torch.float32
-
-
-def _autocast_all(dtype: Optional[torch.dtype], *args: object) -> Tuple[object, ...]:
-    """``args`` with their float16 / bfloat16 / float32 tensors cast to ``dtype`` (None: autocast is off)."""
-    if dtype is None:
-        return args
-    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.dtype in _AUTOCAST_ELIGIBLE else t for t in args)
+_autocast_dtype, _autocast_all = contract.autocast_dtype, contract.autocast_all
 
 
 def _autocast_off(anchor: Tensor, cast: Optional[torch.dtype]) -> contextlib.AbstractContextManager:
@@ -313,71 +295,3 @@ def attention_weights(
         raise ValueError(f"lse must be a tensor of shape [B, H, Lq] = {list(q.shape[:3])}")
     with _autocast_off(q, cast):
         return backend.ops(backend.current(q.device, q.dtype)).attention_weights(q, k, lse, masks, spec)
-
-
-def layer_norm(
-    x: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    eps: float = 1e-5,
-    *,
-    residual: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    prenorm: bool = False,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """``y = LayerNorm(dropout(x) + residual) * weight + bias`` over the last dim of ``x``.
-
-    Args:
-        x: ``[..., N]``.
-        weight, bias: ``[N]`` or None.
-        residual: x's shape and dtype, or None.
-        dropout_p: dropout on ``x`` before the residual add (always applied when > 0).
-        prenorm: also return ``z = dropout(x) + residual``, the residual stream of a pre-LN block.
-
-    Returns:
-        ``y`` (x's dtype), or ``(y, z)`` with ``prenorm``. Mean and variance are computed in float32. As with
-        ``torch.nn.functional.layer_norm``, ``N = 0`` or no rows give empty results (the weight and bias
-        gradients then empty or zeros).
-    """
-    cast = _autocast_dtype(x, matmul=False)
-    if cast is not None:
-        x, weight, bias, residual = _autocast_all(cast, x, weight, bias, residual)
-    spec = contract.layer_norm_spec(x, weight, bias, eps, residual, dropout_p, prenorm)
-    name = route.layer_norm(x, weight, bias, residual, spec).backend
-    if cast is None:
-        return autograd.layer_norm(name, x, weight, bias, residual, spec)
-    with torch.autocast(x.device.type, enabled=False):
-        return autograd.layer_norm(name, x, weight, bias, residual, spec)
-
-
-def feed_forward(
-    x: Tensor,
-    w1: Tensor,
-    b1: Optional[Tensor],
-    w2: Tensor,
-    b2: Optional[Tensor],
-    *,
-    activation: str = "gelu",
-    dropout_p: float = 0.0,
-) -> Tensor:
-    """The position-wise feed-forward ``linear2(dropout(act(linear1(x))))``.
-
-    Args:
-        x: ``[..., d_model]``.
-        w1: ``[d_ff, d_model]`` and b1 ``[d_ff]`` or None (``nn.Linear`` layout).
-        w2: ``[d_out, d_ff]`` and b2 ``[d_out]`` or None.
-        activation: ``"relu"``, ``"gelu"`` (exact, erf) or ``"gelu_tanh"``; NaN passes through each, as in
-            torch (``relu``'s gradient at NaN is the incoming one, as ``torch.relu``'s).
-        dropout_p: dropout on the activation (always applied when > 0).
-
-    Returns:
-        ``[..., d_out]`` in x's dtype.
-    """
-    cast = _autocast_dtype(x, matmul=True)
-    x, w1, b1, w2, b2 = _autocast_all(cast, x, w1, b1, w2, b2)
-    spec = contract.feed_forward_spec(x, w1, b1, w2, b2, activation, dropout_p)
-    name = route.feed_forward(x, w1, b1, w2, b2, spec).backend
-    if cast is None:
-        return autograd.feed_forward(name, x, w1, b1, w2, b2, spec)
-    with torch.autocast(x.device.type, enabled=False):
-        return autograd.feed_forward(name, x, w1, b1, w2, b2, spec)

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from .contract import (  # noqa: F401 (softmax_scale and stats_dtype are part of the reference)
-    NO_SCORE_MODS, AttentionMasks, AttentionSpec, FeedForwardSpec, KVCache, KVCacheSpec, LayerNormSpec, ScoreMods,
-    Window, softmax_scale, stats_dtype,
+    NO_SCORE_MODS, AttentionMasks, AttentionSpec, KVCache, KVCacheSpec, ScoreMods, Window, softmax_scale,
+    stats_dtype,
 )
 
 Tensor = torch.Tensor
@@ -407,40 +407,6 @@ def append_to_cache(cache: KVCache, k_new: Tensor, v_new: Tensor) -> KVCache:
                    None if known is None else known + new_len)
 
 
-def layer_norm(
-    x: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    eps: float = 1e-5,
-    *,
-    residual: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    prenorm: bool = False,
-    keep_mask: Optional[Tensor] = None,
-    rms_norm: bool = False,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """Reference for ``fused_transformer.functional.layer_norm``: ``z = dropout(x) + residual``,
-    ``y = (z - mean) / sqrt(var + eps) * weight + bias`` over the last dim (``rms_norm``: ``y = z / sqrt(mean(z^2) +
-    eps) * weight + bias``, the Triton entry's option); returns ``(y, z)`` if ``prenorm``.
-    """
-    z = dropout(x, dropout_p, keep_mask)
-    if residual is not None:
-        z = z + residual
-    zs = z.to(stats_dtype(z.dtype))
-    if rms_norm:
-        y = zs * torch.rsqrt(zs.square().mean(dim=-1, keepdim=True) + eps)
-    else:
-        mean = zs.mean(dim=-1, keepdim=True)
-        var = (zs - mean).square().mean(dim=-1, keepdim=True)
-        y = (zs - mean) * torch.rsqrt(var + eps)
-    if weight is not None:
-        y = y * weight.to(y.dtype)
-    if bias is not None:
-        y = y + bias.to(y.dtype)
-    y = y.to(x.dtype)
-    return (y, z) if prenorm else y
-
-
 # ------------------------------------------------------------------------------------------- torch's paths
 # What ``fused_transformer.route`` runs instead of our kernels where torch's own ops are faster: torch.nn's
 # computation, differentiated by autograd (route.torch_refuses names the calls they do not serve).
@@ -452,52 +418,13 @@ def attention_sdpa(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tens
     return F.scaled_dot_product_attention(q, k, v, is_causal=spec.is_causal, scale=spec.scale)
 
 
-def layer_norm_aten(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                    spec: LayerNormSpec) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """``layer_norm`` as torch.nn computes it: ATen's dropout, add, then ``F.layer_norm`` (LayerNorm, parameters in
-    x's dtype, more than one feature)."""
-    if spec.dropout_p > 0.0:
-        x = F.dropout(x, spec.dropout_p)
-    z = x if residual is None else x + residual
-    y = F.layer_norm(z, (x.shape[-1],), weight, bias, spec.eps)
-    return (y, z) if spec.prenorm else y
+def __getattr__(name: str) -> Callable[..., object]:
+    """The reference of every other op, written in its own module (``fused_transformer.ops``): ``reference.<op>``."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    from . import ops
 
-
-def feed_forward(
-    x: Tensor,
-    w1: Tensor,
-    b1: Optional[Tensor],
-    w2: Tensor,
-    b2: Optional[Tensor],
-    *,
-    activation: str = "gelu",
-    dropout_p: float = 0.0,
-    keep_mask: Optional[Tensor] = None,
-) -> Tensor:
-    """Reference for ``fused_transformer.functional.feed_forward``:
-    ``linear(dropout(act(linear(x, w1, b1))), w2, b2)`` with weights in ``nn.Linear`` layout ``[out, in]``.
-    """
-    hidden = ACTIVATIONS[activation](F.linear(x, w1, b1))
-    return F.linear(dropout(hidden, dropout_p, keep_mask), w2, b2)
-
-
-def feed_forward_aten(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-                      spec: FeedForwardSpec) -> Tensor:
-    """``feed_forward`` as torch.nn computes it: ATen's ``linear``, activation, dropout and ``linear``."""
-    hidden = ACTIVATIONS[spec.activation](F.linear(x, w1, b1))
-    if spec.dropout_p > 0.0:
-        hidden = F.dropout(hidden, spec.dropout_p)
-    return F.linear(hidden, w2, b2)
-
-
-def run_layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                   spec: LayerNormSpec) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """The reference backend's entry for ``functional.layer_norm``."""
-    return layer_norm(x, weight, bias, spec.eps, residual=residual, dropout_p=spec.dropout_p, prenorm=spec.prenorm,
-                      rms_norm=spec.rms_norm)
-
-
-def run_feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-                     spec: FeedForwardSpec) -> Tensor:
-    """The reference backend's entry for ``functional.feed_forward``."""
-    return feed_forward(x, w1, b1, w2, b2, activation=spec.activation, dropout_p=spec.dropout_p)
+    try:
+        return ops.get(name).reference
+    except ValueError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -4,9 +4,10 @@ interface); the rest of the package asks ``decide`` and never decides itself.
 
 A call is described by ``Call``: the op, the door, the device (``"sm90"`` for a GPU of compute capability 9.0,
 ``"cpu"``), dtype, head dim, what its mask is (``"none"``, ``"causal"``, or ``"other"`` for anything torch's path
-does not compute as ours does), dropout, the op's size (``SIZE_OF``), whether it needs gradients and the LSE,
-whether the caller asked for deterministic algorithms, and the features a backend must have for it (score modifiers,
-RMSNorm). ``decide(call, choice, ours)`` is a pure function of it, the backend the user chose and the backend whose
+does not compute as ours does), dropout, the op's size (``size_of``), whether it needs gradients and the LSE,
+whether the caller asked for deterministic algorithms, the features a backend must have for it (score modifiers,
+sinks) and the backends that compute the op at all (``Call.backends``). ``decide(call, choice, ours)`` is a pure
+function of it, the backend the user chose and the backend whose
 kernels serve the device; in order:
 
 1. A named backend (``use_backend("triton")`` / ``"cpu"`` / ``"reference"``) runs the call, on the reference where
@@ -16,9 +17,12 @@ kernels serve the device; in order:
 3. Where torch's path computes the same result (``torch_refuses`` says why not elsewhere), the first row of the
    route table that matches the call decides: torch's path where its highest ``speedup`` (torch's time over ours) is
    below 1, unless the call needs gradients, the caller asked for determinism and the row does not say torch's
-   backward is deterministic. Without a matching row, the default (``_default``): ours, but torch's path for
-   layer_norm and feed_forward without dropout, where there is nothing to fuse.
-4. Otherwise ours, or the reference where ours lacks a feature.
+   backward is deterministic. Without a matching row, the default (``_default``): ours, unless the op says torch's
+   (``Call.torch_default``: an op with nothing to fuse in this call, a norm without dropout).
+4. Otherwise ours; torch's path where ours does not compute the op, the reference where it lacks a feature.
+
+Each op's facts (how its ``Call`` is made, its measured rows) live in its own module (``fused_transformer.ops``);
+``explain()`` shows a user who ran each call of their own model, and why.
 
 The route table is text, one row a line (``parse_rows``): the rows measured on GPUs (``MEASURED``), after the rows
 ``python -m fused_transformer tune`` measured on this machine (``tuned_rows``, kept in the user's cache keyed by
@@ -31,25 +35,41 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from typing import Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import backend
 from ._env import computed_once, constant_for_compile, on_facts_forgotten
-from .contract import NO_SCORE_MODS, AttentionMasks, AttentionSpec, FeedForwardSpec, LayerNormSpec, ScoreMods
+from .contract import NO_SCORE_MODS, AttentionMasks, AttentionSpec, ScoreMods
 
-OPS = ("attention", "attention_varlen", "attention_with_kvcache", "layer_norm", "feed_forward")
+ATTENTION_OPS = ("attention", "attention_varlen", "attention_with_kvcache")
 DOORS = ("functional", "sdpa")  # the transformers interface calls the functional ops: its door is theirs
-# What each op's ``size`` counts (the route table's size ranges).
-SIZE_OF = {"attention": "keys per sequence", "attention_varlen": "longest sequence's keys",
-           "attention_with_kvcache": "keys in the cache", "layer_norm": "elements of x",
-           "feed_forward": "rows of x"}
+# What each attention op's ``size`` counts (the route table's size ranges); the other ops' is their ``Op.size_of``.
+ATTENTION_SIZE_OF = {"attention": "keys per sequence", "attention_varlen": "longest sequence's keys",
+                     "attention_with_kvcache": "keys in the cache"}
 
-# The features each backend's kernels compute (score modifiers by ScoreMods' field names, "sinks", "rms_norm");
-# a call needing another runs on the reference.
+
+def op_names() -> Tuple[str, ...]:
+    """Every op a route row may name: the attention ops, then the registry's (``fused_transformer.ops``)."""
+    from . import ops
+
+    return ATTENTION_OPS + ops.names()
+
+
+def size_of(op: str) -> str:
+    """What ``op``'s size counts."""
+    if op in ATTENTION_SIZE_OF:
+        return ATTENTION_SIZE_OF[op]
+    from . import ops
+
+    return ops.get(op).size_of
+
+
+# The features each backend's kernels compute (score modifiers by ScoreMods' field names, "sinks", the kernel-level
+# options); a call needing another runs on the reference.
 SUPPORTS: Dict[str, FrozenSet[str]] = {
-    "triton": frozenset(ScoreMods._fields) | {"sinks", "rms_norm", "recompute", "allow_tf32"},
+    "triton": frozenset(ScoreMods._fields) | {"sinks", "recompute", "allow_tf32"},
     "cpu": frozenset({"softcap", "alibi_slopes", "sinks"}),
 }
 
@@ -64,13 +84,15 @@ class Call(NamedTuple):
     head_dim: int = 0
     mask: str = "none"  # "none", "causal", "other"; "none" for ops without one
     dropout: bool = False
-    size: Optional[int] = None  # SIZE_OF[op]; None where unknown (a traced call's dynamic shape)
+    size: Optional[int] = None  # size_of(op); None where unknown (a traced call's dynamic shape)
     needs_grad: bool = False
     needs_lse: bool = False
     deterministic: bool = False
     needs: FrozenSet[str] = frozenset()  # features a backend must compute (SUPPORTS)
     gqa: bool = False  # fewer key heads than query heads
     torch_cannot: str = ""  # a fact of the call's tensors that torch's path does not compute as ours does
+    torch_default: str = ""  # why torch's path runs the call when no row matches ("": ours by default)
+    backends: FrozenSet[str] = frozenset()  # the backends of ours that compute the op (empty: every one)
 
 
 class Decision(NamedTuple):
@@ -146,10 +168,11 @@ def parse_rows(text: str, origin: str = "the route table") -> List[Row]:
         op, passes, device, dtypes, head_dims, masks, dropout, doors, sizes, speedup, det, source = cells
         match = re.fullmatch(r"(\d+)\.\.(\d*)", sizes)
         ratio = re.fullmatch(r"(\d+(?:\.\d+)?)(?:-(\d+(?:\.\d+)?))?", speedup)
-        if (op not in OPS or passes not in ("forward", "training", "*") or dropout not in ("yes", "no", "*")
+        if (op not in op_names() or passes not in ("forward", "training", "*") or dropout not in ("yes", "no", "*")
                 or not all(door in (*DOORS, "*") for door in doors.split(","))
                 or det not in ("yes", "no", "-") or (sizes != "*" and match is None) or ratio is None):
-            raise ValueError(f"{origin}, line {number}: a cell is out of range (op one of {', '.join(OPS)}; pass "
+            raise ValueError(f"{origin}, line {number}: a cell is out of range (op one of {', '.join(op_names())}; "
+                             "pass "
                              "forward/training/*; dropout yes/no/*; door functional/sdpa/*; size lo..hi or *; "
                              f"speedup x or low-high; torch_det yes/no/-): {raw!r}")
         bounds = (0, None) if match is None else (int(match[1]), int(match[2]) if match[2] else None)
@@ -166,12 +189,6 @@ MEASURED = HEADER + """
 # and 4096): SDPA picks cuDNN. cuDNN's backward is taken as not deterministic until gpu-check measures it.
 attention     forward   sm90    bfloat16         64,128    none,causal  no       *           *               0.55-0.79  -          H200 bench --quick bdb1535 2026-11-28
 attention     training  sm90    bfloat16         64,128    none,causal  no       *           *               0.54-0.71  no         H200 bench --quick bdb1535 2026-11-28
-# layer_norm + residual, dropout 0.1, d 1024 and 4096, 8k and 32k rows: ours ahead forward from 32M elements
-layer_norm    forward   sm90    bfloat16         *         *            yes      *           0..16777216     0.45-0.54  -          H200 bench --quick bdb1535 2026-11-28
-layer_norm    forward   sm90    bfloat16         *         *            yes      *           16777216..      1.12-1.28  -          H200 bench --quick bdb1535 2026-11-28
-layer_norm    training  sm90    bfloat16         *         *            yes      *           *               0.40-0.94  yes        H200 bench --quick bdb1535 2026-11-28
-feed_forward  forward   sm90    bfloat16         *         *            yes      *           *               0.88-1.00  -          H200 bench --quick bdb1535 2026-11-28
-feed_forward  training  sm90    bfloat16         *         *            yes      *           *               0.72-0.95  yes        H200 bench --quick bdb1535 2026-11-28
 # CPU, at torch's SDPA door (its dispatcher in front of our kernel), against torch's CPU flash kernel, 2 threads,
 # B 2, H 8, D 64, register-tiled kernels (docs/integrations.md). The door decides a forward and its
 # backward alike from the shapes; where the two disagree the row keeps the forward's figure and the table in
@@ -207,16 +224,21 @@ def torch_refuses(call: Call) -> Optional[str]:
             return "dropout (SDPA's random mask is not our seed's)"
         if call.gqa:
             return "grouped-query heads"
-    if call.op == "layer_norm" and call.device == "cpu" and call.dtype != torch.float32:
-        return "16 bits on the CPU (ATen's weight gradient misses the 2x rule)"
     return None
 
 
 def _default(call: Call) -> Tuple[bool, str]:
     """Whether torch's path runs a call no row matches, and why."""
-    if call.op in ("layer_norm", "feed_forward") and not call.dropout:
-        return True, "no dropout: nothing to fuse (ATen's ops)"
+    if call.torch_default:
+        return True, call.torch_default
     return False, "no measured row: ours (the default)"
+
+
+def _missing(call: Call, backend_name: str) -> str:
+    """What of ``call`` backend ``backend_name`` does not compute, in words ("" where it computes it all)."""
+    if call.backends and backend_name not in call.backends:
+        return call.op
+    return ", ".join(sorted(call.needs - SUPPORTS[backend_name]))
 
 
 def decide(call: Call, choice: str, ours: Optional[str], rows: Optional[Iterable[Row]] = None) -> Decision:
@@ -226,20 +248,20 @@ def decide(call: Call, choice: str, ours: Optional[str], rows: Optional[Iterable
     if choice != "auto":
         if choice == "reference":
             return Decision("reference", "use_backend('reference')")
-        missing = call.needs - SUPPORTS[choice]
+        missing = _missing(call, choice)
         if missing:
-            return Decision("reference", f"backend {choice!r} does not compute {', '.join(sorted(missing))}")
+            return Decision("reference", f"backend {choice!r} does not compute {missing}")
         return Decision(choice, f"use_backend({choice!r})")
     if ours not in SUPPORTS:  # backend.current's answer for "auto": float64, or a device without kernels of ours
         why = "float64" if call.dtype == torch.float64 else f"{call.device} (no kernels of ours there)"
         return Decision("reference", f"{why} runs on the reference")
-    missing = call.needs - SUPPORTS[ours]
+    missing = _missing(call, ours)
     refused = torch_refuses(call)
     if refused is None and call.op.startswith("attention") and call.door == "functional" and call.size is None:
         refused = "a traced call (ours there: one custom op, the same graph on every device)"
     if refused is not None:
         if missing:
-            return Decision("reference", f"{ours} does not compute {', '.join(sorted(missing))}")
+            return Decision("reference", f"{ours} does not compute {missing}")
         return Decision(ours, f"torch's path does not serve {refused}")
     row = next((r for r in (table() if rows is None else rows) if r.matches(call)), None)
     if row is None:
@@ -253,7 +275,9 @@ def decide(call: Call, choice: str, ours: Optional[str], rows: Optional[Iterable
     if to_torch:
         return Decision("torch", why)
     if missing:
-        return Decision("reference", f"{ours} does not compute {', '.join(sorted(missing))}")
+        if call.backends and ours not in call.backends:  # torch's path computes it (``refused`` is None here)
+            return Decision("torch", f"{ours} does not compute {call.op}: torch's path")
+        return Decision("reference", f"{ours} does not compute {missing}")
     return Decision(ours, why)
 
 
@@ -321,7 +345,12 @@ def tuned_rows(device: torch.device) -> List[Row]:
 
 @computed_once
 def _measured() -> Tuple[Row, ...]:
-    return tuple(parse_rows(MEASURED, "route.MEASURED"))
+    from . import ops
+
+    rows = parse_rows(MEASURED, "route.MEASURED")
+    for op in ops.registered():
+        rows += parse_rows(op.measured, f"{op.name}'s measured rows")
+    return tuple(rows)
 
 
 def table(device: Optional[torch.device] = None) -> Tuple[Row, ...]:
@@ -371,24 +400,55 @@ def decide_for(call: Call, device: torch.device, choice: str, ours: Optional[str
     return found
 
 
-# The open ``recording`` blocks' lists.
-_RECORDERS: List[List[Tuple[Call, Decision]]] = []
+class Record(NamedTuple):
+    """One decided call, as ``explain()`` lists it."""
+
+    op: str
+    door: str  # "functional" (the ops, the modules and the transformers interface above them) or "sdpa"
+    backend: str  # what ran it: "triton", "cpu", "torch" (torch's own ops) or "reference"
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.op} ({self.door}) -> {self.backend}: {self.reason}"
+
+
+# The open ``recording`` and ``explain`` blocks: (their list, what it takes of a call and its decision).
+_RECORDERS: List[Tuple[list, Callable[[Call, Decision], object]]] = []
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[List[Tuple[Call, Decision]]]:
-    """The ``(call, decision)`` of every call decided inside the block, in order (bench and check print them)."""
-    seen: List[Tuple[Call, Decision]] = []
-    _RECORDERS.append(seen)
+def _recorded(make: Callable[[Call, Decision], object]) -> Iterator[list]:
+    seen: list = []
+    entry = (seen, make)
+    _RECORDERS.append(entry)
     try:
         yield seen
     finally:
-        _RECORDERS.remove(seen)
+        _RECORDERS.remove(entry)
+
+
+def recording() -> contextlib.AbstractContextManager:
+    """The ``(call, decision)`` of every call decided inside the block, in order (bench and check print them)."""
+    return _recorded(lambda call, decision: (call, decision))
+
+
+def explain() -> contextlib.AbstractContextManager:
+    """Which kernel ran each call, and why: a context manager yielding a list that fills with one ``Record`` per call
+    decided inside the block (``op``, ``door``, ``backend``, ``reason``; ``str()`` a line of them), in order::
+
+        with fused_transformer.explain() as calls:
+            model(x).sum().backward()
+        print("\n".join(map(str, calls)))
+
+    Every op records its forward: the functional ops, the modules' calls of them and the doors from torch's SDPA and
+    transformers. A backward follows its forward's decision (autograd differentiates what the forward ran), so it
+    records nothing of its own."""
+    return _recorded(lambda call, decision: Record(call.op, call.door, decision.backend, decision.reason))
 
 
 def _decided(call: Call, decision: Decision) -> Decision:
-    for seen in _RECORDERS:
-        seen.append((call, decision))
+    for seen, make in _RECORDERS:
+        seen.append(make(call, decision))
     return decision
 
 
@@ -408,7 +468,7 @@ def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return False
 
 
-def _size(n: int) -> Optional[int]:
+def size(n: int) -> Optional[int]:
     """A size as the route reads it: None in a traced call, where it may be symbolic (rows with a size range then
     do not match)."""
     return None if torch.compiler.is_compiling() else int(n)
@@ -430,7 +490,7 @@ def mask_kind(query_len: int, key_len: int, masks: Optional[AttentionMasks], spe
     return "causal" if not spec.bottom_right or query_len == key_len else "other"
 
 
-def _remembered(key: tuple, make_call) -> Decision:
+def remembered(key: tuple, make_call) -> Decision:
     """The decision of an eager call whose facts are ``key`` (plain values, cheap to hash), ``make_call()``'s
     ``choose``d where it is new: the hot ops' path to a decision in a dictionary lookup."""
     found = _DECISIONS.get(key)
@@ -451,7 +511,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: Attentio
     if mods is NO_SCORE_MODS and sinks is None and masks.unmasked and not torch.compiler.is_compiling():
         key = ("attention", q.device, q.dtype, q.shape, k.shape[1], k.shape[2], spec, needs_grad(q, k, v),
                needs_lse, torch.are_deterministic_algorithms_enabled(), backend.get_backend())
-        return _remembered(key, lambda: (_attention_call(q, k, v, masks, spec, mods, sinks, needs_lse), q.device))
+        return remembered(key, lambda: (_attention_call(q, k, v, masks, spec, mods, sinks, needs_lse), q.device))
     return choose(_attention_call(q, k, v, masks, spec, mods, sinks, needs_lse), q.device)
 
 
@@ -460,7 +520,7 @@ def _attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: At
     empty = min(q.shape[2], k.shape[2], q.shape[3]) == 0
     call = Call("attention", device_tag(q.device), q.dtype, head_dim=q.shape[3],
                 mask=mask_kind(q.shape[2], k.shape[2], masks, spec), dropout=spec.dropout_p > 0.0,
-                size=_size(k.shape[2]), needs_grad=needs_grad(q, k, v, sinks), needs_lse=needs_lse,
+                size=size(k.shape[2]), needs_grad=needs_grad(q, k, v, sinks), needs_lse=needs_lse,
                 deterministic=torch.are_deterministic_algorithms_enabled(), needs=_needs(mods, sinks),
                 gqa=q.shape[1] != k.shape[1], torch_cannot="empty dims" if empty else "")
     return call
@@ -469,7 +529,7 @@ def _attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: At
 def attention_packed(op: str, q: torch.Tensor, max_keys: int, mods: ScoreMods, sinks: Optional[torch.Tensor],
                      needs_grad_: bool = False) -> Decision:
     """Who runs ``attention_varlen`` or ``attention_with_kvcache`` (``op``) on queries ``q`` (head dim last)."""
-    call = Call(op, device_tag(q.device), q.dtype, head_dim=q.shape[-1], size=_size(max_keys),
+    call = Call(op, device_tag(q.device), q.dtype, head_dim=q.shape[-1], size=size(max_keys),
                 needs_grad=needs_grad_, needs=_needs(mods, sinks))
     return choose(call, q.device)
 
@@ -479,7 +539,7 @@ def sdpa_door(q: torch.Tensor, key_len: int, is_causal: bool, ours: str) -> Deci
     backend behind the door on this device) or ``"torch"``, the kernel the op had before. The forward and its
     backward decide alike, from the shapes alone (the door cannot see whether autograd will differentiate)."""
     call = Call("attention", device_tag(q.device), q.dtype, door="sdpa", head_dim=q.shape[-1],
-                mask="causal" if is_causal else "none", size=_size(key_len),
+                mask="causal" if is_causal else "none", size=size(key_len),
                 deterministic=torch.are_deterministic_algorithms_enabled())
     choice = backend.get_backend()  # a backend named at this door is ours, the one behind it
     decision = decide_for(call, q.device, choice if choice in ("auto", "reference") else ours, ours)
@@ -490,45 +550,3 @@ def describe(decisions: Iterable[Tuple[Call, Decision]]) -> str:
     """The distinct decisions of a ``recording``, one clause each: ``op -> backend (reason)``."""
     seen = dict.fromkeys(f"{call.op} -> {decision.backend} ({decision.reason})" for call, decision in decisions)
     return "; ".join(seen)
-
-
-def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-               residual: Optional[torch.Tensor], spec: LayerNormSpec) -> Decision:
-    """Who runs a ``layer_norm`` call of checked arguments."""
-    grad = needs_grad(x, weight, bias, residual)
-    if torch.compiler.is_compiling():
-        return choose(_layer_norm_call(x, weight, bias, spec, grad), x.device)
-    key = ("layer_norm", x.device, x.dtype, x.shape, None if weight is None else weight.dtype,
-           None if bias is None else bias.dtype, spec, grad, torch.are_deterministic_algorithms_enabled(),
-           backend.get_backend())
-    return _remembered(key, lambda: (_layer_norm_call(x, weight, bias, spec, grad), x.device))
-
-
-def _layer_norm_call(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                     spec: LayerNormSpec, grad: bool) -> Call:
-    cannot = ""
-    if x.shape[-1] <= 1:
-        cannot = "rows of one feature (ATen's backward cancels 1/sqrt(eps)-sized terms)"
-    elif any(p is not None and p.dtype != x.dtype for p in (weight, bias)):
-        cannot = "parameters in another dtype than x's"
-    return Call("layer_norm", device_tag(x.device), x.dtype, dropout=spec.dropout_p > 0.0, size=_size(x.numel()),
-                needs_grad=grad, deterministic=torch.are_deterministic_algorithms_enabled(),
-                needs=frozenset({"rms_norm"}) if spec.rms_norm else frozenset(), torch_cannot=cannot)
-
-
-def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
-                 b2: Optional[torch.Tensor], spec: FeedForwardSpec) -> Decision:
-    """Who runs a ``feed_forward`` call of checked arguments."""
-    grad = needs_grad(x, w1, b1, w2, b2)
-    if torch.compiler.is_compiling():
-        return choose(_feed_forward_call(x, spec, grad), x.device)
-    key = ("feed_forward", x.device, x.dtype, x.shape, spec, grad, torch.are_deterministic_algorithms_enabled(),
-           backend.get_backend())
-    return _remembered(key, lambda: (_feed_forward_call(x, spec, grad), x.device))
-
-
-def _feed_forward_call(x: torch.Tensor, spec: FeedForwardSpec, grad: bool) -> Call:
-    needs = frozenset(name for name in ("recompute", "allow_tf32") if getattr(spec, name))
-    return Call("feed_forward", device_tag(x.device), x.dtype, dropout=spec.dropout_p > 0.0,
-                size=_size(x.numel() // max(x.shape[-1], 1)), needs_grad=grad,
-                deterministic=torch.are_deterministic_algorithms_enabled(), needs=needs)

@@ -5,6 +5,8 @@ targets. It lives here, below the kernels, so that the report imports the kernel
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
 from typing import Any, Dict, Optional, Tuple
 
 from .targets import CAPABILITIES
@@ -40,3 +42,18 @@ class AotKernel:
     # a launch whose sizes and strides are multiples of 16). Odd sizes compile another, unchecked variant.
     divisible_by_16: Optional[Tuple[str, ...]] = None
     num_ctas: int = 1  # CTAs per program: a thread-block cluster when > 1 (sm_90 and later)
+
+
+def kernel_modules() -> Tuple[str, ...]:
+    """The kernel modules of this package that declare their configs (``aot_configs``), in name order: a new kernel
+    module is in the report by defining it. Imports them (they register their variants as they load). A module may
+    also name the configs ``docs/report.md`` shows of it (``MARKDOWN_ROWS``, a compiled pattern of config names)."""
+    package = importlib.import_module(__package__)
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__package__}.{info.name}")
+        if hasattr(module, "aot_configs"):
+            found.append(module.__name__)
+    return tuple(found)

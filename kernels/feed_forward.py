@@ -24,14 +24,15 @@ of group token * cdiv(d_ff, 4) + unit // 4 says so (``_common.dropout_keep_quads
 ``fused_transformer.kernels._common.dropout_keep_mask(seed, M, d_ff, p, device, quads=True)`` replays it.
 """
 import contextlib
-from typing import Iterator, List, Optional, Tuple, Union
+import re
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import contract
-from ..contract import FeedForwardSpec, Seed, seed_tensor
+from ..contract import Seed, seed_tensor
 from ._common import (
     cdiv, contiguous_last_dim, dropout_keep_quad_lanes, dropout_keep_quads, dropout_seed, launch_kernel, seed_args,
     sum_rows, traced,
@@ -119,20 +120,6 @@ BLOCK = 1024
 NUM_WARPS = 4
 
 
-def _activation_pass(pre: Tensor, activation: str, dropout_p: float, seed: Optional[Seed],
-                     dhidden: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """``dropout(act(pre))`` for a contiguous ``pre``; given ``dhidden`` (pre's shape, contiguous), ``(dpre,
-    dropout(act(pre)))`` instead."""
-    out = torch.empty_like(pre)
-    hidden = torch.empty_like(pre) if dhidden is not None else None
-    n = pre.numel()
-    if n:
-        args = (pre, dhidden, out, hidden, n, pre.shape[-1], dropout_p, *seed_args(seed, pre.device))
-        launch_kernel(_activation_kernel, (cdiv(n, BLOCK),), args, NUM_WARPS, BLOCK=BLOCK, ACTIVATION=activation,
-                      ACTIVATION_GRAD=dhidden is not None, HAS_DROPOUT=dropout_p > 0.0)
-    return out if dhidden is None else (out, hidden)
-
-
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
     """``F.linear``'s product on ``x [M, K]``: the bias added in the GEMM's epilogue, before the one rounding."""
     return torch.addmm(b, x, w.t()) if b is not None else x.mm(w.t())
@@ -163,64 +150,62 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
 
-def _launch_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
-                dropout_p: float, seed: Optional[Seed], store_pre: bool, allow_tf32: bool) -> Tuple[Tensor, Tensor]:
-    """Forward on ``x [M, d_model]`` (last dim contiguous); returns ``y [M, d_out]`` and the pre-activation
-    ``[M, d_ff]`` (empty unless ``store_pre``)."""
+def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
+                     dropout_p: float, seed: Optional[Seed], keep: bool,
+                     allow_tf32: bool) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+    """Forward on rows ``x [M, d_model]`` (the last dim copied only if it is not contiguous), launched here in eager
+    mode, through the custom op when traced; returns ``y [M, d_out]`` and, with ``keep``, ``(pre,)`` for the
+    backward, the pre-activation ``[M, d_ff]``."""
     _check_dtypes(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
+    x = contiguous_last_dim(x)
+    if traced():
+        y, pre = torch.ops.fused_transformer.feed_forward_fwd(x, w1, b1, w2, b2, activation, dropout_p,
+                                                              seed_tensor(seed, x.device), keep, allow_tf32)
+        return y, ((pre,) if keep else ())
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
-    if _needs_tf32_switch(x, allow_tf32):
-        with _tf32_products():
-            return _launch_fwd(x, w1, b1, w2, b2, activation, dropout_p, seed, store_pre, False)
-    pre = _linear(x, w1, b1)
-    y = _linear(_activation_pass(pre, activation, dropout_p, seed), w2, b2)
-    return y, pre if store_pre else _empty(x)
-
-
-def _launch_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, pre: Optional[Tensor],
-                has_b2: bool, activation: str, dropout_p: float, seed: Optional[Seed],
-                allow_tf32: bool) -> Tuple[Tensor, ...]:
-    """Backward from ``dy [M, d_out]``; ``pre`` is the forward's pre-activation, or None to recompute it.
-
-    Returns ``dx, dw1, db1, dw2, db2`` (a bias gradient is empty when that bias is absent).
-    """
-    if _needs_tf32_switch(x, allow_tf32):
-        with _tf32_products():
-            return _launch_bwd(dy, x, w1, b1, w2, pre, has_b2, activation, dropout_p, seed, False)
-    if pre is None:
+    with _tf32_products() if _needs_tf32_switch(x, allow_tf32) else contextlib.nullcontext():
         pre = _linear(x, w1, b1)
-    dpre, hidden = _activation_pass(pre, activation, dropout_p, seed, dhidden=dy.mm(w2))
-    db1 = sum_rows(dpre, b1.dtype) if b1 is not None else _empty(x)
-    db2 = sum_rows(dy, dy.dtype) if has_b2 else _empty(x)
-    return dpre.mm(w1), dpre.t().mm(x), db1, dy.t().mm(hidden), db2
-
-
-# ---------------------------------------------------------------------------------- the backend's entries
-
-
-def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-                     spec: FeedForwardSpec, seed: Optional[Seed], keep: bool) -> Tuple[Tensor, Tuple[Tensor, ...]]:
-    """``y`` of rows ``x [M, d_model]`` and, with ``keep``, ``(pre,)`` for the backward (``_launch_fwd``); traced
-    through the custom op."""
-    _check_dtypes(x=x)
-    args = (contiguous_last_dim(x), w1, b1, w2, b2, spec.activation, spec.dropout_p)
-    if traced():
-        y, pre = torch.ops.fused_transformer.feed_forward_fwd(*args, seed_tensor(seed, x.device), keep, spec.allow_tf32)
-    else:
-        y, pre = _launch_fwd(*args, seed, keep, spec.allow_tf32)
-    return y, ((pre,) if keep else ())
+        hidden = torch.empty_like(pre)
+        n = pre.numel()
+        if n:
+            launch_kernel(_activation_kernel, (cdiv(n, BLOCK),),
+                          (pre, None, hidden, None, n, pre.shape[-1], dropout_p, *seed_args(seed, pre.device)),
+                          NUM_WARPS, BLOCK=BLOCK, ACTIVATION=activation, ACTIVATION_GRAD=False,
+                          HAS_DROPOUT=dropout_p > 0.0)
+        return _linear(hidden, w2, b2), ((pre,) if keep else ())
 
 
 def feed_forward_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, saved: Tuple[Tensor, ...],
-                     has_b2: bool, spec: FeedForwardSpec, seed: Optional[Seed]) -> Tuple[Tensor, ...]:
-    """``dx, dw1, db1, dw2, db2`` (``_launch_bwd``; without ``saved``, the pre-activation is recomputed); traced
-    through the custom op."""
-    args = (contiguous_last_dim(dy), x, w1, b1, w2, saved[0] if saved else None, has_b2, spec.activation,
-            spec.dropout_p)
+                     has_b2: bool, activation: str, dropout_p: float, seed: Optional[Seed],
+                     allow_tf32: bool) -> Tuple[Tensor, ...]:
+    """Backward from ``dy [M, d_out]``; ``saved`` the forward's ``(pre,)``, or ``()`` to recompute it. Launched here in
+    eager mode, through the custom op when traced.
+
+    Returns ``dx, dw1, db1, dw2, db2`` (a bias gradient is empty when that bias is absent).
+    """
+    dy = contiguous_last_dim(dy)
+    pre = saved[0] if saved else None
     if traced():
-        return torch.ops.fused_transformer.feed_forward_bwd(*args, seed_tensor(seed, x.device), spec.allow_tf32)
-    return _launch_bwd(*args, seed, spec.allow_tf32)
+        return torch.ops.fused_transformer.feed_forward_bwd(dy, x, w1, b1, w2, pre, has_b2, activation, dropout_p,
+                                                            seed_tensor(seed, x.device), allow_tf32)
+    with _tf32_products() if _needs_tf32_switch(x, allow_tf32) else contextlib.nullcontext():
+        if pre is None:
+            pre = _linear(x, w1, b1)
+        dhidden = dy.mm(w2)
+        dpre, hidden = torch.empty_like(pre), torch.empty_like(pre)
+        n = pre.numel()
+        if n:
+            launch_kernel(_activation_kernel, (cdiv(n, BLOCK),),
+                          (pre, dhidden, dpre, hidden, n, pre.shape[-1], dropout_p, *seed_args(seed, pre.device)),
+                          NUM_WARPS, BLOCK=BLOCK, ACTIVATION=activation, ACTIVATION_GRAD=True,
+                          HAS_DROPOUT=dropout_p > 0.0)
+        db1 = sum_rows(dpre, b1.dtype) if b1 is not None else _empty(x)
+        db2 = sum_rows(dy, dy.dtype) if has_b2 else _empty(x)
+        return dpre.mm(w1), dpre.t().mm(x), db1, dy.t().mm(hidden), db2
+
+
+# ------------------------------------------------------------------------------------ traced: the custom ops
 
 
 @torch.library.custom_op("fused_transformer::feed_forward_fwd", mutates_args=())
@@ -228,8 +213,9 @@ def _feed_forward_fwd_op(
     x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
     dropout_p: float, seed: Optional[Tensor], store_pre: bool, allow_tf32: bool,
 ) -> Tuple[Tensor, Tensor]:
-    """``_launch_fwd`` as torch.compile and torch.export trace it."""
-    return _launch_fwd(x, w1, b1, w2, b2, activation, dropout_p, seed, store_pre, allow_tf32)
+    """``feed_forward_fwd`` as torch.compile and torch.export trace it."""
+    y, saved = feed_forward_fwd(x, w1, b1, w2, b2, activation, dropout_p, seed, store_pre, allow_tf32)
+    return y, saved[0] if saved else _empty(x)
 
 
 @_feed_forward_fwd_op.register_fake
@@ -243,8 +229,9 @@ def _feed_forward_bwd_op(
     dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, pre: Optional[Tensor], has_b2: bool,
     activation: str, dropout_p: float, seed: Optional[Tensor], allow_tf32: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``_launch_bwd`` as torch.compile and torch.export trace it."""
-    return _launch_bwd(dy, x, w1, b1, w2, pre, has_b2, activation, dropout_p, seed, allow_tf32)
+    """``feed_forward_bwd`` as torch.compile and torch.export trace it."""
+    return feed_forward_bwd(dy, x, w1, b1, w2, (pre,) if pre is not None else (), has_b2, activation, dropout_p,
+                            seed, allow_tf32)
 
 
 @_feed_forward_bwd_op.register_fake
@@ -265,18 +252,21 @@ def feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Op
         allow_tf32: float32 products on tensor cores in TF32 (default: exact float32).
 
     Inputs in float16 / bfloat16 / float32; dropout's mask comes from a Philox seed drawn from torch's generator,
-    so ``torch.manual_seed`` reproduces it. Its autograd is ``fused_transformer.autograd``'s (imported at call time).
+    so ``torch.manual_seed`` reproduces it. Its autograd is the op module's (``fused_transformer.ops``, imported at
+    call time).
     """
-    options = contract.options_of("feed_forward", options, contract.FEED_FORWARD_OPTIONS)
-    spec = contract.feed_forward_spec(x, w1, b1, w2, b2, options["activation"], options["dropout_p"])
-    _check_dtypes(x=x)
-    from ..autograd import feed_forward as feed_forward_on
+    from ..ops import feed_forward as op
 
-    return feed_forward_on("triton", x, w1, b1, w2, b2,
-                           spec._replace(recompute=bool(recompute), allow_tf32=bool(allow_tf32)))
+    options = contract.options_of("feed_forward", options, op.OPTIONS)
+    spec = op.check(x, w1, b1, w2, b2, options["activation"], options["dropout_p"])
+    _check_dtypes(x=x)
+    return op.run("triton", x, w1, b1, w2, b2, spec._replace(recompute=bool(recompute), allow_tf32=bool(allow_tf32)))
 
 
 # ------------------------------------------------------------------------------------------------------ AOT
+
+# The configs docs/report.md shows (the report prints every one): the activation pass in bfloat16.
+MARKDOWN_ROWS = re.compile(r"^bf16/")
 
 
 def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:

@@ -42,6 +42,7 @@ p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, rows, N, p, de
 """
 import dataclasses
 import functools
+import re
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -49,7 +50,7 @@ import triton
 import triton.language as tl
 
 from .. import contract
-from ..contract import LayerNormSpec, Seed, seed_tensor
+from ..contract import Seed, seed_tensor
 from ._common import (
     SUM_ROWS_BLOCK_COLS, SUM_ROWS_BLOCK_ROWS, _sum_rows_kernel, cdiv, contiguous_last_dim, dropout_keep, dropout_seed,
     interpreting, launch_kernel, next_power_of_2, seed_args, sum_rows, traced,
@@ -390,13 +391,21 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
 
-def _launch_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
-                dropout_p: float, seed: Optional[Seed], rms_norm: bool, store_z: bool) -> Tuple[Tensor, ...]:
-    """The forward on ``x`` / ``residual`` ``[rows, N]`` (last dim contiguous, any row stride).
+def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                   eps: float, dropout_p: float, seed: Optional[Seed], rms_norm: bool,
+                   store_z: bool) -> Tuple[Tensor, ...]:
+    """The forward on ``x`` / ``residual`` ``[rows, N]`` (any row stride; the last dim is copied only if it is not
+    contiguous), launched here in eager mode, through the custom op when traced.
 
     Returns ``y [rows, N]``, ``z [rows, N]`` (empty unless ``store_z``), ``mean [rows]`` (float32, empty for
-    RMSNorm) and ``rstd [rows]`` (float32). Its callers check the dtypes.
+    RMSNorm) and ``rstd [rows]`` (float32).
     """
+    _check_dtypes(x, weight, bias, residual)
+    x = contiguous_last_dim(x)
+    residual = contiguous_last_dim(residual) if residual is not None else None
+    if traced():
+        return torch.ops.fused_transformer.layer_norm_fwd(x, weight, bias, residual, eps, dropout_p,
+                                                          seed_tensor(seed, x.device), rms_norm, store_z)
     n_rows, n_cols = x.shape
     if n_cols > MAX_HIDDEN:
         raise ValueError(f"triton layer_norm supports hidden sizes up to {MAX_HIDDEN}, got {n_cols}")
@@ -419,15 +428,21 @@ def _launch_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], res
     return y, z, mean, rstd
 
 
-def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Seed], rms_norm: bool,
-                has_residual: bool, one_sum: bool = True) -> Tuple[Tensor, ...]:
-    """The backward; ``dy``, ``dz``, ``z`` are ``[rows, N]`` (last dim contiguous).
+def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                   mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Seed], rms_norm: bool,
+                   has_residual: bool, one_sum: bool = True) -> Tuple[Tensor, ...]:
+    """The backward; ``dy``, ``dz``, ``z`` are ``[rows, N]`` (``z`` as the forward wrote it), launched here in eager
+    mode, through the custom op when traced.
 
     Returns ``dx``, ``dresidual`` (empty without a residual), ``dweight`` and ``dbias`` (empty when absent,
     else in the parameter's dtype). ``one_sum``: dweight and dbias of one dtype summed by one launch, views of its
     ``[2N]`` result (not for a custom op, whose outputs may not alias each other).
     """
+    dy = contiguous_last_dim(dy)
+    dz = contiguous_last_dim(dz) if dz is not None else None
+    if traced():
+        return torch.ops.fused_transformer.layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, dropout_p,
+                                                          seed_tensor(seed, z.device), rms_norm, has_residual)
     n_rows, n_cols = z.shape
     dx = z.new_empty((n_rows, n_cols))
     dresidual = torch.empty_like(dx) if has_residual else _empty(dx)
@@ -462,31 +477,7 @@ def _launch_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Te
     return dx, dresidual, dweight, dbias
 
 
-# ---------------------------------------------------------------------------------- the backend's entries
-
-
-def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                   spec: LayerNormSpec, seed: Optional[Seed], store_z: bool) -> Tuple[Tensor, ...]:
-    """``y, z, mean, rstd`` of rows ``[rows, N]`` (``_launch_fwd``); traced through the custom op."""
-    _check_dtypes(x, weight, bias, residual)
-    x = contiguous_last_dim(x)
-    residual = contiguous_last_dim(residual) if residual is not None else None
-    if traced():
-        return torch.ops.fused_transformer.layer_norm_fwd(x, weight, bias, residual, spec.eps, spec.dropout_p,
-                                                          seed_tensor(seed, x.device), spec.rms_norm, store_z)
-    return _launch_fwd(x, weight, bias, residual, spec.eps, spec.dropout_p, seed, spec.rms_norm, store_z)
-
-
-def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                   mean: Tensor, rstd: Tensor, spec: LayerNormSpec, seed: Optional[Seed],
-                   has_residual: bool) -> Tuple[Tensor, ...]:
-    """``dx, dresidual, dweight, dbias`` (``_launch_bwd``); traced through the custom op."""
-    args = (contiguous_last_dim(dy), contiguous_last_dim(dz) if dz is not None else None, z, weight, bias, mean, rstd,
-            spec.dropout_p)
-    if traced():
-        return torch.ops.fused_transformer.layer_norm_bwd(*args, seed_tensor(seed, z.device), spec.rms_norm,
-                                                          has_residual)
-    return _launch_bwd(*args, seed, spec.rms_norm, has_residual)
+# ------------------------------------------------------------------------------------ traced: the custom ops
 
 
 @torch.library.custom_op("fused_transformer::layer_norm_fwd", mutates_args=())
@@ -494,9 +485,8 @@ def _layer_norm_fwd_op(
     x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
     dropout_p: float, seed: Optional[Tensor], rms_norm: bool, store_z: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``_launch_fwd`` as torch.compile and torch.export trace it."""
-    _check_dtypes(x, weight, bias, residual)
-    return _launch_fwd(x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z)
+    """``layer_norm_fwd`` as torch.compile and torch.export trace it."""
+    return layer_norm_fwd(x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z)
 
 
 @_layer_norm_fwd_op.register_fake
@@ -512,8 +502,8 @@ def _layer_norm_bwd_op(
     dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor], rms_norm: bool, has_residual: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``_launch_bwd`` as torch.compile and torch.export trace it."""
-    return _launch_bwd(dy, dz, z, weight, bias, mean, rstd, dropout_p, seed, rms_norm, has_residual, one_sum=False)
+    """``layer_norm_bwd`` as torch.compile and torch.export trace it."""
+    return layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, dropout_p, seed, rms_norm, has_residual, one_sum=False)
 
 
 @_layer_norm_bwd_op.register_fake
@@ -533,18 +523,22 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps:
     x ``[..., N]`` in float16 / bfloat16 / float32 with ``N <= 16384``, rows of any stride (the last dim is copied
     only if it is not contiguous); weight and bias in any of the three dtypes. Statistics are float32; dropout's
     mask comes from a Philox seed drawn from torch's generator, so ``torch.manual_seed`` reproduces it. Its autograd
-    is ``fused_transformer.autograd``'s (imported at call time: the one module above the kernels this calls).
+    is the op module's (``fused_transformer.ops``, imported at call time: the one module above the kernels this
+    calls).
     """
-    options = contract.options_of("layer_norm", options, contract.LAYER_NORM_OPTIONS)
-    spec = contract.layer_norm_spec(x, weight, bias, eps, options["residual"], options["dropout_p"],
-                                    options["prenorm"])
-    _check_dtype("x", x)
-    from ..autograd import layer_norm as layer_norm_on
+    from ..ops import layer_norm as op
 
-    return layer_norm_on("triton", x, weight, bias, options["residual"], spec._replace(rms_norm=bool(rms_norm)))
+    options = contract.options_of("layer_norm", options, op.OPTIONS)
+    spec = op.check(x, weight, bias, eps, options["residual"], options["dropout_p"], options["prenorm"],
+                    bool(rms_norm))
+    _check_dtype("x", x)
+    return op.run("triton", x, weight, bias, options["residual"], spec)
 
 
 # ------------------------------------------------------------------------------------------------------ AOT
+
+# The configs docs/report.md shows (the report prints every one): the row widths around each launch change.
+MARKDOWN_ROWS = re.compile(r"^BLOCK_N=(1024|8192|16384)\b")
 
 AOT_BLOCK_SIZES = tuple(2**i for i in range(4, 15))  # 16 .. 16384, every bucket block_width can pick
 
@@ -599,7 +593,7 @@ def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
                         "SPLIT_COLS": launch.col_blocks > 1, **features},
             num_warps=launch.num_warps, num_stages=1, num_ctas=launch.num_ctas, targets=tuple(targets),
         ))
-    # The partial-sum reduction: float32 partials here, bfloat16 / float16 gradients in feed_forward's bias grads.
+    # The partial-sum reduction: float32 partials here, bfloat16 / float16 gradients in the feed-forward's bias grads.
     for ty in ("fp32", "bf16"):
         configs.append(AotKernel(
             name="sum_rows", config=f"{ty}/BLOCK_ROWS={SUM_ROWS_BLOCK_ROWS},BLOCK_COLS={SUM_ROWS_BLOCK_COLS}",

@@ -1,13 +1,14 @@
 """Kernel variants: the named alternatives of a kernel that its plan holds, and the measured rows that say which one
 each GPU runs where.
 
-A variant is a value in an op's plan (``attention.configs.VARIANTS``, ``layer_norm.VARIANTS``, ``attention.decode``'s
-split rules), never a second kernel: a tile row of its own, a constexpr, a grid order. Every op has a default, the
-choice it ran before any GPU measured the others. ``python -m fused_transformer bench --suite variants --device cuda``
-times every variant of every op on the bench's shapes and writes ``MEASURED_FILE``: one row per (op, GPU, shape
-class) naming the fastest, with its time against the default's and against the vendor's kernel (cuDNN, cuBLAS,
-torch). A launcher asks ``choose(op, gpu, shape)``: a row measured on this GPU for this shape class, else the
-default. Until a GPU has run the suite, the file holds no row and every plan keeps its default (``status`` says so).
+A variant is a value in an op's plan (``attention.configs.VARIANTS``, the norm kernels' ``VARIANTS``,
+``attention.decode``'s split rules), never a second kernel: a tile row of its own, a constexpr, a grid order. Every op
+has a default, the choice it ran before any GPU measured the others. ``python -m fused_transformer bench --suite
+variants --device cuda`` times every variant of every op on the bench's shapes and writes ``MEASURED_FILE``: one row
+per (op, GPU, shape class) naming the fastest, with its time against the default's and against the vendor's kernel
+(cuDNN, cuBLAS, torch). A launcher asks ``choose(op, gpu, shape)``: a row measured on this GPU for this shape class,
+else the default. Until a GPU has run the suite, the file holds no row and every plan keeps its default (``status``
+says so).
 
 Tests and the bench run one variant on purpose with ``forced``; a variant the plan refuses (no supported Triton
 release builds it) raises there with the plan's reason.
@@ -33,13 +34,13 @@ class VariantRow:
     """One verdict of the variants suite: on ``gpu``, ``op`` at shapes of class ``shape`` runs ``variant``, which
     took ``vs_default`` of the default variant's time and ran at ``vs_vendor`` x the speed of ``vendor``."""
 
-    op: str  # "attention.fwd", "attention.bwd", "layer_norm.fwd", "layer_norm.bwd", "decode.split"
+    op: str  # "attention.fwd", "attention.bwd", "decode.split", a norm kernel's ".fwd" / ".bwd", ...
     gpu: str  # ``gpu_name``: "H200", "H100", "A100", ...
     shape: str  # the op's shape class (its plan's ``shape_class``)
     variant: str
     vs_default: float  # the winner's time / the default's (<= 1)
     vs_vendor: float  # the vendor's time / the winner's (> 1: ours is faster)
-    vendor: str  # what vs_vendor compares with: "sdpa:cudnn_attention", "F.layer_norm", ...
+    vendor: str  # what vs_vendor compares with: "sdpa:cudnn_attention", "torch" (an op's torch path), ...
     provenance: str  # device, torch, triton, commit, date of the run that measured it
 
 

@@ -11,9 +11,9 @@ import torch
 
 import fused_transformer as ft
 from fused_transformer import backend, contract, reference
-from fused_transformer.autograd import (
-    AttentionFunction, AttentionVarlenFunction, FeedForwardFunction, LayerNormFunction,
-)
+from fused_transformer.autograd import AttentionFunction, AttentionVarlenFunction
+from fused_transformer.ops.feed_forward import FeedForwardFunction, FeedForwardSpec
+from fused_transformer.ops.layer_norm import LayerNormSpec, NormFunction
 from numerics import assert_close_to_reference
 
 UNAVAILABLE = backend.cpu_unavailable_reason()
@@ -347,7 +347,7 @@ def test_layer_norm_gradcheck_float64_with_prenorm_output_used():
 
     def fn(x, weight, bias, residual):
         torch.manual_seed(17)
-        y, z = LayerNormFunction.apply(x, weight, bias, residual, contract.LayerNormSpec(1e-5, 0.3, True), "cpu")
+        y, z = NormFunction.apply(x, weight, bias, residual, LayerNormSpec(1e-5, 0.3, True), "cpu")
         return y, z * 0.5
 
     assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in leaves])
@@ -407,7 +407,7 @@ def test_feed_forward_gradcheck_float64(activation, dropout_p):
 
     def fn(x, w1, b1, w2, b2):
         torch.manual_seed(23)
-        return FeedForwardFunction.apply(x, w1, b1, w2, b2, contract.FeedForwardSpec(activation, dropout_p), "cpu")
+        return FeedForwardFunction.apply(x, w1, b1, w2, b2, FeedForwardSpec(activation, dropout_p), "cpu")
 
     assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in leaves])
 

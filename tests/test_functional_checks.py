@@ -98,8 +98,8 @@ def test_feed_forward_rejects_bad_input():
     (ft.functional.attention, ft.contract.ATTENTION_OPTIONS),
     (ft.functional.attention_varlen, ft.contract.ATTENTION_VARLEN_OPTIONS),
     (ft.functional.attention_weights, ft.contract.ATTENTION_WEIGHTS_OPTIONS),
-    (ft.functional.layer_norm, ft.contract.LAYER_NORM_OPTIONS),
-    (ft.functional.feed_forward, ft.contract.FEED_FORWARD_OPTIONS),
+    (ft.functional.layer_norm, ft.ops.layer_norm.OPTIONS),
+    (ft.functional.feed_forward, ft.ops.feed_forward.OPTIONS),
 ], ids=lambda x: getattr(x, "__name__", ""))
 def test_kernel_level_options_are_functionals_keyword_arguments(op, options):
     """The kernel-level entries take functional's keyword arguments as **options, with the defaults the contract

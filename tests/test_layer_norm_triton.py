@@ -6,7 +6,8 @@ Runs on CUDA when present, else on CPU tensors under the Triton interpreter (set
 import pytest
 import torch
 
-from fused_transformer import autograd, backend, contract, functional, reference
+from fused_transformer import backend, functional, reference
+from fused_transformer.ops import layer_norm as norm_op
 from fused_transformer.kernels import layer_norm as triton_layer_norm
 from fused_transformer.kernels import variants
 from fused_transformer.kernels._common import dropout_keep_mask, interpreting
@@ -84,9 +85,14 @@ def test_a_named_backend_runs_the_kernels_and_torchs_path_is_torch_nn(monkeypatc
     """``use_backend("triton")`` runs the kernels on every call, without dropout too (the route sends those to ATen
     only on "auto", tests/test_route.py); torch's path (``"torch"``) is ATen's add + F.layer_norm, torch.nn's values
     bit for bit."""
-    launched = []
-    launch = triton_layer_norm._launch_fwd
-    monkeypatch.setattr(triton_layer_norm, "_launch_fwd", lambda *args: launched.append(args) or launch(*args))
+    launched, launch = [], triton_layer_norm.launch_kernel
+
+    def spy(kernel, *args, **kwargs):
+        if kernel is triton_layer_norm._layer_norm_fwd_kernel:
+            launched.append(args)
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(triton_layer_norm, "launch_kernel", spy)
     inputs = _random_inputs((2, 5, 24), torch.bfloat16, weight=True, bias=True, residual=True)
     x, weight, bias, residual = (inputs[name] for name in ("x", "weight", "bias", "residual"))
     with backend.use_backend("triton"):
@@ -95,8 +101,8 @@ def test_a_named_backend_runs_the_kernels_and_torchs_path_is_torch_nn(monkeypatc
         functional.layer_norm(x, weight.float(), bias, EPS)
         triton_layer_norm.layer_norm(x, weight, bias, EPS, rms_norm=True)
     assert len(launched) == 4
-    spec = contract.layer_norm_spec(x, weight, bias, EPS, residual, 0.0, True)
-    y, z = autograd.layer_norm("torch", x, weight, bias, residual, spec)
+    spec = norm_op.check(x, weight, bias, EPS, residual, 0.0, True)
+    y, z = norm_op.run("torch", x, weight, bias, residual, spec)
     assert len(launched) == 4
     torch.testing.assert_close(z, x + residual, rtol=0, atol=0)
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(x + residual, (24,), weight, bias, EPS), rtol=0,
@@ -136,14 +142,14 @@ def test_weight_and_bias_gradients_share_one_reduction(monkeypatch, bias_dtype):
     torch.manual_seed(3)
     x, dy = (torch.randn(37, 48, device=DEVICE) for _ in range(2))
     weight, bias = torch.randn(48, device=DEVICE), torch.randn(48, device=DEVICE, dtype=bias_dtype)
-    _, _, mean, rstd = triton_layer_norm._launch_fwd(x, weight, bias, None, EPS, 0.0, None, False, False)
+    _, _, mean, rstd = triton_layer_norm.layer_norm_fwd(x, weight, bias, None, EPS, 0.0, None, False, False)
     sums, sum_rows = [], triton_layer_norm.sum_rows
     monkeypatch.setattr(triton_layer_norm, "sum_rows", lambda t, dtype: sums.append(t.shape[1]) or sum_rows(t, dtype))
     args = (dy, None, x, weight, bias, mean, rstd, 0.0, None, False, False)
-    one = triton_layer_norm._launch_bwd(*args)
+    one = triton_layer_norm.layer_norm_bwd(*args)
     assert sums == ([96] if bias_dtype == torch.float32 else [48, 48])
     sums.clear()
-    apart = triton_layer_norm._launch_bwd(*args, one_sum=False)
+    apart = triton_layer_norm.layer_norm_bwd(*args, one_sum=False)
     assert sums == [48, 48]
     for a, b in zip(one, apart):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -262,7 +268,7 @@ def test_a_measured_row_picks_the_variant_of_its_gpu_and_shape_class(monkeypatch
                                              1.5, "F.layer_norm", "test")])
     launched = _spy_block_m(monkeypatch)
     for t in (x, wider):  # the second is of another class (N128): the default runs
-        triton_layer_norm._launch_fwd(t, None, None, None, EPS, 0.0, None, False, False)
+        triton_layer_norm.layer_norm_fwd(t, None, None, None, EPS, 0.0, None, False, False)
     assert [block_m for _, block_m, _ in launched] == [16, 1]
 
 

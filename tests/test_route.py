@@ -1,12 +1,15 @@
 """The route (fused_transformer/route.py): the rule on every measured row and on the default, the backends'
 features as data, the table's text form, tuned rows read from the user's cache ahead of the measured ones, and the
 ops running where the route says."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fused_transformer as ft
-from fused_transformer import autograd, backend, contract, reference, route
+from fused_transformer import autograd, backend, contract, ops, reference, route
+from fused_transformer.ops import feed_forward as feed_forward_op
 from fused_transformer.route import Call, decide
 
 ROWS = route.table()
@@ -43,9 +46,15 @@ def test_without_a_row_the_default_decides():
     for op in ("attention", "attention_varlen", "attention_with_kvcache"):
         assert decide(Call(op, "sm75", torch.float16, size=512), "auto", "triton", ROWS).backend == "triton"
     for op in ("layer_norm", "feed_forward"):
-        plain = Call(op, "sm75", torch.float16, size=512)
-        assert decide(plain, "auto", "triton", ROWS).backend == "torch"  # nothing to fuse
-        assert decide(plain._replace(dropout=True), "auto", "triton", ROWS).backend == "triton"
+        record = ops.get(op)
+        example = record.route_examples[0]
+
+        def call(dropout_p):
+            with_p = dataclasses.replace(example, options={**example.options, "dropout_p": dropout_p})
+            return record.route_call(with_p, torch.device("cpu"), torch.float32)._replace(device="sm75", size=512)
+
+        assert decide(call(0.0), "auto", "triton", ROWS).backend == "torch"  # nothing to fuse: the op's own default
+        assert decide(call(0.1), "auto", "triton", ROWS).backend == "triton"
 
 
 def test_a_named_backend_runs_ours_and_falls_back_for_what_it_lacks():
@@ -53,10 +62,10 @@ def test_a_named_backend_runs_ours_and_falls_back_for_what_it_lacks():
     assert decide(call, "auto", "triton", ROWS).backend == "torch"
     assert decide(call, "triton", "triton", ROWS).backend == "triton"  # forced: ours, even where torch is faster
     assert decide(call, "reference", "reference", ROWS).backend == "reference"
-    rms = Call("layer_norm", "cpu", torch.float32, size=64, needs=frozenset({"rms_norm"}))
-    assert decide(rms, "cpu", "cpu", ROWS) == ("reference", "backend 'cpu' does not compute rms_norm")
-    assert decide(rms, "auto", "cpu", ROWS).backend == "reference"
-    assert decide(rms, "auto", "triton", ROWS).backend == "triton"
+    recompute = Call("feed_forward", "cpu", torch.float32, size=64, dropout=True, needs=frozenset({"recompute"}))
+    assert decide(recompute, "cpu", "cpu", ROWS) == ("reference", "backend 'cpu' does not compute recompute")
+    assert decide(recompute, "auto", "cpu", ROWS).backend == "reference"
+    assert decide(recompute, "auto", "triton", ROWS).backend == "triton"
     assert decide(Call("attention", "cpu", torch.float64), "auto", "reference", ROWS).backend == "reference"
 
 
@@ -76,8 +85,11 @@ def test_layer_norm_rows_split_by_size_and_cpu_keeps_16_bits_on_ours():
     assert decide(call, "auto", "triton", ROWS).backend == "torch"
     assert decide(call._replace(size=32 * 1024 * 1024), "auto", "triton", ROWS).backend == "triton"
     assert decide(call._replace(needs_grad=True, size=1 << 30), "auto", "triton", ROWS).backend == "torch"
-    assert decide(Call("layer_norm", "cpu", torch.bfloat16, size=64), "auto", "cpu", ROWS).backend == "cpu"
-    assert decide(Call("layer_norm", "cpu", torch.float32, size=64), "auto", "cpu", ROWS).backend == "torch"
+    norm = ops.get("layer_norm")
+    plain = norm.route_examples[0]
+    cpu = torch.device("cpu")
+    assert decide(norm.route_call(plain, cpu, torch.bfloat16), "auto", "cpu", ROWS).backend == "cpu"
+    assert decide(norm.route_call(plain, cpu, torch.float32), "auto", "cpu", ROWS).backend == "torch"
 
 
 def test_the_table_reads_back_what_it_writes_and_names_a_bad_line():
@@ -160,18 +172,18 @@ def test_a_gpu_row_sends_the_functional_call_to_sdpa(monkeypatch):
 def test_traced_attention_runs_ours():
     call = Call("attention", "sm90", torch.bfloat16, head_dim=64, size=None)
     assert decide(call, "auto", "triton", ROWS).backend == "triton"
-    layer_norm = Call("layer_norm", "sm90", torch.bfloat16, size=None)
+    layer_norm = Call("layer_norm", "sm90", torch.bfloat16, size=None, torch_default="no dropout: nothing to fuse")
     assert decide(layer_norm, "auto", "triton", ROWS).backend == "torch"
 
 
 def test_autograd_runs_torchs_paths_as_torch_nn():
     g = torch.Generator().manual_seed(5)
     x, w1, w2 = torch.randn(3, 8, generator=g), torch.randn(16, 8, generator=g), torch.randn(8, 16, generator=g)
-    spec = contract.feed_forward_spec(x, w1, None, w2, None, "gelu", 0.0)
-    assert torch.equal(autograd.feed_forward("torch", x, w1, None, w2, None, spec),
+    spec = feed_forward_op.check(x, w1, None, w2, None, "gelu", 0.0)
+    assert torch.equal(feed_forward_op.run("torch", x, w1, None, w2, None, spec),
                        F.linear(F.gelu(F.linear(x, w1)), w2))
     torch.manual_seed(0)
-    dropped = autograd.feed_forward("torch", x, w1, None, w2, None, spec._replace(dropout_p=0.5))
+    dropped = feed_forward_op.run("torch", x, w1, None, w2, None, spec._replace(dropout_p=0.5))
     torch.manual_seed(0)
     assert torch.equal(dropped, F.linear(F.dropout(F.gelu(F.linear(x, w1)), 0.5), w2))
 
@@ -204,7 +216,7 @@ def test_tune_writes_rows_the_route_reads(tuned_cache):
 def test_rows_of_merges_neighbours_with_the_same_winner():
     from fused_transformer.tools.tune import Group, rows_of
 
-    group = Group("attention", "forward", torch.float32, "64", "causal", "no")
+    group = Group("attention", "forward", torch.float32, "64", "causal", "no", ())
     rows = rows_of(group, "cpu", [(128, 0.8, "-"), (512, 1.2, "-"), (2048, 1.5, "-")], "t")
     assert [(r.sizes, r.speedup) for r in rows] == [((0, 256), (0.8, 0.8)), ((256, None), (1.2, 1.5))]
     assert [decide(Call("attention", "cpu", torch.float32, head_dim=64, mask="causal", size=n), "auto", "cpu",
@@ -241,16 +253,17 @@ print(route.describe(seen))
 
 
 def test_a_feature_the_cpu_backend_lacks_falls_back_to_the_reference_which_computes_it():
-    """RMSNorm on the C++ backend (which has none): the route sends it to the reference, which computes RMSNorm (not
-    LayerNorm), forward and backward, instead of raising."""
+    """A feed-forward that recomputes its pre-activation (the Triton entry's option) on the C++ backend, which has
+    no such option: the route sends it to the reference, which computes the op, forward and backward, instead of
+    raising."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, 24, generator=g, dtype=torch.float64, requires_grad=True)
-    weight, bias = torch.randn(24, generator=g, dtype=torch.float64), torch.randn(24, generator=g, dtype=torch.float64)
-    spec = contract.layer_norm_spec(x, weight, bias, 1e-5, None, 0.0, False)._replace(rms_norm=True)
+    w1, w2 = torch.randn(32, 24, generator=g, dtype=torch.float64), torch.randn(8, 32, generator=g, dtype=torch.float64)
+    spec = feed_forward_op.check(x, w1, None, w2, None, "gelu", 0.0)._replace(recompute=True)
     with ft.use_backend("cpu"):
-        decision = route.layer_norm(x, weight, bias, None, spec)
-        y = autograd.layer_norm(decision.backend, x, weight, bias, None, spec)
-    assert decision == ("reference", "backend 'cpu' does not compute rms_norm")
-    expected = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5) * weight + bias
+        decision = feed_forward_op.decide(x, w1, None, w2, None, spec)
+        y = feed_forward_op.run(decision.backend, x, w1, None, w2, None, spec)
+    assert decision == ("reference", "backend 'cpu' does not compute recompute")
+    expected = F.linear(F.gelu(F.linear(x, w1)), w2)
     torch.testing.assert_close(y, expected)
     torch.testing.assert_close(torch.autograd.grad(y.sum(), x)[0], torch.autograd.grad(expected.sum(), x)[0])

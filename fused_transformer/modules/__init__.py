@@ -27,17 +27,16 @@ one, a ``memory_mask``, a hooked ``MultiheadAttention``, ``add_bias_kv`` / ``add
 than a LayerNorm over the last dim, and ``torch.compile`` / ``torch.export`` (packing has data-dependent
 shapes).
 """
-from .attention import MultiheadAttention
-from .base import FuseSummary, InputShapeError, fuse
-from .layers import LayerNorm, TransformerDecoderLayer, TransformerEncoderLayer
-from .stacks import Transformer, TransformerDecoder, TransformerEncoder
+from . import attention, base, layers, stacks
+from .attention import *  # noqa: F401,F403  (each module's __all__: its public classes)
+from .base import *  # noqa: F401,F403
+from .layers import *  # noqa: F401,F403
+from .stacks import *  # noqa: F401,F403
 
-__all__ = [
-    "InputShapeError", "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
-    "TransformerDecoder", "Transformer", "LayerNorm", "fuse", "FuseSummary",
-]
+__all__ = [*base.__all__, *attention.__all__, *layers.__all__, *stacks.__all__]
 
 # The public classes are fused_transformer.modules.X wherever they are defined (their reprs and pickles say so).
-for _public in (FuseSummary, InputShapeError, MultiheadAttention, TransformerEncoderLayer, TransformerDecoderLayer,
-                TransformerEncoder, TransformerDecoder, Transformer, LayerNorm):
-    _public.__module__ = __name__
+for _name in __all__:
+    _public = globals()[_name]
+    if isinstance(_public, type):
+        _public.__module__ = __name__

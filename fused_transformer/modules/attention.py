@@ -12,6 +12,8 @@ from .. import functional as ops
 from .base import FusedTwin, InputShapeError, any_nested, mixed_dtypes, twin_of
 from .packing import Packing, has_hooks
 
+__all__ = ["MultiheadAttention"]
+
 
 @twin_of(nn.MultiheadAttention)
 class MultiheadAttention(FusedTwin, nn.MultiheadAttention):

@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+__all__ = ["InputShapeError", "FuseSummary", "fuse"]
+
+
 logger = logging.getLogger("fused_transformer")
 
 # torch.nn class -> its fused twin (twin_of registers them).

@@ -16,6 +16,8 @@ from .packing import (
     Packing, causal_or_none, fits_padding, pack, packing_allowed, row_wise_norm, seq_len, unpack, zero_padding,
 )
 
+__all__ = ["LayerNorm", "TransformerEncoderLayer", "TransformerDecoderLayer"]
+
 
 @twin_of(nn.LayerNorm)
 class LayerNorm(FusedTwin, nn.LayerNorm):

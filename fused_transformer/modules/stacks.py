@@ -10,6 +10,8 @@ from .base import FusedTwin, any_nested, is_causal_mask, twin_of, with_fused_chi
 from .layers import TransformerDecoderLayer, TransformerEncoderLayer
 from .packing import batch_first_of, fits_padding, pack, row_wise_norm, seq_len, unpack, zero_padding
 
+__all__ = ["TransformerEncoder", "TransformerDecoder", "Transformer"]
+
 
 @twin_of(nn.TransformerEncoder)
 class TransformerEncoder(FusedTwin, nn.TransformerEncoder):

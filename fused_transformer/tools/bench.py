@@ -4,7 +4,7 @@
                                       [--dtype float32|float16|bfloat16] [--out DIR] [--min-time S]
                                       [--threads N] [--backend NAME] [--no-plots] [--no-progress]
 
-Runs the suites of ``fused_transformer.tools.bench_cases`` (attention, layer_norm, feed_forward, encoder_layer,
+Runs the suites of ``fused_transformer.tools.bench_cases`` (attention, every registered op, encoder_layer,
 decoder_layer, decode_step, decode, module_call; all by default) and, only when named, ``overhead``
 (``fused_transformer.tools.bench_overhead``: the host time of one call of each op and module on a tiny input) and
 ``variants`` (``fused_transformer.tools.bench_variants``: every variant of our kernels against the vendor's, the
@@ -17,14 +17,15 @@ one table row per measurement as it goes, and writes to ``--out`` (default ``ben
   torch.nn); ``device, dtype, batch, heads, seq_len, head_dim, d_model, d_ff, causal, padding`` (the shape;
   ``padding`` is the fraction of keys that are padding); ``ms`` (median time of one call);
   ``tflops`` (counted work / time, attention and feed-forward), ``tokens_per_s`` (batch * seq_len / time),
-  ``gb_per_s`` and ``bw_of_peak`` (layer_norm: counted bytes / time, and that as a fraction of the GPU's peak
+  ``gb_per_s`` and ``bw_of_peak`` (ops that count bytes: counted bytes / time, and that as a fraction of the GPU's peak
   DRAM bandwidth when known); ``peak_mem_mb`` and ``mem_measure`` (peak memory of one call in MiB, and how it
   was measured: ``cuda_max_allocated`` or ``cpu_profiler_alloc``); ``baseline`` (the implementation the
   speed-up is against: sdpa's default dispatch, torch, torch.nn) and ``speedup`` (baseline ms / this ms: > 1 means
   faster than the baseline, 1.0 for the baseline itself); ``note`` (the backend ours ran on, the backend SDPA's
   default dispatch picked; for the overhead suite, the host microseconds per call and ours' ratios to thin and to
   torch).
-- ``<suite>_<device>_throughput.png``: TFLOP/s (attention, feed-forward) or tokens/s (layer_norm, layers) against
+- ``<suite>_<device>_throughput.png``: TFLOP/s (attention, ops that count FLOPs) or tokens/s (the others, layers)
+  against
   the sequence length, one line per implementation, one panel per case and mode;
 - ``<suite>_<device>_memory.png``: peak memory against the sequence length, same panels (a suite measured at one
   length only, as ``module_call``, gets bars per case instead); no plots for the overhead suite, whose table (in

@@ -9,9 +9,8 @@ Suites (``SUITES``), each over sequence lengths:
   ``sdpa``) and under each ``sdpa_kernel`` backend for this device (``sdpa:math``, ``sdpa:flash_attention``, and
   on CUDA ``sdpa:efficient_attention``, ``sdpa:cudnn_attention``), plus ``flash_attn`` and ``xformers`` on CUDA
   when installed. SDPA gets the padding as a boolean ``attn_mask`` (its only way to take it).
-- ``layer_norm``: ``ft.layer_norm(x, w, b, residual=r, dropout_p=0.1)`` against ``F.layer_norm(F.dropout(x) + r)``.
-- ``feed_forward``: ``ft.feed_forward(..., activation="gelu", dropout_p=0.1)`` against
-  ``F.linear -> F.gelu -> F.dropout -> F.linear``.
+- every registered op (``fused_transformer.ops``): the op's ``Op.bench`` examples, forward and forward+backward,
+  against its torch path (``Op.torch_path``: torch.nn's own ops computing the same result).
 - ``encoder_layer`` / ``decoder_layer``: ``ft.TransformerEncoderLayer`` / ``TransformerDecoderLayer`` against the
   ``torch.nn`` layer holding the same weights (dropout 0.1, batch_first, post-norm); a training step (forward +
   backward) and an eval forward under ``no_grad`` (torch.nn then takes its fast path), without padding and
@@ -57,28 +56,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fused_transformer as ft
-from fused_transformer.tools.bench_work import (
-    attention_flops, feed_forward_flops, kept_lengths, layer_norm_bytes, padding_ratio,
-)
+from fused_transformer import ops
+from fused_transformer.tools.bench_work import attention_flops, kept_lengths, padding_ratio
 
-SUITES = ("attention", "layer_norm", "feed_forward", "encoder_layer", "decoder_layer", "decode_step", "decode",
-          "module_call")
+SUITES = ("attention", *ops.names(), "encoder_layer", "decoder_layer", "decode_step", "decode", "module_call")
 DROPOUT = 0.1
 GPU_ATTENTION_TOKENS = 16384  # tokens per batch on CUDA: batch = 16384 // L (at least 2)
 
-# Default sequence lengths: (device type, suite) -> (full, --quick).
+# Default sequence lengths: (device type, suite) -> (full, --quick); a registered op's are its ``Op.lengths``.
 LENGTHS = {
     ("cpu", "attention"): ((128, 256, 512, 1024, 2048), (128, 512)),
-    ("cpu", "layer_norm"): ((128, 512, 2048), (128, 512)),
-    ("cpu", "feed_forward"): ((128, 512, 2048), (128, 512)),
     ("cpu", "encoder_layer"): ((128, 256, 512), (128,)),
     ("cpu", "decoder_layer"): ((128, 256, 512), (128,)),
     ("cpu", "decode_step"): ((16, 64, 128), (16,)),
     ("cpu", "decode"): ((512, 2048), (512,)),
     ("cpu", "module_call"): ((4,), (4,)),
     ("cuda", "attention"): ((512, 1024, 2048, 4096, 8192, 16384), (1024, 4096)),
-    ("cuda", "layer_norm"): ((512, 1024, 2048, 4096, 8192), (1024, 4096)),
-    ("cuda", "feed_forward"): ((512, 1024, 2048, 4096), (1024, 4096)),
     ("cuda", "encoder_layer"): ((512, 1024, 2048, 4096), (1024, 4096)),
     ("cuda", "decoder_layer"): ((512, 1024, 2048, 4096), (1024, 4096)),
     ("cuda", "decode_step"): ((64, 256, 1024), (256,)),
@@ -325,64 +318,31 @@ def attention_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
                     )
 
 
-def _build_layer_norm(setup: Setup, batch: int, length: int, hidden: int, backward: bool) -> Built:
+def _build_op(setup: Setup, op: ops.Op, example: ops.Example, backward: bool) -> Built:
+    """A registered op's example: ours (its public function) against its torch path, on the same tensors."""
     torch.manual_seed(0)
-    x, residual = (_randn(setup, batch, length, hidden, grad=backward) for _ in range(2))
-    weight = (1 + _randn(setup, hidden, scale=0.1)).requires_grad_(backward)
-    bias = _randn(setup, hidden, scale=0.1, grad=backward)
-    grad = _randn(setup, batch, length, hidden)
-    calls = {
-        "torch": lambda: F.layer_norm(F.dropout(x, DROPOUT) + residual, (hidden,), weight, bias),
-        "ours": _on_backend(setup.backend, lambda: ft.layer_norm(x, weight, bias, residual=residual,
-                                                                 dropout_p=DROPOUT)),
-    }
-    wrap = (lambda fn: _forward_backward(fn, grad)) if backward else _forward
-    return Built({name: wrap(fn) for name, fn in calls.items()}, [x, residual, weight, bias])
+    tensors = example.draw(lambda *shape, scale=1.0: _randn(setup, *shape, scale=scale))
+    leaves = [t.requires_grad_(backward) for t in tensors.values() if t is not None]
+    calls = {"torch": lambda: op.torch_path(**tensors, **example.options),
+             "ours": _on_backend(setup.backend, lambda: op.function(**tensors, **example.options))}
+    if not backward:
+        return Built({name: _forward(fn) for name, fn in calls.items()}, leaves)
+    grad = torch.randn_like(calls["torch"]())
+    return Built({name: _forward_backward(fn, grad) for name, fn in calls.items()}, leaves)
 
 
-def layer_norm_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
-    batch = 8
-    for hidden in (1024, 4096) if setup.device.type == "cuda" else (256, 1024):
+def op_cases(op: ops.Op, setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
+    """A registered op's bench cases (``Op.bench``), forward and forward + backward."""
+    examples = op.bench(setup.device.type == "cuda", lengths)
+    for label in dict.fromkeys(example.label for example in examples):
         for mode in ("fwd", "fwd+bwd"):
-            for length in lengths:
+            for example in (e for e in examples if e.label == label):
                 backward = mode == "fwd+bwd"
-                yield Case(
-                    "layer_norm", f"d{hidden}", mode, length, batch, ("torch", "ours"), d_model=hidden,
-                    nbytes=layer_norm_bytes(batch * length, hidden, setup.dtype.itemsize, backward=backward),
-                    build=functools.partial(_build_layer_norm, setup, batch, length, hidden, backward),
-                )
-
-
-def _build_feed_forward(setup: Setup, batch: int, length: int, d_model: int, d_ff: int, backward: bool) -> Built:
-    torch.manual_seed(0)
-    x = _randn(setup, batch, length, d_model, grad=backward)
-    w1 = _randn(setup, d_ff, d_model, scale=d_model ** -0.5, grad=backward)
-    b1 = _randn(setup, d_ff, scale=0.1, grad=backward)
-    w2 = _randn(setup, d_model, d_ff, scale=d_ff ** -0.5, grad=backward)
-    b2 = _randn(setup, d_model, scale=0.1, grad=backward)
-    grad = _randn(setup, batch, length, d_model)
-    calls = {
-        "torch": lambda: F.linear(F.dropout(F.gelu(F.linear(x, w1, b1)), DROPOUT), w2, b2),
-        "ours": _on_backend(setup.backend, lambda: ft.feed_forward(x, w1, b1, w2, b2, activation="gelu",
-                                                                   dropout_p=DROPOUT)),
-    }
-    wrap = (lambda fn: _forward_backward(fn, grad)) if backward else _forward
-    return Built({name: wrap(fn) for name, fn in calls.items()}, [x, w1, b1, w2, b2])
-
-
-def feed_forward_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
-    batch = 8
-    shapes = ((1024, 4096), (4096, 16384)) if setup.device.type == "cuda" else ((256, 1024), (512, 2048))
-    for d_model, d_ff in shapes:
-        for mode in ("fwd", "fwd+bwd"):
-            for length in lengths:
-                backward = mode == "fwd+bwd"
-                yield Case(
-                    "feed_forward", f"d{d_model} ff{d_ff}", mode, length, batch, ("torch", "ours"),
-                    d_model=d_model, d_ff=d_ff,
-                    flops=feed_forward_flops(batch * length, d_model, d_ff, backward=backward),
-                    build=functools.partial(_build_feed_forward, setup, batch, length, d_model, d_ff, backward),
-                )
+                shape = example.shape
+                work = op.work(example, setup.dtype.itemsize, backward)
+                yield Case(op.name, label, mode, shape["seq_len"], shape["batch"], ("torch", "ours"),
+                           d_model=shape.get("d_model"), d_ff=shape.get("d_ff"), flops=work.flops,
+                           nbytes=work.nbytes, build=functools.partial(_build_op, setup, op, example, backward))
 
 
 def _build_layer(setup: Setup, decoder: bool, batch: int, length: int, d_model: int, heads: int, d_ff: int,
@@ -591,8 +551,7 @@ def module_call_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
 
 CASES: Dict[str, Callable[[Setup, Sequence[int]], Iterator[Case]]] = {
     "attention": attention_cases,
-    "layer_norm": layer_norm_cases,
-    "feed_forward": feed_forward_cases,
+    **{op.name: functools.partial(op_cases, op) for op in ops.registered()},
     "encoder_layer": functools.partial(_layer_cases, decoder=False),
     "decoder_layer": functools.partial(_layer_cases, decoder=True),
     "decode_step": decode_step_cases,
@@ -609,11 +568,8 @@ def describe(suite: str, setup: Setup) -> str:
             return (f"batch {GPU_ATTENTION_TOKENS} / L (at least 2), 2048 / D heads, D 64 and 128, "
                     f"dropout 0")
         return "batch 8, 8 heads, D 64, dropout 0"
-    if suite == "layer_norm":
-        return f"batch 8, d_model {'1024, 4096' if gpu else '256, 1024'}, residual, dropout {DROPOUT}"
-    if suite == "feed_forward":
-        shapes = "1024/4096, 4096/16384" if gpu else "256/1024, 512/2048"
-        return f"batch 8, d_model/d_ff {shapes}, GELU, dropout {DROPOUT}"
+    if suite in ops.names():
+        return ops.get(suite).describe(gpu)
     if suite == "module_call":
         shape = MODULE_CALL_SHAPE
         return (f"batch {shape['batch']}, d_model {shape['d_model']}, {shape['heads']} heads, d_ff {shape['d_ff']}, "
@@ -630,7 +586,8 @@ def describe(suite: str, setup: Setup) -> str:
 
 
 def default_lengths(suite: str, device: torch.device, quick: bool) -> Tuple[int, ...]:
-    full, short = LENGTHS[("cuda" if device.type == "cuda" else "cpu", suite)]
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    full, short = ops.get(suite).lengths[kind] if suite in ops.names() else LENGTHS[(kind, suite)]
     return short if quick else full
 
 

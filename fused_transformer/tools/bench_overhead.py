@@ -7,14 +7,14 @@ Cases (``cases``), on batch 2, 2 heads, L 8, head dim 16, d_model 32, d_ff 64:
   (the second sequence's last 3 keys; SDPA takes it as a bool mask made before the calls); ``ft.attention_varlen``
   forward (two packed sequences of 8 and 5 tokens); ``ft.attention_with_kvcache``, one decoding step (one new key
   and value appended to a contiguous cache holding 7, one query per sequence, the lengths on the host);
-  ``ft.layer_norm`` with a residual and ``ft.feed_forward`` (GELU), both with dropout 0.1 (``FUSED_DROPOUT``;
-  without it ATen runs the feed-forward, and on a GPU the LayerNorm), forward and forward+backward.
+  then every registered op (``fused_transformer.ops``) on its ``Op.overhead`` example (with dropout where the op
+  has it: without, ATen runs the norms and the feed-forward), forward and forward+backward.
 - modules: ``ft.LayerNorm``, ``ft.MultiheadAttention`` (``need_weights=False``), ``ft.TransformerEncoderLayer`` and
   ``ft.TransformerDecoderLayer`` (dropout 0.1, batch_first), an eval call under ``no_grad`` and a training step.
 
 Each op is measured three ways in the same run: ``torch``, torch's own equivalent (SDPA, on the cache after the same
-write for the decoding step and with a block-diagonal mask for the packed sequences; ``F.layer_norm(F.dropout(x) +
-r)``; ``F.linear -> F.gelu -> F.dropout -> F.linear``); ``thin``, ``ThinFunction``, an autograd Function over the op's
+write for the decoding step and with a block-diagonal mask for the packed sequences; a registered op's
+``Op.torch_path``); ``thin``, ``ThinFunction``, an autograd Function over the op's
 input tensors that only allocates its output and, in backward, the gradients: the least a fused op can cost on the
 host; and ``ours``. Modules are measured against the ``torch.nn`` module holding the same weights. The figures that
 matter are ours / thin (``TARGETS``) and ours / torch; forward+backward and training steps take the gradients with
@@ -47,27 +47,23 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import fused_transformer as ft
+from fused_transformer import ops
 from fused_transformer.tools.bench_cases import Built, Case, Setup, module_calls, module_twins
 from fused_transformer.tools.launches import cpu_draws_as_on_a_gpu
 
 SUITE = "overhead"
 BATCH, HEADS, SEQ_LEN, HEAD_DIM, D_MODEL, D_FF = 2, 2, 8, 16, 32, 64
-# The dropout of layer_norm and feed_forward: without one, ATen runs the feed-forward, and on a GPU the LayerNorm
-# (their backends' composed forms), and no launch of ours would be timed.
-FUSED_DROPOUT = 0.1
 VARLEN_LENGTHS = (8, 5)  # the packed sequences of attention_varlen
 KEY_PADDING = "attention (key padding)"  # ft.attention with a key padding mask: the keys past VARLEN_LENGTHS
-OPS = {  # op -> its modes
+ATTENTION_OPS = {  # op -> its modes; then every registered op's (``Op.overhead``), forward and forward+backward
     "attention": ("fwd", "fwd+bwd"), KEY_PADDING: ("fwd", "fwd+bwd"), "attention_varlen": ("fwd",),
     "attention_with_kvcache": ("fwd",),
-    "layer_norm": ("fwd", "fwd+bwd"), "feed_forward": ("fwd", "fwd+bwd"),
 }
+OPS = {**ATTENTION_OPS, **{op.name: tuple(op.overhead_target) for op in ops.registered()}}
 MODULES = ("LayerNorm", "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer")
-# The issue's targets for ours / thin (CPU, launches skipped): (op, mode) -> the largest ratio allowed.
-TARGETS = {
-    ("attention", "fwd"): 4.0, ("attention", "fwd+bwd"): 2.5, ("layer_norm", "fwd"): 4.0,
-    ("layer_norm", "fwd+bwd"): 4.0, ("feed_forward", "fwd"): 5.0, ("feed_forward", "fwd+bwd"): 5.0,
-}
+# The targets for ours / thin (CPU, launches skipped): (op, mode) -> the largest ratio allowed.
+TARGETS = {("attention", "fwd"): 2.5, ("attention", "fwd+bwd"): 2.5,
+           **{(op.name, mode): target for op in ops.registered() for mode, target in op.overhead_target.items()}}
 WARMUP_CALLS = 3
 MIN_CALLS = 5  # per block
 BLOCKS = 5
@@ -294,38 +290,29 @@ def _attention_with_kvcache(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dic
         q, k_cache, v_cache, cache_seqlens=on_host, k_new=k_new, v_new=v_new)}
 
 
-def _layer_norm(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
-    x, residual = (_randn(setup, BATCH, SEQ_LEN, D_MODEL, grad=grad) for _ in range(2))
-    weight, bias = (_randn(setup, D_MODEL, grad=grad) for _ in range(2))
-    return [x, weight, bias, residual], {
-        "torch": lambda: F.layer_norm(F.dropout(x, FUSED_DROPOUT) + residual, (D_MODEL,), weight, bias),
-        "ours": lambda: ft.layer_norm(x, weight, bias, residual=residual, dropout_p=FUSED_DROPOUT)}
-
-
-def _feed_forward(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
-    x = _randn(setup, BATCH, SEQ_LEN, D_MODEL, grad=grad)
-    w1, b1 = _randn(setup, D_FF, D_MODEL, grad=grad), _randn(setup, D_FF, grad=grad)
-    w2, b2 = _randn(setup, D_MODEL, D_FF, grad=grad), _randn(setup, D_MODEL, grad=grad)
-    return [x, w1, b1, w2, b2], {
-        "torch": lambda: F.linear(F.dropout(F.gelu(F.linear(x, w1, b1)), FUSED_DROPOUT), w2, b2),
-        "ours": lambda: ft.feed_forward(x, w1, b1, w2, b2, activation="gelu", dropout_p=FUSED_DROPOUT)}
+def _registered(op: ops.Op, setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
+    example = op.overhead
+    tensors = example.draw(lambda *shape, scale=1.0: _randn(setup, *shape) * scale)
+    return [t.requires_grad_(grad) for t in tensors.values() if t is not None], {
+        "torch": lambda: op.torch_path(**tensors, **example.options),
+        "ours": lambda: op.function(**tensors, **example.options)}
 
 
 OP_INPUTS = {
     "attention": _attention, KEY_PADDING: _attention_key_padding, "attention_varlen": _attention_varlen,
     "attention_with_kvcache": _attention_with_kvcache,
-    "layer_norm": _layer_norm, "feed_forward": _feed_forward,
+    **{op.name: functools.partial(_registered, op) for op in ops.registered()},
 }
 
 
 def _build_op(setup: Setup, op: str, backward: bool) -> Built:
-    """torch, thin and ours on the same inputs; every op's output is shaped as its first input."""
+    """torch, thin and ours on the same inputs; thin's output is shaped as its first input, ours as torch's."""
     torch.manual_seed(0)
     inputs, calls = OP_INPUTS[op](setup, backward)
     calls = {"torch": calls["torch"], "thin": lambda: ThinFunction.apply(*inputs), "ours": calls["ours"]}
     if not backward:
         return Built({name: _forward(fn) for name, fn in calls.items()})
-    grad = torch.randn_like(inputs[0])
+    grad = torch.randn_like(calls["torch"]())
     return Built({name: _forward_backward(fn, inputs, grad) for name, fn in calls.items()})
 
 
@@ -341,12 +328,13 @@ def cases(setup: Setup) -> List[Case]:
     """Every case of the suite: the ops (torch, thin, ours), then the modules (torch.nn, ours)."""
     found = []
     for op, modes in OPS.items():
-        attention = op.startswith("attention")
+        attention = op in ATTENTION_OPS
+        shape = {} if attention else ops.get(op).overhead.shape
         for mode in modes:
             found.append(Case(
                 SUITE, op, mode, SEQ_LEN, BATCH, ("torch", "thin", "ours"),
                 heads=HEADS if attention else None, head_dim=HEAD_DIM if attention else None,
-                d_model=None if attention else D_MODEL, d_ff=D_FF if op == "feed_forward" else None,
+                d_model=shape.get("d_model"), d_ff=shape.get("d_ff"),
                 new_tokens={"attention_varlen": sum(VARLEN_LENGTHS), "attention_with_kvcache": BATCH}.get(op),
                 build=functools.partial(_build_op, setup, op, mode == "fwd+bwd")))
     for name in MODULES:

@@ -6,15 +6,15 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Sequence, Tuple
 
+from fused_transformer import ops
 from fused_transformer.tools.bench_cases import Setup
 from fused_transformer.tools.bench_work import finite
 
 Row = Dict[str, object]
 
-THROUGHPUT = {  # suite -> (CSV column, axis label)
+THROUGHPUT = {  # suite -> (CSV column, axis label); a registered op's is its ``Op.throughput``
     "attention": ("tflops", "TFLOP/s (attended pairs counted)"),
-    "feed_forward": ("tflops", "TFLOP/s"),
-    "layer_norm": ("tokens_per_s", "tokens/s"),
+    **{op.name: op.throughput for op in ops.registered()},
     "encoder_layer": ("tokens_per_s", "tokens/s"),
     "decoder_layer": ("tokens_per_s", "tokens/s"),
     "decode_step": ("tokens_per_s", "tokens/s"),

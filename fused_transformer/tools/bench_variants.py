@@ -8,8 +8,8 @@ Per op, on CUDA (bfloat16):
   ``no_grad``, head dims 64 and 128, no mask and causal, L 1024, 4096 and 16384 (``--quick``: 4096), 16k tokens a
   batch and 2048 / D heads as the attention suite; against SDPA's cuDNN backend (``sdpa:cudnn_attention``).
   ``attention.bwd``: the same shapes forward + backward, the variant applied to the backward's two kernels.
-- ``layer_norm.fwd`` / ``layer_norm.bwd``: ``kernels.layer_norm.layer_norm`` with a residual (no dropout: the
-  kernels' own speed), d 1024 and 4096, 16k and 64k rows (``--quick``: 16k); against ``F.layer_norm(x + r)``.
+- each registered op's kernel variants (``Op.variants``: the norms' ``.fwd`` / ``.bwd`` with a residual, no dropout:
+  the kernels' own speed), the op on the Triton backend on its examples; against its torch path.
 - ``decode.split``: one decoding step of ``attention_with_kvcache`` (one query per sequence, 8 KV heads of 32 query
   heads, head dim 128) on caches of 8192 and 32768 keys, batch 1 and 8 (where the rules' split counts differ);
   against SDPA on the same cache.
@@ -35,10 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fused_transformer import ops
 from fused_transformer.kernels import variants
 from fused_transformer.kernels.variants import VariantRow
 from fused_transformer.tools.bench_cases import Built, Case, Setup, _forward, _forward_backward
-from fused_transformer.tools.bench_work import attention_flops, layer_norm_bytes
+from fused_transformer.tools.bench_work import attention_flops
 
 SUITE = "variants"
 PREFIX = "variant:"
@@ -46,8 +47,6 @@ GPU_TOKENS = 16384
 # The sizes each op's cases run at: by (on CUDA, --quick), or by on CUDA.
 ATTENTION_LENGTHS = {(True, False): (1024, 4096, 16384), (True, True): (4096,), (False, False): (40,),
                      (False, True): (40,)}
-LAYER_NORM_ROWS = {(True, False): (16384, 65536), (True, True): (16384,), (False, False): (24,), (False, True): (24,)}
-LAYER_NORM_WIDTHS = {True: (1024, 4096), False: (64,)}
 DECODE_KEYS = {True: (8192, 32768), False: (512,)}
 DECODE_BATCHES = {True: (1, 8), False: (2,)}  # from 32 x 8 KV heads the grid fills an H100 without splits
 # How far a variant's output may lie from the default's, relative to the default's largest magnitude: the variants
@@ -179,63 +178,61 @@ def attention_cases(setup: Setup, quick: bool) -> Iterator[Case]:
                     )
 
 
-# ------------------------------------------------------------------------------------------ layer_norm
+# ---------------------------------------------------------------------------------- the registered ops
 
 
-def _build_layer_norm(setup: Setup, op: str, names: Tuple[str, ...], rows: int, width: int) -> Built:
-    from fused_transformer.kernels.layer_norm import layer_norm as kernel_layer_norm
+def _build_op(setup: Setup, op: ops.Op, cases: ops.VariantCases, names: Tuple[str, ...],
+              example: ops.Example) -> Built:
+    """A registered op's example on the Triton backend under each variant, against its torch path."""
+    import fused_transformer as ft
 
     torch.manual_seed(0)
-    backward = op == "layer_norm.bwd"
-
-    def tensor(*shape: int, grad: bool = False) -> Tensor:
-        return torch.randn(*shape, device=setup.device, dtype=setup.dtype).requires_grad_(grad)
-
-    x, residual = tensor(rows, width, grad=backward), tensor(rows, width, grad=backward)
-    weight, bias = tensor(width, grad=backward), tensor(width, grad=backward)
-    grad = tensor(rows, width)
+    tensors = example.draw(lambda *shape, scale=1.0: torch.randn(*shape, device=setup.device,
+                                                                 dtype=setup.dtype) * scale)
+    leaves = [t.requires_grad_(cases.backward) for t in tensors.values() if t is not None]
 
     def ours() -> Tensor:
-        return kernel_layer_norm(x, weight, bias, residual=residual)
+        with ft.use_backend("triton"):
+            return op.function(**tensors, **example.options)
 
-    calls = _variant_calls(op, names, ours)
-    if backward:
+    def vendor() -> Tensor:
+        return op.torch_path(**tensors, **example.options)
+
+    calls = _variant_calls(cases.variant_op, names, ours)
+    grad = torch.randn_like(vendor()) if cases.backward else None
+    if cases.backward:
         def gradients(call: Callable[[], Tensor]) -> Callable[[], Tuple[Tensor, ...]]:
             def run() -> Tuple[Tensor, ...]:
-                return torch.autograd.grad(call(), (x, residual, weight, bias), grad)
+                return torch.autograd.grad(call(), leaves, grad)
             return run
         checks = {impl: gradients(call) for impl, call in calls.items()}
     else:
         checks = {impl: _forward(call) for impl, call in calls.items()}
-    calls = _agreeing(op, calls, checks, names[0], setup.dtype)
-
-    def vendor() -> Tensor:
-        return F.layer_norm(x + residual, (width,), weight, bias)
-
-    fns = {vendor_name(setup, op): vendor, **calls}
-    if backward:
-        return Built({impl: _forward_backward(fn, grad) for impl, fn in fns.items()}, [x, residual, weight, bias])
+    calls = _agreeing(cases.variant_op, calls, checks, names[0], setup.dtype)
+    fns = {vendor_name(setup, cases.variant_op): vendor, **calls}
+    if cases.backward:
+        return Built({impl: _forward_backward(fn, grad) for impl, fn in fns.items()}, leaves)
     return Built({impl: _forward(fn) for impl, fn in fns.items()})
 
 
-def layer_norm_cases(setup: Setup, quick: bool) -> Iterator[Case]:
-    from fused_transformer.kernels import layer_norm
-
+def op_cases(setup: Setup, quick: bool) -> Iterator[Case]:
+    """The variants of every registered op's kernels (``Op.variants``) on their examples."""
     gpu = setup.device.type == "cuda"
-    for op in ("layer_norm.fwd", "layer_norm.bwd"):
-        if op not in variants.registered():
-            continue
-        default, known = variants.registered()[op]
-        names = (default, *(name for name, reason in known.items() if name != default and not reason))
-        for width in LAYER_NORM_WIDTHS[gpu]:
-            for rows in LAYER_NORM_ROWS[(gpu, quick)]:
-                shape = layer_norm.shape_class(width, rows, setup.dtype)
-                backward = op == "layer_norm.bwd"
+    for op in ops.registered():
+        for cases in op.variants:
+            if cases.variant_op not in variants.registered():
+                continue
+            default, known = variants.registered()[cases.variant_op]
+            names = (default, *(name for name, reason in known.items() if name != default and not reason))
+            for example in cases.examples(gpu, quick):
+                shape = example.shape
+                work = op.work(example, setup.dtype.itemsize, cases.backward)
                 yield Case(
-                    SUITE, f"{op} {shape}", "fwd+bwd" if backward else "fwd", rows, 1,
-                    (vendor_name(setup, op), *map(impl_name, names)), d_model=width,
-                    nbytes=layer_norm_bytes(rows, width, setup.dtype.itemsize, backward=backward),
-                    build=functools.partial(_build_layer_norm, setup, op, names, rows, width),
+                    SUITE, f"{cases.variant_op} {cases.shape_class(example, setup.dtype)}",
+                    "fwd+bwd" if cases.backward else "fwd", shape["batch"] * shape["seq_len"], 1,
+                    (vendor_name(setup, cases.variant_op), *map(impl_name, names)), d_model=shape.get("d_model"),
+                    flops=work.flops, nbytes=work.nbytes,
+                    build=functools.partial(_build_op, setup, op, cases, names, example),
                 )
 
 
@@ -301,22 +298,23 @@ def vendor_name(setup: Setup, op: str) -> str:
     """The baseline of ``op``'s cases: the vendor's kernel as the bench names it."""
     if op.startswith("attention"):
         return "sdpa:cudnn_attention" if setup.device.type == "cuda" else "sdpa"
-    if op.startswith("layer_norm"):
-        return "torch"
-    return "sdpa"
+    if op.startswith("decode"):
+        return "sdpa"
+    return "torch"  # a registered op's torch path
 
 
 def cases(setup: Setup, quick: bool) -> List[Case]:
     """Every case of the suite on ``setup``."""
-    import fused_transformer.kernels.attention.decode  # noqa: F401 (the ops register their variants on import)
-    import fused_transformer.kernels.layer_norm  # noqa: F401
-    return [*attention_cases(setup, quick), *layer_norm_cases(setup, quick), *decode_cases(setup, quick)]
+    from fused_transformer.kernels.aot import kernel_modules
+
+    kernel_modules()  # the kernel modules register their variants on import
+    return [*attention_cases(setup, quick), *op_cases(setup, quick), *decode_cases(setup, quick)]
 
 
 def describe(setup: Setup) -> str:
     if setup.device.type == "cuda":
         return ("every variant of each op against the vendor's kernel: attention forward (16k tokens a batch, 2048 / D "
-                "heads), LayerNorm with a residual, a decoding step's key splits")
+                "heads), each registered op's kernels (Op.variants), a decoding step's key splits")
     return "one tiny case per op under the Triton interpreter: that each variant runs and agrees, not its speed"
 
 

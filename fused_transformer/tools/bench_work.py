@@ -1,11 +1,10 @@
 """The work a benchmark case needs, whatever the implementation.
 
-Work counted (``attention_flops``, ``feed_forward_flops``, ``layer_norm_bytes``) is the work actually needed:
-attention counts ``4 * D`` FLOPs per (query, key) pair a query may attend, so causal (top-left) counts
-``L (L + 1) / 2`` pairs per head (about half) and padding counts only the kept keys; forward+backward is 3.5x the
-forward (the backward does five matmuls to the forward's two). The feed-forward counts its two matmuls,
-``4 * tokens * d_model * d_ff`` forward, 3x that forward+backward. LayerNorm counts the bytes it must move (see
-``layer_norm_bytes``). Every implementation of a case divides the same count by its own time.
+Work counted is the work actually needed: attention (``attention_flops``) counts ``4 * D`` FLOPs per (query, key)
+pair a query may attend, so causal (top-left) counts ``L (L + 1) / 2`` pairs per head (about half) and padding
+counts only the kept keys; forward+backward is 3.5x the forward (the backward does five matmuls to the forward's
+two). A registered op counts its own (``Op.work``: FLOPs of its products, or the bytes it must move). Every
+implementation of a case divides the same count by its own time.
 """
 from __future__ import annotations
 
@@ -54,19 +53,6 @@ def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int, *, caus
         raise ValueError(f"kept has {len(kept)} entries for batch {batch}")
     pairs = sum(attention_pairs(seq_len, k, causal) for k in kept)
     return 4.0 * head_dim * heads * pairs * (3.5 if backward else 1.0)
-
-
-def feed_forward_flops(tokens: int, d_model: int, d_ff: int, *, backward: bool = False) -> float:
-    """The two matmuls: ``2 * 2 * tokens * d_model * d_ff`` forward; the backward does twice that."""
-    return 4.0 * tokens * d_model * d_ff * (3.0 if backward else 1.0)
-
-
-def layer_norm_bytes(tokens: int, hidden: int, element_size: int, *, backward: bool = False) -> float:
-    """Bytes residual + LayerNorm must move: forward reads x, residual and writes y (3 rows) plus weight and
-    bias; the backward reads dy and the saved sum and writes dx and dresidual (4 rows) plus weight, dweight,
-    dbias. The dropout mask is not counted."""
-    forward = 3 * tokens * hidden + 2 * hidden
-    return float(element_size * (forward + (4 * tokens * hidden + 3 * hidden if backward else 0)))
 
 
 def peak_bandwidth_gbps(device: torch.device) -> Optional[float]:

@@ -33,7 +33,7 @@ import torch
 from fused_transformer._progress import tqdm
 
 import fused_transformer as ft
-from fused_transformer import backend, route
+from fused_transformer import backend, ops, route
 from fused_transformer.interrupts import Interrupted
 from fused_transformer.tools import add_device_option
 from fused_transformer.tools.check_cases import CHECKS, DTYPES, QUICK_DTYPES, Case, Results, build_cases
@@ -148,12 +148,10 @@ def _routes(device: torch.device) -> str:
              "attention causal": route.Call("attention", tag, dtype, head_dim=64, mask="causal", size=1024,
                                             needs_grad=True),
              "attention padded": route.Call("attention", tag, dtype, head_dim=64, mask="other", size=1024,
-                                            needs_grad=True),
-             "layer_norm": route.Call("layer_norm", tag, dtype, size=1024 * 1024, needs_grad=True),
-             "layer_norm dropout": route.Call("layer_norm", tag, dtype, dropout=True, size=1024 * 1024,
-                                              needs_grad=True),
-             "feed_forward dropout": route.Call("feed_forward", tag, dtype, dropout=True, size=1024,
-                                                needs_grad=True)}
+                                            needs_grad=True)}
+    for op in ops.registered():
+        for example in op.route_examples:
+            calls[f"{op.name} {example.label}".strip()] = op.route_call(example, device, dtype)
     return "; ".join(f"{name} -> {route.decide_for(call, device, 'auto', ours).backend} "
                      f"({route.decide_for(call, device, 'auto', ours).reason})" for name, call in calls.items())
 

@@ -7,14 +7,15 @@ from seeds derived from the case's label (never zeros; module biases and LayerNo
 their 0 / 1 initialisation); modules run in eval mode with dropout 0.
 
 ``--quick`` takes a small-shape subset that still runs every op and module, in float32 and bfloat16; the full
-grid adds float16 and the shapes and masks of ``ATTENTION_GRID``, ``LAYER_NORM_GRID``, ``FEED_FORWARD_GRID`` and
-the module builders below. Modules use GELU: through relu, a last-bit difference upstream flips the mask of a
+grid adds float16 and the shapes and masks of ``ATTENTION_GRID``, every registered op's ``Op.check`` and the
+module builders below. Modules use GELU: through relu, a last-bit difference upstream flips the mask of a
 pre-activation near 0 and changes gradients by O(1) in PyTorch's own low-precision run as much as in a
 kernel's.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -24,11 +25,12 @@ import torch
 from torch import Tensor, nn
 
 import fused_transformer as ft
+from fused_transformer import ops as registry
 from fused_transformer.tools.numerics import outputs_and_grads
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 QUICK_DTYPES = ("float32", "bfloat16")
-OPS = ("attention", "attention_weights", "layer_norm", "feed_forward")
+OPS = ("attention", "attention_weights", *registry.names())  # then every registered op (fused_transformer.ops)
 MODULES = ("MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "Transformer")
 CHECKS = OPS + MODULES
 
@@ -194,67 +196,24 @@ def _attention_weights_cases(device: torch.device) -> List[Case]:
     return cases
 
 
-# (quick, shape of x, residual, prenorm)
-LAYER_NORM_GRID = [
-    (True, (2, 19, 300), True, True),
-    (False, (2, 37, 1000), True, True),
-    (False, (77, 1023), False, False),
-    (False, (5, 4096), True, False),
-]
-
-
-def _layer_norm_cases(device: torch.device) -> List[Case]:
+def _op_cases(op: registry.Op, device: torch.device) -> List[Case]:
+    """A registered op's check grid (``Op.check``): its output(s) and the gradient of every input."""
     cases = []
-    for quick, shape, has_residual, prenorm in LAYER_NORM_GRID:
-        label = "x " + "x".join(map(str, shape)) + " +residual" * has_residual + " prenorm" * prenorm
-        rng = _Random("layer_norm " + label, device)
-        n = shape[-1]
-        inputs = {"x": rng.randn(*shape), "weight": 1 + rng.randn(n, scale=0.5), "bias": rng.randn(n)}
-        if has_residual:
-            inputs["residual"] = rng.randn(*shape)
-        out_grads = [rng.randn(*shape) for _ in range(2 if prenorm else 1)]
+    for example in op.check:
+        rng = _Random(f"{op.name} {example.label}", device)
+        inputs = example.draw(rng.randn)
+        shapes = op.reference(**inputs, **example.options)
+        shapes = shapes if isinstance(shapes, tuple) else (shapes,)
+        out_grads = [rng.randn(*t.shape) for t in shapes]
 
-        def run(dtype, exact, inputs=inputs, out_grads=out_grads, prenorm=prenorm):
+        def run(dtype, exact, inputs=inputs, out_grads=out_grads, example=example, op=op):
             cast = _caster(dtype, exact)
             outs, grads = outputs_and_grads(
-                lambda x, weight, bias, **rest: ft.layer_norm(x, weight, bias, prenorm=prenorm, **rest),
-                {n: cast(t) for n, t in inputs.items()}, [cast(g) for g in out_grads])
-            return {**dict(zip(("y", "z"), outs)), **{f"d{n}": g for n, g in grads.items()}}
+                lambda **tensors: op.function(**tensors, **example.options),
+                {n: cast(t) if isinstance(t, Tensor) else t for n, t in inputs.items()}, [cast(g) for g in out_grads])
+            return {**dict(zip(op.outputs, outs)), **{f"d{n}": g for n, g in grads.items()}}
 
-        cases.append(Case("layer_norm", label, quick, run))
-    return cases
-
-
-# (quick, leading dims of x, d_model, d_ff, d_out, activation)
-FEED_FORWARD_GRID = [
-    (True, (2, 19), 64, 128, 64, "gelu"),
-    (False, (2, 37), 64, 256, 64, "relu"),
-    (False, (2, 37), 64, 256, 64, "gelu"),
-    (False, (2, 37), 64, 256, 64, "gelu_tanh"),
-    (False, (77,), 48, 200, 40, "gelu_tanh"),
-]
-
-
-def _feed_forward_cases(device: torch.device) -> List[Case]:
-    cases = []
-    for quick, lead, d_model, d_ff, d_out, activation in FEED_FORWARD_GRID:
-        label = f"x {'x'.join(map(str, lead))}x{d_model} {d_model}-{d_ff}-{d_out} {activation}"
-        rng = _Random("feed_forward " + label, device)
-        inputs = {
-            "x": rng.randn(*lead, d_model),
-            "w1": rng.randn(d_ff, d_model, scale=d_model ** -0.5), "b1": rng.randn(d_ff, scale=0.5),
-            "w2": rng.randn(d_out, d_ff, scale=d_ff ** -0.5), "b2": rng.randn(d_out, scale=0.5),
-        }
-        dout = rng.randn(*lead, d_out)
-
-        def run(dtype, exact, inputs=inputs, dout=dout, activation=activation):
-            cast = _caster(dtype, exact)
-            (out,), grads = outputs_and_grads(
-                lambda **w: ft.feed_forward(**w, activation=activation), {n: cast(t) for n, t in inputs.items()},
-                [cast(dout)])
-            return {"out": out, **{f"d{n}": g for n, g in grads.items()}}
-
-        cases.append(Case("feed_forward", label, quick, run))
+        cases.append(Case(op.name, example.label, example.quick, run))
     return cases
 
 
@@ -306,7 +265,7 @@ def _norm(norm_first: bool) -> str:
 
 # Modules run a smooth activation: through relu, a last-bit difference upstream flips the sign of a pre-activation
 # near 0 and changes that unit's gradients by O(1), in PyTorch's own low-precision run as much as in a kernel's, so
-# the comparison would measure luck. relu itself is checked on identical inputs by the feed_forward op cases.
+# the comparison would measure luck. relu itself is checked on identical inputs by the feed-forward op cases.
 ACTIVATION_MODULES = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh")}
 
 
@@ -395,10 +354,10 @@ def _transformer_cases(device: torch.device) -> List[Case]:
 def build_cases(device: torch.device, ops: Sequence[str] = CHECKS, quick: bool = False) -> List[Case]:
     """The grid for ``ops`` (in ``CHECKS`` order): every case, or those marked quick."""
     builders = {
-        "attention": _attention_cases, "attention_weights": _attention_weights_cases, "layer_norm": _layer_norm_cases,
-        "feed_forward": _feed_forward_cases, "MultiheadAttention": _multihead_attention_cases,
-        "TransformerEncoderLayer": _encoder_layer_cases, "TransformerDecoderLayer": _decoder_layer_cases,
-        "Transformer": _transformer_cases,
+        "attention": _attention_cases, "attention_weights": _attention_weights_cases,
+        **{op.name: functools.partial(_op_cases, op) for op in registry.registered()},
+        "MultiheadAttention": _multihead_attention_cases, "TransformerEncoderLayer": _encoder_layer_cases,
+        "TransformerDecoderLayer": _decoder_layer_cases, "Transformer": _transformer_cases,
     }
     cases = []
     for op in CHECKS:

@@ -11,7 +11,7 @@ hang or a timeout in one is recorded and the others still run:
 
 - ``tests``: the GPU test files on the GPU itself (no Triton interpreter), judged by pytest's junit XML;
 - ``check``: ``check --quick``: every op and module against float64;
-- ``bench``: ``bench --quick`` on attention, layer_norm, feed_forward, encoder_layer: our TFLOP/s and speed-up over
+- ``bench``: ``bench --quick`` on attention, every registered op, encoder_layer: our TFLOP/s and speed-up over
   SDPA's default dispatch, each SDPA backend, flash_attn and xformers when installed;
 - ``graphs``: a CUDA graph of a training step against eager, backward determinism, peak memory against L
   (``gpu_check_graphs``).

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import glob
 import importlib.util
 import json
 import os
@@ -47,6 +48,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from fused_transformer import ops
 from fused_transformer.tools.provenance import PACKAGE_ROOT
 
 PARTS = ("variants", "tests", "check", "bench", "graphs")
@@ -56,20 +58,24 @@ FINAL_STATUSES = (PASSED, FAILED, TIMED_OUT, NOT_RUN)
 REPO_ROOT = os.path.dirname(PACKAGE_ROOT)
 # The test files that run our kernels and modules on CUDA tensors when there is a GPU (tests/numerics.py's DEVICE,
 # test_edges' device_for, the CUDA-graph test of test_drop_in, the CUDA generator's seed draws of test_dropout_seed;
-# check, the demo and its checkpoints on the default device), plus the two that ask the GPU which target it is.
+# check, the demo and its checkpoints on the default device), plus the two that ask the GPU which target it is: every
+# kernel's own file (``tests/test_*_triton.py``) and every registered op's (``tests/test_<op>.py``), then these.
 GPU_TEST_FILES = (
-    "tests/test_attention_triton.py", "tests/test_attention_varlen_triton.py", "tests/test_attention_score_mods.py",
-    "tests/test_attention_decode_triton.py", "tests/test_attention_kvcache.py", "tests/test_layer_norm_triton.py",
-    "tests/test_feed_forward_triton.py", "tests/test_drop_in.py", "tests/test_modules.py", "tests/test_edges.py",
-    "tests/test_integration_sdpa.py", "tests/test_check.py", "tests/test_seq2seq.py", "tests/test_checkpoints.py",
-    "tests/test_backend.py", "tests/test_targets.py", "tests/test_thin_path.py", "tests/test_dropout_seed.py",
+    *sorted(os.path.relpath(path, REPO_ROOT)
+            for path in glob.glob(os.path.join(REPO_ROOT, "tests", "test_*_triton.py"))),
+    *(f"tests/test_{name}.py" for name in ops.names()
+      if os.path.isfile(os.path.join(REPO_ROOT, f"tests/test_{name}.py"))),
+    "tests/test_attention_score_mods.py", "tests/test_attention_kvcache.py", "tests/test_ops_registry.py",
+    "tests/test_drop_in.py", "tests/test_modules.py", "tests/test_edges.py", "tests/test_integration_sdpa.py",
+    "tests/test_check.py", "tests/test_seq2seq.py", "tests/test_checkpoints.py", "tests/test_backend.py",
+    "tests/test_targets.py", "tests/test_thin_path.py", "tests/test_dropout_seed.py",
 )
 # The kernels' own test files run once more, --quick, with every launch through Triton's public JITFunction.run
 # (FUSED_TRANSFORMER_DIRECT_LAUNCH=0): the path launch_kernel falls back to where a launcher does not fit its call.
 PUBLIC_LAUNCH_TEST_FILES = tuple(f for f in GPU_TEST_FILES if f.endswith("_triton.py"))
 PUBLIC_LAUNCH_MIN_S = 60.0  # less left of the part's limit: that run is left out, and the record says so
 # overhead first: its fixed tiny shapes take seconds, and a part stopped by its limit keeps the rows it measured.
-BENCH_SUITES = ("overhead", "attention", "layer_norm", "feed_forward", "encoder_layer")
+BENCH_SUITES = ("overhead", "attention", *ops.names(), "encoder_layer")
 BENCH_LENGTHS = (1024, 4096)  # bench --quick's on CUDA; with less time, the longest are kept
 # Estimates for an H100 / H200 (docs/gpu-check.md: to be confirmed by a GPU run): the start (imports, CUDA, compiling
 # the kernels that the parts before left out of Triton's cache), then per length 184 timed implementations

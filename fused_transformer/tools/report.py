@@ -1,13 +1,13 @@
 """Ahead-of-time check of every shipped kernel config: compile for sm_80, sm_86, sm_89 and sm_90 without a GPU
 and report registers, spills, shared memory, occupancy and tensor-core use, and what the SASS does.
 
-Each kernel module listed in ``KERNEL_MODULES`` exposes ``aot_configs() -> List[AotKernel]``: one entry per
-kernel variant and tile config its launcher can pick on a GPU. ``compile_all`` compiles each entry for each of
-its targets with ``triton.compile`` (PTX and cubin come from the ptxas inside the triton wheel), reads
-registers and local memory from ``cuobjdump --dump-resource-usage`` and looks for ``mma`` / ``wgmma`` in the
-PTX. From the SASS (``cuobjdump -sass``) it reads the tensor-core instructions (``HMMA`` / ``HGMMA``, shape and
-count), the global-to-shared copy kind (``UTMALDG``: TMA, ``LDGSTS``: cp.async, or plain ``LDG``) and the main
-loop (``main_loop``: the innermost loop with the most MMA instructions), to count the other instructions the loop
+Each kernel module (``KERNEL_MODULES``: those of ``fused_transformer.kernels`` that define it) exposes ``aot_configs()
+-> List[AotKernel]``: one entry per kernel variant and tile config its launcher can pick on a GPU. ``compile_all``
+compiles each entry for each of its targets with ``triton.compile`` (PTX and cubin come from the ptxas inside the
+triton wheel), reads registers and local memory from ``cuobjdump --dump-resource-usage`` and looks for ``mma`` /
+``wgmma`` in the PTX. From the SASS (``cuobjdump -sass``) it reads the tensor-core instructions (``HMMA`` / ``HGMMA``,
+shape and count), the global-to-shared copy kind (``UTMALDG``: TMA, ``LDGSTS``: cp.async, or plain ``LDG``) and the
+main loop (``main_loop``: the innermost loop with the most MMA instructions), to count the other instructions the loop
 issues per MMA. Occupancy (blocks and warps per SM) follows from registers, shared memory and ``SM_LIMITS``. These
 figures are static: what the code issues, not how long it takes. A config fails when it spills, needs more shared
 memory than one block may have, or (``expect_tensor_cores``) runs its matmul on the CUDA cores.
@@ -40,19 +40,15 @@ import threading
 import time
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from fused_transformer.kernels.aot import AotKernel
+from fused_transformer.kernels.aot import AotKernel, kernel_modules
 from fused_transformer.kernels.targets import BY_CAPABILITY, CAPABILITIES
 from fused_transformer.kernels.targets import TARGETS as KNOWN_TARGETS
 from fused_transformer.interrupts import Interrupted, interrupts_held_back
 from fused_transformer.tools import provenance
 from fused_transformer.tools.sass import analyse_sass
 
-# Modules whose ``aot_configs()`` are compiled; a new kernel module adds its name here.
-KERNEL_MODULES = (
-    "fused_transformer.kernels.attention",
-    "fused_transformer.kernels.layer_norm",
-    "fused_transformer.kernels.feed_forward",
-)
+# Modules whose ``aot_configs()`` are compiled: every kernel module that defines it.
+KERNEL_MODULES = kernel_modules()
 
 # The targets every config is compiled for (kernels/targets.py describes them), and the limits read here.
 TARGETS = CAPABILITIES
@@ -481,14 +477,10 @@ def format_table(results: Sequence[AotResult]) -> str:
     return "\n".join(lines)
 
 
-# The rows docs/report.md shows of each module (the full table is the command's output): attention in bfloat16 at
-# head dims 64 and 128, every feature on and the plain (causal, two-loop) launch; LayerNorm's row widths around
-# each launch change; the feed-forward's activation pass in bfloat16.
-MARKDOWN_ROWS = {
-    "fused_transformer.kernels.attention": re.compile(r"^bf16/D(64|128)/[^/]+(/causal)?(/tma)?$"),
-    "fused_transformer.kernels.layer_norm": re.compile(r"^BLOCK_N=(1024|8192|16384)\b"),
-    "fused_transformer.kernels.feed_forward": re.compile(r"^bf16/"),
-}
+def markdown_rows() -> Dict[str, "re.Pattern[str]"]:
+    """The rows docs/report.md shows of each module (the full table is the command's output): the configs its
+    ``MARKDOWN_ROWS`` pattern names (every config of a module without one)."""
+    return {name: getattr(importlib.import_module(name), "MARKDOWN_ROWS", re.compile("")) for name in KERNEL_MODULES}
 
 
 def format_markdown(results: Sequence[AotResult], command: Sequence[str]) -> str:
@@ -502,7 +494,7 @@ def format_markdown(results: Sequence[AotResult], command: Sequence[str]) -> str
         lines.append(f"| {module} | {len(mine)} | {sum(not r.ok for r in mine)} |")
     lines += ["", f"{len(results)} compilations, {sum(not r.ok for r in results)} failed. The columns are explained in "
               "[report-guide.md](report-guide.md); `python -m fused_transformer report` prints every row.", ""]
-    for module, pattern in MARKDOWN_ROWS.items():
+    for module, pattern in markdown_rows().items():
         rows = [_row(r) for r in results if r.module == module and pattern.search(r.config)]
         if rows:
             lines += [f"## {module.rsplit('.', 1)[-1]}", "", "| " + " | ".join(TABLE_HEADER) + " |",
@@ -523,8 +515,9 @@ def format_markdown(results: Sequence[AotResult], command: Sequence[str]) -> str
 def variant_status_lines() -> List[str]:
     """``kernels.variants.status()`` with every op's plan imported (each registers its variants)."""
     import fused_transformer.kernels.attention.decode  # noqa: F401
-    import fused_transformer.kernels.layer_norm  # noqa: F401
     from fused_transformer.kernels import variants
+
+    kernel_modules()
 
     return variants.status()
 

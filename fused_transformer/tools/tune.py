@@ -22,14 +22,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import fused_transformer as ft
-from fused_transformer import reference, route
-from fused_transformer.contract import FeedForwardSpec, LayerNormSpec
+from fused_transformer import ops, route
 from fused_transformer.tools import add_device_option, positive_seconds
 from fused_transformer.tools.bench_timing import time_ms
 
 
 class Group(NamedTuple):
-    """The calls one series of sizes measures: a route row's cells but the size."""
+    """The calls one series of sizes measures: a route row's cells but the size, and an example per size."""
 
     op: str
     passes: str
@@ -37,37 +36,33 @@ class Group(NamedTuple):
     head_dim: str
     mask: str
     dropout: str
+    examples: Tuple[Tuple[int, Optional[ops.Example]], ...]  # (size, example); attention's are made here
 
 
-def _sizes(device: torch.device, quick: bool) -> Dict[str, Sequence[int]]:
-    """Per op, the sizes measured (attention: keys, with 16k tokens a batch on a GPU; layer_norm: rows of 1024
-    features, counted as elements; feed_forward: rows of d_model 512 (1024 on a GPU))."""
+def _attention_sizes(device: torch.device, quick: bool) -> Sequence[int]:
+    """The keys per sequence measured, with 16k tokens a batch on a GPU."""
     if quick:
-        return {"attention": (64,), "layer_norm": (64 * 1024,), "feed_forward": (64,)}
-    if device.type == "cuda":
-        return {"attention": (512, 1024, 4096), "layer_norm": (1024 * 1024, 8192 * 1024, 32768 * 1024),
-                "feed_forward": (1024, 8192, 32768)}
-    return {"attention": (128, 512, 2048), "layer_norm": (64 * 1024, 1024 * 1024, 8192 * 1024),
-            "feed_forward": (64, 1024, 4096)}
+        return (64,)
+    return (512, 1024, 4096) if device.type == "cuda" else (128, 512, 2048)
 
 
 def _groups(device: torch.device, quick: bool) -> Iterator[Group]:
     dtypes = (torch.bfloat16, torch.float16) if device.type == "cuda" else (torch.float32, torch.bfloat16)
     head_dims = ("64", "128") if device.type == "cuda" else ("64",)
+    sizes = tuple((size, None) for size in _attention_sizes(device, quick))
     for passes in ("forward", "training"):
         for dtype in dtypes[:1] if quick else dtypes:
             for head_dim in head_dims[:1] if quick else head_dims:
                 for mask in ("none",) if quick else ("none", "causal"):
-                    yield Group("attention", passes, dtype, head_dim, mask, "no")
-            if device.type == "cuda" or dtype == torch.float32:  # 16-bit LayerNorm on the CPU: torch's path refuses
-                for dropout in ("yes", "no"):
-                    yield Group("layer_norm", passes, dtype, "*", "*", dropout)
-            for dropout in ("yes", "no"):
-                yield Group("feed_forward", passes, dtype, "*", "*", dropout)
+                    yield Group("attention", passes, dtype, head_dim, mask, "no", sizes)
+            for op in ops.registered():
+                for series in op.tune(device.type, dtype, quick):
+                    yield Group(op.name, passes, dtype, series.head_dim, series.mask, series.dropout,
+                                tuple((example.size, example) for example in series.examples))
 
 
-def _inputs(group: Group, size: int, device: torch.device) -> Tuple[Callable[[], Tensor], Callable[[], Tensor],
-                                                                  List[Tensor]]:
+def _inputs(group: Group, size: int, example: Optional[ops.Example],
+            device: torch.device) -> Tuple[Callable[[], Tensor], Callable[[], Tensor], List[Tensor]]:
     """``(ours, torch's, leaves)`` for one size: ``ours`` the functional op on the backend named, ``torch's`` the
     path the route would run instead."""
     grad = group.passes == "training"
@@ -82,27 +77,17 @@ def _inputs(group: Group, size: int, device: torch.device) -> Tuple[Callable[[],
         causal = group.mask == "causal"
         return (lambda: ft.attention(q, k, v, is_causal=causal),
                 lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), [q, k, v])
-    p = 0.1 if group.dropout == "yes" else 0.0
-    if group.op == "layer_norm":
-        n = 1024
-        x, residual = (torch.randn(size // n, n, **make, requires_grad=grad) for _ in range(2))
-        weight, bias = (torch.randn(n, **make, requires_grad=grad) for _ in range(2))
-        spec = LayerNormSpec(1e-5, p, False)
-        return (lambda: ft.layer_norm(x, weight, bias, residual=residual, dropout_p=p),
-                lambda: reference.layer_norm_aten(x, weight, bias, residual, spec), [x, residual, weight, bias])
-    d_model = 1024 if device.type == "cuda" else 512
-    x = torch.randn(size, d_model, **make, requires_grad=grad)
-    w1 = (torch.randn(4 * d_model, d_model, **make) / math.sqrt(d_model)).requires_grad_(grad)
-    w2 = (torch.randn(d_model, 4 * d_model, **make) / math.sqrt(4 * d_model)).requires_grad_(grad)
-    b1, b2 = torch.zeros(4 * d_model, **make, requires_grad=grad), torch.zeros(d_model, **make, requires_grad=grad)
-    spec = FeedForwardSpec("gelu", p)
-    return (lambda: ft.feed_forward(x, w1, b1, w2, b2, dropout_p=p),
-            lambda: reference.feed_forward_aten(x, w1, b1, w2, b2, spec), [x, w1, b1, w2, b2])
+    op = ops.get(group.op)
+    tensors = example.draw(lambda *shape, scale=1.0: torch.randn(*shape, **make) * scale)
+    leaves = [t.requires_grad_(grad) for t in tensors.values() if t is not None]
+    return (lambda: op.function(**tensors, **example.options), lambda: op.torch_path(**tensors, **example.options),
+            leaves)
 
 
 def _with_backward(fn: Callable[[], Tensor], leaves: List[Tensor]) -> Callable[[], object]:
     def step() -> object:
         out = fn()
+        out = out[0] if isinstance(out, tuple) else out
         return torch.autograd.grad(out, leaves, torch.ones_like(out))
     return step
 
@@ -116,9 +101,10 @@ def _deterministic(fn: Callable[[], Tensor], leaves: List[Tensor]) -> bool:
     return all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-def measure(group: Group, size: int, device: torch.device, ours: str, min_time: float) -> Tuple[float, str]:
+def measure(group: Group, size: int, example: Optional[ops.Example], device: torch.device, ours: str,
+            min_time: float) -> Tuple[float, str]:
     """``(speed-up of ours over torch's path, torch_det)`` at one size."""
-    mine, theirs, leaves = _inputs(group, size, device)
+    mine, theirs, leaves = _inputs(group, size, example, device)
 
     def on_ours() -> object:
         with ft.use_backend(ours):
@@ -161,7 +147,6 @@ def tune(device: torch.device, budget: float, quick: bool = False, out: Optional
         raise SystemExit(f"tune: no kernels of ours run on {device} (backend 'auto' resolves to the reference)")
     tag = route.device_tag(device)
     source = f"tune {time.strftime('%Y-%m-%d')}"
-    sizes = _sizes(device, quick)
     min_time = 0.02 if quick else (0.1 if device.type == "cuda" else 0.25)
     rows: List[route.Row] = []
     for group in _groups(device, quick):
@@ -169,8 +154,8 @@ def tune(device: torch.device, budget: float, quick: bool = False, out: Optional
             log(f"budget of {budget:.0f} s spent: {group.op} {group.passes} and later groups left to the built-in rows")
             break
         measured = []
-        for size in sizes[group.op]:
-            speedup, det = measure(group, size, device, ours, min_time)
+        for size, example in group.examples:
+            speedup, det = measure(group, size, example, device, ours, min_time)
             measured.append((size, speedup, det))
         group_rows = rows_of(group, tag, measured, source)
         rows.extend(group_rows)

@@ -12,6 +12,7 @@ entries, and the custom ops that tracing goes through) and ``aot.py`` (what the 
 The entries below add the kernel-level options to the functional ops; their autograd is
 ``fused_transformer.autograd``'s one Function per op, the only module above the kernels they call (at call time).
 """
+import re
 from typing import Optional, Tuple, Union
 
 import torch
@@ -27,6 +28,10 @@ from .ops import (
 )
 
 Tensor = torch.Tensor
+
+# The configs docs/report.md shows (the report prints every one): bfloat16 at head dims 64 and 128, every feature on
+# and the plain (causal, two-loop) launch.
+MARKDOWN_ROWS = re.compile(r"^bf16/D(64|128)/[^/]+(/causal)?(/tma)?$")
 
 __all__ = [
     "attention", "attention_varlen", "attention_weights", "attention_keep_mask", "attention_fwd", "attention_bwd",

@@ -1,0 +1,205 @@
+"""The ops, each described once in a module of its own (``fused_transformer.ops.<op>``), and the registry the tools
+read: ``check``, ``bench`` (every suite), ``tune``, the overhead suite and ``gpu-check`` iterate ``registered()``, so
+registering an op puts it in every tool. Nothing here names an op.
+
+An op module reads top-down: its contract (spec, checks, errors), its float64 reference and torch's own path
+computing the same result, the facts the route decides on, its ``autograd.Function`` over the backends' launchers
+(``Launchers``: a backend provides the op by defining them), its public function, and its cases (``Example``).
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from .._env import constant_for_compile
+
+Tensor = torch.Tensor
+# ``draw(*shape, scale=1.0)``: random numbers of ``shape`` (never zeros), float64, from the tool's own generator.
+Draw = Callable[..., Tensor]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One call of an op on random tensors, as a tool runs it: ``tensors(draw)`` the tensor arguments by name,
+    ``options`` the others. The op's ``function`` and ``torch_path`` take ``(**tensors, **options)`` alike.
+    ``shape`` names the sizes a table shows (``batch``, ``seq_len``, ``d_model``, ``d_ff``); ``size`` is the route's
+    size of the call (``Op.size_of``)."""
+
+    label: str
+    tensors: Callable[[Draw], Dict[str, Tensor]]
+    options: Mapping[str, object] = field(default_factory=dict)
+    quick: bool = False
+    shape: Mapping[str, int] = field(default_factory=dict)
+    size: int = 0
+
+    def draw(self, draw: Draw) -> Dict[str, Tensor]:
+        return self.tensors(draw)
+
+
+@dataclass(frozen=True)
+class TuneSeries:
+    """What one series of ``tune``'s route rows measures: the rows' cells but the size, an example per size."""
+
+    dropout: str  # "yes" or "no"
+    examples: Tuple[Example, ...]
+    head_dim: str = "*"
+    mask: str = "*"
+
+
+@dataclass(frozen=True)
+class VariantCases:
+    """Where ``bench --suite variants`` measures the variants of one of the op's kernels (``kernels.variants``): the
+    name they are registered under there, whether the backward is timed, the examples by ``(gpu, quick)`` and the
+    shape class each falls in (the rows' key)."""
+
+    variant_op: str
+    backward: bool
+    examples: Callable[[bool, bool], Sequence[Example]]
+    shape_class: Callable[[Example, torch.dtype], str]
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a bench case counts (``None`` where it does not): floating-point operations and bytes moved."""
+
+    flops: Optional[float] = None
+    nbytes: Optional[float] = None
+
+
+class Launchers:
+    """Where each backend defines an op's launchers: ``{backend: "module:forward_name,backward_name"}``, imported on
+    first use. A backend that does not define them does not compute the op (``provides``): the route falls back."""
+
+    def __init__(self, prepare: Optional[Callable[[str], None]] = None, **where: str):
+        self.where = where
+        self.prepare = prepare  # called with a backend's name before its first use (registers what it needs)
+        self._found: Dict[str, Tuple[Callable, Callable]] = {}
+
+    def route_call(self, example: Example, device: torch.device, dtype: torch.dtype) -> object:
+        """The ``route.Call`` of ``example`` on ``device`` in ``dtype``, with gradients, made without any data (its
+        tensors on the meta device): what ``check`` prints the route of."""
+        def draw(*shape: int, scale: float = 1.0) -> Tensor:
+            return torch.empty(shape, device="meta", dtype=dtype)
+
+        return self.call_of(example.draw(draw), example.options, device, True)
+
+    def provides(self, backend: str) -> bool:
+        return backend in self.where
+
+    def __call__(self, backend: str) -> Tuple[Callable, Callable]:
+        """``(forward, backward)`` of ``backend``."""
+        if torch.compiler.is_compiling():
+            _load(self, backend)  # first: a trace whose process has not imported them reads _found after the import
+        found = self._found.get(backend)
+        if found is None:
+            _load(self, backend)
+            found = self._found[backend]
+        return found
+
+
+@constant_for_compile  # torch.compile cannot trace an import: it calls this at trace time
+def _load(launchers: Launchers, backend: str) -> bool:
+    """Import ``backend``'s launchers of ``launchers`` (once)."""
+    if backend not in launchers._found:
+        if launchers.prepare is not None:
+            launchers.prepare(backend)
+        module, names = launchers.where[backend].split(":")
+        loaded = importlib.import_module(module)
+        launchers._found[backend] = tuple(getattr(loaded, name) for name in names.split(","))
+    return True
+
+
+@dataclass(frozen=True)
+class Op:
+    """An op as the tools see it.
+
+    ``function`` is the public op, ``torch_path`` torch's own ops computing the same result (the baseline of bench,
+    tune and the overhead suite), both called as ``(**example.tensors, **example.options)``; ``outputs`` names what
+    ``function`` returns (one tensor, or a tuple). ``check``: check's grid; ``bench(gpu, lengths)``: bench's cases
+    over sequence lengths, ``lengths`` their defaults by device type (full, quick); ``work(example, itemsize,
+    backward)`` what a case counts; ``throughput`` the plots' metric; ``overhead``: the tiny call of the overhead
+    suite with its modes and its target for ours / thin; ``tune(device_type, dtype, quick)`` the series ``tune``
+    measures; ``routes`` a few calls whose route ``check`` prints (label, example); ``describe(gpu)`` the bench
+    suite's shapes in words; ``reference`` the float64 oracle (``function``'s arguments, plus ``keep_mask``: a dropout
+    mask to replay), also ``fused_transformer.reference.<name>``."""
+
+    name: str
+    function: Callable[..., object]
+    torch_path: Callable[..., object]
+    size_of: str
+    outputs: Tuple[str, ...]
+    check: Tuple[Example, ...]
+    bench: Callable[[bool, Sequence[int]], Sequence[Example]]
+    lengths: Mapping[str, Tuple[Tuple[int, ...], Tuple[int, ...]]]
+    work: Callable[[Example, int, bool], Work]
+    throughput: Tuple[str, str]
+    describe: Callable[[bool], str]
+    overhead: Example
+    overhead_target: Mapping[str, float]
+    tune: Callable[[str, torch.dtype, bool], Sequence[TuneSeries]]
+    reference: Optional[Callable[..., object]] = None
+    call_of: Optional[Callable[..., object]] = None  # (tensors, options, device, needs_grad) -> its route.Call
+    route_examples: Tuple[Example, ...] = ()
+    launchers: Optional[Launchers] = None
+    measured: str = ""  # the op's rows of the route table measured on GPUs (``route.parse_rows``), newest first
+    variants: Tuple[VariantCases, ...] = ()
+
+    def route_call(self, example: Example, device: torch.device, dtype: torch.dtype) -> object:
+        """The ``route.Call`` of ``example`` on ``device`` in ``dtype``, with gradients, made without any data (its
+        tensors on the meta device): what ``check`` prints the route of."""
+        def draw(*shape: int, scale: float = 1.0) -> Tensor:
+            return torch.empty(shape, device="meta", dtype=dtype)
+
+        return self.call_of(example.draw(draw), example.options, device, True)
+
+    def provides(self, backend: str) -> bool:
+        """Whether ``backend`` computes this op (the reference always does)."""
+        return backend == "reference" or (self.launchers is not None and self.launchers.provides(backend))
+
+
+_REGISTERED: Dict[str, Op] = {}
+
+
+def register(op: Op) -> Op:
+    """Make ``op`` known to every tool."""
+    _REGISTERED[op.name] = op
+    return op
+
+
+_loaded = []
+
+
+def _load_all() -> None:
+    """Import every op module of this package (each registers itself), once."""
+    if not _loaded:
+        _loaded.append(True)
+        for info in pkgutil.iter_modules(__path__):
+            if not info.name.startswith("_"):
+                importlib.import_module(f"{__name__}.{info.name}")
+
+
+def registered() -> List[Op]:
+    """Every op, in the order the modules registered them."""
+    _load_all()
+    return list(_REGISTERED.values())
+
+
+def get(name: str) -> Op:
+    """The registered op ``name``."""
+    _load_all()
+    if name not in _REGISTERED:
+        raise ValueError(f"{name!r} is not an op; expected one of {', '.join(_REGISTERED)}")
+    return _REGISTERED[name]
+
+
+def names() -> Tuple[str, ...]:
+    return tuple(op.name for op in registered())
+
+
+def examples(op: Op, quick: bool = False) -> Iterator[Example]:
+    """``op``'s check grid (only its quick cases with ``quick``)."""
+    return (example for example in op.check if example.quick or not quick)

@@ -1,0 +1,156 @@
+"""The house of the ops (``fused_transformer.ops``): every registered op reaches every tool, its call path from the
+public function to a Triton launch stays short, ``ft.explain()`` says who ran each call, and an op's name stays in a
+handful of code files."""
+import inspect
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from torch import nn
+
+import fused_transformer as ft
+from fused_transformer import ops, route
+from fused_transformer.tools import bench_cases, bench_overhead, check_cases, tune
+from tests.numerics import DEVICE
+
+MAX_FRAMES = 5
+REGISTERED = ops.names()
+
+
+def test_every_op_module_registers_and_every_tool_lists_it():
+    assert {"layer_norm", "feed_forward"} <= set(REGISTERED)
+    for name in REGISTERED:
+        op = ops.get(name)
+        assert name in check_cases.CHECKS and name in bench_cases.SUITES and name in route.op_names()
+        assert any(key[0] == name for key in bench_overhead.TARGETS), name
+        assert op.check and any(example.quick for example in op.check), name
+        assert ft.reference.__getattr__(name) is op.reference
+        assert getattr(ft, name) is op.function is getattr(ft.functional, name)
+        groups = [g for g in tune._groups(torch.device("cpu"), quick=True) if g.op == name]
+        assert groups and all(size > 0 for g in groups for size, _ in g.examples), name
+    with pytest.raises(ValueError, match="is not an op"):
+        ops.get("no_such_op")
+
+
+def test_a_backend_without_an_ops_launchers_does_not_compute_it():
+    """The route sends a call whose op the backend does not define to torch's path (or the reference), no stub."""
+    call = route.Call("layer_norm", "cpu", torch.float32, dropout=True, needs_grad=True, backends=frozenset({"triton"}))
+    decision = route.decide(call, "auto", "cpu", rows=())
+    assert decision.backend == "torch" and "does not compute layer_norm" in decision.reason
+    refused = call._replace(torch_cannot="a reason")
+    assert route.decide(refused, "auto", "cpu", rows=()).backend == "reference"
+    assert route.decide(call, "cpu", "cpu", rows=()).backend == "reference"
+
+
+# --------------------------------------------------------------------------------------------- frames
+
+
+def _package_roots():
+    import fused_transformer.kernels as kernels
+
+    return (os.path.dirname(ft.__file__) + os.sep, os.path.dirname(kernels.__file__) + os.sep)
+
+
+@pytest.fixture
+def launches_seen(monkeypatch):
+    """Every Triton launch's project frames (the package's and the kernels' own files on the stack when Triton's
+    runtime is entered), by kernel; launches still run."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    roots, seen = _package_roots(), []
+
+    def spy(original):
+        def run(self, *args, **kwargs):
+            frames = [f for f in inspect.stack(0)[1:] if f.filename.startswith(roots)]
+            seen.append((getattr(self, "__name__", str(self)), [f"{os.path.basename(f.filename)}:{f.function}"
+                                                                for f in frames]))
+            return original(self, *args, **kwargs)
+        return run
+
+    monkeypatch.setattr(InterpretedFunction, "run", spy(InterpretedFunction.run))
+    monkeypatch.setattr(JITFunction, "run", spy(JITFunction.run))
+    return seen
+
+
+@pytest.mark.skipif(ft.backend.triton_unavailable_reason() is not None, reason="triton is not installed")
+@pytest.mark.parametrize("name", ["layer_norm", "feed_forward"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_at_most_five_project_frames_at_every_launch(launches_seen, name, autocast):
+    """From the public call to Triton's runtime: the public function, the op's run, its Function's forward or
+    backward, the launcher and the one launch helper (forward, backward, no-grad forward; under autocast too)."""
+    op = ops.get(name)
+    example = next(e for e in op.check if e.quick)
+    torch.manual_seed(0)
+    tensors = example.draw(lambda *shape, scale=1.0: torch.randn(*shape, device=DEVICE) * scale)
+    options = {**example.options, "dropout_p": 0.1}
+    with ft.use_backend("triton"), torch.autocast(DEVICE, enabled=autocast):
+        with torch.no_grad():
+            op.function(**tensors, **options)
+        for t in tensors.values():
+            if t is not None:
+                t.requires_grad_(True)
+        out = op.function(**tensors, **options)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    assert launches_seen
+    assert all(len(frames) <= MAX_FRAMES for _, frames in launches_seen), \
+        [(kernel, frames) for kernel, frames in launches_seen if len(frames) > MAX_FRAMES]
+
+
+# -------------------------------------------------------------------------------------------- explain
+
+
+def test_explain_records_every_call_of_a_models_forward_with_what_ran():
+    torch.manual_seed(0)
+    model = ft.fuse(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.LayerNorm(32))).to(DEVICE)
+    layer = ft.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True).to(DEVICE)
+    x = torch.randn(2, 5, 32, device=DEVICE)
+    with ft.explain() as calls:
+        layer(model(x)).sum().backward()
+    ops_seen = [record.op for record in calls]
+    assert ops_seen[:2] == ["layer_norm", "layer_norm"] and "attention" in ops_seen and "feed_forward" in ops_seen
+    assert all(r.door == "functional" and r.backend in ("triton", "cpu", "torch", "reference") and r.reason
+               for r in calls)
+    assert str(calls[0]) == f"layer_norm (functional) -> {calls[0].backend}: {calls[0].reason}"
+    with ft.use_backend("reference"), ft.explain() as forced:
+        model(x)
+    assert [(r.op, r.backend) for r in forced] == [("layer_norm", "reference"), ("layer_norm", "reference")]
+    with ft.explain() as outside:
+        pass
+    model(x)
+    assert outside == []
+
+
+def test_explains_backend_is_the_one_that_ran(monkeypatch):
+    """A call the route sends to torch's path runs torch's ops, and one it sends to ours runs our launcher."""
+    from fused_transformer.ops import layer_norm as norm
+
+    ran = []
+    forward = norm.LAUNCHERS(ft.current(DEVICE, torch.float32))[0]
+    monkeypatch.setattr(norm.LAUNCHERS, "_found", {
+        name: (lambda *args, _name=name: ran.append(_name) or forward(*args), found[1])
+        for name, found in norm.LAUNCHERS._found.items()})
+    x, w, b = torch.randn(4, 32, device=DEVICE), torch.randn(32, device=DEVICE), torch.randn(32, device=DEVICE)
+    with ft.explain() as calls:
+        ft.layer_norm(x, w, b)
+        ft.layer_norm(x, w, b, dropout_p=0.1)
+    assert [r.backend for r in calls][0] == "torch"
+    assert ran == [calls[1].backend]
+
+
+# ---------------------------------------------------------------------------------------- one op, few files
+
+LEFT_OUT = (":!tests", ":!docs", ":!benchmarks", ":!fused_transformer/modules", ":!fused_transformer/models",
+            ":!fused_transformer/integrations")
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not os.path.isdir(os.path.join(
+    os.path.dirname(os.path.dirname(ft.__file__)), ".git")), reason="not a git checkout")
+@pytest.mark.parametrize("name", REGISTERED)
+def test_an_ops_name_appears_in_at_most_six_code_files(name):
+    root = os.path.dirname(os.path.dirname(ft.__file__))
+    found = subprocess.run(["git", "grep", "-l", "--untracked", name, "--", "*.py", "*.cpp", "*.h", *LEFT_OUT],
+                           cwd=root, capture_output=True, text=True, check=False).stdout.split()
+    assert 0 < len(found) <= 6, found
