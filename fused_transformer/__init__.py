@@ -1,14 +1,15 @@
-"""fused_transformer: fused attention, LayerNorm and feed-forward kernels behind drop-in torch.nn modules."""
+"""fused_transformer: fused attention, LayerNorm, RMSNorm and feed-forward kernels behind drop-in torch.nn modules."""
 from . import backend, integrations, reference
 from .backend import current, set_backend, use_backend
 from .functional import (
-    attention, attention_varlen, attention_weights, attention_with_kvcache, feed_forward, layer_norm,
+    attention, attention_varlen, attention_weights, attention_with_kvcache, feed_forward, layer_norm, rms_norm,
 )
 from .integrations import sdpa as _sdpa_registry
 from .route import explain
 from .modules import (
     LayerNorm,
     MultiheadAttention,
+    RMSNorm,
     Transformer,
     TransformerDecoder,
     TransformerDecoderLayer,
@@ -23,8 +24,8 @@ __version__ = "0.1.0"
 _sdpa_registry.register()
 
 __all__ = [
-    "attention", "attention_varlen", "attention_weights", "attention_with_kvcache", "layer_norm", "feed_forward",
-    "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
-    "TransformerDecoder", "Transformer", "LayerNorm", "fuse", "explain",
+    "attention", "attention_varlen", "attention_weights", "attention_with_kvcache", "layer_norm", "rms_norm",
+    "feed_forward", "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
+    "TransformerDecoder", "Transformer", "LayerNorm", "RMSNorm", "fuse", "explain",
     "backend", "reference", "current", "set_backend", "use_backend", "integrations",
 ]

@@ -24,6 +24,7 @@ from . import autograd, backend, contract, reference, route
 from .contract import AttentionMasks, Window
 from .ops.feed_forward import ACTIVATIONS, feed_forward  # noqa: F401  (the ops described in modules of their own)
 from .ops.layer_norm import layer_norm  # noqa: F401
+from .ops.rms_norm import rms_norm  # noqa: F401
 
 Tensor = torch.Tensor
 

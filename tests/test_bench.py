@@ -47,7 +47,7 @@ def test_csv_has_ours_and_every_baseline(bench_run):
     impls = {suite: {row["impl"] for row in rows if row["suite"] == suite and row["ms"]}
              for suite in bench_cases.SUITES}
     assert {"ours", "sdpa", "sdpa:math", "sdpa:flash_attention"} <= impls["attention"]
-    assert impls["layer_norm"] == impls["feed_forward"] == {"ours", "torch"}
+    assert impls["layer_norm"] == impls["rms_norm"] == impls["feed_forward"] == {"ours", "torch"}
     assert impls["encoder_layer"] == impls["decoder_layer"] == impls["decode_step"] == {"ours", "torch.nn"}
     assert impls["module_call"] == {"ours", "torch.nn"}
     assert impls["decode"] == {"ours", "sdpa"}
@@ -95,7 +95,7 @@ def test_throughput_and_memory_columns(bench_run):
         assert float(row["ms"]) > 0 and float(row["tokens_per_s"]) > 0
         assert float(row["peak_mem_mb"]) >= 0 and row["mem_measure"] == "cpu_profiler_alloc"
         assert bool(row["tflops"]) == (row["suite"] in ("attention", "feed_forward"))
-        assert bool(row["gb_per_s"]) == (row["suite"] in ("layer_norm", "decode"))
+        assert bool(row["gb_per_s"]) == (row["suite"] in ("layer_norm", "rms_norm", "decode"))
         assert row["bw_of_peak"] == ""  # no peak bandwidth on CPU
     # The math backend materialises the [L, L] scores: it allocates more than ours.
     fwd = {row["impl"]: float(row["peak_mem_mb"]) for row in rows

@@ -20,7 +20,7 @@ REGISTERED = ops.names()
 
 
 def test_every_op_module_registers_and_every_tool_lists_it():
-    assert {"layer_norm", "feed_forward"} <= set(REGISTERED)
+    assert {"layer_norm", "rms_norm", "feed_forward"} <= set(REGISTERED)
     for name in REGISTERED:
         op = ops.get(name)
         assert name in check_cases.CHECKS and name in bench_cases.SUITES and name in route.op_names()
@@ -36,9 +36,9 @@ def test_every_op_module_registers_and_every_tool_lists_it():
 
 def test_a_backend_without_an_ops_launchers_does_not_compute_it():
     """The route sends a call whose op the backend does not define to torch's path (or the reference), no stub."""
-    call = route.Call("layer_norm", "cpu", torch.float32, dropout=True, needs_grad=True, backends=frozenset({"triton"}))
+    call = route.Call("rms_norm", "cpu", torch.float32, dropout=True, needs_grad=True, backends=frozenset({"triton"}))
     decision = route.decide(call, "auto", "cpu", rows=())
-    assert decision.backend == "torch" and "does not compute layer_norm" in decision.reason
+    assert decision.backend == "torch" and "does not compute rms_norm" in decision.reason
     refused = call._replace(torch_cannot="a reason")
     assert route.decide(refused, "auto", "cpu", rows=()).backend == "reference"
     assert route.decide(call, "cpu", "cpu", rows=()).backend == "reference"
@@ -76,7 +76,7 @@ def launches_seen(monkeypatch):
 
 
 @pytest.mark.skipif(ft.backend.triton_unavailable_reason() is not None, reason="triton is not installed")
-@pytest.mark.parametrize("name", ["layer_norm", "feed_forward"])
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "feed_forward"])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_at_most_five_project_frames_at_every_launch(launches_seen, name, autocast):
     """From the public call to Triton's runtime: the public function, the op's run, its Function's forward or
@@ -104,19 +104,19 @@ def test_at_most_five_project_frames_at_every_launch(launches_seen, name, autoca
 
 def test_explain_records_every_call_of_a_models_forward_with_what_ran():
     torch.manual_seed(0)
-    model = ft.fuse(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.LayerNorm(32))).to(DEVICE)
+    model = ft.fuse(nn.Sequential(nn.Linear(32, 32), nn.RMSNorm(32), nn.LayerNorm(32))).to(DEVICE)
     layer = ft.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True).to(DEVICE)
     x = torch.randn(2, 5, 32, device=DEVICE)
     with ft.explain() as calls:
         layer(model(x)).sum().backward()
     ops_seen = [record.op for record in calls]
-    assert ops_seen[:2] == ["layer_norm", "layer_norm"] and "attention" in ops_seen and "feed_forward" in ops_seen
+    assert ops_seen[:2] == ["rms_norm", "layer_norm"] and "attention" in ops_seen and "feed_forward" in ops_seen
     assert all(r.door == "functional" and r.backend in ("triton", "cpu", "torch", "reference") and r.reason
                for r in calls)
-    assert str(calls[0]) == f"layer_norm (functional) -> {calls[0].backend}: {calls[0].reason}"
+    assert str(calls[0]) == f"rms_norm (functional) -> {calls[0].backend}: {calls[0].reason}"
     with ft.use_backend("reference"), ft.explain() as forced:
         model(x)
-    assert [(r.op, r.backend) for r in forced] == [("layer_norm", "reference"), ("layer_norm", "reference")]
+    assert [(r.op, r.backend) for r in forced] == [("rms_norm", "reference"), ("layer_norm", "reference")]
     with ft.explain() as outside:
         pass
     model(x)

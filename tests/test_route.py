@@ -45,7 +45,7 @@ def test_every_measured_row_decides_the_calls_it_matches(row):
 def test_without_a_row_the_default_decides():
     for op in ("attention", "attention_varlen", "attention_with_kvcache"):
         assert decide(Call(op, "sm75", torch.float16, size=512), "auto", "triton", ROWS).backend == "triton"
-    for op in ("layer_norm", "feed_forward"):
+    for op in ("layer_norm", "rms_norm", "feed_forward"):
         record = ops.get(op)
         example = record.route_examples[0]
 

@@ -1,4 +1,5 @@
-"""The encoder and decoder layers (and ``LayerNorm``): fused attention, feed-forward and add & LayerNorm, post-LN
+"""The encoder and decoder layers (and ``LayerNorm``, ``RMSNorm``): fused attention, feed-forward and add &
+LayerNorm, post-LN
 and pre-LN, padded or on packed tokens."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from .packing import (
     Packing, causal_or_none, fits_padding, pack, packing_allowed, row_wise_norm, seq_len, unpack, zero_padding,
 )
 
-__all__ = ["LayerNorm", "TransformerEncoderLayer", "TransformerDecoderLayer"]
+__all__ = ["LayerNorm", "RMSNorm", "TransformerEncoderLayer", "TransformerDecoderLayer"]
 
 
 @twin_of(nn.LayerNorm)
@@ -38,6 +39,23 @@ class LayerNorm(FusedTwin, nn.LayerNorm):
         weight = None if weight is None else weight.flatten()
         bias = None if bias is None else bias.flatten()
         return ops.layer_norm(input.flatten(input.dim() - dims), weight, bias, self.eps).view(input.shape)
+
+
+@twin_of(nn.RMSNorm)
+class RMSNorm(FusedTwin, nn.RMSNorm):
+    """``torch.nn.RMSNorm`` computed by the fused ``rms_norm`` op (statistics in float32)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.is_nested:
+            return super().forward(x)
+        shape = self.normalized_shape
+        dims = len(shape)
+        if tuple(x.shape[x.dim() - dims:]) != tuple(shape):
+            raise InputShapeError(f"input of shape {tuple(x.shape)} does not end in normalized_shape {list(shape)}")
+        if dims == 1:
+            return ops.rms_norm(x, self.weight, self.eps)
+        weight = None if self.weight is None else self.weight.flatten()
+        return ops.rms_norm(x.flatten(x.dim() - dims), weight, self.eps).view(x.shape)
 
 
 def _add_and_norm(
