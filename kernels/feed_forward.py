@@ -28,6 +28,7 @@ import re
 from typing import Iterator, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -120,11 +121,6 @@ BLOCK = 1024
 NUM_WARPS = 4
 
 
-def _linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    """``F.linear``'s product on ``x [M, K]``: the bias added in the GEMM's epilogue, before the one rounding."""
-    return torch.addmm(b, x, w.t()) if b is not None else x.mm(w.t())
-
-
 def _needs_tf32_switch(x: Tensor, allow_tf32: bool) -> bool:
     return allow_tf32 and x.dtype == torch.float32 and x.is_cuda and not torch.backends.cuda.matmul.allow_tf32
 
@@ -153,11 +149,9 @@ def _empty(like: Tensor) -> Tensor:
 def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
                      dropout_p: float, seed: Optional[Seed], keep: bool,
                      allow_tf32: bool) -> Tuple[Tensor, Tuple[Tensor, ...]]:
-    """Forward on rows ``x [M, d_model]`` (the last dim copied only if it is not contiguous), launched here in eager
-    mode, through the custom op when traced; returns ``y [M, d_out]`` and, with ``keep``, ``(pre,)`` for the
-    backward, the pre-activation ``[M, d_ff]``."""
+    """Forward on ``x [..., d_model]``, launched here in eager mode, through the custom op when traced; returns ``y
+    [..., d_out]`` and, with ``keep``, ``(pre,)`` for the backward, the pre-activation ``[..., d_ff]``."""
     _check_dtypes(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
-    x = contiguous_last_dim(x)
     if traced():
         y, pre = torch.ops.fused_transformer.feed_forward_fwd(x, w1, b1, w2, b2, activation, dropout_p,
                                                               seed_tensor(seed, x.device), keep, allow_tf32)
@@ -165,7 +159,7 @@ def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
     with _tf32_products() if _needs_tf32_switch(x, allow_tf32) else contextlib.nullcontext():
-        pre = _linear(x, w1, b1)
+        pre = F.linear(x, w1, b1)
         hidden = torch.empty_like(pre)
         n = pre.numel()
         if n:
@@ -173,36 +167,39 @@ def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2
                           (pre, None, hidden, None, n, pre.shape[-1], dropout_p, *seed_args(seed, pre.device)),
                           NUM_WARPS, BLOCK=BLOCK, ACTIVATION=activation, ACTIVATION_GRAD=False,
                           HAS_DROPOUT=dropout_p > 0.0)
-        return _linear(hidden, w2, b2), ((pre,) if keep else ())
+        return F.linear(hidden, w2, b2), ((pre,) if keep else ())
 
 
 def feed_forward_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, saved: Tuple[Tensor, ...],
                      has_b2: bool, activation: str, dropout_p: float, seed: Optional[Seed],
-                     allow_tf32: bool) -> Tuple[Tensor, ...]:
-    """Backward from ``dy [M, d_out]``; ``saved`` the forward's ``(pre,)``, or ``()`` to recompute it. Launched here in
-    eager mode, through the custom op when traced.
+                     allow_tf32: bool) -> Tuple[Optional[Tensor], ...]:
+    """Backward from ``dy [..., d_out]``; ``saved`` the forward's ``(pre,)``, or ``()`` to recompute it. Launched here
+    in eager mode, through the custom op when traced.
 
-    Returns ``dx, dw1, db1, dw2, db2`` (a bias gradient is empty when that bias is absent).
+    Returns ``dx`` (x's shape), ``dw1, db1, dw2, db2`` (a bias gradient None when that bias is absent; the custom op
+    returns empty tensors for them).
     """
-    dy = contiguous_last_dim(dy)
     pre = saved[0] if saved else None
     if traced():
         return torch.ops.fused_transformer.feed_forward_bwd(dy, x, w1, b1, w2, pre, has_b2, activation, dropout_p,
                                                             seed_tensor(seed, x.device), allow_tf32)
     with _tf32_products() if _needs_tf32_switch(x, allow_tf32) else contextlib.nullcontext():
         if pre is None:
-            pre = _linear(x, w1, b1)
+            pre = F.linear(x, w1, b1)
+        dy = contiguous_last_dim(dy.reshape(-1, dy.shape[-1]))
         dhidden = dy.mm(w2)
-        dpre, hidden = torch.empty_like(pre), torch.empty_like(pre)
-        n = pre.numel()
+        dpre, hidden = torch.empty_like(dhidden), torch.empty_like(dhidden)
+        n = dhidden.numel()
         if n:
             launch_kernel(_activation_kernel, (cdiv(n, BLOCK),),
-                          (pre, dhidden, dpre, hidden, n, pre.shape[-1], dropout_p, *seed_args(seed, pre.device)),
+                          (pre, dhidden, dpre, hidden, n, dhidden.shape[-1], dropout_p, *seed_args(seed, pre.device)),
                           NUM_WARPS, BLOCK=BLOCK, ACTIVATION=activation, ACTIVATION_GRAD=True,
                           HAS_DROPOUT=dropout_p > 0.0)
-        db1 = sum_rows(dpre, b1.dtype) if b1 is not None else _empty(x)
-        db2 = sum_rows(dy, dy.dtype) if has_b2 else _empty(x)
-        return dpre.mm(w1), dpre.t().mm(x), db1, dy.t().mm(hidden), db2
+        db1 = sum_rows(dpre, b1.dtype) if b1 is not None else None
+        db2 = sum_rows(dy, dy.dtype) if has_b2 else None
+        dx = dpre.mm(w1)
+        return (dx.view(x.shape) if x.dim() != 2 else dx), dpre.t().mm(x.reshape(-1, x.shape[-1])), db1, \
+            dy.t().mm(hidden), db2
 
 
 # ------------------------------------------------------------------------------------ traced: the custom ops
@@ -220,8 +217,8 @@ def _feed_forward_fwd_op(
 
 @_feed_forward_fwd_op.register_fake
 def _(x, w1, b1, w2, b2, activation, dropout_p, seed, store_pre, allow_tf32):
-    pre = x.new_empty((x.shape[0], w1.shape[0])) if store_pre else _empty(x)
-    return x.new_empty((x.shape[0], w2.shape[0])), pre
+    pre = x.new_empty((*x.shape[:-1], w1.shape[0])) if store_pre else _empty(x)
+    return x.new_empty((*x.shape[:-1], w2.shape[0])), pre
 
 
 @torch.library.custom_op("fused_transformer::feed_forward_bwd", mutates_args=())
@@ -230,15 +227,17 @@ def _feed_forward_bwd_op(
     activation: str, dropout_p: float, seed: Optional[Tensor], allow_tf32: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``feed_forward_bwd`` as torch.compile and torch.export trace it."""
-    return feed_forward_bwd(dy, x, w1, b1, w2, (pre,) if pre is not None else (), has_b2, activation, dropout_p,
-                            seed, allow_tf32)
+    grads = feed_forward_bwd(dy, x, w1, b1, w2, (pre,) if pre is not None else (), has_b2, activation, dropout_p,
+                             seed, allow_tf32)
+    return tuple(_empty(x) if g is None else g for g in grads)
 
 
 @_feed_forward_bwd_op.register_fake
 def _(dy, x, w1, b1, w2, pre, has_b2, activation, dropout_p, seed, allow_tf32):
     db1 = b1.new_empty(b1.shape) if b1 is not None else _empty(x)
-    db2 = dy.new_empty((dy.shape[1],)) if has_b2 else _empty(x)
-    return torch.empty_like(x), torch.empty_like(w1), db1, torch.empty_like(w2), db2
+    db2 = dy.new_empty((dy.shape[-1],)) if has_b2 else _empty(x)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return dx, torch.empty_like(w1), db1, torch.empty_like(w2), db2
 
 
 def feed_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], *,

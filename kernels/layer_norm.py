@@ -42,6 +42,7 @@ p)``; ``fused_transformer.kernels._common.dropout_keep_mask(seed, rows, N, p, de
 """
 import dataclasses
 import functools
+import math
 import re
 from typing import List, Optional, Tuple, Union
 
@@ -74,13 +75,13 @@ def _layer_norm_fwd_kernel(
     B,  # [N] (HAS_BIAS)
     Y,  # [rows, N] output, x's dtype
     Z,  # [rows, N] dropout(x) + residual, x's dtype (STORE_Z)
-    MEAN,  # [rows] float32 (not written for RMSNorm)
-    RSTD,  # [rows] float32
+    MEAN,  # [rows] float32 (STORE_STATS; not written for RMSNorm)
+    RSTD,  # [rows] float32 (STORE_STATS)
     stride_x_row, stride_res_row, stride_y_row, stride_z_row,
     n_rows, n_cols, eps, dropout_p, SEED, host_seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, STORE_Z: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_Z: tl.constexpr, IS_RMS_NORM: tl.constexpr, STORE_STATS: tl.constexpr,
 ):
     # Program i normalises rows [i * BLOCK_M, (i + 1) * BLOCK_M) as one [BLOCK_M, BLOCK_N] tile, each row's
     # statistics reduced along axis 1 (BLOCK_M = 1: the "row" variant; "rows" gives a short row's program more work).
@@ -105,10 +106,12 @@ def _layer_norm_fwd_kernel(
         centered = z
     else:
         mean = tl.sum(z, axis=1) / n_cols
-        tl.store(MEAN + rows, mean, mask=row_mask)
+        if STORE_STATS:
+            tl.store(MEAN + rows, mean, mask=row_mask)
         centered = tl.where(mask, z - mean[:, None], 0.0)
     rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
+    if STORE_STATS:
+        tl.store(RSTD + rows, rstd, mask=row_mask)
 
     y = centered * rstd[:, None]
     if HAS_WEIGHT:
@@ -391,63 +394,86 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
 
-def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                   eps: float, dropout_p: float, seed: Optional[Seed], rms_norm: bool,
-                   store_z: bool) -> Tuple[Tensor, ...]:
-    """The forward on ``x`` / ``residual`` ``[rows, N]`` (any row stride; the last dim is copied only if it is not
-    contiguous), launched here in eager mode, through the custom op when traced.
+def _row_major(t: Tensor) -> Tensor:
+    """``t`` as the kernels read rows: ``[rows, N]`` with any row stride and the last dim contiguous, or contiguous
+    of another rank (copied only where it is neither)."""
+    if t.dim() == 2:
+        return contiguous_last_dim(t)
+    return t if t.is_contiguous() else t.contiguous()
 
-    Returns ``y [rows, N]``, ``z [rows, N]`` (empty unless ``store_z``), ``mean [rows]`` (float32, empty for
-    RMSNorm) and ``rstd [rows]`` (float32).
+
+def _rows(t: Tensor) -> Tuple[int, int]:
+    """``(rows, row stride)`` of a ``_row_major`` ``t``."""
+    n_cols = t.shape[-1]
+    if t.dim() == 2:
+        return t.shape[0], t.stride(0)
+    return (t.numel() // n_cols if n_cols else math.prod(t.shape[:-1])), n_cols
+
+
+def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                   eps: float, dropout_p: float, seed: Optional[Seed], rms_norm: bool, store_z: bool,
+                   store_stats: bool = True) -> Tuple[Optional[Tensor], ...]:
+    """The forward on rows of ``x`` / ``residual`` (``[rows, N]`` with any row stride, or contiguous ``[..., N]``;
+    the last dim is copied only if it is not contiguous), launched here in eager mode, through the custom op when
+    traced.
+
+    Returns ``y`` (x's shape), ``z`` (x's shape; None unless ``store_z``), ``mean [rows]`` (float32; None for
+    RMSNorm) and ``rstd [rows]`` (float32); the statistics None unless ``store_stats`` (a forward with no
+    backward). The custom op returns empty tensors for the Nones.
     """
     _check_dtypes(x, weight, bias, residual)
-    x = contiguous_last_dim(x)
-    residual = contiguous_last_dim(residual) if residual is not None else None
+    x = _row_major(x)
+    residual = _row_major(residual) if residual is not None else None
     if traced():
         return torch.ops.fused_transformer.layer_norm_fwd(x, weight, bias, residual, eps, dropout_p,
-                                                          seed_tensor(seed, x.device), rms_norm, store_z)
-    n_rows, n_cols = x.shape
+                                                          seed_tensor(seed, x.device), rms_norm, store_z, store_stats)
+    n_cols = x.shape[-1]
     if n_cols > MAX_HIDDEN:
         raise ValueError(f"triton layer_norm supports hidden sizes up to {MAX_HIDDEN}, got {n_cols}")
-    y = x.new_empty((n_rows, n_cols))
-    z = x.new_empty((n_rows, n_cols)) if store_z else _empty(x)
-    mean = x.new_empty((0 if rms_norm else n_rows,), dtype=torch.float32)
-    rstd = x.new_empty((n_rows,), dtype=torch.float32)
-    if y.numel() == 0:  # nothing to normalise; the statistics of an empty row are NaN (0 / 0)
-        return y, z, mean.fill_(float("nan")), rstd.fill_(float("nan"))
+    n_rows, stride_x = _rows(x)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    z = torch.empty_like(y) if store_z else None
+    mean = x.new_empty((n_rows,), dtype=torch.float32) if store_stats and not rms_norm else None
+    rstd = x.new_empty((n_rows,), dtype=torch.float32) if store_stats else None
+    if n_rows == 0 or n_cols == 0:  # nothing to normalise; the statistics of an empty row are NaN (0 / 0)
+        return y, z, *(None if t is None else t.fill_(float("nan")) for t in (mean, rstd))
     launch = fwd_launch(n_cols, _variant(FWD, n_rows, n_cols, x))
     launch_kernel(
         _layer_norm_fwd_kernel, (cdiv(n_rows, launch.block_m),),
-        (x, residual, weight, bias, y, z if store_z else None, mean if not rms_norm else None, rstd,
-         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), z.stride(0) if store_z else 0,
-         n_rows, n_cols, eps, dropout_p, *seed_args(seed, x.device)), 1 if interpreting() else launch.num_warps,
+        (x, residual, weight, bias, y, z, mean, rstd, stride_x, _rows(residual)[1] if residual is not None else 0,
+         n_cols, n_cols, n_rows, n_cols, eps, dropout_p, *seed_args(seed, x.device)),
+        1 if interpreting() else launch.num_warps,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, HAS_RESIDUAL=residual is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, STORE_Z=store_z,
-        IS_RMS_NORM=rms_norm,
+        IS_RMS_NORM=rms_norm, STORE_STATS=store_stats,
     )
     return y, z, mean, rstd
 
 
 def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                   mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Seed], rms_norm: bool,
-                   has_residual: bool, one_sum: bool = True) -> Tuple[Tensor, ...]:
-    """The backward; ``dy``, ``dz``, ``z`` are ``[rows, N]`` (``z`` as the forward wrote it), launched here in eager
-    mode, through the custom op when traced.
+                   mean: Optional[Tensor], rstd: Tensor, dropout_p: float, seed: Optional[Seed], rms_norm: bool,
+                   has_residual: bool, one_sum: bool = True) -> Tuple[Optional[Tensor], ...]:
+    """The backward; ``dy``, ``dz`` shaped as ``z``, the forward's (rows as ``layer_norm_fwd`` takes them), launched
+    here in eager mode, through the custom op when traced.
 
-    Returns ``dx``, ``dresidual`` (empty without a residual), ``dweight`` and ``dbias`` (empty when absent,
-    else in the parameter's dtype). ``one_sum``: dweight and dbias of one dtype summed by one launch, views of its
-    ``[2N]`` result (not for a custom op, whose outputs may not alias each other).
+    Returns ``dx`` (z's shape), ``dresidual`` (None without a residual), ``dweight`` and ``dbias`` (None when
+    absent, else in the parameter's dtype); the custom op returns empty tensors for the Nones. ``one_sum``: dweight
+    and dbias of one dtype summed by one launch, views of its ``[2N]`` result (not for a custom op, whose outputs may
+    not alias each other).
     """
-    dy = contiguous_last_dim(dy)
-    dz = contiguous_last_dim(dz) if dz is not None else None
+    dy = _row_major(dy)
+    dz = _row_major(dz) if dz is not None else None
     if traced():
-        return torch.ops.fused_transformer.layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, dropout_p,
-                                                          seed_tensor(seed, z.device), rms_norm, has_residual)
-    n_rows, n_cols = z.shape
-    dx = z.new_empty((n_rows, n_cols))
-    dresidual = torch.empty_like(dx) if has_residual else _empty(dx)
+        return torch.ops.fused_transformer.layer_norm_bwd(dy, dz, z, weight, bias,
+                                                          mean if mean is not None else _empty(rstd), rstd,
+                                                          dropout_p, seed_tensor(seed, z.device), rms_norm,
+                                                          has_residual)
+    n_cols = z.shape[-1]
+    n_rows, stride_z = _rows(z)
+    dx = torch.empty_like(z, memory_format=torch.contiguous_format)
+    dresidual = torch.empty_like(dx) if has_residual else None
     if n_cols == 0:  # every result is empty: no column block to launch
-        return dx, dresidual, *(torch.empty_like(p) if p is not None else _empty(dx) for p in (weight, bias))
+        return dx, dresidual, *(torch.empty_like(p) if p is not None else None for p in (weight, bias))
     launch = bwd_launch(n_cols, launches_clusters(z.device), _variant(BWD, n_rows, n_cols, z))
     rows_per_program = backward_rows_per_program(n_rows, z.device, launch.block_m)
     programs = max(cdiv(n_rows, rows_per_program), 1)
@@ -459,10 +485,8 @@ def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional
     # Launched even for zero rows: every program writes its (possibly zero) partial sums.
     launch_kernel(
         _layer_norm_bwd_kernel, (programs, launch.col_blocks),
-        (z, dy, dz, weight, mean if not rms_norm else None, rstd, dx, dresidual if has_residual else None,
-         dw_partial, db_partial,
-         z.stride(0), dy.stride(0), dz.stride(0) if dz is not None else 0, dx.stride(0),
-         dresidual.stride(0) if has_residual else 0, width,
+        (z, dy, dz, weight, None if rms_norm else mean, rstd, dx, dresidual, dw_partial, db_partial,
+         stride_z, _rows(dy)[1], _rows(dz)[1] if dz is not None else 0, n_cols, n_cols if has_residual else 0, width,
          n_rows, n_cols, rows_per_program, dropout_p, *seed_args(seed, z.device)),
         1 if interpreting() else launch.num_warps, num_ctas=launch.num_ctas,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, HAS_DZ=dz is not None, HAS_RESIDUAL=has_residual,
@@ -472,9 +496,14 @@ def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional
     if one_sum and weight is not None and bias is not None and weight.dtype == bias.dtype:
         sums = sum_rows(partials, weight.dtype)
         return dx, dresidual, sums[:n_cols], sums[n_cols:]
-    dweight = sum_rows(partials[:, :n_cols], weight.dtype) if weight is not None else _empty(dx)
-    dbias = sum_rows(db_partial, bias.dtype) if bias is not None else _empty(dx)
+    dweight = sum_rows(partials[:, :n_cols], weight.dtype) if weight is not None else None
+    dbias = sum_rows(db_partial, bias.dtype) if bias is not None else None
     return dx, dresidual, dweight, dbias
+
+
+def _or_empty(outputs: Tuple[Optional[Tensor], ...], like: Tensor) -> Tuple[Tensor, ...]:
+    """The custom ops' outputs: an empty tensor (of its own) for each None."""
+    return tuple(_empty(like) if t is None else t for t in outputs)
 
 
 # ------------------------------------------------------------------------------------ traced: the custom ops
@@ -483,18 +512,21 @@ def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional
 @torch.library.custom_op("fused_transformer::layer_norm_fwd", mutates_args=())
 def _layer_norm_fwd_op(
     x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
-    dropout_p: float, seed: Optional[Tensor], rms_norm: bool, store_z: bool,
+    dropout_p: float, seed: Optional[Tensor], rms_norm: bool, store_z: bool, store_stats: bool = True,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``layer_norm_fwd`` as torch.compile and torch.export trace it."""
-    return layer_norm_fwd(x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z)
+    y, z, mean, rstd = layer_norm_fwd(x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z, store_stats)
+    stats = x.new_empty((0,), dtype=torch.float32)
+    return y, _empty(x) if z is None else z, stats if mean is None else mean, stats.clone() if rstd is None else rstd
 
 
 @_layer_norm_fwd_op.register_fake
-def _(x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z):
-    n_rows = x.shape[0]
-    z = torch.empty_like(x) if store_z else _empty(x)
-    mean = x.new_empty((0 if rms_norm else n_rows,), dtype=torch.float32)
-    return torch.empty_like(x), z, mean, x.new_empty((n_rows,), dtype=torch.float32)
+def _(x, weight, bias, residual, eps, dropout_p, seed, rms_norm, store_z, store_stats=True):
+    n_rows = math.prod(x.shape[:-1])
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    z = torch.empty_like(y) if store_z else _empty(x)
+    mean = x.new_empty((n_rows if store_stats and not rms_norm else 0,), dtype=torch.float32)
+    return y, z, mean, x.new_empty((n_rows if store_stats else 0,), dtype=torch.float32)
 
 
 @torch.library.custom_op("fused_transformer::layer_norm_bwd", mutates_args=())
@@ -503,12 +535,13 @@ def _layer_norm_bwd_op(
     mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Tensor], rms_norm: bool, has_residual: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``layer_norm_bwd`` as torch.compile and torch.export trace it."""
-    return layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, dropout_p, seed, rms_norm, has_residual, one_sum=False)
+    return _or_empty(layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, dropout_p, seed, rms_norm, has_residual,
+                                    one_sum=False), z)
 
 
 @_layer_norm_bwd_op.register_fake
 def _(dy, dz, z, weight, bias, mean, rstd, dropout_p, seed, rms_norm, has_residual):
-    dx = torch.empty_like(z)
+    dx = torch.empty_like(z, memory_format=torch.contiguous_format)
     dresidual = torch.empty_like(z) if has_residual else _empty(z)
     dweight = torch.empty_like(weight) if weight is not None else _empty(z)
     dbias = torch.empty_like(bias) if bias is not None else _empty(z)
@@ -571,7 +604,8 @@ def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
         configs.append(AotKernel(
             name="layer_norm_fwd", config=f"BLOCK_N={launch.block_n}" + _variant_suffix(launch.block_m),
             fn=_layer_norm_fwd_kernel, signature=fwd_signature,
-            constexprs={"BLOCK_M": launch.block_m, "BLOCK_N": launch.block_n, "STORE_Z": True, **features},
+            constexprs={"BLOCK_M": launch.block_m, "BLOCK_N": launch.block_n, "STORE_Z": True, "STORE_STATS": True,
+                **features},
             num_warps=launch.num_warps, num_stages=1,
         ))
     # Every launch bwd_launch gives, for the targets that take it: whole rows up to MAX_BWD_BLOCK everywhere, wider

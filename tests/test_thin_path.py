@@ -64,7 +64,7 @@ def test_one_function_per_op_records_autograd_only_when_a_gradient_is_needed(nam
         out = ft.attention(leaf, q, q)
         y = functional.layer_norm(x, w, w, dropout_p=0.1)  # with dropout: no backend has a composed form
     assert type(out.grad_fn).__name__ == "AttentionFunctionBackward"
-    assert _node_names(y.grad_fn) >= {"ViewBackward0", "NormFunctionBackward"}
+    assert type(y.grad_fn).__name__ == "NormFunctionBackward"  # contiguous rows: no view before or after
     assert autograd.AttentionFunction.__module__ == "fused_transformer.autograd"
 
 

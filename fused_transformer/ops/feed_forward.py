@@ -1,13 +1,13 @@
 """The position-wise feed-forward ``linear2(dropout(act(linear1(x))))``: the products on torch's GEMMs (cuBLAS on a
 GPU, ATen's on the CPU), the activation and dropout between them one pass of ours.
 
-The backends' launchers (``LAUNCHERS``) work on rows ``x [M, d_model]``::
+The backends' launchers (``LAUNCHERS``) take ``x [..., d_model]``::
 
     forward(x, w1, b1, w2, b2, activation, dropout_p, seed, keep, allow_tf32) -> (y, saved)
     backward(dy, x, w1, b1, w2, saved, has_b2, activation, dropout_p, seed, allow_tf32) -> (dx, dw1, db1, dw2, db2)
 
 ``saved`` the tensors a backward reads beyond the inputs (``()`` unless ``keep``: the backward then recomputes them);
-an absent bias's gradient is empty. Differences from torch: none in the result; dropout draws its own mask.
+``dx`` shaped as ``x``; an absent bias's gradient None (or empty). Differences from torch: none in the result; dropout draws its own mask.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from .. import route
 from ..autograd import backward_seed, draw_seed, saved_seed, traced_apply
 from ..contract import (
-    Seed, as_rows, autocast_all, autocast_dtype, check_dropout, check_same, check_tensor, describe, stats_dtype,
+    FLOAT_DTYPES, Seed, as_rows, autocast_all, autocast_dtype, check_dropout, check_same, check_tensor, describe,
+    stats_dtype,
 )
 from ..reference import ACTIVATIONS as ACTIVATION_FUNCTIONS, dropout
 from . import Example, Launchers, Op, TuneSeries, Work, register
@@ -45,6 +46,13 @@ class FeedForwardSpec(NamedTuple):
 def check(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: object,
           dropout_p: object) -> FeedForwardSpec:
     """The checked ``FeedForwardSpec`` of a call: x ``[..., d_model]``, weights in ``nn.Linear`` layout."""
+    if (isinstance(x, Tensor) and isinstance(w1, Tensor) and isinstance(w2, Tensor) and x.dtype in FLOAT_DTYPES
+            and x.dim() > 0 and w1.dim() == 2 and w2.dim() == 2 and w1.shape[1] == x.shape[-1]
+            and w2.shape[1] == w1.shape[0] and _same(w1, x) and _same(w2, x) and activation in ACTIVATIONS
+            and dropout_p.__class__ is float and 0.0 <= dropout_p < 1.0
+            and (b1 is None or (isinstance(b1, Tensor) and _same(b1, x) and b1.shape == w1.shape[:1]))
+            and (b2 is None or (isinstance(b2, Tensor) and _same(b2, x) and b2.shape == w2.shape[:1]))):
+        return FeedForwardSpec(activation, dropout_p)  # checked: the common case, in one expression
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dim (the features), got a scalar")
@@ -66,6 +74,10 @@ def check(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
     return FeedForwardSpec(activation, check_dropout(dropout_p))
+
+
+def _same(t: Tensor, x: Tensor) -> bool:
+    return t.dtype == x.dtype and t.device == x.device
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -139,10 +151,11 @@ def cpu_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Opt
                 dropout_p: float, seed: Optional[Seed], keep: bool,
                 allow_tf32: bool = False) -> Tuple[Tensor, Tuple[Tensor, ...]]:
     """``y`` and, with ``keep``, ``(pre, hidden)``: the pre-activation (without b1 where the C++ pass adds it) and
-    the activation after dropout."""
-    pre = F.linear(x, w1, None if _bias_in_kernel(x, dropout_p) else b1)
+    the activation after dropout, as rows ``[M, d_ff]``."""
+    rows = as_rows(x)
+    pre = F.linear(rows, w1, None if _bias_in_kernel(x, dropout_p) else b1)
     hidden = _cpu_hidden(pre, b1, x, activation, dropout_p, seed)
-    return F.linear(hidden, w2, b2), ((pre, hidden) if keep else ())
+    return F.linear(hidden, w2, b2).view(*x.shape[:-1], w2.shape[0]), ((pre, hidden) if keep else ())
 
 
 def cpu_backward(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, saved: Tuple[Tensor, ...],
@@ -150,6 +163,7 @@ def cpu_backward(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Te
                  allow_tf32: bool = False) -> Tuple[Tensor, ...]:
     """``dx, dw1, db1, dw2, db2``; without ``saved``, the pre-activation and the hidden activation are recomputed (the
     same dropout mask: the same seed)."""
+    shape, x, dy = x.shape, as_rows(x), as_rows(dy)
     bias_in_kernel = _bias_in_kernel(x, dropout_p)
     if saved:
         pre, hidden = saved
@@ -165,10 +179,9 @@ def cpu_backward(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Te
         dpre = torch.ops.aten.threshold_backward(dhidden, pre, 0)
     else:
         dpre = torch.ops.aten.gelu_backward(dhidden, pre, approximate="tanh" if activation == "gelu_tanh" else "none")
-    empty = x.new_empty((0,))
-    db1 = dpre.sum(dim=0, dtype=stats_dtype(dpre.dtype)).to(b1.dtype) if b1 is not None else empty
-    db2 = dy.sum(dim=0, dtype=stats_dtype(dy.dtype)).to(dy.dtype) if has_b2 else empty
-    return dpre.mm(w1), dpre.t().mm(x), db1, dw2, db2
+    db1 = dpre.sum(dim=0, dtype=stats_dtype(dpre.dtype)).to(b1.dtype) if b1 is not None else None
+    db2 = dy.sum(dim=0, dtype=stats_dtype(dy.dtype)).to(dy.dtype) if has_b2 else None
+    return dpre.mm(w1).view(shape), dpre.t().mm(x), db1, dw2, db2
 
 
 LAUNCHERS = Launchers(triton="fused_transformer.kernels.feed_forward:feed_forward_fwd,feed_forward_bwd",
@@ -176,7 +189,7 @@ LAUNCHERS = Launchers(triton="fused_transformer.kernels.feed_forward:feed_forwar
 
 
 class FeedForwardFunction(torch.autograd.Function):
-    """Autograd over a backend's launchers on rows ``x [M, d_model]``."""
+    """Autograd over a backend's launchers on ``x [..., d_model]``."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, spec: FeedForwardSpec, name: str):
@@ -202,18 +215,15 @@ _autograd_apply = super(torch.autograd.Function, FeedForwardFunction).apply  # a
 def run(name: str, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
         spec: FeedForwardSpec) -> Tensor:
     """The op of checked arguments ``[..., d_model]`` on backend ``name`` (``"torch"``: ``torch_path``;
-    ``"reference"``: ``reference``), the launches on rows."""
+    ``"reference"``: ``reference``)."""
     if name == "torch" or name == "reference":
         path = torch_path if name == "torch" else reference
         return path(x, w1, b1, w2, b2, activation=spec.activation, dropout_p=spec.dropout_p)
-    x_rows = as_rows(x)
     if route.needs_grad(x, w1, b1, w2, b2):
         apply = FeedForwardFunction.apply if traced_apply() else _autograd_apply
-        y = apply(x_rows, w1, b1, w2, b2, spec, name)
-    else:
-        y, _ = LAUNCHERS(name)[0](x_rows, w1, b1, w2, b2, spec.activation, spec.dropout_p,
-                                  draw_seed(spec.dropout_p, x.device), False, spec.allow_tf32)
-    return y.view(*x.shape[:-1], w2.shape[0])
+        return apply(x, w1, b1, w2, b2, spec, name)
+    return LAUNCHERS(name)[0](x, w1, b1, w2, b2, spec.activation, spec.dropout_p, draw_seed(spec.dropout_p, x.device),
+                              False, spec.allow_tf32)[0]
 
 
 # --------------------------------------------------------------------------------------------- the op

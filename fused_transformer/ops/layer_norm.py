@@ -1,15 +1,16 @@
 """LayerNorm over the last dim with the residual add and dropout before it: ``y = LN(dropout(x) + residual)``, and
 ``z = dropout(x) + residual`` too with ``prenorm`` (the residual stream of a pre-LN block).
 
-The backends' launchers (``LAUNCHERS``) work on rows ``[rows, N]``, with the arguments of the custom ops
-``fused_transformer::layer_norm_fwd`` / ``layer_norm_bwd`` (the Triton launchers are those ops' eager path)::
+The backends' launchers (``LAUNCHERS``) work on rows, ``x`` ``[rows, N]`` (any row stride) or contiguous ``[..., N]``,
+with the arguments of the custom ops ``fused_transformer::layer_norm_fwd`` / ``layer_norm_bwd`` (the Triton launchers
+are those ops' eager path)::
 
-    forward(x, weight, bias, residual, eps, dropout_p, seed, rms, store_z) -> (y, z, mean, rstd)
+    forward(x, weight, bias, residual, eps, dropout_p, seed, rms, store_z, store_stats) -> (y, z, mean, rstd)
     backward(dy, dz, z, weight, bias, mean, rstd, dropout_p, seed, rms, has_residual) -> (dx, dresidual, dweight, dbias)
 
-``z`` empty unless ``store_z``; ``mean`` / ``rstd`` per row in float32 (``mean`` empty for RMSNorm, whose spec has
-``rms``: the RMSNorm op shares this Function and these launchers); an absent parameter's
-gradient is empty. Differences from torch: none in the result; dropout draws its own mask (a Philox seed from torch's
+``y``, ``z``, ``dx`` and ``dresidual`` shaped as ``x``; ``z`` only with ``store_z``; ``mean`` / ``rstd`` per row in
+float32, with ``store_stats`` (``mean`` not for RMSNorm, whose spec has ``rms``: the RMSNorm op shares this Function
+and these launchers); what a launcher does not compute is None or empty, an absent parameter's gradient too. Differences from torch: none in the result; dropout draws its own mask (a Philox seed from torch's
 generator, so ``torch.manual_seed`` reproduces it).
 """
 from __future__ import annotations
@@ -161,18 +162,23 @@ def _cpu_seed(seed: Optional[Seed]) -> Optional[Tensor]:
 
 
 def cpu_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
-                dropout_p: float, seed: Optional[Seed], rms: bool, store_z: bool) -> Tuple[Tensor, ...]:
-    """The C++ kernel's forward (``csrc/norm.cpp``)."""
-    return torch.ops.fused_transformer_cpu.layer_norm_fwd(x, weight, bias, residual, eps, dropout_p, _cpu_seed(seed),
-                                                          store_z, rms)
+                dropout_p: float, seed: Optional[Seed], rms: bool, store_z: bool,
+                store_stats: bool = True) -> Tuple[Tensor, ...]:
+    """The C++ kernel's forward (``csrc/norm.cpp``, on ``[rows, N]``; it always keeps the statistics)."""
+    y, z, mean, rstd = torch.ops.fused_transformer_cpu.layer_norm_fwd(
+        as_rows(x), weight, bias, as_rows(residual) if residual is not None else None, eps, dropout_p,
+        _cpu_seed(seed), store_z, rms)
+    return y.view(x.shape), z.view(x.shape) if store_z else z, mean, rstd
 
 
 def cpu_backward(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                  mean: Tensor, rstd: Tensor, dropout_p: float, seed: Optional[Seed], rms: bool,
                  has_residual: bool) -> Tuple[Tensor, ...]:
     """The C++ kernel's backward."""
-    return torch.ops.fused_transformer_cpu.layer_norm_bwd(dy, dz, z, weight, bias, mean, rstd, dropout_p,
-                                                          _cpu_seed(seed), has_residual, rms)
+    dx, dresidual, dweight, dbias = torch.ops.fused_transformer_cpu.layer_norm_bwd(
+        as_rows(dy), as_rows(dz) if dz is not None else None, as_rows(z), weight, bias, mean, rstd, dropout_p,
+        _cpu_seed(seed), has_residual, rms)
+    return dx.view(z.shape), dresidual.view(z.shape) if has_residual else None, dweight, dbias
 
 
 def _prepare(backend: str) -> None:
@@ -202,7 +208,8 @@ _BACKENDS = frozenset(LAUNCHERS.where)
 
 
 class NormFunction(torch.autograd.Function):
-    """Autograd over a backend's launchers on rows ``[rows, N]``, for LayerNorm and RMSNorm alike."""
+    """Autograd over a backend's launchers on rows (``[rows, N]``, or contiguous ``[..., N]``), for LayerNorm and
+    RMSNorm alike."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, spec: LayerNormSpec, name: str):
@@ -242,19 +249,20 @@ def run(name: str, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
     if name == "reference":
         return reference(x, weight, bias, spec.eps, residual=residual, dropout_p=spec.dropout_p, prenorm=spec.prenorm,
                          rms=spec.rms)
-    shape = x.shape
-    x_rows = as_rows(x)
-    residual_rows = as_rows(residual) if residual is not None else None
+    shape = None  # x's, where the launches take its rows as [rows, N]: rows not evenly strided
+    if x.dim() != 2 and not (x.is_contiguous() and (residual is None or residual.is_contiguous())):
+        shape, x = x.shape, as_rows(x)
+        residual = as_rows(residual) if residual is not None else None
     if route.needs_grad(x, weight, bias, residual):
         apply = NormFunction.apply if traced_apply() else _autograd_apply
-        out = apply(x_rows, weight, bias, residual_rows, spec, name)
+        out = apply(x, weight, bias, residual, spec, name)
     else:
-        y, z, _, _ = LAUNCHERS(name)[0](x_rows, weight, bias, residual_rows, spec.eps, spec.dropout_p,
-                                        draw_seed(spec.dropout_p, x.device), spec.rms, spec.prenorm)
+        y, z, _, _ = LAUNCHERS(name)[0](x, weight, bias, residual, spec.eps, spec.dropout_p,
+                                        draw_seed(spec.dropout_p, x.device), spec.rms, spec.prenorm, False)
         out = (y, z) if spec.prenorm else y
-    if spec.prenorm:
-        return out[0].view(shape), out[1].view(shape)
-    return out.view(shape)
+    if shape is None:
+        return out
+    return (out[0].view(shape), out[1].view(shape)) if spec.prenorm else out.view(shape)
 
 
 # --------------------------------------------------------------------------------------------- the op
