@@ -11,7 +11,7 @@ is called directly (it is the oracle these Functions are checked against), as is
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -31,20 +31,6 @@ def traced_apply() -> bool:
     functorch wrappers left over from a finished transform among the arguments, one by one (about 4 us of a 60 us
     attention forward + backward on the host), and adds no frame."""
     return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-
-
-def _eager_apply(function: type) -> Callable[..., object]:
-    """``function.apply``, straight into autograd's own (C++) apply in eager calls. torch's Python layer above it
-    serves torch.compile and functorch transforms, which still get it; outside them it only looks for functorch
-    wrappers left over from a finished transform among the arguments, one by one (about 4 us of a 60 us attention
-    forward + backward on the host)."""
-    autograd_apply = super(torch.autograd.Function, function).apply
-
-    def apply(*args: object) -> object:
-        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-            return function.apply(*args)
-        return autograd_apply(*args)
-    return apply
 
 
 def draw_seed(p: float, device: torch.device) -> Optional[Seed]:
@@ -110,42 +96,30 @@ def _mods_of(ctx, tensors: list) -> ScoreMods:
     return NO_SCORE_MODS if ctx.mod_numbers is None else score_mods_of_flat(tensors, ctx.mod_numbers)
 
 
-def _attention_forward(ctx, q: Tensor, sinks: Optional[Tensor], spec: AttentionSpec, name: str, with_lse: bool,
-                       run: Callable[..., Tuple[Tensor, Tensor]]) -> Tuple[Optional[Seed], Tensor, Tensor]:
-    """What both attention Functions' forwards do around ``run(ops, seed, float_output, prepared)``, the backend's
-    call: ``(seed, o, lse)``, o as the backward reads it; the LSE an output only ``with_lse``."""
-    ops = backend.ops(name)
-    seed = draw_seed(spec.dropout_p, q.device)
-    float_output = _float_output(ctx, q, sinks)
-    # What the backend's forward leaves for the backward of the same call (``prepared`` in the interface): nothing
-    # in a graph torch.compile traces, whose custom ops keep nothing.
+def _forward_state(ctx, q: Tensor, sinks: Optional[Tensor], spec: AttentionSpec,
+                   name: str) -> Tuple[Optional[Seed], bool, Optional[dict]]:
+    """What both attention Functions' forwards hand the backend's entry beside the tensors: ``(seed, float_output,
+    prepared)``, the last the dict the entry fills for the backward of the same call (``prepared`` in the interface):
+    none in a graph torch.compile traces, whose custom ops keep nothing."""
     ctx.prepared = None if torch.compiler.is_compiling() else {}
-    o, lse = run(ops, seed, float_output, ctx.prepared)
-    ctx.spec, ctx.name, ctx.float_output = spec, name, float_output
-    if with_lse:
-        ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None (no zeros to write and read)
-        if not ops.DIFFERENTIABLE_LSE:
-            ctx.mark_non_differentiable(lse)
-    return seed, o, lse
+    ctx.spec, ctx.name, ctx.float_output = spec, name, _float_output(ctx, q, sinks)
+    return draw_seed(spec.dropout_p, q.device), ctx.float_output, ctx.prepared
 
 
 def _attention_outputs(ctx, q: Tensor, o: Tensor, lse: Tensor, with_lse: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """The forward's outputs: o in q's dtype, and the LSE ``with_lse`` (differentiable where the backend takes its
+    gradient)."""
+    if with_lse:
+        ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None (no zeros to write and read)
+        if not backend.ops(ctx.name).DIFFERENTIABLE_LSE:
+            ctx.mark_non_differentiable(lse)
     out = o.to(q.dtype) if ctx.float_output else o
     return (out, lse) if with_lse else out
 
 
-def _attention_backward(ctx, do: Optional[Tensor], dlse: Optional[Tensor], q: Tensor, o: Tensor, lse: Tensor,
-                        sinks: Optional[Tensor], packed: bool,
-                        run: Callable[..., Tuple[Tensor, Tensor, Tensor]]) -> Tuple[Optional[Tensor], ...]:
-    """What both attention Functions' backwards do around ``run(ops, do)``: ``(dq, dk, dv, dsinks)``."""
-    needs_q, needs_k, needs_v, needs_sinks = ctx.needs_input_grad[:4]
-    do = torch.zeros_like(o, dtype=q.dtype) if do is None else do  # only the LSE was used
-    dq = dk = dv = dsinks = None
-    if needs_q or needs_k or needs_v:
-        dq, dk, dv = run(backend.ops(ctx.name), do)
-    if needs_sinks:
-        dsinks = sinks_gradient(sinks, lse, do, o, dlse, head_dim_last=packed)
-    return dq, dk, dv, dsinks
+def _sinks_gradient(ctx, do: Tensor, dlse: Optional[Tensor], o: Tensor, lse: Tensor, sinks: Optional[Tensor],
+                    packed: bool) -> Optional[Tensor]:
+    return sinks_gradient(sinks, lse, do, o, dlse, head_dim_last=packed) if ctx.needs_input_grad[3] else None
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -157,20 +131,22 @@ class AttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, attn_mask, key_padding_mask, query_padding_mask, query_lengths,
                 mods: ScoreMods, spec: AttentionSpec, name: str, with_lse: bool = True):
         masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask, query_lengths)
-        seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, with_lse, lambda ops, seed, float_output,
-                                          prepared: ops.attention_fwd(q, k, v, masks, spec, mods, sinks, seed,
-                                                                      float_output, prepared))
+        seed, float_output, prepared = _forward_state(ctx, q, sinks, spec, name)
+        o, lse = backend.ops(name).attention_fwd(q, k, v, masks, spec, mods, sinks, seed, float_output, prepared)
         ctx.save_for_backward(q, k, v, o, lse, sinks, saved_seed(ctx, seed), *masks, *_saved_mods(ctx, mods))
         return _attention_outputs(ctx, q, o, lse, with_lse)
 
     @staticmethod
     def backward(ctx, do, dlse=None):
         q, k, v, o, lse, sinks, seed, *rest = ctx.saved_tensors
-        seed = backward_seed(ctx, seed)
-        masks, mods = AttentionMasks(*rest[:4]), _mods_of(ctx, rest[4:])
-        grads = _attention_backward(ctx, do, dlse, q, o, lse, sinks, False, lambda ops, do: ops.attention_bwd(
-            do, dlse, q, k, v, o, lse, masks, ctx.spec, mods, seed, ctx.prepared))
-        return *grads, None, None, None, None, None, None, None, None
+        do = torch.zeros_like(o, dtype=q.dtype) if do is None else do  # only the LSE was used
+        dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]):
+            dq, dk, dv = backend.ops(ctx.name).attention_bwd(do, dlse, q, k, v, o, lse, AttentionMasks(*rest[:4]),
+                                                             ctx.spec, _mods_of(ctx, rest[4:]),
+                                                             backward_seed(ctx, seed), ctx.prepared)
+        return (dq, dk, dv, _sinks_gradient(ctx, do, dlse, o, lse, sinks, False), None, None, None, None, None, None,
+                None, None)
 
 
 class AttentionVarlenFunction(torch.autograd.Function):
@@ -180,9 +156,8 @@ class AttentionVarlenFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, mods: ScoreMods, max_seqlen_q: int,
                 max_seqlen_k: int, spec: AttentionSpec, name: str, with_lse: bool = True):
         seqs = PackedSequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        seed, o, lse = _attention_forward(ctx, q, sinks, spec, name, with_lse, lambda ops, seed, float_output,
-                                          prepared: ops.attention_varlen_fwd(q, k, v, seqs, spec, mods, sinks, seed,
-                                                                             float_output, prepared))
+        seed, float_output, prepared = _forward_state(ctx, q, sinks, spec, name)
+        o, lse = backend.ops(name).attention_varlen_fwd(q, k, v, seqs, spec, mods, sinks, seed, float_output, prepared)
         ctx.save_for_backward(q, k, v, o, lse, sinks, saved_seed(ctx, seed), cu_seqlens_q, cu_seqlens_k,
                               *_saved_mods(ctx, mods))
         ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
@@ -191,15 +166,19 @@ class AttentionVarlenFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse=None):
         q, k, v, o, lse, sinks, seed, cu_seqlens_q, cu_seqlens_k, *mod_tensors = ctx.saved_tensors
-        seed = backward_seed(ctx, seed)
-        seqs, mods = PackedSequences(cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens), _mods_of(ctx, mod_tensors)
-        grads = _attention_backward(ctx, do, dlse, q, o, lse, sinks, True, lambda ops, do: ops.attention_varlen_bwd(
-            do, dlse, q, k, v, o, lse, seqs, ctx.spec, mods, seed, ctx.prepared))
-        return *grads, None, None, None, None, None, None, None, None
+        do = torch.zeros_like(o, dtype=q.dtype) if do is None else do  # only the LSE was used
+        dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]):
+            seqs = PackedSequences(cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens)
+            dq, dk, dv = backend.ops(ctx.name).attention_varlen_bwd(do, dlse, q, k, v, o, lse, seqs, ctx.spec,
+                                                                    _mods_of(ctx, mod_tensors),
+                                                                    backward_seed(ctx, seed), ctx.prepared)
+        return (dq, dk, dv, _sinks_gradient(ctx, do, dlse, o, lse, sinks, True), None, None, None, None, None, None,
+                None, None)
 
 
-_attention_apply = _eager_apply(AttentionFunction)
-_attention_varlen_apply = _eager_apply(AttentionVarlenFunction)
+_attention_apply = super(torch.autograd.Function, AttentionFunction).apply  # autograd's own (C++) apply: no frame
+_attention_varlen_apply = super(torch.autograd.Function, AttentionVarlenFunction).apply
 
 
 def _check_constant_mask(attn_mask: Tensor, name: str) -> None:
@@ -227,7 +206,8 @@ def attention(name: str, q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks,
         _check_constant_mask(masks.attn_mask, name)
     if _needs_grad(q, k, v, sinks):
         with_lse = _tracked_lse(return_lse)
-        out = _attention_apply(q, k, v, sinks, *masks, mods, spec, name, with_lse)
+        apply = AttentionFunction.apply if traced_apply() else _attention_apply
+        out = apply(q, k, v, sinks, *masks, mods, spec, name, with_lse)
         return out if with_lse else (out, None)
     return ops.attention_fwd(q, k, v, masks, spec, mods, sinks, draw_seed(spec.dropout_p, q.device), False)
 
@@ -242,7 +222,8 @@ def attention_varlen(name: str, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeq
         return ops.attention_varlen(q, k, v, *seqs, spec, mods, sinks)
     if _needs_grad(q, k, v, sinks):
         with_lse = _tracked_lse(return_lse)
-        out = _attention_varlen_apply(q, k, v, sinks, seqs.cu_seqlens_q, seqs.cu_seqlens_k, mods,
-                                        int(seqs.max_seqlen_q), int(seqs.max_seqlen_k), spec, name, with_lse)
+        apply = AttentionVarlenFunction.apply if traced_apply() else _attention_varlen_apply
+        out = apply(q, k, v, sinks, seqs.cu_seqlens_q, seqs.cu_seqlens_k, mods, int(seqs.max_seqlen_q),
+                    int(seqs.max_seqlen_k), spec, name, with_lse)
         return out if with_lse else (out, None)
     return ops.attention_varlen_fwd(q, k, v, seqs, spec, mods, sinks, draw_seed(spec.dropout_p, q.device), False)

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fused_transformer
 from fused_transformer import backend, contract, functional, reference
 from fused_transformer.kernels import attention as triton_attention
-from fused_transformer.kernels._common import draw_dropout_seed, interpreting, tma_addressable
+from fused_transformer.kernels._common import draw_dropout_seed, interpreting, launch_kernel, tma_addressable
 from fused_transformer.kernels.attention import bwd, configs, fwd, launch
 from fused_transformer.kernels.attention import weights as weights_kernel
 from fused_transformer.kernels.attention.lengths import padding_lengths
@@ -203,7 +203,10 @@ def _padding_with_holes(lk: int) -> torch.Tensor:
 
 def test_padding_lengths_give_the_positions_before_the_first_padding_position():
     def lengths(mask):
-        return padding_lengths(mask.view(torch.uint8)).tolist()
+        found, launches = padding_lengths(mask.view(torch.uint8))
+        for launch in launches:
+            launch_kernel(*launch)
+        return found.tolist()
 
     padding = _padding_with_holes(100)
     assert lengths(padding) == [[70, 100, 100, 100], [70, 70, 0, 100]]

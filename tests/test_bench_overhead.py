@@ -106,7 +106,7 @@ def test_the_profiles_say_where_each_cases_host_time_goes(overhead_run):
         assert all(float(own) >= 0 and float(cum) >= float(own) for own, cum, _, _ in functions)
         assert "Self CPU time total" in section
     attention = sections[expected.index("attention fwd+bwd: ours")]
-    assert "launch_bwd (kernels/attention/bwd.py" in attention and "aten::" in attention
+    assert "attention_bwd (kernels/attention/bwd.py" in attention and "aten::" in attention
 
 
 def test_a_failing_profile_is_said_in_the_file_and_raises_nothing(tmp_path):

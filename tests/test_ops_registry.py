@@ -99,6 +99,32 @@ def test_at_most_five_project_frames_at_every_launch(launches_seen, name, autoca
         [(kernel, frames) for kernel, frames in launches_seen if len(frames) > MAX_FRAMES]
 
 
+@pytest.mark.skipif(ft.backend.triton_unavailable_reason() is not None, reason="triton is not installed")
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_at_most_five_project_frames_at_every_attention_launch(launches_seen, varlen, autocast):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 9, 16, device=DEVICE) for _ in range(3))
+    padding = torch.arange(9, device=DEVICE) >= torch.tensor([9, 5], device=DEVICE)[:, None]
+    cu_seqlens = torch.tensor([0, 9, 14], dtype=torch.int32, device=DEVICE)
+    packed = [t.transpose(1, 2).reshape(18, 2, 16)[:14].contiguous() for t in (q, k, v)]
+
+    def call(q, k, v):
+        if varlen:
+            return ft.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, 9, 9, is_causal=True, dropout_p=0.1)
+        return ft.attention(q, k, v, key_padding_mask=padding, dropout_p=0.1)
+
+    inputs = packed if varlen else (q, k, v)
+    with ft.use_backend("triton"), torch.autocast(DEVICE, enabled=autocast):
+        with torch.no_grad():
+            call(*inputs)
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        call(*leaves).float().sum().backward()
+    assert len(launches_seen) >= 3
+    assert all(len(frames) <= MAX_FRAMES for _, frames in launches_seen), \
+        [(kernel, frames) for kernel, frames in launches_seen if len(frames) > MAX_FRAMES]
+
+
 # -------------------------------------------------------------------------------------------- explain
 
 

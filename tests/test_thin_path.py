@@ -277,17 +277,17 @@ def test_a_plain_dense_call_reuses_its_launch_form(monkeypatch):
     """The layout, kernel-form masks and shared arguments of a dense call without masks are made once per shapes,
     strides and spec; the seed of each call takes its place among the cached arguments."""
     from fused_transformer.contract import NO_SCORE_MODS, AttentionMasks, attention_spec
-    from fused_transformer.kernels.attention import ops
+    from fused_transformer.kernels.attention import call
 
-    monkeypatch.setattr(ops, "_PLAIN_FORMS", {})
+    monkeypatch.setattr(call, "_PLAIN_FORMS", {})
     q, _, _ = _inputs()
     spec = attention_spec(q.shape[-1], True, "top_left", None, 0.1, None)
     masks = AttentionMasks(None, None, None, None)
     seeds = [torch.tensor([n]) for n in (7, 8)]
-    made = [ops._launch_form(q, q, q, spec, NO_SCORE_MODS, None, masks, None, seed) for seed in seeds]
-    assert len(ops._PLAIN_FORMS) == 1
-    monkeypatch.setattr(ops, "_PLAIN_FORMS", {})
-    fresh = ops._launch_form(q, q, q, spec, NO_SCORE_MODS, None, masks, None, seeds[1])
+    made = [call.launch_form(q, q, q, spec, NO_SCORE_MODS, None, masks, None, seed) for seed in seeds]
+    assert len(call._PLAIN_FORMS) == 1
+    monkeypatch.setattr(call, "_PLAIN_FORMS", {})
+    fresh = call.launch_form(q, q, q, spec, NO_SCORE_MODS, None, masks, None, seeds[1])
     assert made[1][:2] == fresh[:2] and len(made[1].args) == len(fresh.args)
     assert all(a is b or a == b for a, b in zip(made[1].args, fresh.args))
     held = [[t for t in form.args if isinstance(t, torch.Tensor)] for form in made]
@@ -296,9 +296,9 @@ def test_a_plain_dense_call_reuses_its_launch_form(monkeypatch):
     at = next(i for i, arg in enumerate(made[1].args) if arg is seeds[1])
     assert made[0].args_key is made[1].args_key and fresh.args_key == _common.runtime_keys(fresh.args[:at])
     padding = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool)
-    padded = ops._launch_form(q, q, q, spec, NO_SCORE_MODS, None, AttentionMasks(None, padding, None, None), None,
+    padded = call.launch_form(q, q, q, spec, NO_SCORE_MODS, None, AttentionMasks(None, padding, None, None), None,
                               seeds[0])
-    assert len(ops._PLAIN_FORMS) == 1 and padded.args_key is None  # a call with a mask tensor is never cached
+    assert len(call._PLAIN_FORMS) == 1 and padded.args_key is None  # a call with a mask tensor is never cached
 
 
 def test_the_backend_is_resolved_once_per_choice_device_and_dtype(monkeypatch):

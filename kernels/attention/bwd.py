@@ -7,15 +7,20 @@ forward (``jit.py``); the dropout mask is regenerated from the forward's seed. T
 and ds multiplied by their derivative (``jit._score_mods_grad``: softcap's 1 - tanh^2); the sinks need nothing more
 (they are in the forward's LSE).
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ...contract import AttentionSpec
-from .._common import cdiv, contiguous_last_dim, dropout_keep, dropout_seed, launch_kernel
+from ...contract import (
+    AttentionMasks, AttentionSpec, PackedSequences, ScoreMods, Seed, score_mods_flat, seed_tensor,
+)
+from .._common import (
+    cdiv, contiguous_last_dim, contiguous_last_dims, dropout_keep, dropout_seed, launch_kernel, traced,
+)
 from . import configs
+from .call import backward_outputs, flat_masks, flat_spec
 from .configs import head_dim_bucket
 from .jit import (
     _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _modifies_scores, _real_rows, _row_index,
@@ -428,9 +433,11 @@ def attention_dkdv_kernel(
         tl.store(DV + out_offsets, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
-def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-               dq: Tensor, dk: Tensor, dv: Tensor, form: LaunchForm, spec: AttentionSpec) -> None:
-    """The dq kernel, then the dk/dv kernel, dense or packed (``form.layout``), writing ``dq``, ``dk`` and ``dv``."""
+def _backward_launches(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                       dq: Tensor, dk: Tensor, dv: Tensor, form: LaunchForm, spec: AttentionSpec) -> Tuple[tuple, ...]:
+    """``launch_kernel``'s arguments for the dq kernel, then the dk/dv kernel (in that order: dq's writes the row sums
+    dk/dv's reads), dense or packed (``form.layout``), writing ``dq``, ``dk`` and ``dv``: the kernel, the grid, the
+    arguments, warps, stages, CTAs and the known key."""
     layout, masks, args = form.layout, form.masks, form.args
     delta = torch.empty_like(lse)  # lse's shape and layout
     # Both kernels load alike: through TMA only if it can address every input and output.
@@ -455,10 +462,10 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
     if dq_tma:
         q_in, o_in, do_in = (tiles_of(x, dq_tile.block_m, block_d, True) for x in (q, o, do))
         k_in, v_in = (tiles_of(x, dq_tile.block_n, block_d, True) for x in (k, v))
-    launch_kernel(attention_dq_kernel, grid(cdiv(layout.n_queries, dq_tile.block_m), layout.batch, layout.heads),
-                  (q_in, k_in, v_in, o_in, do_in, lse, dlse.contiguous() if dlse is not None else None, delta, dq,
-                   *row_strides(dq_do), *args, *dq_launch.constexprs), dq_launch.num_warps, dq_launch.num_stages,
-                  known=known_args(12, form))
+    dq_kernel = (attention_dq_kernel, grid(cdiv(layout.n_queries, dq_tile.block_m), layout.batch, layout.heads),
+                 (q_in, k_in, v_in, o_in, do_in, lse, dlse.contiguous() if dlse is not None else None, delta, dq,
+                  *row_strides(dq_do), *args, *dq_launch.constexprs), dq_launch.num_warps, dq_launch.num_stages, 1,
+                 known_args(12, form))
     dk_out, dv_out = dk, dv
     if not dkdv_tma:
         q_in, k_in, v_in, do_in = q, k, v, dkdv_do
@@ -469,7 +476,44 @@ def launch_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
             k_in, v_in = (tiles_of(x, dkdv_tile.block_n, block_d, True) for x in (k, v))
         if dk.dim() == 4:  # dense: TMA stores as well
             dk_out, dv_out = (tiles_of(t, dkdv_tile.block_n, block_d, True) for t in (dk, dv))
-    launch_kernel(attention_dkdv_kernel, grid(cdiv(layout.n_keys, dkdv_tile.block_n), layout.batch, layout.kv_heads),
-                  (q_in, k_in, v_in, do_in, lse, delta, dk_out, dv_out, *row_strides(dkdv_do), *args,
-                   *dkdv_launch.constexprs),
-                  dkdv_launch.num_warps, dkdv_launch.num_stages, known=known_args(11, form))
+    dkdv_kernel = (attention_dkdv_kernel, grid(cdiv(layout.n_keys, dkdv_tile.block_n), layout.batch, layout.kv_heads),
+                   (q_in, k_in, v_in, do_in, lse, delta, dk_out, dv_out, *row_strides(dkdv_do), *args,
+                    *dkdv_launch.constexprs), dkdv_launch.num_warps, dkdv_launch.num_stages, 1, known_args(11, form))
+    return dq_kernel, dkdv_kernel
+
+
+# ------------------------------------------------------------------------------------- the backend's entries
+
+
+def attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                  masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods,
+                  seed: Optional[Seed], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` laid out as o (o in q's dtype or float32: ``float_output``), launched here in eager mode,
+    through the custom op when traced; the forward's launch form taken from ``prepared`` where it left one."""
+    q, k, v = contiguous_last_dims(q, k, v)
+    o, lse = (o if o.dtype == q.dtype else o.to(q.dtype)), lse.contiguous()
+    if traced():
+        return torch.ops.fused_transformer.attention_bwd(
+            do, dlse, q, k, v, o, lse, *flat_masks(masks), *flat_spec(spec), seed_tensor(seed, q.device),
+            *score_mods_flat(mods))
+    dq, dk, dv, form = backward_outputs(q, k, v, spec, mods, seed, masks=masks, prepared=prepared)
+    if form is not None:
+        for launch in (*form.masks.launches, *_backward_launches(do, dlse, q, k, v, o, lse, dq, dk, dv, form, spec)):
+            launch_kernel(*launch)
+    return dq, dk, dv
+
+
+def attention_varlen_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
+                         lse: Tensor, seqs: PackedSequences, spec: AttentionSpec, mods: ScoreMods,
+                         seed: Optional[Seed], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """``dq [Tq, H, D], dk, dv [Tk, Hkv, D]``, as ``attention_bwd``."""
+    q, k, v = contiguous_last_dims(q, k, v)
+    o, lse = (o if o.dtype == q.dtype else o.to(q.dtype)), lse.contiguous()
+    if traced():
+        return torch.ops.fused_transformer.attention_varlen_bwd(
+            do, dlse, q, k, v, o, lse, *seqs, *flat_spec(spec), seed_tensor(seed, q.device), *score_mods_flat(mods))
+    dq, dk, dv, form = backward_outputs(q, k, v, spec, mods, seed, seqs=seqs, prepared=prepared)
+    if form is not None:
+        for launch in _backward_launches(do, dlse, q, k, v, o, lse, dq, dk, dv, form, spec):
+            launch_kernel(*launch)
+    return dq, dk, dv

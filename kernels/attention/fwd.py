@@ -14,14 +14,18 @@ p)`` (Lq, Lk: max_seqlen_q, max_seqlen_k with VARLEN, i and j counted within the
 ``dropout_seed``);
 ``attention_keep_mask`` replays the mask for the reference.
 """
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ...contract import AttentionSpec
-from .._common import cdiv, dropout_keep, dropout_seed, launch_kernel
+from ...contract import (
+    AttentionMasks, AttentionSpec, PackedSequences, ScoreMods, Seed, score_mods_flat, seed_tensor,
+)
+from .._common import cdiv, contiguous_last_dims, dropout_keep, dropout_seed, launch_kernel, traced
 from . import configs
+from .call import flat_masks, flat_spec, forward_outputs
 from .configs import head_dim_bucket
 from .jit import (
     _batch_head, _dot, _leading_real_keys, _mask_scores, _modified_scores, _modifies_scores, _real_rows, _row_index,
@@ -270,9 +274,10 @@ def attention_fwd_kernel(
         )
 
 
-def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, form: LaunchForm,
-               spec: AttentionSpec) -> None:
-    """The forward kernel, dense or packed (``form.layout``), writing ``o`` and ``lse``."""
+def _forward_launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, form: LaunchForm,
+                    spec: AttentionSpec) -> tuple:
+    """``launch_kernel``'s arguments after the kernel for the forward, dense or packed (``form.layout``), writing ``o``
+    and ``lse``: the grid, the arguments, warps, stages, CTAs and the known key."""
     layout, masks = form.layout, form.masks
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
     launch = launch_options("fwd", attention_fwd_kernel, q, layout.head_dim, masks, spec.dropout_p, spec.allow_tf32,
@@ -289,5 +294,40 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, form: La
         launch_grid = (persistent_programs(o.device, tile, query_tiles * layout.batch * layout.heads), 1, 1)
     else:
         launch_grid = grid(query_tiles, layout.batch, layout.heads)
-    launch_kernel(attention_fwd_kernel, launch_grid, (q, k, v, o, lse, *form.args, layout.batch, *launch.constexprs),
-                  launch.num_warps, launch.num_stages, known=known_args(5, form))
+    return (launch_grid, (q, k, v, o, lse, *form.args, layout.batch, *launch.constexprs), launch.num_warps,
+            launch.num_stages, 1, known_args(5, form))
+
+
+# ------------------------------------------------------------------------------------- the backend's entries
+
+
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods,
+                  sinks: Optional[Tensor], seed: Optional[Seed], float_output: bool,
+                  prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
+    """``o [B, H, Lq, D]`` laid out as ``[B, Lq, H, D]`` (float32 with ``float_output``) and the float32 LSE, launched
+    here in eager mode, through the custom op when traced."""
+    q, k, v = contiguous_last_dims(q, k, v)
+    if traced():
+        return torch.ops.fused_transformer.attention_fwd(
+            q, k, v, *flat_masks(masks), *flat_spec(spec), seed_tensor(seed, q.device), *score_mods_flat(mods),
+            sinks, float_output)
+    o, lse, form = forward_outputs(q, k, v, spec, mods, sinks, seed, float_output, masks=masks, prepared=prepared)
+    if form is not None:
+        for launch in form.masks.launches:
+            launch_kernel(*launch)
+        launch_kernel(attention_fwd_kernel, *_forward_launch(q, k, v, o, lse, form, spec))
+    return o, lse
+
+
+def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences, spec: AttentionSpec,
+                         mods: ScoreMods, sinks: Optional[Tensor], seed: Optional[Seed],
+                         float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
+    """``o [Tq, H, D]`` (float32 with ``float_output``) and the float32 LSE ``[H, Tq]``, as ``attention_fwd``."""
+    q, k, v = contiguous_last_dims(q, k, v)
+    if traced():
+        return torch.ops.fused_transformer.attention_varlen_fwd(
+            q, k, v, *seqs, *flat_spec(spec), seed_tensor(seed, q.device), *score_mods_flat(mods), sinks, float_output)
+    o, lse, form = forward_outputs(q, k, v, spec, mods, sinks, seed, float_output, seqs=seqs, prepared=prepared)
+    if form is not None:
+        launch_kernel(attention_fwd_kernel, *_forward_launch(q, k, v, o, lse, form, spec))
+    return o, lse

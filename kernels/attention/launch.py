@@ -47,6 +47,8 @@ class MaskArgs(NamedTuple):
     # Score modifiers and sinks (the forward and backward kernels only, not the weights kernel):
     mods: ScoreMods = NO_SCORE_MODS
     sinks: Optional[Tensor] = None  # float32 [H] contiguous
+    # What must run before a kernel reads these, as launch_kernel's arguments: the padding lengths' kernel
+    launches: Tuple[tuple, ...] = ()
 
     def pointer_args(self) -> tuple:
         return (self.mask, self.padding, self.key_lens, self.query_lens, self.query_padding, self.cu_seqlens_q,
@@ -177,7 +179,8 @@ def kernel_window(window: Window, is_causal: bool, unlimited: int) -> Optional[T
 
 def mask_args(q: Tensor, k: Tensor, masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods = NO_SCORE_MODS,
               sinks: Optional[Tensor] = None) -> MaskArgs:
-    """The masks of a dense launch (q ``[B, H, Lq, D]``, k ``[B, Hkv, Lk, D]``) in kernel form."""
+    """The masks of a dense launch (q ``[B, H, Lq, D]``, k ``[B, Hkv, Lk, D]``) in kernel form; the launches that
+    compute their padding lengths in ``MaskArgs.launches``, for the caller to make first."""
     (batch, heads, lq, _), lk = q.shape, k.shape[2]
     attn_mask, key_padding_mask, query_padding_mask, query_lengths = masks
     mask, mask_kind = None, MASK_NONE
@@ -188,9 +191,10 @@ def mask_args(q: Tensor, k: Tensor, masks: AttentionMasks, spec: AttentionSpec, 
         else:
             mask_kind = MASK_FLOAT
     padding = key_lens = None
+    launches: Tuple[tuple, ...] = ()
     if key_padding_mask is not None:
         padding = key_padding_mask.contiguous().view(torch.uint8)
-        key_lens = padding_lengths(padding)
+        key_lens, launches = padding_lengths(padding)
     query_lens = query_padding = None
     if query_lengths is not None:
         query_lens = query_lengths.to(device=q.device, dtype=torch.int32).clamp(0, lq).contiguous()
@@ -199,12 +203,13 @@ def mask_args(q: Tensor, k: Tensor, masks: AttentionMasks, spec: AttentionSpec, 
             query_padding_mask = query_padding_mask | (
                 torch.arange(lq, device=q.device, dtype=torch.int32)[None, :] >= query_lens[:, None])
         query_padding = query_padding_mask.contiguous().view(torch.uint8)
-        query_lens = padding_lengths(query_padding)  # the kernels read its first row
+        query_lens, query_launches = padding_lengths(query_padding)  # the kernels read its first row
+        launches += query_launches
     window = kernel_window(spec.window, spec.is_causal, lq + lk)
     aligned = spec.bottom_right and (spec.is_causal or window is not None or mods is not NO_SCORE_MODS)
     return MaskArgs(mask, mask_kind, padding, key_lens, query_lens, query_padding, None, None, spec.is_causal,
                     lk - lq if aligned else 0, aligned and query_padding is not None, window, mods,
-                    None if sinks is None else sinks.contiguous())
+                    None if sinks is None else sinks.contiguous(), launches)
 
 
 def varlen_mask_args(seqs: PackedSequences, spec: AttentionSpec, mods: ScoreMods = NO_SCORE_MODS,

@@ -8,13 +8,12 @@ they visit no tile, and the second as the keys whose tiles need no padding mask 
 Composed of torch ops the two rows took eight launches (a negation, a cumulative product, a sum, an arange, a
 where, a max, a stack and a cast): about 30 us of host time per masked call on the CPU, more on a GPU's host.
 """
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .._common import launch_kernel
 from ..aot import AotKernel
 from ..toolchain import Version
 
@@ -44,15 +43,17 @@ def _padding_lengths_kernel(
     tl.store(LENGTHS + n_rows + row, tl.min(first_pad, axis=0))
 
 
-def padding_lengths(padding: Tensor) -> Tensor:
+def padding_lengths(padding: Tensor) -> Tuple[Tensor, Tuple[tuple, ...]]:
     """``LENGTHS`` (int32 ``[2, B]``, above) of ``padding``, a ``[B, L]`` mask viewed as uint8 with its last dim
-    contiguous; computed on its device, so the host never waits."""
+    contiguous, computed on its device (the host never waits) by the launch returned with it (``launch_kernel``'s
+    arguments; none for no row: a grid of 0 programs is an error on a GPU), which the caller makes before a kernel
+    reads them."""
     rows, length = padding.shape
     lengths = torch.empty((2, rows), dtype=torch.int32, device=padding.device)
-    if rows:  # a grid of 0 programs is an error on a GPU
-        launch_kernel(_padding_lengths_kernel, (rows,), (padding, lengths, rows, length, padding.stride(0)),
-                      NUM_WARPS, BLOCK=BLOCK)
-    return lengths
+    if not rows:
+        return lengths, ()
+    return lengths, ((_padding_lengths_kernel, (rows,), (padding, lengths, rows, length, padding.stride(0), BLOCK),
+                      NUM_WARPS),)
 
 
 def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
