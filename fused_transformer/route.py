@@ -404,7 +404,8 @@ class Record(NamedTuple):
     """One decided call, as ``explain()`` lists it."""
 
     op: str
-    door: str  # "functional" (the ops, the modules and the transformers interface above them) or "sdpa"
+    door: str  # "functional" (the ops, the modules and the transformers interface above them), "sdpa", or "module"
+    # (a module's own call of torch.nn's forward)
     backend: str  # what ran it: "triton", "cpu", "torch" (torch's own ops) or "reference"
     reason: str
 
@@ -444,6 +445,13 @@ def explain() -> contextlib.AbstractContextManager:
     transformers. A backward follows its forward's decision (autograd differentiates what the forward ran), so it
     records nothing of its own."""
     return _recorded(lambda call, decision: Record(call.op, call.door, decision.backend, decision.reason))
+
+
+def ran_elsewhere(op: str, door: str, reason: str) -> None:
+    """Record, for ``explain()``, a call that torch's own code ran without asking the route: a module that hands an
+    input it does not fuse (nested tensors, parameters of mixed dtypes) to torch.nn's ``forward``."""
+    if _RECORDERS:
+        _decided(Call(op, "", torch.float32, door=door), Decision("torch", reason))
 
 
 def _decided(call: Call, decision: Decision) -> Decision:
@@ -543,6 +551,8 @@ def sdpa_door(q: torch.Tensor, key_len: int, is_causal: bool, ours: str) -> Deci
                 deterministic=torch.are_deterministic_algorithms_enabled())
     choice = backend.get_backend()  # a backend named at this door is ours, the one behind it
     decision = decide_for(call, q.device, choice if choice in ("auto", "reference") else ours, ours)
+    if not decision.ours:  # whatever else the route says, the door runs the kernel the op had before: torch's
+        decision = Decision("torch", decision.reason)
     return _decided(call, decision) if _RECORDERS else decision
 
 

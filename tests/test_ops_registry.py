@@ -147,6 +147,10 @@ def test_explain_records_every_call_of_a_models_forward_with_what_ran():
         pass
     model(x)
     assert outside == []
+    nested = torch.nested.nested_tensor([torch.randn(3, 32), torch.randn(2, 32)])
+    with ft.explain() as fallback:
+        ft.fuse(nn.LayerNorm(32))(nested)
+    assert [(r.op, r.door, r.backend) for r in fallback] == [("LayerNorm", "module", "torch")]
 
 
 def test_explains_backend_is_the_one_that_ran(monkeypatch):

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import functional as ops
+from .. import route
 from .base import FusedTwin, InputShapeError, any_nested, mixed_dtypes, twin_of
 from .packing import Packing, has_hooks
 
@@ -37,6 +38,7 @@ class MultiheadAttention(FusedTwin, nn.MultiheadAttention):
         is_causal: bool = False,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         if any_nested(query, key, value) or mixed_dtypes(self, self.out_proj):
+            route.ran_elsewhere(type(self).__name__, "module", "nested tensors or parameters of mixed dtypes")
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
         # As torch.nn: with is_causal and nothing else to merge into it, attn_mask is dropped unread.

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import functional as ops
+from .. import route
 from .attention import MultiheadAttention
 from .base import (
     FusedTwin, InputShapeError, active_p, any_nested, fused_activation, mixed_dtypes, twin_of, with_fused_children,
@@ -27,6 +28,7 @@ class LayerNorm(FusedTwin, nn.LayerNorm):
     def forward(self, input: Tensor) -> Tensor:
         weight, bias = self.weight, self.bias
         if input.is_nested or (weight is not None and bias is not None and weight.dtype != bias.dtype):
+            route.ran_elsewhere(type(self).__name__, "module", "nested tensors or parameters of mixed dtypes")
             return super().forward(input)
         shape = self.normalized_shape
         dims = len(shape)
@@ -47,6 +49,7 @@ class RMSNorm(FusedTwin, nn.RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.is_nested:
+            route.ran_elsewhere(type(self).__name__, "module", "nested tensors")
             return super().forward(x)
         shape = self.normalized_shape
         dims = len(shape)
@@ -151,6 +154,7 @@ class TransformerEncoderLayer(_FusedLayerMixin, nn.TransformerEncoderLayer):
         if _packing is not None:
             return self._packed_forward(src, _packing, is_causal)
         if not self._fuses(src, src_mask, src_key_padding_mask):
+            route.ran_elsewhere(type(self).__name__, "module", "an input or a part it does not fuse")
             return super().forward(src, src_mask, src_key_padding_mask, is_causal)
         batch_first = self.self_attn.batch_first
         padding = src_key_padding_mask if fits_padding(src_key_padding_mask, src, batch_first) else None
@@ -213,6 +217,7 @@ class TransformerDecoderLayer(_FusedLayerMixin, nn.TransformerDecoderLayer):
         if _packing is not None:
             return self._packed_forward(tgt, memory, *_packing, tgt_is_causal)
         if not self._fuses(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask):
+            route.ran_elsewhere(type(self).__name__, "module", "an input or a part it does not fuse")
             return super().forward(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
                                    tgt_is_causal, memory_is_causal)
         batch_first = self.self_attn.batch_first

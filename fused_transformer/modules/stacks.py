@@ -6,6 +6,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
+from .. import route
 from .base import FusedTwin, any_nested, is_causal_mask, twin_of, with_fused_children
 from .layers import TransformerDecoderLayer, TransformerEncoderLayer
 from .packing import batch_first_of, fits_padding, pack, row_wise_norm, seq_len, unpack, zero_padding
@@ -31,6 +32,7 @@ class TransformerEncoder(FusedTwin, nn.TransformerEncoder):
         is_causal: Optional[bool] = None,
     ) -> Tensor:
         if any_nested(src, mask, src_key_padding_mask):
+            route.ran_elsewhere(type(self).__name__, "module", "nested tensors")
             return super().forward(src, mask, src_key_padding_mask, is_causal)
         first = self.layers[0]
         is_causal = is_causal_mask(mask, is_causal, seq_len(first, src))
