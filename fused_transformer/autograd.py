@@ -99,11 +99,11 @@ def _mods_of(ctx, tensors: list) -> ScoreMods:
 def _forward_state(ctx, q: Tensor, sinks: Optional[Tensor], spec: AttentionSpec,
                    name: str) -> Tuple[Optional[Seed], bool, Optional[dict]]:
     """What both attention Functions' forwards hand the backend's entry beside the tensors: ``(seed, float_output,
-    prepared)``, the last the dict the entry fills for the backward of the same call (``prepared`` in the interface):
-    none in a graph torch.compile traces, whose custom ops keep nothing."""
-    ctx.prepared = None if torch.compiler.is_compiling() else {}
+    for_backward)``, the last the dict the entry fills for the backward of the same call (``for_backward`` in the
+    interface): none in a graph torch.compile traces, whose custom ops keep nothing."""
+    ctx.for_backward = None if torch.compiler.is_compiling() else {}
     ctx.spec, ctx.name, ctx.float_output = spec, name, _float_output(ctx, q, sinks)
-    return draw_seed(spec.dropout_p, q.device), ctx.float_output, ctx.prepared
+    return draw_seed(spec.dropout_p, q.device), ctx.float_output, ctx.for_backward
 
 
 def _attention_outputs(ctx, q: Tensor, o: Tensor, lse: Tensor, with_lse: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
@@ -131,8 +131,8 @@ class AttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, attn_mask, key_padding_mask, query_padding_mask, query_lengths,
                 mods: ScoreMods, spec: AttentionSpec, name: str, with_lse: bool = True):
         masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask, query_lengths)
-        seed, float_output, prepared = _forward_state(ctx, q, sinks, spec, name)
-        o, lse = backend.ops(name).attention_fwd(q, k, v, masks, spec, mods, sinks, seed, float_output, prepared)
+        seed, float_output, for_backward = _forward_state(ctx, q, sinks, spec, name)
+        o, lse = backend.ops(name).attention_fwd(q, k, v, masks, spec, mods, sinks, seed, float_output, for_backward)
         ctx.save_for_backward(q, k, v, o, lse, sinks, saved_seed(ctx, seed), *masks, *_saved_mods(ctx, mods))
         return _attention_outputs(ctx, q, o, lse, with_lse)
 
@@ -144,7 +144,7 @@ class AttentionFunction(torch.autograd.Function):
         if any(ctx.needs_input_grad[:3]):
             dq, dk, dv = backend.ops(ctx.name).attention_bwd(do, dlse, q, k, v, o, lse, AttentionMasks(*rest[:4]),
                                                              ctx.spec, _mods_of(ctx, rest[4:]),
-                                                             backward_seed(ctx, seed), ctx.prepared)
+                                                             backward_seed(ctx, seed), ctx.for_backward)
         return (dq, dk, dv, _sinks_gradient(ctx, do, dlse, o, lse, sinks, False), None, None, None, None, None, None,
                 None, None)
 
@@ -156,8 +156,9 @@ class AttentionVarlenFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, mods: ScoreMods, max_seqlen_q: int,
                 max_seqlen_k: int, spec: AttentionSpec, name: str, with_lse: bool = True):
         seqs = PackedSequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        seed, float_output, prepared = _forward_state(ctx, q, sinks, spec, name)
-        o, lse = backend.ops(name).attention_varlen_fwd(q, k, v, seqs, spec, mods, sinks, seed, float_output, prepared)
+        seed, float_output, for_backward = _forward_state(ctx, q, sinks, spec, name)
+        o, lse = backend.ops(name).attention_varlen_fwd(q, k, v, seqs, spec, mods, sinks, seed, float_output,
+                                                        for_backward)
         ctx.save_for_backward(q, k, v, o, lse, sinks, saved_seed(ctx, seed), cu_seqlens_q, cu_seqlens_k,
                               *_saved_mods(ctx, mods))
         ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
@@ -172,7 +173,7 @@ class AttentionVarlenFunction(torch.autograd.Function):
             seqs = PackedSequences(cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens)
             dq, dk, dv = backend.ops(ctx.name).attention_varlen_bwd(do, dlse, q, k, v, o, lse, seqs, ctx.spec,
                                                                     _mods_of(ctx, mod_tensors),
-                                                                    backward_seed(ctx, seed), ctx.prepared)
+                                                                    backward_seed(ctx, seed), ctx.for_backward)
         return (dq, dk, dv, _sinks_gradient(ctx, do, dlse, o, lse, sinks, True), None, None, None, None, None, None,
                 None, None)
 

@@ -10,10 +10,10 @@ The backend interface, below autograd. The Triton backend (``fused_transformer.k
 (``fused_transformer.cpu_ops``) export these raw functions: no autograd, outputs allocated by the callee, every
 argument checked here before; ``fused_transformer.autograd`` writes each op's Function once above them::
 
-    attention_fwd(q, k, v, masks, spec, mods, sinks, seed, float_output, prepared=None) -> (o, lse)
-    attention_bwd(do, dlse, q, k, v, o, lse, masks, spec, mods, seed, prepared=None) -> (dq, dk, dv)
-    attention_varlen_fwd(q, k, v, seqs, spec, mods, sinks, seed, float_output, prepared=None) -> (o, lse)
-    attention_varlen_bwd(do, dlse, q, k, v, o, lse, seqs, spec, mods, seed, prepared=None) -> (dq, dk, dv)
+    attention_fwd(q, k, v, masks, spec, mods, sinks, seed, float_output, for_backward=None) -> (o, lse)
+    attention_bwd(do, dlse, q, k, v, o, lse, masks, spec, mods, seed, for_backward=None) -> (dq, dk, dv)
+    attention_varlen_fwd(q, k, v, seqs, spec, mods, sinks, seed, float_output, for_backward=None) -> (o, lse)
+    attention_varlen_bwd(do, dlse, q, k, v, o, lse, seqs, spec, mods, seed, for_backward=None) -> (dq, dk, dv)
     attention_weights(q, k, lse, masks, spec) -> weights [B, H, Lq, Lk]
     attention_with_kvcache(q, cache, mods, sinks, spec, k_new, v_new) -> (out [B, Lq, H, D], lse)
 
@@ -22,9 +22,9 @@ it), lse ``[B, H, Lq]``; packed q ``[Tq, H, D]``, lse ``[H, Tq]``, ``seqs`` a ``
 ``stats_dtype``, the sinks in it, so the backward needs no sinks; ``dlse`` None when the LSE was not used; o in
 float32 with ``float_output`` (16-bit inputs whose sinks need a gradient, ``autograd.sinks_gradient``); ``mods`` a
 ``ScoreMods`` (``NO_SCORE_MODS`` for none), the sinks apart (they change no score); ``seed`` from
-``draw_dropout_seed`` or None without dropout; ``prepared`` a dict the forward may fill with what it derived from its
-arguments (the masks and strides in the kernels' form), handed unchanged to the backward of the same call, which then
-need not derive it again (None: nothing kept). The other ops write down their launchers' interface in their own
+``draw_dropout_seed`` or None without dropout; ``for_backward`` a dict the forward may fill with what it derived from
+its arguments (the masks and strides in the kernels' form), handed unchanged to the backward of the same call, which
+then need not derive it again (None: nothing kept). The other ops write down their launchers' interface in their own
 modules (``fused_transformer.ops``). What a backend computes (score modifiers, sinks) is data in
 ``fused_transformer.route.SUPPORTS``, which sends a call it lacks to the reference, and a call torch's own ops run
 faster to them (``route``). ``attention_with_kvcache`` is forward only: with ``k_new`` / ``v_new`` (only for a backend

@@ -97,23 +97,23 @@ def _exact(float_output: bool, *tensors: Tensor) -> Tuple[Tensor, ...]:
 
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec,
                   mods: ScoreMods, sinks: Optional[Tensor], seed: Optional[Seed],
-                  float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
+                  float_output: bool, for_backward: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """The C++ flash-attention forward: ``(o, lse)``, the LSE ``[B, H, Lq]`` in float32 (float64 for float64). The
-    masks in the kernels' form go into ``prepared`` for the backward, unless that would keep a converted copy of
+    masks in the kernels' form go into ``for_backward`` for the backward, unless that would keep a converted copy of
     attn_mask alive in between."""
     _check_cpu("q", q)
     mask_args = _dense_args(q, masks, spec)
-    if prepared is not None and mask_args[0] is masks.attn_mask:
-        prepared["mask_args"] = mask_args
+    if for_backward is not None and mask_args[0] is masks.attn_mask:
+        for_backward["mask_args"] = mask_args
     return _ops.attention_fwd(*_exact(float_output, q, k, v), *mask_args, _seed(seed), mods.softcap, mods.alibi_slopes,
                               sinks)
 
 
 def attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                   masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods,
-                  seed: Optional[Seed], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                  seed: Optional[Seed], for_backward: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """The C++ backward; ``o`` in q's dtype or float32; ``dlse`` is None (``DIFFERENTIABLE_LSE``)."""
-    mask_args = prepared.get("mask_args") if prepared is not None else None
+    mask_args = for_backward.get("mask_args") if for_backward is not None else None
     if mask_args is None:
         mask_args = _dense_args(q, masks, spec)
     return _ops.attention_bwd(do, q, k, v, o, lse, *mask_args, _seed(seed), mods.softcap, mods.alibi_slopes)
@@ -121,7 +121,7 @@ def attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
 
 def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences, spec: AttentionSpec,
                          mods: ScoreMods, sinks: Optional[Tensor], seed: Optional[Seed],
-                         float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
+                         float_output: bool, for_backward: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """The C++ forward on packed sequences: ``(o [Tq, H, D], lse [H, Tq])``, the sinks in the LSE."""
     _check_cpu("q", q)
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = seqs
@@ -132,7 +132,7 @@ def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences,
 
 def attention_varlen_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
                          lse: Tensor, seqs: PackedSequences, spec: AttentionSpec, mods: ScoreMods,
-                         seed: Optional[Seed], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                         seed: Optional[Seed], for_backward: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """The C++ backward on packed sequences."""
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = seqs
     return _ops.attention_varlen_bwd(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),

@@ -112,7 +112,8 @@ def attention(
         alone). A float ``attn_mask`` is added as SDPA adds it, so a NaN score at a ``-inf`` key still makes
         the row NaN. One difference, on purpose: a key that a bool mask, padding or the causal mask hides is
         out of the softmax whatever its score (the kernels skip such key blocks), so a NaN there does not
-        reach the row, where SDPA, which adds those masks as ``-inf``, gives NaN.
+        reach the row, where SDPA, which adds those masks as ``-inf``, gives NaN. Another: ``attn_mask`` and
+        ``is_causal`` together apply both, where SDPA documents an error (docs/differences.md).
     """
     cast = _autocast_dtype(q, matmul=True)
     if cast is not None:

@@ -390,10 +390,10 @@ def append_to_cache(cache: KVCache, k_new: Tensor, v_new: Tensor) -> KVCache:
     ``cache.uniform_length``, else an ``index_put_`` at indices made on the device (no host sync: CUDA-graph
     capturable and traceable)."""
     batch, new_len = k_new.shape[:2]
-    known = cache.uniform_length
-    if known is not None and cache.block_table is None:
-        cache.k[:, known:known + new_len] = k_new
-        cache.v[:, known:known + new_len] = v_new
+    uniform = cache.uniform_length
+    if uniform is not None and cache.block_table is None:
+        cache.k[:, uniform:uniform + new_len] = k_new
+        cache.v[:, uniform:uniform + new_len] = v_new
     else:
         positions = cache.lengths.long()[:, None] + torch.arange(new_len, device=k_new.device)  # [B, Lnew]
         if cache.block_table is None:
@@ -404,7 +404,7 @@ def append_to_cache(cache: KVCache, k_new: Tensor, v_new: Tensor) -> KVCache:
         cache.k.index_put_(rows, k_new)
         cache.v.index_put_(rows, v_new)
     return KVCache(cache.k, cache.v, cache.lengths + new_len, cache.block_table,
-                   None if known is None else known + new_len)
+                   None if uniform is None else uniform + new_len)
 
 
 # ------------------------------------------------------------------------------------------- torch's paths

@@ -116,8 +116,8 @@ def _runtime_params(kernel: object) -> Optional[int]:
 def runtime_keys(args: tuple) -> Optional[int]:
     """A number standing for the launch-key part of ``args``, arguments that are not constexprs (``_runtime_key`` of
     each; the same number for the same part), None where an argument has none: a launcher that passes the same
-    arguments again and again keeps it, and gives it to ``launch_kernel`` as ``known`` (a number, which a dictionary
-    hashes at once)."""
+    arguments again and again keeps it, and gives it to ``launch_kernel`` in ``cached_key`` (a number, which a
+    dictionary hashes at once)."""
     try:
         key = tuple(map(_runtime_key, args))
     except TypeError:
@@ -126,18 +126,18 @@ def runtime_keys(args: tuple) -> Optional[int]:
 
 
 def launch_key(kernel: object, args: tuple, options: tuple,
-               known: Optional[Tuple[int, int, int]] = None) -> Optional[tuple]:
+               cached_key: Optional[Tuple[int, int, int]] = None) -> Optional[tuple]:
     """The key ``launch_kernel`` reuses a compiled kernel under, None where it cannot (the arguments are not all of the
-    kernel's parameters, its constexprs are not its last, or an argument is of a kind it does not know). ``known``:
+    kernel's parameters, its constexprs are not its last, or an argument is of a kind it does not know). ``cached_key``:
     ``(start, stop, number)``, ``args[start:stop]``'s part of the key as ``runtime_keys`` numbered it for the caller,
     who made it before and kept it: those arguments are not looked at again."""
     runtime = _runtime_params(kernel)
     if runtime is None or len(args) != len(kernel.params):
         return None
     try:
-        if known is None:
+        if cached_key is None:
             return (id(kernel), options, *args[runtime:], *map(_runtime_key, args[:runtime]))
-        start, stop, key = known
+        start, stop, key = cached_key
         return (id(kernel), options, *args[runtime:], *map(_runtime_key, args[:start]), (start, stop, key),
                 *map(_runtime_key, args[stop:runtime]))
     except TypeError:
@@ -241,12 +241,12 @@ def _refuse(kernel: object, why: str) -> None:
 
 def launch_kernel(kernel: object, grid: Tuple[int, ...], args: tuple, num_warps: int,
                   num_stages: Optional[int] = None, num_ctas: int = 1,
-                  known: Optional[Tuple[int, int, int]] = None, **constexprs: object) -> None:
+                  cached_key: Optional[Tuple[int, int, int]] = None, **constexprs: object) -> None:
     """``kernel[grid](*args, **constexprs, num_warps=..., num_stages=..., num_ctas=...)``: through
     ``JITFunction.run`` the first time a ``launch_key`` is seen, to its compiled kernel directly after that, where the
     compiled kernel fits the direct call (``direct_launch_mismatch``; else through run for good) and the direct launch
     is on (``set_direct_launch``). ``args`` are the kernel's parameters by position; the constexprs, its last
-    parameters, may end them or come by name. ``known``: part of the launch key, made before (``launch_key``)."""
+    parameters, may end them or come by name. ``cached_key``: part of the launch key, made before (``launch_key``)."""
     if interpreting() or not _DIRECT_LAUNCH:
         kernel.run(*args, grid=grid, warmup=False, num_warps=num_warps, num_stages=num_stages, num_ctas=num_ctas,
                    **constexprs)
@@ -257,7 +257,7 @@ def launch_kernel(kernel: object, grid: Tuple[int, ...], args: tuple, num_warps:
     if num_stages is not None:
         options["num_stages"] = num_stages
     device = current_device()
-    key = launch_key(kernel, args, (device, num_warps, num_stages, num_ctas), known)
+    key = launch_key(kernel, args, (device, num_warps, num_stages, num_ctas), cached_key)
     try:
         compiled = _COMPILED.get(key) if key is not None else None
     except TypeError:  # a constexpr value that cannot be hashed

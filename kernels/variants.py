@@ -150,11 +150,11 @@ def forced(choices: Mapping[str, str]) -> Iterator[None]:
     for op, name in choices.items():
         if op not in _REGISTERED:
             raise ValueError(f"variants: no op {op!r}; ops with variants: {', '.join(sorted(_REGISTERED))}")
-        known = _REGISTERED[op][1]
-        if name not in known:
-            raise ValueError(f"variants: {op} has no variant {name!r}; it has {', '.join(known)}")
-        if known[name]:
-            raise ValueError(f"variants: the plan refuses {op} variant {name!r}: {known[name]}")
+        refusals = _REGISTERED[op][1]
+        if name not in refusals:
+            raise ValueError(f"variants: {op} has no variant {name!r}; it has {', '.join(refusals)}")
+        if refusals[name]:
+            raise ValueError(f"variants: the plan refuses {op} variant {name!r}: {refusals[name]}")
     saved = dict(_FORCED)
     _FORCED.update(choices)
     try:
@@ -180,11 +180,11 @@ def status() -> List[str]:
     that no GPU has measured them, so the default runs)."""
     rows = read_rows()
     lines = []
-    for op, (default, known) in sorted(_REGISTERED.items()):
+    for op, (default, refusals) in sorted(_REGISTERED.items()):
         gpus = sorted({row.gpu for row in rows if row.op == op})
-        buildable = [name for name, reason in known.items() if not reason]
+        buildable = [name for name, reason in refusals.items() if not reason]
         where = (f"measured on {', '.join(gpus)}" if gpus
                  else f"unmeasured: no GPU has run bench --suite variants, the default {default!r} runs")
         lines.append(f"{op}: {', '.join(buildable)} ({where})")
-        lines.extend(f"  {name}: refused: {reason}" for name, reason in known.items() if reason)
+        lines.extend(f"  {name}: refused: {reason}" for name, reason in refusals.items() if reason)
     return lines

@@ -18,7 +18,7 @@ HOPPER = BY_CAPABILITY[90]
 
 
 def launches():
-    """Every kind of launch a launcher can plan: (kernel, precision, head_dim, target, TMA-addressable inputs, light,
+    """Every kind of launch a launcher can plan: (kernel, precision, head_dim, target, TMA-addressable inputs, scores_only,
     packed), at every head-dim bucket and at odd head dims inside them."""
     for kernel, precision in itertools.product(configs.KERNELS, configs.PRECISIONS):
         if kernel == "weights" and precision == "tf32":  # the weights kernel never runs in tf32
@@ -26,27 +26,27 @@ def launches():
         for head_dim in (0, 1, 16, 24, 32, 40, 64, 72, 128, 200, 256):
             if head_dim > configs.MAX_HEAD_DIM[precision]:
                 continue
-            for target, addressable, light, packed in itertools.product(TARGETS, (True, False), (False, True),
+            for target, addressable, scores_only, packed in itertools.product(TARGETS, (True, False), (False, True),
                                                                          (False, True)):
                 if kernel == "weights" and packed:  # no packed variant
                     continue
-                yield kernel, precision, head_dim, target, addressable, light, packed
+                yield kernel, precision, head_dim, target, addressable, scores_only, packed
 
 
-def plan_of(kernel, precision, head_dim, target, addressable=True, light=False, packed=False, score_mods=False):
+def plan_of(kernel, precision, head_dim, target, addressable=True, scores_only=False, packed=False, score_mods=False):
     return plan(kernel, DTYPES[precision], head_dim, target, allow_tf32=precision == "tf32",
-                tma_addressable=addressable, light=light, packed=packed, score_mods=score_mods)
+                tma_addressable=addressable, scores_only=scores_only, packed=packed, score_mods=score_mods)
 
 
-def row_of(kernel, precision, head_dim, target, addressable=True, light=False, packed=False, triton=None,
+def row_of(kernel, precision, head_dim, target, addressable=True, scores_only=False, packed=False, triton=None,
            score_mods=False):
     tma = configs.takes_tma(kernel, precision, head_dim) and addressable and target.tma
-    return configs.find_row(kernel, precision, head_dim, target.capability, tma, light, packed,
+    return configs.find_row(kernel, precision, head_dim, target.capability, tma, scores_only, packed,
                             triton or toolchain.installed(), score_mods)
 
 
 def score_mods_launches():
-    """The launches with softcap or ALiBi: never light, never the weights kernel."""
+    """The launches with softcap or ALiBi: never scores_only, never the weights kernel."""
     return (launch for launch in launches() if launch[0] != "weights" and not launch[5])
 
 
@@ -83,69 +83,69 @@ def test_score_mods_rows_serve_score_mods_launches_only():
     for launch in score_mods_launches():
         row, general = row_of(*launch, score_mods=True), row_of(*launch)
         assert row == general or row.score_mods, launch
-        assert not row.light
+        assert not row.scores_only
     assert row_of("bwd_dq", "fp32", 64, BY_CAPABILITY[80], score_mods=True).tile == configs.Tile(64, 16, 8, 1)
 
 
 def test_a_head_dim_plans_as_its_bucket():
-    for kernel, precision, head_dim, target, addressable, light, packed in launches():
+    for kernel, precision, head_dim, target, addressable, scores_only, packed in launches():
         bucket = configs.head_dim_bucket(head_dim)
-        assert plan_of(kernel, precision, head_dim, target, addressable, light, packed) == plan_of(
-            kernel, precision, bucket, target, addressable, light, packed)
+        assert plan_of(kernel, precision, head_dim, target, addressable, scores_only, packed) == plan_of(
+            kernel, precision, bucket, target, addressable, scores_only, packed)
 
 
 def test_99_kb_parts_pick_tiles_that_fit_and_plan_alike():
     assert plan_of("fwd", "bf16", 64, BY_CAPABILITY[86]).tile.num_stages == 2  # 3 stages need 147 KB
     assert plan_of("fwd", "bf16", 64, BY_CAPABILITY[80]).tile.num_stages == 3
-    for kernel, precision, head_dim, target, addressable, light, packed in launches():
+    for kernel, precision, head_dim, target, addressable, scores_only, packed in launches():
         if target.capability == 86:
-            assert plan_of(kernel, precision, head_dim, target, addressable, light, packed) == plan_of(
-                kernel, precision, head_dim, BY_CAPABILITY[89], addressable, light, packed)
+            assert plan_of(kernel, precision, head_dim, target, addressable, scores_only, packed) == plan_of(
+                kernel, precision, head_dim, BY_CAPABILITY[89], addressable, scores_only, packed)
 
 
 def test_hopper_tiles_need_tma():
     """sm_90 takes rows of its own only through TMA: inputs TMA cannot address, and exact float32, plan as on
     sm_80 (the hopper rows spill 72-120 B on the pointer path), but where an older Triton's release row for one of
     the two decides (kernels/toolchain.py: its register allocation differs per target)."""
-    for kernel, precision, head_dim, target, addressable, light, packed in launches():
+    for kernel, precision, head_dim, target, addressable, scores_only, packed in launches():
         if target is not HOPPER:
             continue
-        hopper = plan_of(kernel, precision, head_dim, HOPPER, addressable, light, packed)
-        ampere = plan_of(kernel, precision, head_dim, BY_CAPABILITY[80], addressable, light, packed)
+        hopper = plan_of(kernel, precision, head_dim, HOPPER, addressable, scores_only, packed)
+        ampere = plan_of(kernel, precision, head_dim, BY_CAPABILITY[80], addressable, scores_only, packed)
         assert hopper.use_tma == (addressable and configs.takes_tma(kernel, precision, head_dim))
-        rows = [row_of(kernel, precision, head_dim, t, addressable, light, packed) for t in (HOPPER, BY_CAPABILITY[80])]
+        rows = [row_of(kernel, precision, head_dim, t, addressable, scores_only, packed) for t in (HOPPER, BY_CAPABILITY[80])]
         if not hopper.use_tma and all(row.tritons.last is None for row in rows):
-            assert hopper == ampere, (kernel, precision, head_dim, addressable, light, packed)
+            assert hopper == ampere, (kernel, precision, head_dim, addressable, scores_only, packed)
     assert configs.TF32_TMA_HEAD_DIMS == (64, 128)
     assert [configs.takes_tma(kernel, "tf32", 64) for kernel in configs.KERNELS] == [True, False, False, False]
     assert not any(configs.takes_tma(kernel, "fp32", 64) for kernel in configs.KERNELS)
 
 
 def test_light_rows_serve_light_launches_only():
-    """Launches whose scores read an attn_mask tile or draw dropout never take a light row; before sm_90 light and
-    other launches plan alike; packed light launches never take a row that serves dense launches only."""
-    for kernel, precision, head_dim, target, addressable, light, packed in launches():
-        row = row_of(kernel, precision, head_dim, target, addressable, light, packed)
-        assert light or not row.light
+    """Launches whose scores read an attn_mask tile or draw dropout never take a scores-only row; before sm_90 scores-only and
+    other launches plan alike; packed scores-only launches never take a row that serves dense launches only."""
+    for kernel, precision, head_dim, target, addressable, scores_only, packed in launches():
+        row = row_of(kernel, precision, head_dim, target, addressable, scores_only, packed)
+        assert scores_only or not row.scores_only
         assert ("packed" if packed else "dense") in row.layouts
         if target is not HOPPER:
-            assert not row.light
-    # dq at D256: the light tiles spill for packed sequences, which take the general ones
-    assert row_of("bwd_dq", "bf16", 256, HOPPER, light=True).layouts == ("dense",)
-    assert row_of("bwd_dq", "bf16", 256, HOPPER, light=True, packed=True).tile == row_of(
+            assert not row.scores_only
+    # dq at D256: the scores-only tiles spill for packed sequences, which take the general ones
+    assert row_of("bwd_dq", "bf16", 256, HOPPER, scores_only=True).layouts == ("dense",)
+    assert row_of("bwd_dq", "bf16", 256, HOPPER, scores_only=True, packed=True).tile == row_of(
         "bwd_dq", "bf16", 256, HOPPER, packed=True).tile
 
 
 def test_tf32_falls_back_to_float32_rows_where_it_has_none():
-    for kernel, precision, head_dim, target, addressable, light, packed in launches():
+    for kernel, precision, head_dim, target, addressable, scores_only, packed in launches():
         if precision != "tf32":
             continue
-        row = row_of(kernel, precision, head_dim, target, addressable, light, packed)
+        row = row_of(kernel, precision, head_dim, target, addressable, scores_only, packed)
         if row.precision == "fp32":
             assert not any(r.serves(kernel, "tf32", configs.head_dim_bucket(head_dim), target.capability,
-                                    plan_of(kernel, "tf32", head_dim, target, addressable).use_tma, light,
+                                    plan_of(kernel, "tf32", head_dim, target, addressable).use_tma, scores_only,
                                     "packed" if packed else "dense", toolchain.installed()) for r in TILE_ROWS)
-        assert plan_of(kernel, precision, head_dim, target, addressable, light, packed).dot_precision == "tf32"
+        assert plan_of(kernel, precision, head_dim, target, addressable, scores_only, packed).dot_precision == "tf32"
 
 
 def test_the_interpreter_plans_small_tiles_and_tma_only_when_asked(monkeypatch):
@@ -162,17 +162,17 @@ def test_the_interpreter_plans_small_tiles_and_tma_only_when_asked(monkeypatch):
 
 def test_a_newer_gpu_plans_as_its_closest_target():
     blackwell, rtx_50 = closest_target(100, 232448), closest_target(120, 101376)
-    for kernel, precision, head_dim, target, addressable, light, packed in launches():
+    for kernel, precision, head_dim, target, addressable, scores_only, packed in launches():
         if target.capability == 90:
-            assert plan_of(kernel, precision, head_dim, blackwell, addressable, light, packed) == plan_of(
-                kernel, precision, head_dim, target, addressable, light, packed)
+            assert plan_of(kernel, precision, head_dim, blackwell, addressable, scores_only, packed) == plan_of(
+                kernel, precision, head_dim, target, addressable, scores_only, packed)
         if target.capability == 89:
-            assert plan_of(kernel, precision, head_dim, rtx_50, addressable, light, packed) == plan_of(
-                kernel, precision, head_dim, target, addressable, light, packed)
+            assert plan_of(kernel, precision, head_dim, rtx_50, addressable, scores_only, packed) == plan_of(
+                kernel, precision, head_dim, target, addressable, scores_only, packed)
 
 
 def test_plan_constexprs_are_what_the_kernels_take():
-    p = plan_of("bwd_dkdv", "bf16", 64, HOPPER, light=True)
+    p = plan_of("bwd_dkdv", "bf16", 64, HOPPER, scores_only=True)
     assert p.constexprs() == dict(BLOCK_M=64, BLOCK_N=128, USE_TMA=True, DOT_PRECISION="ieee", UPCAST=False,
                                   INTERIOR_LOOP=True, DO_STRIDES=True)
     assert "INTERIOR_LOOP" not in plan_of("weights", "bf16", 64, HOPPER).constexprs()
@@ -184,12 +184,12 @@ def test_plan_constexprs_are_what_the_kernels_take():
 # ----------------------------------------------------------------------------------- the report compiles the plan
 
 
-def _variant(light: bool, packed: bool, two_loop: bool) -> aot.FeatureSet:
+def _variant(scores_only: bool, packed: bool, two_loop: bool) -> aot.FeatureSet:
     """The report's variant a launch of this kind is compiled in."""
     names = {(False, False, False): "", (False, True, False): "/varlen", (True, False, True): "/causal",
              (True, True, True): "/varlen/causal", (True, False, False): "/padded",
              (True, True, False): "/varlen/nodropout"}
-    return next(v for v in aot.FEATURE_SETS if v.name == names[(light, packed, two_loop)])
+    return next(v for v in aot.FEATURE_SETS if v.name == names[(scores_only, packed, two_loop)])
 
 
 def test_the_report_compiles_every_plan_a_launcher_picks():
@@ -198,12 +198,12 @@ def test_the_report_compiles_every_plan_a_launcher_picks():
     the dense or /varlen variant compiles with more features on."""
     listed = {(k.name, k.config, target): k for k in aot.aot_configs() for target in k.targets}
     checked = 0
-    for kernel, precision, head_dim, target, addressable, light, packed in launches():
+    for kernel, precision, head_dim, target, addressable, scores_only, packed in launches():
         if not addressable or head_dim not in configs.HEAD_DIM_BUCKETS:
             continue
-        for two_loop in (False, True) if light and kernel != "weights" else (False,):
-            variant = _variant(light, packed, two_loop)
-            chosen = plan_of(kernel, precision, head_dim, target, light=light, packed=packed)
+        for two_loop in (False, True) if scores_only and kernel != "weights" else (False,):
+            variant = _variant(scores_only, packed, two_loop)
+            chosen = plan_of(kernel, precision, head_dim, target, scores_only=scores_only, packed=packed)
             if variant.unless_tiles_of is not None and chosen.tile == plan_of(
                     kernel, precision, head_dim, target, packed=packed).tile:
                 variant = next(v for v in aot.FEATURE_SETS if v.name == variant.unless_tiles_of)
@@ -211,7 +211,7 @@ def test_the_report_compiles_every_plan_a_launcher_picks():
             compiled = listed[(f"attention_{kernel}", name, target.capability)]
             assert compiled.constexprs.get("INTERIOR_LOOP", True) == chosen.interior_loop, name
             checked += 1
-        if kernel != "weights" and not light:  # the same launch with softcap / ALiBi
+        if kernel != "weights" and not scores_only:  # the same launch with softcap / ALiBi
             chosen = plan_of(kernel, precision, head_dim, target, packed=packed, score_mods=True)
             name = aot.config_name(precision, head_dim, chosen.tile, "/varlen/scoremods" if packed else "/scoremods",
                                    chosen.use_tma)
@@ -224,8 +224,8 @@ def test_the_report_compiles_every_plan_a_launcher_picks():
 def test_the_report_compiles_the_two_loop_path_off_exactly_where_the_plan_turns_it_off():
     """Every (tile, loads, layout) a launch runs with its two-loop path off is compiled that way, and nothing else."""
     planned_off = set()
-    for kernel, precision, head_dim, target, addressable, light, packed in launches():
-        chosen = plan_of(kernel, precision, head_dim, target, addressable, light, packed)
+    for kernel, precision, head_dim, target, addressable, scores_only, packed in launches():
+        chosen = plan_of(kernel, precision, head_dim, target, addressable, scores_only, packed)
         if kernel != "weights" and head_dim in configs.HEAD_DIM_BUCKETS and not chosen.interior_loop:
             planned_off.add((kernel, precision, head_dim, chosen.tile, chosen.use_tma, packed))
     compiled_off = {

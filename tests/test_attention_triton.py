@@ -395,16 +395,16 @@ def _launch_options(name: str) -> dict:
     ("window", True), ("dropout", False), ("bool_mask", False),
 ])
 def test_kernels_take_the_wide_tiles_exactly_without_an_attn_mask_or_dropout(monkeypatch, name, wide):
-    """The plan is asked for a light launch (on sm_90 with TMA: the wide tiles, compiled as the report's /causal,
+    """The plan is asked for a scores-only launch (on sm_90 with TMA: the wide tiles, compiled as the report's /causal,
     /padded and /varlen/nodropout variants) for the forward, dq and dk/dv exactly when the constexprs each kernel is
     launched with carry no attn_mask and no dropout."""
     (q, k, v, do, _), _ = _random_inputs(2, 1, 1, 20, 20, 16, seed=15)
     picks, launches = [], []
     plan = configs.plan
 
-    def record_pick(kernel_name, *args, light=False, **kwargs):
-        picks.append((kernel_name, light))
-        return plan(kernel_name, *args, light=light, **kwargs)
+    def record_pick(kernel_name, *args, scores_only=False, **kwargs):
+        picks.append((kernel_name, scores_only))
+        return plan(kernel_name, *args, scores_only=scores_only, **kwargs)
 
     class RecordLaunch:
         def __init__(self, kernel_name, kernel):
@@ -412,8 +412,8 @@ def test_kernels_take_the_wide_tiles_exactly_without_an_attn_mask_or_dropout(mon
 
         def run(self, *args, **options):
             constexprs = dict(zip(self.arg_names, args))
-            light = constexprs["MASK_KIND"] == launch.MASK_NONE and not constexprs["HAS_DROPOUT"]
-            launches.append((self.kernel_name, light))
+            scores_only = constexprs["MASK_KIND"] == launch.MASK_NONE and not constexprs["HAS_DROPOUT"]
+            launches.append((self.kernel_name, scores_only))
             return self.kernel.run(*args, **options)
 
     monkeypatch.setattr(configs, "plan", record_pick)
@@ -753,8 +753,8 @@ def test_grids_keep_batch_and_heads_on_separate_axes(monkeypatch):
     triton_attention.attention_weights(q.float(), k.float(), lse)
     target = launch.launch_target(q.device)
 
-    def tile(kernel, light):  # float32, head_dim 16: light without an attn_mask (the second call)
-        return configs.plan(kernel, torch.float32, 16, target, light=light).tile
+    def tile(kernel, scores_only):  # float32, head_dim 16: scores_only without an attn_mask (the second call)
+        return configs.plan(kernel, torch.float32, 16, target, scores_only=scores_only).tile
 
     rows, cols = triton.cdiv(37, tile("fwd", False).block_m), triton.cdiv(70, tile("bwd_dkdv", False).block_n)
     weights = tile("weights", True)
@@ -967,7 +967,7 @@ def test_tma_is_refused_for_inputs_it_cannot_address(monkeypatch):
 
 
 # The forward's variants (configs.VARIANTS) other than the default that the interpreter runs: the tile orders. They
-# serve light dense launches in 16 bits at head dims 64 and 128; batch 3 so that a persistent program walks several
+# serve scores-only dense launches in 16 bits at head dims 64 and 128; batch 3 so that a persistent program walks several
 # batch elements.
 TILE_ORDER_VARIANTS = [v.name for v in configs.VARIANTS if v.tile_order != configs.GRID_ORDER and not v.refused]
 
@@ -981,7 +981,7 @@ def test_tile_order_variants_match_reference(variant, mask_kind):
     lq = 40 if mask_kind == "causal_bottom_right" else 77
     forced = {op: variant for op in ("attention.fwd", "attention.bwd") if variant in variants.registered()[op][1]}
     for kernel, op in (("fwd", "attention.fwd"), ("bwd_dq", "attention.bwd")):
-        planned = configs.plan(kernel, torch.bfloat16, 64, None, light=True, variant=variant)
+        planned = configs.plan(kernel, torch.bfloat16, 64, None, scores_only=True, variant=variant)
         expected = configs.VARIANTS_BY_NAME[variant].tile_order if op in forced else configs.GRID_ORDER
         assert planned.tile_order == expected and planned.constexprs()["TILE_ORDER"] == expected
     with variants.forced(forced):
@@ -992,8 +992,8 @@ def test_tile_order_variants_match_reference(variant, mask_kind):
 @pytest.mark.parametrize("variant", TILE_ORDER_VARIANTS)
 def test_variants_leave_the_launches_they_do_not_serve_to_the_default(variant):
     default = configs.DEFAULT_VARIANT
-    assert configs.plan("fwd", torch.bfloat16, 64, None, light=False, variant=variant).variant == default
-    assert configs.plan("fwd", torch.float32, 64, None, light=True, variant=variant).variant == default
-    assert configs.plan("fwd", torch.bfloat16, 32, None, light=True, variant=variant).variant == default
-    assert configs.plan("fwd", torch.bfloat16, 64, None, light=True, packed=True, variant=variant).variant == default
-    assert configs.plan("bwd_dkdv", torch.bfloat16, 64, None, light=True, variant=variant).variant == default
+    assert configs.plan("fwd", torch.bfloat16, 64, None, scores_only=False, variant=variant).variant == default
+    assert configs.plan("fwd", torch.float32, 64, None, scores_only=True, variant=variant).variant == default
+    assert configs.plan("fwd", torch.bfloat16, 32, None, scores_only=True, variant=variant).variant == default
+    assert configs.plan("fwd", torch.bfloat16, 64, None, scores_only=True, packed=True, variant=variant).variant == default
+    assert configs.plan("bwd_dkdv", torch.bfloat16, 64, None, scores_only=True, variant=variant).variant == default

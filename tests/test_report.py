@@ -300,11 +300,11 @@ def test_16_bit_attention_runs_hgmma_on_hopper_and_hmma_before(results):
             assert all(opcode.startswith("HMMA.16816.F32.BF16") for opcode, _ in r.mma_counts), r.mma_counts
 
 
-def _hopper_rows(light: bool, layout: str = "dense"):
-    """The plan's sm_90 rows (through TMA) for light launches or any launch without score modifiers, serving
+def _hopper_rows(scores_only: bool, layout: str = "dense"):
+    """The plan's sm_90 rows (through TMA) for scores-only launches or any launch without score modifiers, serving
     ``layout``, under the installed Triton (the report compiles its plans): ``(kernel, head_dim, tile)``."""
     return [(row.kernel, head_dim, row.tile) for row in TILE_ROWS if row.targets == (90,) and row.loads == "tma"
-            and row.precision == "bf16" and row.light == light and layout in row.layouts and not row.score_mods
+            and row.precision == "bf16" and row.scores_only == scores_only and layout in row.layouts and not row.score_mods
             and toolchain.installed() in row.tritons for head_dim in row.head_dims]
 
 
@@ -326,7 +326,7 @@ def test_16_bit_attention_on_hopper_is_pipelined_with_wider_hgmma(results):
     and packed, but where NARROW_HOPPER_LAUNCHES says otherwise."""
     hopper = BY_CAPABILITY[90]
     checked = 0
-    for kernel, head_dim, tile in dict.fromkeys(_hopper_rows(light=False) + _hopper_rows(False, "packed")):
+    for kernel, head_dim, tile in dict.fromkeys(_hopper_rows(scores_only=False) + _hopper_rows(False, "packed")):
         assert tile.num_stages >= 2, (kernel, head_dim, tile)
         for layout, variant in (("dense", ""), ("packed", "/varlen")):
             if plan(kernel, torch.bfloat16, head_dim, hopper, packed=layout == "packed").tile != tile:
@@ -350,14 +350,14 @@ def test_wide_tiles_on_hopper_run_hgmma_at_least_64_wide(results):
     """Light launches run HGMMAs of N >= 64 on sm_90, or the head dim where it is the N (p @ v, dq, dk, dv): 64 keys
     per warpgroup in the forward and dq, 64 query rows in the dk/dv tile (the N of its transposed products), in
     every variant such a launch runs: dense (/padded, /causal) and, where these rows serve packed sequences without a
-    light row of their own (test_packed_wide_tiles_on_hopper_...), /varlen/nodropout."""
+    scores-only row of their own (test_packed_wide_tiles_on_hopper_...), /varlen/nodropout."""
     hopper = BY_CAPABILITY[90]
     checked = 0
-    for kernel, head_dim, tile in _hopper_rows(light=True):
+    for kernel, head_dim, tile in _hopper_rows(scores_only=True):
         for variant, packed in (("/padded", False), ("/varlen/nodropout", True), ("/causal", False)):
-            if plan(kernel, torch.bfloat16, head_dim, hopper, light=True, packed=packed).tile != tile:
+            if plan(kernel, torch.bfloat16, head_dim, hopper, scores_only=True, packed=packed).tile != tile:
                 continue  # packed launches with rows of their own (test_packed_wide_tiles_on_hopper_...) or none
-            # where the launches that are not light take the same tile, the report compiles theirs only
+            # where the launches that are not scores-only take the same tile, the report compiles theirs only
             if variant != "/causal" and tile == plan(kernel, torch.bfloat16, head_dim, hopper, packed=packed).tile:
                 variant = "/varlen" if packed else ""
             r = _row(results, f"attention_{kernel}", f"bf16/D{head_dim}/{tile}{variant}/tma", 90)
@@ -377,11 +377,11 @@ def test_packed_wide_tiles_on_hopper_run_wide_hgmma_with_little_more_bookkeeping
     take, the report compiles /varlen/nodropout as /varlen (with dropout): /varlen/causal only."""
     hopper = BY_CAPABILITY[90]
     checked = 0
-    for kernel, head_dim, tile in _hopper_rows(light=True, layout="packed"):
-        if (kernel, head_dim, tile) in _hopper_rows(light=True):
+    for kernel, head_dim, tile in _hopper_rows(scores_only=True, layout="packed"):
+        if (kernel, head_dim, tile) in _hopper_rows(scores_only=True):
             continue  # serves dense launches too: test_wide_tiles_on_hopper_run_hgmma_at_least_64_wide
         narrowest = tile.block_m if kernel == "bwd_dkdv" else min(tile.block_n, head_dim)
-        dense = plan(kernel, torch.bfloat16, head_dim, hopper, light=True).tile
+        dense = plan(kernel, torch.bfloat16, head_dim, hopper, scores_only=True).tile
         general = plan(kernel, torch.bfloat16, head_dim, hopper, packed=True).tile
         variants = [("/varlen/causal", "/causal")]
         if tile != general:
@@ -397,14 +397,14 @@ def test_packed_wide_tiles_on_hopper_run_wide_hgmma_with_little_more_bookkeeping
 
 @pytest.mark.slow
 def test_plain_forward_on_hopper_runs_less_bookkeeping(results):
-    """The plain forward's sm_90 tiles (light launches, the /causal variant) are pipelined, and their main loop
+    """The plain forward's sm_90 tiles (scores-only launches, the /causal variant) are pipelined, and their main loop
     issues fewer non-MMA instructions per kMAC than the general tiles' on sm_80 (the figure that compares the two)."""
-    for kernel, head_dim, tile in _hopper_rows(light=True):
+    for kernel, head_dim, tile in _hopper_rows(scores_only=True):
         if kernel != "fwd":
             continue
         r = _row(results, "attention_fwd", f"bf16/D{head_dim}/{tile}/causal/tma", 90)
         assert tile.num_stages >= 2
-        general = plan("fwd", torch.bfloat16, head_dim, BY_CAPABILITY[80], light=True).tile
+        general = plan("fwd", torch.bfloat16, head_dim, BY_CAPABILITY[80], scores_only=True).tile
         sm80 = _row(results, "attention_fwd", f"bf16/D{head_dim}/{general}/causal", 80)
         assert r.non_mma_per_kmac < sm80.non_mma_per_kmac, (r.config, r.non_mma_per_kmac, sm80.non_mma_per_kmac)
 

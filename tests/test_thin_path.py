@@ -194,7 +194,7 @@ def test_launches_reuse_the_compiled_kernel_of_a_key_seen_before(monkeypatch):
 
 
 def test_a_known_part_of_the_launch_key_tells_apart_what_the_whole_key_does(monkeypatch):
-    """A launcher's kept key of some arguments (``known``) reuses a compiled kernel exactly where the key of every
+    """A launcher's kept key of some arguments (``cached_key``) reuses a compiled kernel exactly where the key of every
     argument would."""
     monkeypatch.setattr(_common, "interpreting", lambda: False)
     monkeypatch.setattr(_common, "current_device", lambda: 0)
@@ -211,17 +211,17 @@ def test_a_known_part_of_the_launch_key_tells_apart_what_the_whole_key_does(monk
             assert (_common.launch_key(kernel, (*a, 64), options, known_a)
                     == _common.launch_key(kernel, (*b, 64), options, known_b)) == same, (a, b)
     for args in calls:
-        _common.launch_kernel(kernel, (1,), args, 4, known=(1, 3, _common.runtime_keys(args[1:3])), BLOCK=64)
+        _common.launch_kernel(kernel, (1,), args, 4, cached_key=(1, 3, _common.runtime_keys(args[1:3])), BLOCK=64)
     compiles = len(kernel.compiled)
     assert compiles == len(calls) - 1  # (x * 2, 32, 0.25) and (x, 16, 0.5) are alike
     y = x * 3
-    _common.launch_kernel(kernel, (2,), (y, 48, 0.75), 4, known=(1, 3, _common.runtime_keys((48, 0.75))), BLOCK=64)
+    _common.launch_kernel(kernel, (2,), (y, 48, 0.75), 4, cached_key=(1, 3, _common.runtime_keys((48, 0.75))), BLOCK=64)
     assert len(kernel.compiled) == compiles and kernel.compiled[0][-1].launches[-1][-4:] == (y, 48, 0.75, 64)
     assert _common.runtime_keys((16, object())) is None  # no key: launch_kernel keys every argument itself
 
 
 def test_the_launchers_key_the_shared_arguments_where_the_kernels_take_them():
-    """``known_args``' start in each launcher is the kernel's first shared parameter (``launch.shared_args``)."""
+    """``cached_key_of``' start in each launcher is the kernel's first shared parameter (``launch.shared_args``)."""
     import inspect
 
     from fused_transformer.kernels.attention import bwd, fwd
@@ -279,15 +279,15 @@ def test_a_plain_dense_call_reuses_its_launch_form(monkeypatch):
     from fused_transformer.contract import NO_SCORE_MODS, AttentionMasks, attention_spec
     from fused_transformer.kernels.attention import call
 
-    monkeypatch.setattr(call, "_PLAIN_FORMS", {})
+    monkeypatch.setattr(call, "_CACHED_LAUNCH_ARGS", {})
     q, _, _ = _inputs()
     spec = attention_spec(q.shape[-1], True, "top_left", None, 0.1, None)
     masks = AttentionMasks(None, None, None, None)
     seeds = [torch.tensor([n]) for n in (7, 8)]
-    made = [call.launch_form(q, q, q, spec, NO_SCORE_MODS, None, masks, None, seed) for seed in seeds]
-    assert len(call._PLAIN_FORMS) == 1
-    monkeypatch.setattr(call, "_PLAIN_FORMS", {})
-    fresh = call.launch_form(q, q, q, spec, NO_SCORE_MODS, None, masks, None, seeds[1])
+    made = [call.launch_args_of(q, q, q, spec, NO_SCORE_MODS, None, masks, None, seed) for seed in seeds]
+    assert len(call._CACHED_LAUNCH_ARGS) == 1
+    monkeypatch.setattr(call, "_CACHED_LAUNCH_ARGS", {})
+    fresh = call.launch_args_of(q, q, q, spec, NO_SCORE_MODS, None, masks, None, seeds[1])
     assert made[1][:2] == fresh[:2] and len(made[1].args) == len(fresh.args)
     assert all(a is b or a == b for a, b in zip(made[1].args, fresh.args))
     held = [[t for t in form.args if isinstance(t, torch.Tensor)] for form in made]
@@ -296,9 +296,9 @@ def test_a_plain_dense_call_reuses_its_launch_form(monkeypatch):
     at = next(i for i, arg in enumerate(made[1].args) if arg is seeds[1])
     assert made[0].args_key is made[1].args_key and fresh.args_key == _common.runtime_keys(fresh.args[:at])
     padding = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool)
-    padded = call.launch_form(q, q, q, spec, NO_SCORE_MODS, None, AttentionMasks(None, padding, None, None), None,
+    padded = call.launch_args_of(q, q, q, spec, NO_SCORE_MODS, None, AttentionMasks(None, padding, None, None), None,
                               seeds[0])
-    assert len(call._PLAIN_FORMS) == 1 and padded.args_key is None  # a call with a mask tensor is never cached
+    assert len(call._CACHED_LAUNCH_ARGS) == 1 and padded.args_key is None  # a call with a mask tensor is never cached
 
 
 def test_the_backend_is_resolved_once_per_choice_device_and_dtype(monkeypatch):

@@ -97,7 +97,7 @@ def test_every_attention_row_holds_for_some_release_and_plans_differ_only_by_rel
     assert any(row.tritons is toolchain.EVERY_RELEASE for row in rows)
     for row in TILE_ROWS:
         if version not in row.tritons:
-            assert not any(row is configs.find_row(row.kernel, row.precision, d, t, row.loads == "tma", row.light,
+            assert not any(row is configs.find_row(row.kernel, row.precision, d, t, row.loads == "tma", row.scores_only,
                                                    layout == "packed", version)
                            for d in row.head_dims for t in row.targets for layout in row.layouts)
 
@@ -124,9 +124,9 @@ def test_the_report_under_each_release_compiles_its_plans(version):
         for precision in ("bf16", "fp32", "tf32"):
             for head_dim in (16, 64, 128):
                 for target in TARGETS:
-                    for light, packed in ((False, False), (False, True)):
+                    for scores_only, packed in ((False, False), (False, True)):
                         p = configs.plan(kernel, torch.float32 if precision != "bf16" else torch.bfloat16, head_dim,
-                                         target, allow_tf32=precision == "tf32", light=light, packed=packed,
+                                         target, allow_tf32=precision == "tf32", scores_only=scores_only, packed=packed,
                                          triton=version)
                         name = aot.config_name(precision, head_dim, p.tile, "/varlen" if packed else "", p.use_tma)
                         assert (name, target.capability) in listed, (version, name, target.name)

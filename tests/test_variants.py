@@ -34,8 +34,8 @@ def test_every_op_registers_a_default_that_builds():
     ops = variants.registered()
     assert {"attention.fwd", "attention.bwd", "decode.split", "layer_norm.fwd", "layer_norm.bwd"} <= set(ops)
     assert set(ops["attention.bwd"][1]) == {"tiles", "heaviest_first", "deep_pipeline"}
-    for op, (default, known) in ops.items():
-        assert known[default] == "", op
+    for op, (default, refusals) in ops.items():
+        assert refusals[default] == "", op
 
 
 def test_without_rows_the_default_runs_and_status_says_so(rows_file):
@@ -92,19 +92,19 @@ def test_forcing_checks_the_op_and_the_variant():
 def test_the_plan_refuses_the_warp_specialized_variants_with_the_reason():
     for name in ("warp_specialized", "pingpong"):
         with pytest.raises(ValueError, match="refused: .*setmaxnreg"):
-            configs.plan("fwd", torch.bfloat16, 128, HOPPER, light=True, variant=name)
-    planned = configs.plan("fwd", torch.bfloat16, 128, HOPPER, light=True, variant="warp_specialized",
+            configs.plan("fwd", torch.bfloat16, 128, HOPPER, scores_only=True, variant=name)
+    planned = configs.plan("fwd", torch.bfloat16, 128, HOPPER, scores_only=True, variant="warp_specialized",
                            refused_too=True)
     assert planned.warp_specialize and planned.constexprs()["WARP_SPECIALIZE"]
 
 
 def test_the_variants_own_rows_come_first_where_they_serve():
-    deep = configs.plan("fwd", torch.bfloat16, 64, HOPPER, light=True, variant="deep_pipeline")
-    default = configs.plan("fwd", torch.bfloat16, 64, HOPPER, light=True)
+    deep = configs.plan("fwd", torch.bfloat16, 64, HOPPER, scores_only=True, variant="deep_pipeline")
+    default = configs.plan("fwd", torch.bfloat16, 64, HOPPER, scores_only=True)
     assert deep.variant == "deep_pipeline" and deep.tile.num_stages == default.tile.num_stages + 1
     ampere = next(t for t in TARGETS if t.capability == 80)
-    assert configs.plan("fwd", torch.bfloat16, 64, ampere, light=True, variant="deep_pipeline").variant == "tiles"
-    persistent = configs.plan("fwd", torch.bfloat16, 64, ampere, light=True, variant="persistent")
+    assert configs.plan("fwd", torch.bfloat16, 64, ampere, scores_only=True, variant="deep_pipeline").variant == "tiles"
+    persistent = configs.plan("fwd", torch.bfloat16, 64, ampere, scores_only=True, variant="persistent")
     assert persistent.tile_order == configs.PERSISTENT and persistent.constexprs()["TILE_ORDER"] == configs.PERSISTENT
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -72,23 +72,13 @@ class Work:
 
 class Launchers:
     """Where each backend defines an op's launchers: ``{backend: "module:forward_name,backward_name"}``, imported on
-    first use. A backend that does not define them does not compute the op (``provides``): the route falls back."""
+    first use. A backend that does not define them does not compute the op (``route.Call.backends``): the route falls
+    back."""
 
     def __init__(self, prepare: Optional[Callable[[str], None]] = None, **where: str):
         self.where = where
         self.prepare = prepare  # called with a backend's name before its first use (registers what it needs)
         self._found: Dict[str, Tuple[Callable, Callable]] = {}
-
-    def route_call(self, example: Example, device: torch.device, dtype: torch.dtype) -> object:
-        """The ``route.Call`` of ``example`` on ``device`` in ``dtype``, with gradients, made without any data (its
-        tensors on the meta device): what ``check`` prints the route of."""
-        def draw(*shape: int, scale: float = 1.0) -> Tensor:
-            return torch.empty(shape, device="meta", dtype=dtype)
-
-        return self.call_of(example.draw(draw), example.options, device, True)
-
-    def provides(self, backend: str) -> bool:
-        return backend in self.where
 
     def __call__(self, backend: str) -> Tuple[Callable, Callable]:
         """``(forward, backward)`` of ``backend``."""
@@ -147,6 +137,10 @@ class Op:
     launchers: Optional[Launchers] = None
     measured: str = ""  # the op's rows of the route table measured on GPUs (``route.parse_rows``), newest first
     variants: Tuple[VariantCases, ...] = ()
+    # The overhead suite's thin for an op whose launches include torch's own (the products of the feed-forward): an
+    # autograd.Function that makes those and allocates the rest, taking the example's tensors; None: the suite's
+    # ThinFunction, which allocates the outputs only.
+    overhead_thin: Optional[Callable[..., Tensor]] = None
 
     def route_call(self, example: Example, device: torch.device, dtype: torch.dtype) -> object:
         """The ``route.Call`` of ``example`` on ``device`` in ``dtype``, with gradients, made without any data (its
@@ -155,10 +149,6 @@ class Op:
             return torch.empty(shape, device="meta", dtype=dtype)
 
         return self.call_of(example.draw(draw), example.options, device, True)
-
-    def provides(self, backend: str) -> bool:
-        """Whether ``backend`` computes this op (the reference always does)."""
-        return backend == "reference" or (self.launchers is not None and self.launchers.provides(backend))
 
 
 _REGISTERED: Dict[str, Op] = {}
@@ -198,8 +188,3 @@ def get(name: str) -> Op:
 
 def names() -> Tuple[str, ...]:
     return tuple(op.name for op in registered())
-
-
-def examples(op: Op, quick: bool = False) -> Iterator[Example]:
-    """``op``'s check grid (only its quick cases with ``quick``)."""
-    return (example for example in op.check if example.quick or not quick)

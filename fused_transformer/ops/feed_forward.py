@@ -7,7 +7,8 @@ The backends' launchers (``LAUNCHERS``) take ``x [..., d_model]``::
     backward(dy, x, w1, b1, w2, saved, has_b2, activation, dropout_p, seed, allow_tf32) -> (dx, dw1, db1, dw2, db2)
 
 ``saved`` the tensors a backward reads beyond the inputs (``()`` unless ``keep``: the backward then recomputes them);
-``dx`` shaped as ``x``; an absent bias's gradient None (or empty). Differences from torch: none in the result; dropout draws its own mask.
+``dx`` shaped as ``x``; an absent bias's gradient None (or empty). Differences from torch: none in the result; dropout
+draws its own mask.
 """
 from __future__ import annotations
 
@@ -120,7 +121,8 @@ def _call(x: Tensor, spec: FeedForwardSpec, grad: bool, device: Optional[torch.d
                       dropout=spec.dropout_p > 0.0,
                       size=route.size(x.numel() // max(x.shape[-1], 1)), needs_grad=grad,
                       deterministic=torch.are_deterministic_algorithms_enabled(), needs=needs,
-                      torch_default="" if spec.dropout_p > 0.0 else "no dropout: nothing to fuse (ATen's ops)")
+                      torch_default="" if spec.dropout_p > 0.0 else "no dropout: nothing to fuse (ATen's ops)",
+                      backends=_BACKENDS)
 
 
 # -------------------------------------------------------------------------------------------- the backends
@@ -186,6 +188,7 @@ def cpu_backward(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Te
 
 LAUNCHERS = Launchers(triton="fused_transformer.kernels.feed_forward:feed_forward_fwd,feed_forward_bwd",
                       cpu=f"{__name__}:cpu_forward,cpu_backward")
+_BACKENDS = frozenset(LAUNCHERS.where)
 
 
 class FeedForwardFunction(torch.autograd.Function):
@@ -313,6 +316,29 @@ def _tune(device_type: str, dtype: torch.dtype, quick: bool) -> Sequence[TuneSer
         example(f"{n}x{d_model}", (n,), d_model, 4 * d_model, dropout_p=p) for n in rows)) for p in (0.1, 0.0))
 
 
+class ThinFeedForward(torch.autograd.Function):
+    """The least the op can cost on the host (the overhead suite's thin): the same products, torch's launches that no
+    implementation skips, with the activation pass's outputs allocated and not computed; no check, route or seed."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2):
+        hidden = torch.empty_like(F.linear(x, w1, b1))
+        ctx.save_for_backward(x, w1, b1, w2, b2, hidden)
+        return F.linear(hidden, w2, b2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w1, b1, w2, b2, hidden = ctx.saved_tensors
+        dy = dy.reshape(-1, dy.shape[-1])
+        dpre = torch.empty_like(dy.mm(w2))
+        return (dpre.mm(w1).view(x.shape), dpre.t().mm(x.reshape(-1, x.shape[-1])), torch.empty_like(b1),
+                dy.t().mm(hidden.reshape(-1, hidden.shape[-1])), torch.empty_like(b2))
+
+
+def _thin(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
+    return ThinFeedForward.apply(x, w1, b1, w2, b2)
+
+
 # Measured with bench --device cuda (docs/benchmarks.md "On a GPU" holds the runs).
 MEASURED = """
 feed_forward  forward   sm90    bfloat16         *         *            yes      *           *               0.88-1.00  -          H200 bench --quick bdb1535 2026-11-28
@@ -329,5 +355,5 @@ OP = register(Op(
     tune=_tune, call_of=lambda tensors, options, device, grad: _call(tensors["x"], FeedForwardSpec(**options), grad,
                                                                     device),
     route_examples=(example("dropout", (1024,), 512, 2048, dropout_p=0.1),),
-    launchers=LAUNCHERS, measured=MEASURED,
+    launchers=LAUNCHERS, measured=MEASURED, overhead_thin=_thin,
 ))

@@ -10,8 +10,9 @@ are those ops' eager path)::
 
 ``y``, ``z``, ``dx`` and ``dresidual`` shaped as ``x``; ``z`` only with ``store_z``; ``mean`` / ``rstd`` per row in
 float32, with ``store_stats`` (``mean`` not for RMSNorm, whose spec has ``rms``: the RMSNorm op shares this Function
-and these launchers); what a launcher does not compute is None or empty, an absent parameter's gradient too. Differences from torch: none in the result; dropout draws its own mask (a Philox seed from torch's
-generator, so ``torch.manual_seed`` reproduces it).
+and these launchers); what a launcher does not compute is None or empty, an absent parameter's gradient too.
+Differences from torch: none in the result; dropout draws its own mask (a Philox seed from torch's generator, so
+``torch.manual_seed`` reproduces it).
 """
 from __future__ import annotations
 
@@ -388,12 +389,13 @@ VARIANTS = (VariantCases("layer_norm.fwd", False, _variant_examples, _shape_clas
             VariantCases("layer_norm.bwd", True, _variant_examples, _shape_class))
 
 
-def op_record(name: str, function, path, oracle, size_of: str, op_options: dict, measured: str = "",
+def op_record(name: str, function, path, oracle, rms: bool, measured: str = "",
               variants: Tuple[VariantCases, ...] = ()) -> Op:
-    """The registry's record of a norm op: this one, or RMSNorm (its function, torch's path, reference and
-    ``op_options`` for ``example``)."""
+    """The registry's record of a norm op: this one, or RMSNorm (``rms``: its function, torch's path and reference
+    take no bias)."""
+    op_options = {"bias": False} if rms else {}
     return Op(
-        name=name, function=function, torch_path=path, reference=oracle, size_of=size_of, outputs=("y", "z"),
+        name=name, function=function, torch_path=path, reference=oracle, size_of="elements of x", outputs=("y", "z"),
         check=check_examples(op_options),
         bench=lambda gpu, lengths: bench_examples(gpu, lengths, op_options),
         lengths={"cpu": ((128, 512, 2048), (128, 512)), "cuda": ((512, 1024, 2048, 4096, 8192), (1024, 4096))},
@@ -403,7 +405,7 @@ def op_record(name: str, function, path, oracle, size_of: str, op_options: dict,
         tune=lambda device_type, dtype, quick: tune_series(device_type, dtype, quick, op_options),
         call_of=lambda tensors, options, device, grad: _call(
             name, tensors["x"], tensors.get("weight"), tensors.get("bias"),
-            LayerNormSpec(1e-5, options.get("dropout_p", 0.0), options.get("prenorm", False), name != "layer_norm"),
+            LayerNormSpec(1e-5, options.get("dropout_p", 0.0), options.get("prenorm", False), rms),
             grad, device),
         route_examples=(example("", (1024, 1024), **op_options),
                         example("dropout", (1024, 1024), dropout_p=0.1, **op_options)),
@@ -411,4 +413,4 @@ def op_record(name: str, function, path, oracle, size_of: str, op_options: dict,
     )
 
 
-OP = register(op_record("layer_norm", layer_norm, torch_path, reference, "elements of x", {}, MEASURED, VARIANTS))
+OP = register(op_record("layer_norm", layer_norm, torch_path, reference, False, MEASURED, VARIANTS))

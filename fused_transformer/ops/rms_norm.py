@@ -78,4 +78,4 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: Optional[float] = 
         return norm.run(name, x, weight, None, residual, spec, _torch_run)
 
 
-OP = register(norm.op_record("rms_norm", rms_norm, torch_path, reference, "elements of x", {"bias": False}))
+OP = register(norm.op_record("rms_norm", rms_norm, torch_path, reference, rms=True))

@@ -16,7 +16,8 @@ Each op is measured three ways in the same run: ``torch``, torch's own equivalen
 write for the decoding step and with a block-diagonal mask for the packed sequences; a registered op's
 ``Op.torch_path``); ``thin``, ``ThinFunction``, an autograd Function over the op's
 input tensors that only allocates its output and, in backward, the gradients: the least a fused op can cost on the
-host; and ``ours``. Modules are measured against the ``torch.nn`` module holding the same weights. The figures that
+host (an op whose launches include torch's own gives a thin of its own, ``Op.overhead_thin``, which makes those too:
+the feed-forward's products); and ``ours``. Modules are measured against the ``torch.nn`` module holding the same weights. The figures that
 matter are ours / thin (``TARGETS``) and ours / torch; forward+backward and training steps take the gradients with
 ``torch.autograd.grad``, so that no ``.grad`` has to be reset between calls.
 
@@ -293,9 +294,11 @@ def _attention_with_kvcache(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dic
 def _registered(op: ops.Op, setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
     example = op.overhead
     tensors = example.draw(lambda *shape, scale=1.0: _randn(setup, *shape) * scale)
-    return [t.requires_grad_(grad) for t in tensors.values() if t is not None], {
-        "torch": lambda: op.torch_path(**tensors, **example.options),
-        "ours": lambda: op.function(**tensors, **example.options)}
+    calls = {"torch": lambda: op.torch_path(**tensors, **example.options),
+             "ours": lambda: op.function(**tensors, **example.options)}
+    if op.overhead_thin is not None:
+        calls["thin"] = lambda: op.overhead_thin(**tensors)
+    return [t.requires_grad_(grad) for t in tensors.values() if t is not None], calls
 
 
 OP_INPUTS = {
@@ -309,7 +312,8 @@ def _build_op(setup: Setup, op: str, backward: bool) -> Built:
     """torch, thin and ours on the same inputs; thin's output is shaped as its first input, ours as torch's."""
     torch.manual_seed(0)
     inputs, calls = OP_INPUTS[op](setup, backward)
-    calls = {"torch": calls["torch"], "thin": lambda: ThinFunction.apply(*inputs), "ours": calls["ours"]}
+    thin = calls.get("thin", lambda: ThinFunction.apply(*inputs))
+    calls = {"torch": calls["torch"], "thin": thin, "ours": calls["ours"]}
     if not backward:
         return Built({name: _forward(fn) for name, fn in calls.items()})
     grad = torch.randn_like(calls["torch"]())

@@ -111,11 +111,11 @@ def attention_variants(setup: Setup, op: str, head_dim: int, length: int, batch:
     target = launch_target(setup.device)
     tma = batch * heads * length * length >= configs.TMA_MIN_SCORES  # the inputs are fresh: TMA addresses them
     kernels = ("fwd",) if op == "attention.fwd" else ("bwd_dq", "bwd_dkdv")
-    default, known = variants.registered()[op]
+    default, refusals = variants.registered()[op]
     names = [default]
-    for name, refused in known.items():
+    for name, refused in refusals.items():
         if name != default and not refused and any(
-                configs.plan(kernel, setup.dtype, head_dim, target, tma_addressable=tma, light=True,
+                configs.plan(kernel, setup.dtype, head_dim, target, tma_addressable=tma, scores_only=True,
                              variant=name).variant == name for kernel in kernels):
             names.append(name)
     return names
@@ -222,8 +222,8 @@ def op_cases(setup: Setup, quick: bool) -> Iterator[Case]:
         for cases in op.variants:
             if cases.variant_op not in variants.registered():
                 continue
-            default, known = variants.registered()[cases.variant_op]
-            names = (default, *(name for name, reason in known.items() if name != default and not reason))
+            default, refusals = variants.registered()[cases.variant_op]
+            names = (default, *(name for name, reason in refusals.items() if name != default and not reason))
             for example in cases.examples(gpu, quick):
                 shape = example.shape
                 work = op.work(example, setup.dtype.itemsize, cases.backward)
@@ -272,8 +272,8 @@ def decode_cases(setup: Setup, quick: bool) -> Iterator[Case]:
     if "decode.split" not in variants.registered():
         return
     gpu = setup.device.type == "cuda"
-    default, known = variants.registered()["decode.split"]
-    rules = (default, *(name for name, reason in known.items() if name != default and not reason))
+    default, refusals = variants.registered()["decode.split"]
+    rules = (default, *(name for name, reason in refusals.items() if name != default and not reason))
     heads, kv_heads, head_dim = (32, 8, 128) if gpu else (4, 2, 16)
     tile = decode.decode_tile(heads // kv_heads, setup.dtype)
     for keys in DECODE_KEYS[gpu][:1] if quick else DECODE_KEYS[gpu]:

@@ -522,8 +522,8 @@ def variant_status_lines() -> List[str]:
     return variants.status()
 
 
-TILE_PLAN_HEADER = ("kernel", "precision", "head dims", "tile", "targets", "loads", "light", "layouts", "score_mods",
-                    "tritons", "provenance")
+TILE_PLAN_HEADER = ("kernel", "precision", "head dims", "tile", "targets", "loads", "scores only", "layouts",
+                    "score_mods", "tritons", "provenance")
 
 
 def tile_plan_markdown() -> List[str]:
@@ -536,7 +536,7 @@ def tile_plan_markdown() -> List[str]:
     lines = ["| " + " | ".join(TILE_PLAN_HEADER) + " |", "|" + " --- |" * len(TILE_PLAN_HEADER)]
     for row in configs.TILE_ROWS:
         cells = (row.kernel, row.precision, listed(row.head_dims), str(row.tile),
-                 listed(f"sm_{target}" for target in row.targets), row.loads, "yes" if row.light else "no",
+                 listed(f"sm_{target}" for target in row.targets), row.loads, "yes" if row.scores_only else "no",
                  listed(row.layouts), "yes" if row.score_mods else "no", str(row.tritons), row.provenance or "-")
         lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
     return lines

@@ -42,7 +42,7 @@ class FeatureSet(NamedTuple):
         return any(self.features.get("SCORE_MODS", NO_SCORE_MOD))
 
     @property
-    def light(self) -> bool:
+    def scores_only(self) -> bool:
         return (self.features["MASK_KIND"] == MASK_NONE and not self.features.get("HAS_DROPOUT", True)
                 and not self.score_mods)
 
@@ -55,7 +55,7 @@ def _features(mask_kind: int, padding: bool, query_padding: bool, window: bool, 
 SCORE_MODS = dict(SCORE_MODS=EVERY_SCORE_MOD, HAS_SINKS=True)
 # Dense with every mask on (the largest register footprint), and packed sequences, which take no attn_mask or
 # padding but compute their bounds and alignment per sequence; the two-loop path (unmasked interior tiles), causal
-# with the most it takes and no dropout; and the most a light launch takes, dense and packed.
+# with the most it takes and no dropout; and the most a scores-only launch takes, dense and packed.
 FEATURE_SETS = (
     FeatureSet("", _features(MASK_FLOAT, True, True, True, False), tuple(KERNELS)),
     FeatureSet("/varlen", _features(MASK_NONE, False, False, True, True), TRAINING_KERNELS),
@@ -64,8 +64,8 @@ FEATURE_SETS = (
     FeatureSet("/padded", _features(MASK_NONE, True, True, True, False, HAS_DROPOUT=False), TRAINING_KERNELS, ""),
     FeatureSet("/varlen/nodropout", _features(MASK_NONE, False, False, True, True, HAS_DROPOUT=False), TRAINING_KERNELS,
             "/varlen"),
-    # every score modifier and sinks (which take the tiles of the launches above that are not light), dense with padding
-    # and a window, and packed; and the forward of trainable sinks in 16 bits, which writes o in float32.
+    # every score modifier and sinks (which take the tiles of the launches above that are not scores-only), dense with
+    # padding and a window, and packed; and the forward of trainable sinks in 16 bits, which writes o in float32.
     FeatureSet("/scoremods", _features(MASK_NONE, True, True, True, False, **SCORE_MODS), TRAINING_KERNELS),
     FeatureSet("/varlen/scoremods", _features(MASK_NONE, False, False, True, True, **SCORE_MODS), TRAINING_KERNELS),
     FeatureSet("/scoremods/float_o", _features(MASK_NONE, True, True, True, False, **SCORE_MODS), ("fwd",),
@@ -100,12 +100,12 @@ def _plans(kernel: str, precision: str, head_dim: int, variant: FeatureSet, trit
     another variant than the default)."""
     picked: Dict[configs.Plan, List[int]] = {}
     for target in TARGETS:
-        def plan(light: bool) -> configs.Plan:
+        def plan(scores_only: bool) -> configs.Plan:
             return configs.plan(kernel, DTYPES[precision], head_dim, target, allow_tf32=precision == "tf32",
-                                light=light, packed=variant.packed, triton=triton, score_mods=variant.score_mods,
-                                variant=plan_variant, refused_too=True)
+                                scores_only=scores_only, packed=variant.packed, triton=triton,
+                                score_mods=variant.score_mods, variant=plan_variant, refused_too=True)
 
-        chosen = plan(variant.light)
+        chosen = plan(variant.scores_only)
         if chosen.variant != plan_variant:  # the variant changes nothing here: the default's compilation holds
             continue
         if variant.unless_tiles_of is not None and chosen.tile == plan(False).tile:

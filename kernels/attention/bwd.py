@@ -28,7 +28,7 @@ from .jit import (
     _unmasked_keys_end, _visible_keys, _visible_queries,
 )
 from .launch import (
-    LaunchForm, chosen_variant, grid, known_args, launch_options, output_layout, row_strides, tiles_of, tma_can_load,
+    LaunchArgs, chosen_variant, grid, cached_key_of, launch_options, output_layout, row_strides, tiles_of, tma_can_load,
 )
 
 Tensor = torch.Tensor
@@ -434,11 +434,12 @@ def attention_dkdv_kernel(
 
 
 def _backward_launches(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                       dq: Tensor, dk: Tensor, dv: Tensor, form: LaunchForm, spec: AttentionSpec) -> Tuple[tuple, ...]:
+                       dq: Tensor, dk: Tensor, dv: Tensor, launch_args: LaunchArgs,
+                       spec: AttentionSpec) -> Tuple[tuple, ...]:
     """``launch_kernel``'s arguments for the dq kernel, then the dk/dv kernel (in that order: dq's writes the row sums
-    dk/dv's reads), dense or packed (``form.layout``), writing ``dq``, ``dk`` and ``dv``: the kernel, the grid, the
-    arguments, warps, stages, CTAs and the known key."""
-    layout, masks, args = form.layout, form.masks, form.args
+    dk/dv's reads), dense or packed (``launch_args.layout``), writing ``dq``, ``dk`` and ``dv``: the kernel, the grid,
+    the arguments, warps, stages, CTAs and the cached key."""
+    layout, masks, args = launch_args.layout, launch_args.masks, launch_args.args
     delta = torch.empty_like(lse)  # lse's shape and layout
     # Both kernels load alike: through TMA only if it can address every input and output.
     addressable = tma_can_load((q, k, v, o, do, dk, dv), layout)
@@ -465,7 +466,7 @@ def _backward_launches(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor,
     dq_kernel = (attention_dq_kernel, grid(cdiv(layout.n_queries, dq_tile.block_m), layout.batch, layout.heads),
                  (q_in, k_in, v_in, o_in, do_in, lse, dlse.contiguous() if dlse is not None else None, delta, dq,
                   *row_strides(dq_do), *args, *dq_launch.constexprs), dq_launch.num_warps, dq_launch.num_stages, 1,
-                 known_args(12, form))
+                 cached_key_of(12, launch_args))
     dk_out, dv_out = dk, dv
     if not dkdv_tma:
         q_in, k_in, v_in, do_in = q, k, v, dkdv_do
@@ -478,7 +479,8 @@ def _backward_launches(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor,
             dk_out, dv_out = (tiles_of(t, dkdv_tile.block_n, block_d, True) for t in (dk, dv))
     dkdv_kernel = (attention_dkdv_kernel, grid(cdiv(layout.n_keys, dkdv_tile.block_n), layout.batch, layout.kv_heads),
                    (q_in, k_in, v_in, do_in, lse, delta, dk_out, dv_out, *row_strides(dkdv_do), *args,
-                    *dkdv_launch.constexprs), dkdv_launch.num_warps, dkdv_launch.num_stages, 1, known_args(11, form))
+                    *dkdv_launch.constexprs), dkdv_launch.num_warps, dkdv_launch.num_stages, 1,
+                   cached_key_of(11, launch_args))
     return dq_kernel, dkdv_kernel
 
 
@@ -487,33 +489,34 @@ def _backward_launches(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor,
 
 def attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                   masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods,
-                  seed: Optional[Seed], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                  seed: Optional[Seed], for_backward: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` laid out as o (o in q's dtype or float32: ``float_output``), launched here in eager mode,
-    through the custom op when traced; the forward's launch form taken from ``prepared`` where it left one."""
+    through the custom op when traced; the forward's launch arguments taken from ``for_backward`` where it left one."""
     q, k, v = contiguous_last_dims(q, k, v)
     o, lse = (o if o.dtype == q.dtype else o.to(q.dtype)), lse.contiguous()
     if traced():
         return torch.ops.fused_transformer.attention_bwd(
             do, dlse, q, k, v, o, lse, *flat_masks(masks), *flat_spec(spec), seed_tensor(seed, q.device),
             *score_mods_flat(mods))
-    dq, dk, dv, form = backward_outputs(q, k, v, spec, mods, seed, masks=masks, prepared=prepared)
-    if form is not None:
-        for launch in (*form.masks.launches, *_backward_launches(do, dlse, q, k, v, o, lse, dq, dk, dv, form, spec)):
+    dq, dk, dv, launch_args = backward_outputs(q, k, v, spec, mods, seed, masks=masks, for_backward=for_backward)
+    if launch_args is not None:
+        kernels = _backward_launches(do, dlse, q, k, v, o, lse, dq, dk, dv, launch_args, spec)
+        for launch in (*launch_args.masks.launches, *kernels):
             launch_kernel(*launch)
     return dq, dk, dv
 
 
 def attention_varlen_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
                          lse: Tensor, seqs: PackedSequences, spec: AttentionSpec, mods: ScoreMods,
-                         seed: Optional[Seed], prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                         seed: Optional[Seed], for_backward: Optional[dict] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """``dq [Tq, H, D], dk, dv [Tk, Hkv, D]``, as ``attention_bwd``."""
     q, k, v = contiguous_last_dims(q, k, v)
     o, lse = (o if o.dtype == q.dtype else o.to(q.dtype)), lse.contiguous()
     if traced():
         return torch.ops.fused_transformer.attention_varlen_bwd(
             do, dlse, q, k, v, o, lse, *seqs, *flat_spec(spec), seed_tensor(seed, q.device), *score_mods_flat(mods))
-    dq, dk, dv, form = backward_outputs(q, k, v, spec, mods, seed, seqs=seqs, prepared=prepared)
-    if form is not None:
-        for launch in _backward_launches(do, dlse, q, k, v, o, lse, dq, dk, dv, form, spec):
+    dq, dk, dv, launch_args = backward_outputs(q, k, v, spec, mods, seed, seqs=seqs, for_backward=for_backward)
+    if launch_args is not None:
+        for launch in _backward_launches(do, dlse, q, k, v, o, lse, dq, dk, dv, launch_args, spec):
             launch_kernel(*launch)
     return dq, dk, dv

@@ -4,17 +4,16 @@ report both call, so what a GPU runs is what the report compiled.
 A launch is described by its kernel (``"fwd"``, ``"bwd_dq"``, ``"bwd_dkdv"``, ``"weights"``), its precision
 (``"bf16"`` for either 16-bit dtype, ``"fp32"``, ``"tf32"``: float32 with ``allow_tf32``), its head-dim bucket
 (the next power of two, at least 16), its target (``kernels/targets.py``), whether it loads through TMA, whether it
-is *light* (its scores read no attn_mask element and draw no dropout number: the registers the every-feature
-tiles keep for those buy wider tiles), whether it modifies the scores (softcap or ALiBi: never light) and its layout
-(dense or packed sequences). ``plan()`` returns the first row
-of ``TILE_ROWS`` that matches it; failing every row in float32 with tf32 products, it looks again as exact float32.
-So the rows run from the most specific to the most general, and the order is the fallback order:
+is *scores-only* (its scores read no attn_mask element and draw no dropout number: the registers the every-feature
+tiles keep for those buy wider tiles), whether it modifies the scores (softcap or ALiBi: never scores-only) and its
+layout (dense or packed sequences). ``plan()`` returns the first row of ``TILE_ROWS`` that matches it; failing every
+row in float32 with tf32 products, it looks again as exact float32. So the rows run from the most specific to the most general, and the order is the fallback order:
 
 0. launches with softcap or ALiBi, where the tiles below spill with them;
 1. tf32: sm_90's forward through TMA, then the tf32 tiles of every target (tensor-core operands hold more
    registers than the float32 tiles' CUDA-core ones);
 2. sm_86 / sm_89 (99 KB of shared memory) where the general tiles do not fit there or spill;
-3. sm_90 through TMA: light packed launches, light launches, then any launch;
+3. sm_90 through TMA: scores-only packed launches, scores-only launches, then any launch;
 4. the general tiles, for every target and load path.
 
 Each row also says where its tiles run the two-loop path (``interior_loop``: unmasked interior tiles, for launches
@@ -78,7 +77,7 @@ class TileRow:
     tile: Tile
     targets: Tuple[int, ...] = ALL
     loads: str = "any"  # "tma": only launches that load through TMA
-    light: bool = False  # only light launches (no attn_mask tile, no dropout)
+    scores_only: bool = False  # only scores-only launches (no attn_mask tile, no dropout)
     layouts: Tuple[str, ...] = BOTH  # the layouts the row serves
     score_mods: bool = False  # only launches with softcap or ALiBi
     interior_loop: Tuple[str, ...] = BOTH  # the layouts whose two-loop path compiles without spills
@@ -94,11 +93,11 @@ class TileRow:
         layouts = self.interior_loop_tma if tma and self.interior_loop_tma is not None else self.interior_loop
         return ("packed" if packed else "dense") in layouts
 
-    def serves(self, kernel: str, precision: str, head_dim: int, target: int, tma: bool, light: bool,
+    def serves(self, kernel: str, precision: str, head_dim: int, target: int, tma: bool, scores_only: bool,
                layout: str, triton: Version, score_mods: bool = False) -> bool:
         return (self.kernel == kernel and self.precision == precision and head_dim in self.head_dims
                 and target in self.targets and self.loads in ("any", "tma" if tma else "pointer")
-                and (light or not self.light) and layout in self.layouts and triton in self.tritons
+                and (scores_only or not self.scores_only) and layout in self.layouts and triton in self.tritons
                 and (score_mods or not self.score_mods))
 
 
@@ -192,34 +191,35 @@ TILE_ROWS: Tuple[TileRow, ...] = (
     # Under 3.8 these parts take the older releases' BM32_BN16_w8_s2 below (since the dropout seed may come by value).
     TileRow("bwd_dkdv", "fp32", (16,), Tile(32, 32, 8, 2), targets=SMALL_SHARED_MEMORY, interior_loop=(),
             tritons=SINCE_3_9, provenance="the two-loop path spills 32-48 B"),
-    # 3. sm_90 through TMA. Light packed launches, where the light tiles below spill for packed sequences (which
-    # zero a q / do tile's rows past their sequence in registers).
-    TileRow("fwd", "bf16", (128,), Tile(128, 64, 8, 3), targets=HOPPER, loads="tma", light=True, layouts=("packed",)),
-    TileRow("bwd_dkdv", "bf16", (64,), Tile(32, 128, 8, 2), targets=HOPPER, loads="tma", light=True,
+    # 3. sm_90 through TMA. Scores-only packed launches, where the scores-only tiles below spill for packed sequences
+    # (which zero a q / do tile's rows past their sequence in registers).
+    TileRow("fwd", "bf16", (128,), Tile(128, 64, 8, 3), targets=HOPPER, loads="tma", scores_only=True,
             layouts=("packed",)),
-    _older("bwd_dkdv", "bf16", 128, (32, 128, 8, 1), targets=HOPPER, loads="tma", light=True, layouts=("packed",),
+    TileRow("bwd_dkdv", "bf16", (64,), Tile(32, 128, 8, 2), targets=HOPPER, loads="tma", scores_only=True,
+            layouts=("packed",)),
+    _older("bwd_dkdv", "bf16", 128, (32, 128, 8, 1), targets=HOPPER, loads="tma", scores_only=True, layouts=("packed",),
            interior_loop=(), provenance="BM32_BN128_w8_s2 spills 8 B under 3.6"),
-    TileRow("bwd_dkdv", "bf16", (128,), Tile(32, 128, 8, 2), targets=HOPPER, loads="tma", light=True,
+    TileRow("bwd_dkdv", "bf16", (128,), Tile(32, 128, 8, 2), targets=HOPPER, loads="tma", scores_only=True,
             layouts=("packed",), interior_loop=(), provenance="the two-loop path spills 328 B"),
-    # Light launches: every HGMMA N >= 64 or the head dim.
-    _older("fwd", "bf16", 128, (128, 64, 8, 3), targets=HOPPER, loads="tma", light=True,
+    # Scores-only launches: every HGMMA N >= 64 or the head dim.
+    _older("fwd", "bf16", 128, (128, 64, 8, 3), targets=HOPPER, loads="tma", scores_only=True,
            provenance="BM128_BN128_w8_s3 spills 16-24 B under 3.6, 3.7"),
     *_rows("fwd", "bf16", {16: (128, 128, 8, 3), 32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 128, 8, 3)},
-           targets=HOPPER, loads="tma", light=True),
-    _older("fwd", "bf16", 256, (128, 32, 8, 1), targets=HOPPER, loads="tma", light=True, interior_loop=("dense",),
+           targets=HOPPER, loads="tma", scores_only=True),
+    _older("fwd", "bf16", 256, (128, 32, 8, 1), targets=HOPPER, loads="tma", scores_only=True, interior_loop=("dense",),
            provenance="BM128_BN64_w8_s2 spills 24-120 B under 3.6, 3.7, 3.8"),
-    TileRow("fwd", "bf16", (256,), Tile(128, 64, 8, 2), targets=HOPPER, loads="tma", light=True,
+    TileRow("fwd", "bf16", (256,), Tile(128, 64, 8, 2), targets=HOPPER, loads="tma", scores_only=True,
             interior_loop=("dense",), provenance="the packed two-loop path spills 24-120 B"),
     *_rows("bwd_dq", "bf16", {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 3)},
-           targets=HOPPER, loads="tma", light=True),
-    TileRow("bwd_dq", "bf16", (256,), Tile(64, 64, 4, 2), targets=HOPPER, loads="tma", light=True,
+           targets=HOPPER, loads="tma", scores_only=True),
+    TileRow("bwd_dq", "bf16", (256,), Tile(64, 64, 4, 2), targets=HOPPER, loads="tma", scores_only=True,
             layouts=("dense",), interior_loop=(),
             provenance="the two-loop path spills 8 B; packed, these tiles spill 256 B"),
-    _older("bwd_dkdv", "bf16", 32, (64, 128, 8, 2), targets=HOPPER, loads="tma", light=True, interior_loop=(),
+    _older("bwd_dkdv", "bf16", 32, (64, 128, 8, 2), targets=HOPPER, loads="tma", scores_only=True, interior_loop=(),
            provenance="BM64_BN128_w8_s2 spills 8 B under 3.7"),
     *_rows("bwd_dkdv", "bf16", {16: (64, 128, 8, 2), 32: (64, 128, 8, 2), 64: (64, 128, 8, 2)}, targets=HOPPER,
-           loads="tma", light=True),
-    TileRow("bwd_dkdv", "bf16", (128,), Tile(64, 64, 4, 1), targets=HOPPER, loads="tma", light=True,
+           loads="tma", scores_only=True),
+    TileRow("bwd_dkdv", "bf16", (128,), Tile(64, 64, 4, 1), targets=HOPPER, loads="tma", scores_only=True,
             interior_loop=(), provenance="the two-loop path spills 448 B"),
     # Any launch: pipelined, with every HGMMA as wide as an attn_mask tile and dropout leave registers for.
     _older("fwd", "bf16", 128, (128, 32, 8, 2), targets=HOPPER, loads="tma",
@@ -337,11 +337,11 @@ class Variant:
     rows: Tuple[TileRow, ...] = ()  # its own tiles, where they differ from TILE_ROWS' (the first match wins)
     tile_order: int = GRID_ORDER
     warp_specialize: bool = False
-    # The launches it serves (the others run the default): precisions, head-dim buckets, light ones only or not,
+    # The launches it serves (the others run the default): precisions, head-dim buckets, scores-only ones only or not,
     # layouts.
     precisions: Tuple[str, ...] = PRECISIONS
     head_dims: Tuple[int, ...] = HEAD_DIM_BUCKETS
-    light: bool = False
+    scores_only: bool = False
     layouts: Tuple[str, ...] = BOTH
     targets: Tuple[int, ...] = ALL
     claims: Tuple[str, ...] = ()  # the SASS instructions it exists for, which the AOT report checks it issues
@@ -350,9 +350,9 @@ class Variant:
 
 
 DEFAULT_VARIANT = "tiles"
-# The launches the other variants serve: the bench's, where the GPU targets are (16-bit, head dims 64 and 128, light
-# and dense: no attn_mask, dropout or score modifier; key padding and causal masks).
-MEASURED_LAUNCHES = dict(precisions=("bf16",), head_dims=(64, 128), light=True, layouts=("dense",))
+# The launches the other variants serve: the bench's, where the GPU targets are (16-bit, head dims 64 and 128,
+# scores-only and dense: no attn_mask, dropout or score modifier; key padding and causal masks).
+MEASURED_LAUNCHES = dict(precisions=("bf16",), head_dims=(64, 128), scores_only=True, layouts=("dense",))
 WARP_SPECIALIZE_REFUSED = (
     "no supported Triton (3.6-3.9) warp-specializes this kernel's key loop: with 8 warps their Hopper pass "
     "(tl.range(..., warp_specialize=True)) leaves the loop as it was (no setmaxnreg, which the AOT report checks), "
@@ -363,23 +363,23 @@ VARIANTS: Tuple[Variant, ...] = (
     Variant("heaviest_first", ("fwd", "bwd_dq"), "the grid's query tiles in reverse order (the forward, dq): the GPU "
             "starts programs in grid order, so under a causal mask the ones with the most keys start first",
             tile_order=HEAVIEST_FIRST,
-            rows=(TileRow("fwd", "bf16", (128,), Tile(64, 32, 8, 2), targets=SMALL_SHARED_MEMORY, light=True,
+            rows=(TileRow("fwd", "bf16", (128,), Tile(64, 32, 8, 2), targets=SMALL_SHARED_MEMORY, scores_only=True,
                           provenance="BM128_BN32_w8_s2 spills 8 B causal under 3.9"),),
             **MEASURED_LAUNCHES),
     Variant("persistent", ("fwd",), "as many programs as the SMs hold, each walking the tiles a grid's width apart, "
             "the last query tiles (the heaviest under a causal mask) first", tile_order=PERSISTENT,
-            rows=(TileRow("fwd", "bf16", (128,), Tile(128, 64, 8, 3), targets=HOPPER, loads="tma", light=True,
+            rows=(TileRow("fwd", "bf16", (128,), Tile(128, 64, 8, 3), targets=HOPPER, loads="tma", scores_only=True,
                           provenance="BM128_BN128_w8_s3 spills 104 B causal under 3.9"),
-                  TileRow("fwd", "bf16", (128,), Tile(64, 32, 8, 2), targets=(80,), light=True,
+                  TileRow("fwd", "bf16", (128,), Tile(64, 32, 8, 2), targets=(80,), scores_only=True,
                           provenance="BM128_BN32_w8_s2 spills 8 B causal under 3.9")),
             **MEASURED_LAUNCHES),
     Variant("deep_pipeline", ("fwd", "bwd_dq", "bwd_dkdv"), "sm_90 through TMA: one more tile in flight than the "
             "default's rows (dk/dv at head dim 128 keeps the default's: BM64_BN64_w4_s2 spills 520 B under 3.9)",
             rows=(*_rows("fwd", "bf16", {64: (128, 128, 8, 4), 128: (128, 64, 8, 4)}, targets=HOPPER, loads="tma",
-                         light=True),
+                         scores_only=True),
                   *_rows("bwd_dq", "bf16", {64: (128, 64, 8, 3), 128: (128, 64, 8, 4)}, targets=HOPPER, loads="tma",
-                         light=True),
-                  TileRow("bwd_dkdv", "bf16", (64,), Tile(64, 128, 8, 3), targets=HOPPER, loads="tma", light=True,
+                         scores_only=True),
+                  TileRow("bwd_dkdv", "bf16", (64,), Tile(64, 128, 8, 3), targets=HOPPER, loads="tma", scores_only=True,
                           tritons=SINCE_3_7, provenance="spills 120 B under 3.6, which keeps the default's tiles")),
             claims=("HGMMA", "UTMALDG"), **MEASURED_LAUNCHES),
     Variant("warp_specialized", ("fwd",), "a producer warp loading K and V through TMA for consumer warpgroups "
@@ -431,12 +431,12 @@ def head_dim_bucket(head_dim: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)  # asked per launch once measured rows exist: a dict lookup, not a format
-def shape_class(dtype: torch.dtype, head_dim: int, n_keys: int, causal: bool, light: bool) -> str:
+def shape_class(dtype: torch.dtype, head_dim: int, n_keys: int, causal: bool, scores_only: bool) -> str:
     """The class of shapes a measured variant row holds for (``kernels/variants.py``): 16-bit or float32, the head-dim
-    bucket, causal or not, light or not, the keys' power of two within 1024..16384: ``bf16/D128/causal/L4096``."""
+    bucket, causal or not, scores-only or not, the keys' power of two within 1024..16384: ``bf16/D128/causal/L4096``."""
     keys = min(max(next_power_of_2(max(n_keys, 1)), 1024), 16384)
     return (f"{'fp32' if dtype == torch.float32 else 'bf16'}/D{head_dim_bucket(head_dim)}/"
-            f"{'causal' if causal else 'none'}{'' if light else '/masked'}/L{keys}")
+            f"{'causal' if causal else 'none'}{'' if scores_only else '/masked'}/L{keys}")
 
 
 def precision_of(dtype: torch.dtype, allow_tf32: bool = False) -> str:
@@ -453,7 +453,7 @@ def takes_tma(kernel: str, precision: str, head_dim: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)  # launches ask again and again; TILE_ROWS is fixed
-def find_row(kernel: str, precision: str, head_dim: int, target: int, tma: bool, light: bool, packed: bool,
+def find_row(kernel: str, precision: str, head_dim: int, target: int, tma: bool, scores_only: bool, packed: bool,
              triton: Version, score_mods: bool = False, variant: str = DEFAULT_VARIANT) -> TileRow:
     """The first row of ``variant``'s own rows, then of ``TILE_ROWS``, that serves this launch under Triton release
     ``triton`` (tf32 falls back to exact float32's rows)."""
@@ -462,17 +462,17 @@ def find_row(kernel: str, precision: str, head_dim: int, target: int, tma: bool,
     for table in (own, TILE_ROWS) if own else (TILE_ROWS,):
         for asked in (precision, "fp32") if precision == "tf32" else (precision,):
             for row in table:
-                if row.serves(kernel, asked, bucket, target, tma, light, layout, triton, score_mods):
+                if row.serves(kernel, asked, bucket, target, tma, scores_only, layout, triton, score_mods):
                     return row
     raise ValueError(f"attention: no tile for {kernel} in {precision} at head_dim={head_dim} on sm_{target}")
 
 
 def plan(kernel: str, dtype: torch.dtype, head_dim: int, target: Optional[Target], *, allow_tf32: bool = False,
-         tma_addressable: bool = True, light: bool = False, packed: bool = False,
+         tma_addressable: bool = True, scores_only: bool = False, packed: bool = False,
          triton: Optional[Version] = None, score_mods: bool = False, variant: str = DEFAULT_VARIANT,
          refused_too: bool = False) -> Plan:
     """The plan of a ``kernel`` launch on ``dtype`` inputs of ``head_dim`` on ``target`` (None: the interpreter),
-    with products in tf32 or not, inputs that TMA can address or not (``_common.tma_addressable``), light or not
+    with products in tf32 or not, inputs that TMA can address or not (``_common.tma_addressable``), scores-only or not
     (no attn_mask tile, no dropout), on packed sequences or not, compiled by Triton release ``triton`` (default:
     the installed one), with softcap or ALiBi or not, in ``variant`` (``VARIANTS``; the plan says the default where
     the variant changes nothing for this kernel or launch). A refused variant raises, unless ``refused_too`` (the AOT
@@ -482,7 +482,7 @@ def plan(kernel: str, dtype: torch.dtype, head_dim: int, target: Optional[Target
         raise ValueError(f"attention: variant {variant!r} " + (f"is refused: {chosen.refused}" if chosen else
                          f"is not one of {', '.join(VARIANTS_BY_NAME)}"))
     precision = precision_of(dtype, allow_tf32)
-    serves = (kernel in chosen.kernels and precision in chosen.precisions and (light or not chosen.light)
+    serves = (kernel in chosen.kernels and precision in chosen.precisions and (scores_only or not chosen.scores_only)
               and head_dim_bucket(head_dim) in chosen.head_dims and ("packed" if packed else "dense") in chosen.layouts)
     if not serves:
         chosen = VARIANTS_BY_NAME[DEFAULT_VARIANT]
@@ -494,7 +494,7 @@ def plan(kernel: str, dtype: torch.dtype, head_dim: int, target: Optional[Target
     if target.capability not in chosen.targets:
         chosen = VARIANTS_BY_NAME[DEFAULT_VARIANT]
     tma = tma and target.tma
-    row = find_row(kernel, precision, head_dim, target.capability, tma, light, packed,
+    row = find_row(kernel, precision, head_dim, target.capability, tma, scores_only, packed,
                    installed() if triton is None else triton, score_mods, chosen.name)
     changes = any(row is own for own in chosen.rows) or chosen.tile_order != GRID_ORDER or chosen.warp_specialize
     return Plan(kernel, row.tile, tma, row.interior_loop_for(tma, packed), "tf32" if allow_tf32 else "ieee", False,

@@ -32,7 +32,7 @@ from .jit import (
     _score_mod_values, _sequence, _stat_base, _tile_mask, _tma_tile, _unmasked_keys_end, _visible_keys,
 )
 from .launch import (
-    LaunchForm, chosen_variant, grid, known_args, launch_options, persistent_programs, tiles_of, tma_can_load,
+    LaunchArgs, chosen_variant, grid, cached_key_of, launch_options, persistent_programs, tiles_of, tma_can_load,
 )
 
 Tensor = torch.Tensor
@@ -274,11 +274,11 @@ def attention_fwd_kernel(
         )
 
 
-def _forward_launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, form: LaunchForm,
+def _forward_launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, launch_args: LaunchArgs,
                     spec: AttentionSpec) -> tuple:
-    """``launch_kernel``'s arguments after the kernel for the forward, dense or packed (``form.layout``), writing ``o``
-    and ``lse``: the grid, the arguments, warps, stages, CTAs and the known key."""
-    layout, masks = form.layout, form.masks
+    """``launch_kernel``'s arguments after the kernel for the forward, dense or packed (``launch_args.layout``),
+    writing ``o`` and ``lse``: the grid, the arguments, warps, stages, CTAs and the cached key."""
+    layout, masks = launch_args.layout, launch_args.masks
     # Launched for head_dim 0 as well: its scores are 0, and the LSE still depends on the masks.
     launch = launch_options("fwd", attention_fwd_kernel, q, layout.head_dim, masks, spec.dropout_p, spec.allow_tf32,
                             tma_can_load((q, k, v), layout),
@@ -294,8 +294,8 @@ def _forward_launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, for
         launch_grid = (persistent_programs(o.device, tile, query_tiles * layout.batch * layout.heads), 1, 1)
     else:
         launch_grid = grid(query_tiles, layout.batch, layout.heads)
-    return (launch_grid, (q, k, v, o, lse, *form.args, layout.batch, *launch.constexprs), launch.num_warps,
-            launch.num_stages, 1, known_args(5, form))
+    return (launch_grid, (q, k, v, o, lse, *launch_args.args, layout.batch, *launch.constexprs), launch.num_warps,
+            launch.num_stages, 1, cached_key_of(5, launch_args))
 
 
 # ------------------------------------------------------------------------------------- the backend's entries
@@ -303,7 +303,7 @@ def _forward_launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, for
 
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods,
                   sinks: Optional[Tensor], seed: Optional[Seed], float_output: bool,
-                  prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
+                  for_backward: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """``o [B, H, Lq, D]`` laid out as ``[B, Lq, H, D]`` (float32 with ``float_output``) and the float32 LSE, launched
     here in eager mode, through the custom op when traced."""
     q, k, v = contiguous_last_dims(q, k, v)
@@ -311,23 +311,25 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: 
         return torch.ops.fused_transformer.attention_fwd(
             q, k, v, *flat_masks(masks), *flat_spec(spec), seed_tensor(seed, q.device), *score_mods_flat(mods),
             sinks, float_output)
-    o, lse, form = forward_outputs(q, k, v, spec, mods, sinks, seed, float_output, masks=masks, prepared=prepared)
-    if form is not None:
-        for launch in form.masks.launches:
+    o, lse, launch_args = forward_outputs(q, k, v, spec, mods, sinks, seed, float_output, masks=masks,
+                                          for_backward=for_backward)
+    if launch_args is not None:
+        for launch in launch_args.masks.launches:
             launch_kernel(*launch)
-        launch_kernel(attention_fwd_kernel, *_forward_launch(q, k, v, o, lse, form, spec))
+        launch_kernel(attention_fwd_kernel, *_forward_launch(q, k, v, o, lse, launch_args, spec))
     return o, lse
 
 
 def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSequences, spec: AttentionSpec,
                          mods: ScoreMods, sinks: Optional[Tensor], seed: Optional[Seed],
-                         float_output: bool, prepared: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
+                         float_output: bool, for_backward: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """``o [Tq, H, D]`` (float32 with ``float_output``) and the float32 LSE ``[H, Tq]``, as ``attention_fwd``."""
     q, k, v = contiguous_last_dims(q, k, v)
     if traced():
         return torch.ops.fused_transformer.attention_varlen_fwd(
             q, k, v, *seqs, *flat_spec(spec), seed_tensor(seed, q.device), *score_mods_flat(mods), sinks, float_output)
-    o, lse, form = forward_outputs(q, k, v, spec, mods, sinks, seed, float_output, seqs=seqs, prepared=prepared)
-    if form is not None:
-        launch_kernel(attention_fwd_kernel, *_forward_launch(q, k, v, o, lse, form, spec))
+    o, lse, launch_args = forward_outputs(q, k, v, spec, mods, sinks, seed, float_output, seqs=seqs,
+                                          for_backward=for_backward)
+    if launch_args is not None:
+        launch_kernel(attention_fwd_kernel, *_forward_launch(q, k, v, o, lse, launch_args, spec))
     return o, lse

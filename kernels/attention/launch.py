@@ -75,9 +75,9 @@ class MaskArgs(NamedTuple):
         """Whether a score modifier is given (``configs``' score_mods launches; sinks change no score)."""
         return self.mods is not NO_SCORE_MODS and bool(self.mods.given)
 
-    def light(self, dropout_p: float) -> bool:
+    def scores_only(self, dropout_p: float) -> bool:
         """Whether the scores read no attn_mask element, draw no dropout number and take no score modifier
-        (``configs``' light launches)."""
+        (``configs``' scores-only launches)."""
         return self.mask_kind == MASK_NONE and dropout_p == 0.0 and not self.modifies_scores
 
     def kind(self) -> tuple:
@@ -305,7 +305,7 @@ def shared_args(layout: Layout, masks: MaskArgs, scale: float, dropout_p: float,
             dropout_p, *seed, *masks.score_args())
 
 
-class LaunchForm(NamedTuple):
+class LaunchArgs(NamedTuple):
     """What the forward and backward launches of a call share: its layout, its masks in kernel form, the
     ``shared_args`` and, where it was made once for many calls, the launch key of the first ``keyed_args`` of them
     (those before the seed; ``_common.runtime_keys``' number, else None)."""
@@ -317,9 +317,9 @@ class LaunchForm(NamedTuple):
     keyed_args: int = 0
 
 
-def known_args(start: int, form: LaunchForm) -> Optional[Tuple[int, int, int]]:
-    """``_common.launch_kernel``'s ``known`` for a kernel whose ``form.args`` start at parameter ``start``."""
-    return None if form.args_key is None else (start, start + form.keyed_args, form.args_key)
+def cached_key_of(start: int, launch_args: LaunchArgs) -> Optional[Tuple[int, int, int]]:
+    """``_common.launch_kernel``'s ``cached_key`` for a kernel whose ``launch_args.args`` start at parameter ``start``."""
+    return None if launch_args.args_key is None else (start, start + launch_args.keyed_args, launch_args.args_key)
 
 
 class Launch(NamedTuple):
@@ -342,7 +342,7 @@ def chosen_variant(op: str, q: Tensor, layout: Layout, masks: MaskArgs, dropout_
     """The variant of ``op`` ("attention.fwd", "attention.bwd") a launch on ``layout`` runs: the one the variant rows
     name for this GPU and shape class, forced or measured (``kernels/variants.py``), else the default."""
     return variants.chosen(op, q.device, lambda: configs.shape_class(
-        q.dtype, layout.head_dim, layout.n_keys, masks.is_causal, masks.light(dropout_p)))
+        q.dtype, layout.head_dim, layout.n_keys, masks.is_causal, masks.scores_only(dropout_p)))
 
 
 # Persistent programs under the interpreter: few, so that the tests' short sequences give each several tiles.
@@ -382,7 +382,7 @@ def launch_options(kernel: str, jit_kernel: object, q: Tensor, head_dim: int, ma
     found = _LAUNCHES.get(key)
     if found is None or configs.plan is not _PLANNER:
         plan = configs.plan(kernel, q.dtype, head_dim, launch_target(q.device), allow_tf32=allow_tf32,
-                            tma_addressable=tma_loadable, light=masks.light(dropout_p), packed=masks.packed,
+                            tma_addressable=tma_loadable, scores_only=masks.scores_only(dropout_p), packed=masks.packed,
                             score_mods=masks.modifies_scores, variant=variant)
         values = dict(BLOCK_D=configs.head_dim_bucket(head_dim), HEAD_DIM=head_dim,
                       **masks.constexprs(score_modifiers=kernel != "weights"), **plan.constexprs())
