@@ -146,6 +146,16 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
 
+def _activation_launch(pre: Tensor, dhidden: Optional[Tensor], out: Tensor, hidden: Optional[Tensor], activation: str,
+                       dropout_p: float, seed: Optional[Seed]) -> tuple:
+    """``launch_kernel``'s arguments after the kernel for the activation pass over ``pre`` (contiguous): forward,
+    ``out = dropout(act(pre))``; with ``dhidden``, ``out`` its gradient and ``hidden`` the forward's again."""
+    n = pre.numel()
+    args = (pre, dhidden, out, hidden, n, pre.shape[-1], dropout_p, *seed_args(seed, pre.device), BLOCK, activation,
+            dhidden is not None, dropout_p > 0.0)
+    return (cdiv(n, BLOCK),), args, NUM_WARPS
+
+
 def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
                      dropout_p: float, seed: Optional[Seed], keep: bool,
                      allow_tf32: bool) -> Tuple[Tensor, Tuple[Tensor, ...]]:
@@ -161,12 +171,8 @@ def feed_forward_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2
     with _tf32_products() if _needs_tf32_switch(x, allow_tf32) else contextlib.nullcontext():
         pre = F.linear(x, w1, b1)
         hidden = torch.empty_like(pre)
-        n = pre.numel()
-        if n:
-            launch_kernel(_activation_kernel, (cdiv(n, BLOCK),),
-                          (pre, None, hidden, None, n, pre.shape[-1], dropout_p, *seed_args(seed, pre.device)),
-                          NUM_WARPS, BLOCK=BLOCK, ACTIVATION=activation, ACTIVATION_GRAD=False,
-                          HAS_DROPOUT=dropout_p > 0.0)
+        if pre.numel():
+            launch_kernel(_activation_kernel, *_activation_launch(pre, None, hidden, None, activation, dropout_p, seed))
         return F.linear(hidden, w2, b2), ((pre,) if keep else ())
 
 
@@ -189,12 +195,9 @@ def feed_forward_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2
         dy = contiguous_last_dim(dy.reshape(-1, dy.shape[-1]))
         dhidden = dy.mm(w2)
         dpre, hidden = torch.empty_like(dhidden), torch.empty_like(dhidden)
-        n = dhidden.numel()
-        if n:
-            launch_kernel(_activation_kernel, (cdiv(n, BLOCK),),
-                          (pre, dhidden, dpre, hidden, n, dhidden.shape[-1], dropout_p, *seed_args(seed, pre.device)),
-                          NUM_WARPS, BLOCK=BLOCK, ACTIVATION=activation, ACTIVATION_GRAD=True,
-                          HAS_DROPOUT=dropout_p > 0.0)
+        if dhidden.numel():
+            launch_kernel(_activation_kernel, *_activation_launch(pre, dhidden, dpre, hidden, activation, dropout_p,
+                                                                   seed))
         db1 = sum_rows(dpre, b1.dtype) if b1 is not None else None
         db2 = sum_rows(dy, dy.dtype) if has_b2 else None
         dx = dpre.mm(w1)

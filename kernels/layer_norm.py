@@ -494,8 +494,8 @@ def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional
         SPLIT_COLS=launch.col_blocks > 1,
     )
     if one_sum and weight is not None and bias is not None and weight.dtype == bias.dtype:
-        sums = sum_rows(partials, weight.dtype)
-        return dx, dresidual, sums[:n_cols], sums[n_cols:]
+        dweight, dbias = sum_rows(partials, weight.dtype).chunk(2)
+        return dx, dresidual, dweight, dbias
     dweight = sum_rows(partials[:, :n_cols], weight.dtype) if weight is not None else None
     dbias = sum_rows(db_partial, bias.dtype) if bias is not None else None
     return dx, dresidual, dweight, dbias
