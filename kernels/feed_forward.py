@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .. import contract
-from ..contract import Seed, seed_tensor
+from ..contract import Seed, as_rows, seed_tensor
 from ._common import (
     cdiv, contiguous_last_dim, dropout_keep_quad_lanes, dropout_keep_quads, dropout_seed, launch_kernel, seed_args,
     sum_rows, traced,
@@ -192,7 +192,7 @@ def feed_forward_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2
     with _tf32_products() if _needs_tf32_switch(x, allow_tf32) else contextlib.nullcontext():
         if pre is None:
             pre = F.linear(x, w1, b1)
-        dy = contiguous_last_dim(dy.reshape(-1, dy.shape[-1]))
+        dy = contiguous_last_dim(as_rows(dy))
         dhidden = dy.mm(w2)
         dpre, hidden = torch.empty_like(dhidden), torch.empty_like(dhidden)
         if dhidden.numel():
@@ -201,7 +201,7 @@ def feed_forward_bwd(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2
         db1 = sum_rows(dpre, b1.dtype) if b1 is not None else None
         db2 = sum_rows(dy, dy.dtype) if has_b2 else None
         dx = dpre.mm(w1)
-        return (dx.view(x.shape) if x.dim() != 2 else dx), dpre.t().mm(x.reshape(-1, x.shape[-1])), db1, \
+        return (dx.view(x.shape) if x.dim() != 2 else dx), dpre.t().mm(as_rows(x)), db1, \
             dy.t().mm(hidden), db2
 
 

@@ -329,10 +329,10 @@ class ThinFeedForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w1, b1, w2, b2, hidden = ctx.saved_tensors
-        dy = dy.reshape(-1, dy.shape[-1])
+        dy = as_rows(dy)
         dpre = torch.empty_like(dy.mm(w2))
-        return (dpre.mm(w1).view(x.shape), dpre.t().mm(x.reshape(-1, x.shape[-1])), torch.empty_like(b1),
-                dy.t().mm(hidden.reshape(-1, hidden.shape[-1])), torch.empty_like(b2))
+        return (dpre.mm(w1).view(x.shape), dpre.t().mm(as_rows(x)), torch.empty_like(b1), dy.t().mm(as_rows(hidden)),
+                torch.empty_like(b2))
 
 
 def _thin(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
