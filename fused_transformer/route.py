@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from typing import Callable, Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -413,27 +413,12 @@ class Record(NamedTuple):
         return f"{self.op} ({self.door}) -> {self.backend}: {self.reason}"
 
 
-# The open ``recording`` and ``explain`` blocks: (their list, what it takes of a call and its decision).
-_RECORDERS: List[Tuple[list, Callable[[Call, Decision], object]]] = []
+# The open ``explain`` blocks' lists.
+_RECORDERS: List[List[Record]] = []
 
 
 @contextlib.contextmanager
-def _recorded(make: Callable[[Call, Decision], object]) -> Iterator[list]:
-    seen: list = []
-    entry = (seen, make)
-    _RECORDERS.append(entry)
-    try:
-        yield seen
-    finally:
-        _RECORDERS.remove(entry)
-
-
-def recording() -> contextlib.AbstractContextManager:
-    """The ``(call, decision)`` of every call decided inside the block, in order (bench and check print them)."""
-    return _recorded(lambda call, decision: (call, decision))
-
-
-def explain() -> contextlib.AbstractContextManager:
+def explain() -> Iterator[List[Record]]:
     """Which kernel ran each call, and why: a context manager yielding a list that fills with one ``Record`` per call
     decided inside the block (``op``, ``door``, ``backend``, ``reason``; ``str()`` a line of them), in order::
 
@@ -443,8 +428,13 @@ def explain() -> contextlib.AbstractContextManager:
 
     Every op records its forward: the functional ops, the modules' calls of them and the doors from torch's SDPA and
     transformers. A backward follows its forward's decision (autograd differentiates what the forward ran), so it
-    records nothing of its own."""
-    return _recorded(lambda call, decision: Record(call.op, call.door, decision.backend, decision.reason))
+    records nothing of its own. ``bench`` prints its cases' records (``describe``)."""
+    seen: List[Record] = []
+    _RECORDERS.append(seen)
+    try:
+        yield seen
+    finally:
+        _RECORDERS.remove(seen)
 
 
 def ran_elsewhere(op: str, door: str, reason: str) -> None:
@@ -455,8 +445,9 @@ def ran_elsewhere(op: str, door: str, reason: str) -> None:
 
 
 def _decided(call: Call, decision: Decision) -> Decision:
-    for seen, make in _RECORDERS:
-        seen.append(make(call, decision))
+    record = Record(call.op, call.door, decision.backend, decision.reason)
+    for seen in _RECORDERS:
+        seen.append(record)
     return decision
 
 
@@ -556,7 +547,7 @@ def sdpa_door(q: torch.Tensor, key_len: int, is_causal: bool, ours: str) -> Deci
     return _decided(call, decision) if _RECORDERS else decision
 
 
-def describe(decisions: Iterable[Tuple[Call, Decision]]) -> str:
-    """The distinct decisions of a ``recording``, one clause each: ``op -> backend (reason)``."""
-    seen = dict.fromkeys(f"{call.op} -> {decision.backend} ({decision.reason})" for call, decision in decisions)
+def describe(records: Iterable[Record]) -> str:
+    """The distinct decisions of an ``explain`` block, one clause each: ``op -> backend (reason)``."""
+    seen = dict.fromkeys(f"{record.op} -> {record.backend} ({record.reason})" for record in records)
     return "; ".join(seen)

@@ -238,7 +238,7 @@ import os; os.makedirs(os.path.dirname(path), exist_ok=True)
 open(path, "w").write(route.HEADER + "\\nlayer_norm  *  cpu  float32  *  *  yes  functional  *  0.5  yes  a test's row\\n")
 x = torch.randn(4, 8, 32, requires_grad=True)
 w, b = torch.randn(32, requires_grad=True), torch.randn(32, requires_grad=True)
-with route.recording() as seen:
+with route.explain() as seen:
     y = torch.compile(lambda x: ft.layer_norm(x, w, b, dropout_p=0.1), fullgraph=True, backend="eager")(x)
     y.sum().backward()
     q = torch.randn(2, 2, 16, 8)

@@ -97,7 +97,7 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str],
                 # The first call warms up and tells whether this implementation takes the case at all. On CPU it
                 # is also the memory measurement (the slowest calls take seconds); on CUDA the first call of a
                 # new shape may autotune, so memory is measured on a second one.
-                with route.recording() as decided:
+                with route.explain() as decided:
                     if setup.device.type == "cuda":
                         reset_grads(built.grads)
                         fn()
