@@ -33,6 +33,7 @@ CAUSAL_ALIGNMENTS = contract.CAUSAL_ALIGNMENTS
 
 
 _autocast_dtype, _autocast_all = contract.autocast_dtype, contract.autocast_all
+_NO_MASKS = AttentionMasks()
 
 
 def _autocast_off(anchor: Tensor, cast: Optional[torch.dtype]) -> contextlib.AbstractContextManager:
@@ -118,13 +119,26 @@ def attention(
     cast = _autocast_dtype(q, matmul=True)
     if cast is not None:
         q, k, v = _autocast_all(cast, q, k, v)
-    masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask)
-    contract.check_attention_args(q, k, v, masks)
-    mods = contract.score_mods(q, q.shape[0], q.shape[1], softcap, alibi_slopes)
-    if sinks is not None:
-        contract.check_sinks(q, q.shape[1], sinks)
-    spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale)
-    name = route.attention(q, k, v, masks, spec, mods, sinks, return_lse).backend
+    key = None
+    if (attn_mask is None and key_padding_mask is None and query_padding_mask is None and softcap is None
+            and alibi_slopes is None and sinks is None and window is None and q.__class__ is Tensor
+            and k.__class__ is Tensor and v.__class__ is Tensor and not torch.compiler.is_compiling()):
+        # Everything the checks, the spec and the route read of a call without masks: a call seen before needs none
+        # of them again (route.recall: its decision, and the spec, kept where it was checked).
+        key = ("attention", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               is_causal, causal_alignment, dropout_p, scale, return_lse, route.needs_grad(q, k, v),
+               torch.are_deterministic_algorithms_enabled(), backend.get_backend())
+        found = route.recall(key)
+        if found is not None:
+            masks, mods, spec, name = _NO_MASKS, contract.NO_SCORE_MODS, found[2], found[1].backend
+    if key is None or found is None:
+        masks = AttentionMasks(attn_mask, key_padding_mask, query_padding_mask)
+        contract.check_attention_args(q, k, v, masks)
+        mods = contract.score_mods(q, q.shape[0], q.shape[1], softcap, alibi_slopes)
+        if sinks is not None:
+            contract.check_sinks(q, q.shape[1], sinks)
+        spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, dropout_p, scale)
+        name = route.attention(q, k, v, masks, spec, mods, sinks, return_lse, remember_as=key).backend
     if cast is None:
         out, lse = autograd.attention(name, q, k, v, masks, spec, mods, sinks, return_lse)
     else:

@@ -489,28 +489,43 @@ def mask_kind(query_len: int, key_len: int, masks: Optional[AttentionMasks], spe
     return "causal" if not spec.bottom_right or query_len == key_len else "other"
 
 
-def remembered(key: tuple, make_call) -> Decision:
+def remembered(key: tuple, make_call, *facts: object) -> Decision:
     """The decision of an eager call whose facts are ``key`` (plain values, cheap to hash), ``make_call()``'s
-    ``choose``d where it is new: the hot ops' path to a decision in a dictionary lookup."""
+    ``choose``d where it is new: the hot ops' path to a decision in a dictionary lookup. ``facts``: what the caller
+    derived from the call before deciding, kept beside the decision (``recall``)."""
     found = _DECISIONS.get(key)
     if found is None:
         call, device = make_call()
         decision = choose(call, device)
         if len(_DECISIONS) > 4096:
             _DECISIONS.clear()
-        _DECISIONS[key] = found = (call, decision)
+        _DECISIONS[key] = found = (call, decision, *facts)
     elif _RECORDERS:
-        _decided(*found)
+        _decided(*found[:2])
     return found[1]
 
 
+def recall(key: tuple) -> Optional[tuple]:
+    """``(call, decision, *facts)`` that ``remembered`` kept under ``key``, the decision recorded for ``explain()``
+    as if made again; None where nothing was kept (or forgotten since, with the facts it rested on)."""
+    found = _DECISIONS.get(key)
+    if found is not None and _RECORDERS:
+        _decided(*found[:2])
+    return found
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: AttentionMasks, spec: AttentionSpec,
-              mods: ScoreMods, sinks: Optional[torch.Tensor], needs_lse: bool) -> Decision:
-    """Who runs a dense attention call of checked arguments ``q [B, H, Lq, D]``, ``k, v [B, Hkv, Lk, D]``."""
+              mods: ScoreMods, sinks: Optional[torch.Tensor], needs_lse: bool,
+              remember_as: Optional[tuple] = None) -> Decision:
+    """Who runs a dense attention call of checked arguments ``q [B, H, Lq, D]``, ``k, v [B, Hkv, Lk, D]``.
+    ``remember_as``: the caller's own key of the call, under which the decision and ``spec`` are kept
+    (``recall``)."""
     if mods is NO_SCORE_MODS and sinks is None and masks.unmasked and not torch.compiler.is_compiling():
-        key = ("attention", q.device, q.dtype, q.shape, k.shape[1], k.shape[2], spec, needs_grad(q, k, v),
-               needs_lse, torch.are_deterministic_algorithms_enabled(), backend.get_backend())
-        return remembered(key, lambda: (_attention_call(q, k, v, masks, spec, mods, sinks, needs_lse), q.device))
+        key = remember_as or ("attention", q.device, q.dtype, q.shape, k.shape[1], k.shape[2], spec,
+                              needs_grad(q, k, v), needs_lse, torch.are_deterministic_algorithms_enabled(),
+                              backend.get_backend())
+        return remembered(key, lambda: (_attention_call(q, k, v, masks, spec, mods, sinks, needs_lse), q.device),
+                          spec)
     return choose(_attention_call(q, k, v, masks, spec, mods, sinks, needs_lse), q.device)
 
 
