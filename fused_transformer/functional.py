@@ -122,7 +122,9 @@ def attention(
     key = None
     if (attn_mask is None and key_padding_mask is None and query_padding_mask is None and softcap is None
             and alibi_slopes is None and sinks is None and window is None and q.__class__ is Tensor
-            and k.__class__ is Tensor and v.__class__ is Tensor and not torch.compiler.is_compiling()):
+            and k.__class__ is Tensor and v.__class__ is Tensor and is_causal.__class__ is bool
+            and causal_alignment.__class__ is str and dropout_p.__class__ is float and return_lse.__class__ is bool
+            and (scale is None or scale.__class__ is float) and not torch.compiler.is_compiling()):
         # Everything the checks, the spec and the route read of a call without masks: a call seen before needs none
         # of them again (route.recall: its decision, and the spec, kept where it was checked).
         key = ("attention", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,

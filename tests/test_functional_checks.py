@@ -107,3 +107,19 @@ def test_kernel_level_options_are_functionals_keyword_arguments(op, options):
     keyword_only = {name: p.default for name, p in inspect.signature(op).parameters.items()
                     if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert keyword_only == options
+
+
+def test_a_call_seen_before_still_checks_what_differs():
+    """A call without masks seen before skips its checks (its facts are kept under everything they read); any
+    argument that differs, bad ones included, is checked again."""
+    q = torch.randn(2, 2, 8, 16)
+    ft.attention(q, q, q)
+    ft.attention(q, q, q)
+    with pytest.raises(ValueError, match="dropout_p"):
+        ft.attention(q, q, q, dropout_p=[0.1])
+    with pytest.raises(TypeError, match="is_causal"):
+        ft.attention(q, q, q, is_causal="yes")
+    with pytest.raises(ValueError, match="k must be"):
+        ft.attention(q, q[..., :8], q)
+    with pytest.raises(TypeError, match="k has dtype torch.float64"):
+        ft.attention(q, q.double(), q)
