@@ -3,12 +3,12 @@ for every op and every door (the functional ops and the modules above them, torc
 interface); the rest of the package asks ``decide`` and never decides itself.
 
 A call is described by ``Call``: the op, the door, the device (``"sm90"`` for a GPU of compute capability 9.0,
-``"cpu"``), dtype, head dim, what its mask is (``"none"``, ``"causal"``, or ``"other"`` for anything torch's path
-does not compute as ours does), dropout, the op's size (``size_of``), whether it needs gradients and the LSE,
-whether the caller asked for deterministic algorithms, the features a backend must have for it (score modifiers,
-sinks) and the backends that compute the op at all (``Call.backends``). ``decide(call, choice, ours)`` is a pure
-function of it, the backend the user chose and the backend whose
-kernels serve the device; in order:
+``"cpu"``), dtype, head dim, what its mask is (``"none"``, ``"causal"``, or ``"other"`` for anything torch's path does
+not compute as ours does), dropout, the op's size (``ATTENTION_SIZE_OF``, a registered op's ``Op.size_of``), whether
+it needs gradients and the LSE, whether the caller asked for deterministic algorithms, the features a backend must
+have for it (score modifiers, sinks) and the backends that compute the op at all (``Call.backends``). ``decide(call,
+choice, ours)`` is a pure function of it, the backend the user chose and the backend whose kernels serve the device;
+in order:
 
 1. A named backend (``use_backend("triton")`` / ``"cpu"`` / ``"reference"``) runs the call, on the reference where
    it lacks a feature the call needs (``SUPPORTS``): a call a backend cannot serve falls back, it does not raise.
@@ -57,15 +57,6 @@ def op_names() -> Tuple[str, ...]:
     return ATTENTION_OPS + ops.names()
 
 
-def size_of(op: str) -> str:
-    """What ``op``'s size counts."""
-    if op in ATTENTION_SIZE_OF:
-        return ATTENTION_SIZE_OF[op]
-    from . import ops
-
-    return ops.get(op).size_of
-
-
 # The features each backend's kernels compute (score modifiers by ScoreMods' field names, "sinks", the kernel-level
 # options); a call needing another runs on the reference.
 SUPPORTS: Dict[str, FrozenSet[str]] = {
@@ -84,7 +75,7 @@ class Call(NamedTuple):
     head_dim: int = 0
     mask: str = "none"  # "none", "causal", "other"; "none" for ops without one
     dropout: bool = False
-    size: Optional[int] = None  # size_of(op); None where unknown (a traced call's dynamic shape)
+    size: Optional[int] = None  # what the op's size counts; None where unknown (a traced call's dynamic shape)
     needs_grad: bool = False
     needs_lse: bool = False
     deterministic: bool = False
@@ -156,7 +147,7 @@ def parse_rows(text: str, origin: str = "the route table") -> List[Row]:
     """The rows of a route table: one row a line under ``HEADER``'s columns, cells split on whitespace, the source the
     rest of the line; ``#`` starts a comment. A size is ``lo..hi`` (``hi`` left out: no limit) or ``*``; a speedup
     ``x`` or ``low-high``; lists are comma-separated; ``*`` matches anything."""
-    rows = []
+    rows, names = [], op_names()
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line or line.split()[0] == COLUMNS[0]:
@@ -168,10 +159,10 @@ def parse_rows(text: str, origin: str = "the route table") -> List[Row]:
         op, passes, device, dtypes, head_dims, masks, dropout, doors, sizes, speedup, det, source = cells
         match = re.fullmatch(r"(\d+)\.\.(\d*)", sizes)
         ratio = re.fullmatch(r"(\d+(?:\.\d+)?)(?:-(\d+(?:\.\d+)?))?", speedup)
-        if (op not in op_names() or passes not in ("forward", "training", "*") or dropout not in ("yes", "no", "*")
+        if (op not in names or passes not in ("forward", "training", "*") or dropout not in ("yes", "no", "*")
                 or not all(door in (*DOORS, "*") for door in doors.split(","))
                 or det not in ("yes", "no", "-") or (sizes != "*" and match is None) or ratio is None):
-            raise ValueError(f"{origin}, line {number}: a cell is out of range (op one of {', '.join(op_names())}; "
+            raise ValueError(f"{origin}, line {number}: a cell is out of range (op one of {', '.join(names)}; "
                              "pass "
                              "forward/training/*; dropout yes/no/*; door functional/sdpa/*; size lo..hi or *; "
                              f"speedup x or low-high; torch_det yes/no/-): {raw!r}")
