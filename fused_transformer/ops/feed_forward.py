@@ -22,12 +22,13 @@ from .. import route
 from ..autograd import backward_seed, draw_seed, saved_seed, traced_apply
 from ..contract import (
     FLOAT_DTYPES, Seed, as_rows, autocast_all, autocast_dtype, check_dropout, check_same, check_tensor, describe,
-    stats_dtype,
+    seed_tensor, stats_dtype,
 )
 from ..reference import ACTIVATIONS as ACTIVATION_FUNCTIONS, dropout
 from . import Example, Launchers, Op, TuneSeries, Work, register
 
 Tensor = torch.Tensor
+_CPU = torch.device("cpu")  # the C++ kernels' device
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 OPTIONS = dict(activation="gelu", dropout_p=0.0)
 
@@ -130,10 +131,6 @@ def _call(x: Tensor, spec: FeedForwardSpec, grad: bool, device: Optional[torch.d
 # (``csrc/bias_activation.cpp``) between ATen's products, one in backward.
 
 
-def _cpu_seed(seed: Optional[Seed]) -> Optional[Tensor]:
-    return torch.tensor([seed], dtype=torch.int64) if isinstance(seed, int) else seed
-
-
 def _bias_in_kernel(x: Tensor, dropout_p: float) -> bool:
     """Whether the C++ pass adds b1 (float32 with dropout). In 16 bits the bias must be added before the
     pre-activation is rounded, as ATen's addmm does: rounding first moves values near 0 across ReLU's kink, whose
@@ -146,7 +143,8 @@ def _cpu_hidden(pre: Tensor, b1: Optional[Tensor], x: Tensor, activation: str, d
     if dropout_p == 0.0:
         return ACTIVATION_FUNCTIONS[activation](pre)
     bias = b1 if _bias_in_kernel(x, dropout_p) else None
-    return torch.ops.fused_transformer_cpu.bias_activation_fwd(pre, bias, activation, dropout_p, _cpu_seed(seed))
+    return torch.ops.fused_transformer_cpu.bias_activation_fwd(pre, bias, activation, dropout_p,
+                                                               seed_tensor(seed, _CPU))
 
 
 def cpu_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
@@ -176,7 +174,7 @@ def cpu_backward(dy: Tensor, x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Te
     dw2 = dy.t().mm(hidden)
     if dropout_p > 0.0:
         dpre = torch.ops.fused_transformer_cpu.bias_activation_bwd(
-            dhidden, pre, b1 if bias_in_kernel else None, activation, dropout_p, _cpu_seed(seed))
+            dhidden, pre, b1 if bias_in_kernel else None, activation, dropout_p, seed_tensor(seed, _CPU))
     elif activation == "relu":
         dpre = torch.ops.aten.threshold_backward(dhidden, pre, 0)
     else:

@@ -27,12 +27,13 @@ from .. import route
 from ..autograd import backward_seed, draw_seed, saved_seed, traced_apply
 from ..contract import (
     FLOAT_DTYPES, Seed, as_rows, autocast_all, autocast_dtype, check_dropout, check_same, check_tensor, describe,
-    stats_dtype,
+    seed_tensor, stats_dtype,
 )
 from ..reference import dropout
 from . import Example, Launchers, Op, TuneSeries, VariantCases, Work, register
 
 Tensor = torch.Tensor
+_CPU = torch.device("cpu")  # the C++ kernels' device
 OPTIONS = dict(residual=None, dropout_p=0.0, prenorm=False)
 
 
@@ -158,17 +159,13 @@ def _call(op: str, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
 # -------------------------------------------------------------------------------------------- the backends
 
 
-def _cpu_seed(seed: Optional[Seed]) -> Optional[Tensor]:
-    return torch.tensor([seed], dtype=torch.int64) if isinstance(seed, int) else seed
-
-
 def cpu_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
                 dropout_p: float, seed: Optional[Seed], rms: bool, store_z: bool,
                 store_stats: bool = True) -> Tuple[Tensor, ...]:
     """The C++ kernel's forward (``csrc/norm.cpp``, on ``[rows, N]``; it always keeps the statistics)."""
     y, z, mean, rstd = torch.ops.fused_transformer_cpu.layer_norm_fwd(
         as_rows(x), weight, bias, as_rows(residual) if residual is not None else None, eps, dropout_p,
-        _cpu_seed(seed), store_z, rms)
+        seed_tensor(seed, _CPU), store_z, rms)
     return y.view(x.shape), z.view(x.shape) if store_z else z, mean, rstd
 
 
@@ -178,7 +175,7 @@ def cpu_backward(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional[T
     """The C++ kernel's backward."""
     dx, dresidual, dweight, dbias = torch.ops.fused_transformer_cpu.layer_norm_bwd(
         as_rows(dy), as_rows(dz) if dz is not None else None, as_rows(z), weight, bias, mean, rstd, dropout_p,
-        _cpu_seed(seed), has_residual, rms)
+        seed_tensor(seed, _CPU), has_residual, rms)
     return dx.view(z.shape), dresidual.view(z.shape) if has_residual else None, dweight, dbias
 
 
