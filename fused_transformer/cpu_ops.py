@@ -1,5 +1,5 @@
 """The CPU backend: the C++ kernels of ``csrc/`` (``torch.ops.fused_transformer_cpu``) under the interface of
-``fused_transformer.contract`` (raw forward and backward functions; ``fused_transformer.autograd`` holds the
+``fused_transformer.contract`` (raw forward and backward functions; ``fused_transformer.ops.attention.function`` holds the
 Functions above them).
 
 This is the CPU analogue of ``fused_transformer.kernels.backend``: each function converts its masks and arguments

@@ -407,17 +407,6 @@ def append_to_cache(cache: KVCache, k_new: Tensor, v_new: Tensor) -> KVCache:
                    None if uniform is None else uniform + new_len)
 
 
-# ------------------------------------------------------------------------------------------- torch's paths
-# What ``fused_transformer.route`` runs instead of our kernels where torch's own ops are faster: torch.nn's
-# computation, differentiated by autograd (route.torch_refuses names the calls they do not serve).
-
-
-def attention_sdpa(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
-    """``F.scaled_dot_product_attention`` of a call without masks but ``is_causal`` (top-left, or ``Lq = Lk``), without
-    dropout, score modifiers or sinks, the query's heads on the keys'."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=spec.is_causal, scale=spec.scale)
-
-
 def __getattr__(name: str) -> Callable[..., object]:
     """The reference of every other op, written in its own module (``fused_transformer.ops``): ``reference.<op>``."""
     if name.startswith("__"):

@@ -4,7 +4,7 @@ interface); the rest of the package asks ``decide`` and never decides itself.
 
 A call is described by ``Call``: the op, the door, the device (``"sm90"`` for a GPU of compute capability 9.0,
 ``"cpu"``), dtype, head dim, what its mask is (``"none"``, ``"causal"``, or ``"other"`` for anything torch's path does
-not compute as ours does), dropout, the op's size (``ATTENTION_SIZE_OF``, a registered op's ``Op.size_of``), whether
+not compute as ours does), dropout, the op's size (its ``Op.size_of``), whether
 it needs gradients and the LSE, whether the caller asked for deterministic algorithms, the features a backend must
 have for it (score modifiers, sinks) and the backends that compute the op at all (``Call.backends``). ``decide(call,
 choice, ours)`` is a pure function of it, the backend the user chose and the backend whose kernels serve the device;
@@ -24,7 +24,7 @@ in order:
 Each op's facts (how its ``Call`` is made, its measured rows) live in its own module (``fused_transformer.ops``);
 ``explain()`` shows a user who ran each call of their own model, and why.
 
-The route table is text, one row a line (``parse_rows``): the rows measured on GPUs (``MEASURED``), after the rows
+The route table is text, one row a line (``parse_rows``): the rows measured on GPUs (each op's ``Op.measured``), after the rows
 ``python -m fused_transformer tune`` measured on this machine (``tuned_rows``, kept in the user's cache keyed by
 device, driver and versions), which come first. A traced attention call (torch.compile, torch.export) runs ours:
 one custom op, the same graph on every GPU. The forward's decision is the backward's (autograd differentiates the
@@ -41,20 +41,16 @@ import torch
 
 from . import backend
 from ._env import computed_once, constant_for_compile, on_facts_forgotten
-from .contract import NO_SCORE_MODS, AttentionMasks, AttentionSpec, ScoreMods
+from .contract import ScoreMods
 
-ATTENTION_OPS = ("attention", "attention_varlen", "attention_with_kvcache")
 DOORS = ("functional", "sdpa")  # the transformers interface calls the functional ops: its door is theirs
-# What each attention op's ``size`` counts (the route table's size ranges); the other ops' is their ``Op.size_of``.
-ATTENTION_SIZE_OF = {"attention": "keys per sequence", "attention_varlen": "longest sequence's keys",
-                     "attention_with_kvcache": "keys in the cache"}
 
 
 def op_names() -> Tuple[str, ...]:
-    """Every op a route row may name: the attention ops, then the registry's (``fused_transformer.ops``)."""
+    """Every op a route row may name: the registry's (``fused_transformer.ops``)."""
     from . import ops
 
-    return ATTENTION_OPS + ops.names()
+    return ops.names()
 
 
 # The features each backend's kernels compute (score modifiers by ScoreMods' field names, "sinks", the kernel-level
@@ -174,47 +170,20 @@ def parse_rows(text: str, origin: str = "the route table") -> List[Row]:
     return rows
 
 
-# The rows measured on GPUs, newest first. bench --device cuda (docs/benchmarks.md "On a GPU" holds the runs).
-MEASURED = HEADER + """
-# H200, torch 2.11 + cuDNN 9.19, triton 3.6, bfloat16; bench --device cuda:0 --quick (16k tokens a batch, L 1024
-# and 4096): SDPA picks cuDNN. cuDNN's backward is taken as not deterministic until gpu-check measures it.
-attention     forward   sm90    bfloat16         64,128    none,causal  no       *           *               0.55-0.79  -          H200 bench --quick bdb1535 2026-11-28
-attention     training  sm90    bfloat16         64,128    none,causal  no       *           *               0.54-0.71  no         H200 bench --quick bdb1535 2026-11-28
-# CPU, at torch's SDPA door (its dispatcher in front of our kernel), against torch's CPU flash kernel, 2 threads,
-# B 2, H 8, D 64, register-tiled kernels (docs/integrations.md). The door decides a forward and its
-# backward alike from the shapes; where the two disagree the row keeps the forward's figure and the table in
-# docs/integrations.md gives both (float32 below 128 keys: training 0.47-1.09; bfloat16 causal 128-256: 1.29-1.82).
-# float16 was not measured: its rows are bfloat16's (both convert to float32 at the op boundary).
-attention     *         cpu     float32          *         none,causal  *        sdpa        0..128          0.34-0.91  -          CPU sdpa door fefb871 2026-12-06
-attention     *         cpu     float32          *         none,causal  *        sdpa        128..           1.14-1.75  -          CPU sdpa door fefb871 2026-12-06
-attention     *         cpu     bfloat16,float16 *         none,causal  *        sdpa        0..128          0.65-0.81  -          CPU sdpa door fefb871 2026-12-06
-attention     *         cpu     bfloat16,float16 *         none         *        sdpa        128..724        1.09-1.87  -          CPU sdpa door fefb871 2026-12-06
-attention     *         cpu     bfloat16,float16 *         none         *        sdpa        724..1448       0.93-0.96  -          CPU sdpa door fefb871 2026-12-06
-attention     *         cpu     bfloat16,float16 *         none         *        sdpa        1448..          1.05-1.23  -          CPU sdpa door fefb871 2026-12-06
-attention     *         cpu     bfloat16,float16 *         causal       *        sdpa        128..362        0.72-0.91  -          CPU sdpa door fefb871 2026-12-06
-attention     *         cpu     bfloat16,float16 *         causal       *        sdpa        362..           1.11-1.50  -          CPU sdpa door fefb871 2026-12-06
-"""
-
-
 def torch_refuses(call: Call) -> Optional[str]:
     """None where torch's path computes what ours computes for ``call``, else why it does not."""
     if call.door == "sdpa":
         return None  # the kernel the op had before ours: it computes the call as torch always did
-    if call.op in ("attention_varlen", "attention_with_kvcache"):
-        return "packed sequences or a KV cache (no torch op for them on every device)"
     if call.torch_cannot:
         return call.torch_cannot
     if call.needs:
         return "its " + ", ".join(sorted(call.needs))
-    if call.op == "attention":
-        if call.mask == "other":
-            return "its masks (SDPA's differ on rows with no key left, and cost a dense mask)"
-        if call.needs_lse:
-            return "the LSE (SDPA returns none)"
-        if call.dropout and call.door != "sdpa":
-            return "dropout (SDPA's random mask is not our seed's)"
-        if call.gqa:
-            return "grouped-query heads"
+    if call.mask == "other":
+        return "its masks (SDPA's differ on rows with no key left, and cost a dense mask)"
+    if call.needs_lse:
+        return "the LSE (SDPA returns none)"
+    if call.gqa:
+        return "grouped-query heads"
     return None
 
 
@@ -248,8 +217,6 @@ def decide(call: Call, choice: str, ours: Optional[str], rows: Optional[Iterable
         return Decision("reference", f"{why} runs on the reference")
     missing = _missing(call, ours)
     refused = torch_refuses(call)
-    if refused is None and call.op.startswith("attention") and call.door == "functional" and call.size is None:
-        refused = "a traced call (ours there: one custom op, the same graph on every device)"
     if refused is not None:
         if missing:
             return Decision("reference", f"{ours} does not compute {missing}")
@@ -338,7 +305,7 @@ def tuned_rows(device: torch.device) -> List[Row]:
 def _measured() -> Tuple[Row, ...]:
     from . import ops
 
-    rows = parse_rows(MEASURED, "route.MEASURED")
+    rows = []
     for op in ops.registered():
         rows += parse_rows(op.measured, f"{op.name}'s measured rows")
     return tuple(rows)
@@ -346,7 +313,7 @@ def _measured() -> Tuple[Row, ...]:
 
 def table(device: Optional[torch.device] = None) -> Tuple[Row, ...]:
     """The route table for calls on ``device`` (default: the CPU and every GPU's built-in rows): the rows ``tune``
-    measured there, then ``MEASURED``."""
+    measured there, then the ops' measured rows."""
     if device is None:
         device = torch.device("cpu")
     return _with_tuned(device.type, device.index)
@@ -464,22 +431,6 @@ def size(n: int) -> Optional[int]:
     return None if torch.compiler.is_compiling() else int(n)
 
 
-def _needs(mods: ScoreMods, sinks: Optional[torch.Tensor]) -> FrozenSet[str]:
-    if mods is NO_SCORE_MODS and sinks is None:
-        return frozenset()
-    given = frozenset(mods.given)
-    return given | {"sinks"} if sinks is not None else given
-
-
-def mask_kind(query_len: int, key_len: int, masks: Optional[AttentionMasks], spec: AttentionSpec) -> str:
-    """``"none"`` or ``"causal"`` where SDPA computes our masking from ``is_causal`` alone, else ``"other"``."""
-    if (masks is not None and not masks.unmasked) or spec.window is not None:
-        return "other"
-    if not spec.is_causal:
-        return "none"
-    return "causal" if not spec.bottom_right or query_len == key_len else "other"
-
-
 def remembered(key: tuple, make_call, *facts: object) -> Decision:
     """The decision of an eager call whose facts are ``key`` (plain values, cheap to hash), ``make_call()``'s
     ``choose``d where it is new: the hot ops' path to a decision in a dictionary lookup. ``facts``: what the caller
@@ -505,50 +456,12 @@ def recall(key: tuple) -> Optional[tuple]:
     return found
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: AttentionMasks, spec: AttentionSpec,
-              mods: ScoreMods, sinks: Optional[torch.Tensor], needs_lse: bool,
-              remember_as: Optional[tuple] = None) -> Decision:
-    """Who runs a dense attention call of checked arguments ``q [B, H, Lq, D]``, ``k, v [B, Hkv, Lk, D]``.
-    ``remember_as``: the caller's own key of the call, under which the decision and ``spec`` are kept
-    (``recall``)."""
-    if mods is NO_SCORE_MODS and sinks is None and masks.unmasked and not torch.compiler.is_compiling():
-        key = remember_as or ("attention", q.device, q.dtype, q.shape, k.shape[1], k.shape[2], spec,
-                              needs_grad(q, k, v), needs_lse, torch.are_deterministic_algorithms_enabled(),
-                              backend.get_backend())
-        return remembered(key, lambda: (_attention_call(q, k, v, masks, spec, mods, sinks, needs_lse), q.device),
-                          spec)
-    return choose(_attention_call(q, k, v, masks, spec, mods, sinks, needs_lse), q.device)
-
-
-def _attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: AttentionMasks, spec: AttentionSpec,
-                    mods: ScoreMods, sinks: Optional[torch.Tensor], needs_lse: bool) -> Call:
-    empty = min(q.shape[2], k.shape[2], q.shape[3]) == 0
-    call = Call("attention", device_tag(q.device), q.dtype, head_dim=q.shape[3],
-                mask=mask_kind(q.shape[2], k.shape[2], masks, spec), dropout=spec.dropout_p > 0.0,
-                size=size(k.shape[2]), needs_grad=needs_grad(q, k, v, sinks), needs_lse=needs_lse,
-                deterministic=torch.are_deterministic_algorithms_enabled(), needs=_needs(mods, sinks),
-                gqa=q.shape[1] != k.shape[1], torch_cannot="empty dims" if empty else "")
-    return call
-
-
-def attention_packed(op: str, q: torch.Tensor, max_keys: int, mods: ScoreMods, sinks: Optional[torch.Tensor],
-                     needs_grad_: bool = False) -> Decision:
-    """Who runs ``attention_varlen`` or ``attention_with_kvcache`` (``op``) on queries ``q`` (head dim last)."""
-    call = Call(op, device_tag(q.device), q.dtype, head_dim=q.shape[-1], size=size(max_keys),
-                needs_grad=needs_grad_, needs=_needs(mods, sinks))
-    return choose(call, q.device)
-
-
-def sdpa_door(q: torch.Tensor, key_len: int, is_causal: bool, ours: str) -> Decision:
-    """Who runs a call of torch's SDPA / FlashAttention ops once our implementation is activated: ``ours`` (the
-    backend behind the door on this device) or ``"torch"``, the kernel the op had before. The forward and its
-    backward decide alike, from the shapes alone (the door cannot see whether autograd will differentiate)."""
-    call = Call("attention", device_tag(q.device), q.dtype, door="sdpa", head_dim=q.shape[-1],
-                mask="causal" if is_causal else "none", size=size(key_len),
-                deterministic=torch.are_deterministic_algorithms_enabled())
-    choice = backend.get_backend()  # a backend named at this door is ours, the one behind it
-    decision = decide_for(call, q.device, choice if choice in ("auto", "reference") else ours, ours)
-    if not decision.ours:  # whatever else the route says, the door runs the kernel the op had before: torch's
+def at_door(call: Call, device: torch.device, ours: str) -> Decision:
+    """Who runs ``call``, made at a door in front of a kernel torch already had (``call.door``): ``ours`` (the backend
+    behind the door on this device) or ``"torch"``, that kernel, whatever else the route says."""
+    choice = backend.get_backend()  # a backend named at a door is ours, the one behind it
+    decision = decide_for(call, device, choice if choice in ("auto", "reference") else ours, ours)
+    if not decision.ours:
         decision = Decision("torch", decision.reason)
     return _decided(call, decision) if _RECORDERS else decision
 

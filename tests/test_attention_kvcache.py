@@ -8,6 +8,7 @@ import torch
 import fused_transformer as ft
 from fused_transformer import reference
 from tests.numerics import DEVICE, assert_close_to_reference
+from fused_transformer.ops.attention import contract as attention_contract
 
 CPU_UNAVAILABLE = ft.backend.cpu_unavailable_reason()  # on a GPU machine installed without the C++ build
 BACKENDS = (["reference"] + (["cpu"] if CPU_UNAVAILABLE is None else [])
@@ -153,7 +154,7 @@ def test_low_precision_within_twice_torchs_error(dtype):
     out = ft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
     expected = from_scratch(q, k_cache, v_cache, table, lengths)
     cache = ft.contract.KVCache(k_cache, v_cache, lengths, table)
-    spec = ft.contract.kvcache_spec(dim, True, None, None, None)
+    spec = attention_contract.kvcache_spec(dim, True, None, None, None)
     baseline, _ = reference.attention_with_kvcache(q, cache, ft.contract.NO_SCORE_MODS, None, spec)  # PyTorch's dtype
     assert_close_to_reference(out, expected, baseline)
 

@@ -13,6 +13,7 @@ import fused_transformer as ft
 from fused_transformer import backend, contract, reference
 from numerics import assert_close_to_reference
 from test_attention_kvcache import from_scratch, make_cache, poison_unused
+from fused_transformer.ops.attention import contract as attention_contract
 
 UNAVAILABLE = backend.cpu_unavailable_reason()
 if UNAVAILABLE is not None and os.environ.get("FUSED_TRANSFORMER_REQUIRE_CPU") != "1":
@@ -50,7 +51,7 @@ def test_key_splits_match_attention_from_scratch(kv_heads, mods, block_size):
     expected = from_scratch(q, k_cache, v_cache, table, lengths, **options)
     assert (out.double() - expected).abs().max().item() < 2e-6
     cache = contract.KVCache(k_cache, v_cache, lengths, table)
-    spec = contract.kvcache_spec(dim, True, options.get("window"), None, None)
+    spec = attention_contract.kvcache_spec(dim, True, options.get("window"), None, None)
     mods = contract.ScoreMods(options.get("softcap"), options.get("alibi_slopes"))
     _, ref_lse = reference.attention_with_kvcache(q.double(), cache._replace(k=k_cache.double(), v=v_cache.double()),
                                                   mods, options.get("sinks"), spec)
@@ -109,7 +110,7 @@ def test_16_bit_cache_within_twice_torchs_error(dtype, block_size):
         out = ft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, **options)
     expected = from_scratch(q, k_cache, v_cache, table, lengths, **options)
     cache = contract.KVCache(k_cache, v_cache, lengths, table)
-    spec = contract.kvcache_spec(dim, True, None, None, None)
+    spec = attention_contract.kvcache_spec(dim, True, None, None, None)
     mods = contract.ScoreMods(softcap=options["softcap"])
     baseline, _ = reference.attention_with_kvcache(q, cache, mods, options["sinks"], spec)  # PyTorch in that dtype
     assert out.dtype == dtype

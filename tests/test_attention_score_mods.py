@@ -16,6 +16,8 @@ from fused_transformer.kernels import attention as triton_attention
 from tests.numerics import DEVICE, assert_close_to_reference
 from tests.test_attention_triton import _take_tma_path, tma_available
 from tests.test_attention_varlen_triton import LENS_Q, LENS_K, _cu_seqlens
+from fused_transformer.ops.attention import contract as attention_contract
+from fused_transformer.ops.attention import function as attention_function
 
 pytestmark = pytest.mark.usefixtures("interpreter_rounds_to_nearest", "nan_filled_outputs")
 
@@ -177,7 +179,7 @@ def test_reference_matches_the_formula():
 
 @pytest.mark.parametrize("head_dim_last", [False, True], ids=["dense", "packed"])
 def test_sinks_gradient_is_the_autograd_one(head_dim_last):
-    """``autograd.sinks_gradient``, which every backend's backward uses, against autograd through the reference."""
+    """``function.sinks_gradient``, which every backend's backward uses, against autograd through the reference."""
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 3, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
     sinks = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
@@ -190,7 +192,7 @@ def test_sinks_gradient_is_the_autograd_one(head_dim_last):
     if head_dim_last:  # the packed layouts: out / do [T, H, D], lse [H, T]
         out, do = (t.transpose(1, 2).flatten(0, 1) for t in (out, do))
         lse, dlse = (t.transpose(0, 1).flatten(1, 2) for t in (lse, dlse))
-    got = autograd.sinks_gradient(sinks.detach(), lse, do, out, dlse, head_dim_last)
+    got = attention_function.sinks_gradient(sinks.detach(), lse, do, out, dlse, head_dim_last)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
@@ -216,7 +218,7 @@ def test_the_custom_ops_flat_form_of_the_modifiers_gives_them_back():
         assert again.given == mods.given and again.softcap == mods.softcap and again.alibi_slopes is mods.alibi_slopes
     assert contract.score_mods_of_flat(*contract.score_mods_flat(contract.ScoreMods())) is contract.NO_SCORE_MODS
     q = torch.randn(2, 3, 4, 8)
-    assert contract.score_mods(q, 2, 3) is contract.NO_SCORE_MODS  # what the hot path tests by identity
+    assert attention_contract.score_mods(q, 2, 3) is contract.NO_SCORE_MODS  # what the hot path tests by identity
 
 
 @pytest.mark.parametrize("kwargs,error,match", [

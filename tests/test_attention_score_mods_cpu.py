@@ -214,7 +214,7 @@ def test_without_score_mods_the_results_are_bitwise_unchanged():
 
 def test_gradcheck_float64():
     """The autograd Functions' gradients over the C++ kernels, the sinks' included, against finite differences."""
-    from fused_transformer.autograd import AttentionFunction, AttentionVarlenFunction
+    from fused_transformer.ops.attention.function import AttentionFunction, AttentionVarlenFunction
 
     g = torch.Generator().manual_seed(11)
     q, k, v = randn(1, 2, 5, 8, generator=g), randn(1, 1, 6, 8, generator=g), randn(1, 1, 6, 8, generator=g)

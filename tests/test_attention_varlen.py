@@ -15,6 +15,7 @@ import fused_transformer as ft
 from fused_transformer import backend, contract, reference
 
 from numerics import assert_close_to_reference
+from fused_transformer.ops.attention import contract as attention_contract
 
 BACKENDS = [name for name in ("cpu",) if backend.cpu_unavailable_reason() is None]
 
@@ -241,8 +242,8 @@ def test_self_attention_reads_its_one_offsets_tensor_once(monkeypatch):
     """One ``cu_seqlens`` tensor for queries and keys (self-attention) is checked once: on a GPU each read waits for
     the GPU. Two tensors, or other totals, are each checked."""
     reads = []
-    check = contract.check_cu_seqlens_values
-    monkeypatch.setattr(contract, "check_cu_seqlens_values", lambda name, *args: reads.append(name) or check(
+    check = attention_contract.check_cu_seqlens_values
+    monkeypatch.setattr(attention_contract, "check_cu_seqlens_values", lambda name, *args: reads.append(name) or check(
         name, *args))
     q, k, v = packed([3, 5], [3, 5])
     cu_q = cu_seqlens([3, 5])

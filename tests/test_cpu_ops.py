@@ -11,10 +11,11 @@ import torch
 
 import fused_transformer as ft
 from fused_transformer import backend, contract, reference
-from fused_transformer.autograd import AttentionFunction, AttentionVarlenFunction
+from fused_transformer.ops.attention.function import AttentionFunction, AttentionVarlenFunction
 from fused_transformer.ops.feed_forward import FeedForwardFunction, FeedForwardSpec
 from fused_transformer.ops.layer_norm import LayerNormSpec, NormFunction
 from numerics import assert_close_to_reference
+from fused_transformer.ops.attention import contract as attention_contract
 
 UNAVAILABLE = backend.cpu_unavailable_reason()
 REQUIRED = os.environ.get("FUSED_TRANSFORMER_REQUIRE_CPU") == "1"
@@ -437,7 +438,7 @@ def test_ops_trace_under_torch_compile_and_show_in_the_profiler():
 def test_non_cpu_tensors_are_rejected_clearly():
     q = torch.empty(1, 1, 2, 4, device="meta")
     with pytest.raises(ValueError, match="q is on meta"):
-        cpu_ops().attention_fwd(q, q, q, contract.AttentionMasks(), contract.attention_spec(4, False, "top_left",
+        cpu_ops().attention_fwd(q, q, q, contract.AttentionMasks(), attention_contract.attention_spec(4, False, "top_left",
                                                                                             None, 0.0, None),
                                 contract.NO_SCORE_MODS, None, None, False)
 

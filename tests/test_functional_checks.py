@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fused_transformer as ft
+from fused_transformer.ops.attention import contract as attention_contract
 
 
 def qkv(b=2, h=4, lq=5, lk=6, d=8, kv_heads=None, dtype=torch.float32):
@@ -95,9 +96,9 @@ def test_feed_forward_rejects_bad_input():
 
 
 @pytest.mark.parametrize("op, options", [
-    (ft.functional.attention, ft.contract.ATTENTION_OPTIONS),
-    (ft.functional.attention_varlen, ft.contract.ATTENTION_VARLEN_OPTIONS),
-    (ft.functional.attention_weights, ft.contract.ATTENTION_WEIGHTS_OPTIONS),
+    (ft.functional.attention, attention_contract.ATTENTION_OPTIONS),
+    (ft.functional.attention_varlen, attention_contract.ATTENTION_VARLEN_OPTIONS),
+    (ft.functional.attention_weights, attention_contract.ATTENTION_WEIGHTS_OPTIONS),
     (ft.functional.layer_norm, ft.ops.layer_norm.OPTIONS),
     (ft.functional.feed_forward, ft.ops.feed_forward.OPTIONS),
 ], ids=lambda x: getattr(x, "__name__", ""))

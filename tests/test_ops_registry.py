@@ -178,7 +178,9 @@ LEFT_OUT = (":!tests", ":!docs", ":!benchmarks", ":!fused_transformer/modules", 
 
 @pytest.mark.skipif(shutil.which("git") is None or not os.path.isdir(os.path.join(
     os.path.dirname(os.path.dirname(ft.__file__)), ".git")), reason="not a git checkout")
-@pytest.mark.parametrize("name", REGISTERED)
+# Attention's name is the kernels' package and every backend's interface (``contract``): the issue that made one
+# module per op counted the norms and the feed-forward, whose names were in 22 to 25 files.
+@pytest.mark.parametrize("name", [name for name in REGISTERED if not name.startswith("attention")])
 def test_an_ops_name_appears_in_at_most_six_code_files(name):
     root = os.path.dirname(os.path.dirname(ft.__file__))
     found = subprocess.run(["git", "grep", "-l", "--untracked", name, "--", "*.py", "*.cpp", "*.h", *LEFT_OUT],

@@ -11,9 +11,12 @@ import fused_transformer as ft
 from fused_transformer import autograd, backend, contract, ops, reference, route
 from fused_transformer.ops import feed_forward as feed_forward_op
 from fused_transformer.route import Call, decide
+from fused_transformer.ops.attention import contract as attention_contract
+from fused_transformer.ops.attention import facts as attention_facts
+from fused_transformer.ops.attention import function as attention_function
 
 ROWS = route.table()
-MEASURED = route.parse_rows(route.MEASURED)
+MEASURED = route.parse_rows(attention_facts.MEASURED)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "*": torch.float32}
 
 
@@ -71,13 +74,33 @@ def test_a_named_backend_runs_ours_and_falls_back_for_what_it_lacks():
 
 @pytest.mark.parametrize("change, why", [
     (dict(mask="other"), "masks"), (dict(needs_lse=True), "LSE"), (dict(gqa=True), "grouped-query"),
-    (dict(dropout=True), "dropout"), (dict(needs=frozenset({"softcap"})), "softcap"),
-    (dict(op="attention_varlen"), "packed sequences"), (dict(torch_cannot="empty dims"), "empty dims"),
+    (dict(needs=frozenset({"softcap"})), "softcap"), (dict(torch_cannot="empty dims"), "empty dims"),
 ])
 def test_calls_torchs_path_does_not_compute_run_ours(change, why):
     call = Call("attention", "sm90", torch.bfloat16, head_dim=64, size=4096)._replace(**change)
     got = decide(call, "auto", "triton", ROWS)
     assert got.backend == "triton" and why in got.reason
+
+
+def test_attentions_facts_say_what_sdpa_does_not_serve():
+    """Dropout (SDPA's random mask is not our seed's), empty dims, packed sequences and KV caches: the op's own facts
+    (``Call.torch_cannot``), which the route reads without naming the op."""
+    q = torch.empty(2, 4, 256, 64, device="meta", dtype=torch.bfloat16)
+    cpu = torch.device("cpu")
+    for spec, why in ((attention_contract.attention_spec(64, False, "top_left", None, 0.1, None), "dropout"),
+                      (attention_contract.attention_spec(64, False, "top_left", None, 0.0, None), "")):
+        call = attention_facts.call(q, q, q, contract.AttentionMasks(), spec, contract.NO_SCORE_MODS, None, False,
+                                    needs_grad=False, device=cpu)
+        assert why in call.torch_cannot and (why or call.torch_cannot == "")
+    empty = attention_facts.call(q[:, :, :0], q, q, None, spec, contract.NO_SCORE_MODS, None, False, device=cpu)
+    assert empty.torch_cannot == "empty dims"
+    packed = torch.randn(16, 4, 64)
+    with backend.use_backend("reference"):
+        assert attention_facts.decide_packed("attention_varlen", packed, 16, contract.NO_SCORE_MODS,
+                                             None).backend == "reference"
+    got = decide(Call("attention_varlen", "cpu", torch.float32, torch_cannot=attention_facts._PACKED), "auto", "cpu",
+                 ROWS)
+    assert got.backend == "cpu" and "packed sequences" in got.reason
 
 
 def test_layer_norm_rows_split_by_size_and_cpu_keeps_16_bits_on_ours():
@@ -127,7 +150,7 @@ def test_tuned_rows_come_first_and_change_the_route(tuned_cache, monkeypatch):
     def sdpa(q, k, v, spec):
         ran.append("torch")
         return F.scaled_dot_product_attention(q, k, v, is_causal=spec.is_causal, scale=spec.scale)
-    monkeypatch.setattr(reference, "attention_sdpa", sdpa)
+    monkeypatch.setattr(attention_function, "sdpa", sdpa)
     q = torch.randn(1, 2, 64, 16)
     expected = F.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert route.table(cpu) == route._measured()
@@ -157,7 +180,7 @@ def test_a_gpu_row_sends_the_functional_call_to_sdpa(monkeypatch):
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(*leaves, is_causal=True)
     assert torch.equal(out, expected)
-    assert route.attention(q, k, v, contract.AttentionMasks(), contract.attention_spec(64, True, "top_left", None,
+    assert attention_facts.decide(q, k, v, contract.AttentionMasks(), attention_contract.attention_spec(64, True, "top_left", None,
                            0.0, None), contract.NO_SCORE_MODS, None, False).backend == "torch"
     dout = torch.randn_like(out)
     for mine, theirs in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(expected, leaves, dout)):
@@ -165,12 +188,18 @@ def test_a_gpu_row_sends_the_functional_call_to_sdpa(monkeypatch):
     padding = torch.zeros(2, 33, dtype=torch.bool)
     padding[:, -5:] = True
     masks = contract.AttentionMasks(None, padding)
-    spec = contract.attention_spec(64, False, "top_left", None, 0.0, None)
-    assert route.attention(q, k, v, masks, spec, contract.NO_SCORE_MODS, None, False).backend == "cpu"
+    spec = attention_contract.attention_spec(64, False, "top_left", None, 0.0, None)
+    assert attention_facts.decide(q, k, v, masks, spec, contract.NO_SCORE_MODS, None, False).backend == "cpu"
 
 
-def test_traced_attention_runs_ours():
-    call = Call("attention", "sm90", torch.bfloat16, head_dim=64, size=None)
+def test_traced_attention_runs_ours(monkeypatch):
+    q = torch.empty(2, 4, 256, 64, device="meta", dtype=torch.bfloat16)
+    spec = attention_contract.attention_spec(64, False, "top_left", None, 0.0, None)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    call = attention_facts.call(q, q, q, None, spec, contract.NO_SCORE_MODS, None, False, needs_grad=True,
+                                device=torch.device("cpu"))._replace(device="sm90")
+    monkeypatch.undo()
+    assert call.size is None and "traced" in call.torch_cannot
     assert decide(call, "auto", "triton", ROWS).backend == "triton"
     layer_norm = Call("layer_norm", "sm90", torch.bfloat16, size=None, torch_default="no dropout: nothing to fuse")
     assert decide(layer_norm, "auto", "triton", ROWS).backend == "torch"

@@ -14,11 +14,13 @@ from triton.compiler.compiler import make_backend
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import fused_transformer as ft
-from fused_transformer import autograd, backend, functional
+from fused_transformer import backend, functional
+from fused_transformer.ops.attention import function as attention_function
 from fused_transformer.kernels import _common
 from fused_transformer.kernels.attention import configs, launch
 from fused_transformer.kernels.attention.fwd import attention_fwd_kernel
 from tests.numerics import DEVICE
+from fused_transformer.ops.attention import contract as attention_contract
 
 CALLS = {
     "attention_fwd": lambda q, x, w: ft.attention(q, q, q, is_causal=True),
@@ -65,7 +67,7 @@ def test_one_function_per_op_records_autograd_only_when_a_gradient_is_needed(nam
         y = functional.layer_norm(x, w, w, dropout_p=0.1)  # with dropout: no backend has a composed form
     assert type(out.grad_fn).__name__ == "AttentionFunctionBackward"
     assert type(y.grad_fn).__name__ == "NormFunctionBackward"  # contiguous rows: no view before or after
-    assert autograd.AttentionFunction.__module__ == "fused_transformer.autograd"
+    assert attention_function.AttentionFunction.__module__ == "fused_transformer.ops.attention.function"
 
 
 def _node_names(node, depth: int = 2) -> set:
@@ -276,7 +278,8 @@ def test_the_lse_is_an_output_of_the_function_only_when_asked_for():
 def test_a_plain_dense_call_reuses_its_launch_form(monkeypatch):
     """The layout, kernel-form masks and shared arguments of a dense call without masks are made once per shapes,
     strides and spec; the seed of each call takes its place among the cached arguments."""
-    from fused_transformer.contract import NO_SCORE_MODS, AttentionMasks, attention_spec
+    from fused_transformer.contract import NO_SCORE_MODS, AttentionMasks
+    from fused_transformer.ops.attention.contract import attention_spec
     from fused_transformer.kernels.attention import call
 
     monkeypatch.setattr(call, "_CACHED_LAUNCH_ARGS", {})
@@ -322,6 +325,7 @@ from fused_transformer import contract
 from fused_transformer.kernels import _common, feed_forward, layer_norm
 from fused_transformer.kernels.attention import decode, launch, ops
 from fused_transformer.kernels.targets import BY_CAPABILITY
+from fused_transformer.ops.attention import contract as attention_contract
 
 through_run, direct = collections.Counter(), collections.Counter()
 
@@ -348,13 +352,13 @@ seed = torch.tensor([7, 0], dtype=torch.int64)
 q = randn(2, 4, 24, 64)
 padded = contract.AttentionMasks(key_padding_mask=torch.arange(24).expand(2, 24) >= torch.tensor([[20], [9]]))
 no_mods, capped = contract.NO_SCORE_MODS, contract.ScoreMods(softcap=5.0)
-dense = [(contract.AttentionMasks(), contract.attention_spec(64, True, "top_left", None, 0.0, None), no_mods, None),
-         (padded, contract.attention_spec(64, False, "top_left", (8, 0), 0.1, None), capped, seed)]
+dense = [(contract.AttentionMasks(), attention_contract.attention_spec(64, True, "top_left", None, 0.0, None), no_mods, None),
+         (padded, attention_contract.attention_spec(64, False, "top_left", (8, 0), 0.1, None), capped, seed)]
 packed_q = randn(30, 4, 64)
 offsets = torch.tensor([0, 10, 30], dtype=torch.int32)
 seqs = contract.PackedSequences(offsets, offsets, 20, 20)
 k_cache, v_cache = randn(2, 512, 2, 64), randn(2, 512, 2, 64)
-kv_spec = contract.kvcache_spec(64, True, None, None, None)
+kv_spec = attention_contract.kvcache_spec(64, True, None, None, None)
 x, w = randn(16, 96), randn(96)
 w1, b1, w2, b2 = randn(384, 96), randn(384), randn(96, 384), randn(96)
 

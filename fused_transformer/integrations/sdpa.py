@@ -21,8 +21,8 @@ the result or the error it would have had. Dropout through the flash ops keeps o
 output: the backward regenerates the same mask.
 
 Activation is process-wide, so by default it must not make any model slower: ``fused_transformer.route`` decides
-per call, from the shapes alone (the forward and its backward decide alike; ``route.sdpa_door``), whether our
-kernel or the one registered before runs it, from the route table's rows for this door (``route.MEASURED``: on the
+per call, from the shapes alone (the forward and its backward decide alike; ``ops.attention.facts.sdpa_door``), whether our
+kernel or the one registered before runs it, from the route table's rows for this door (``ops.attention.facts.MEASURED``: on the
 CPU ours for ``is_causal`` calls with ``128 <= Lk <= 1024``, measured interleaved against torch's CPU flash kernel,
 docs/integrations.md) and for every door (a GPU's measured rows). The varlen ops, which torch lacks on CPU, always
 run ours. ``use_backend("cpu")`` / ``use_backend("triton")`` runs every call our kernels serve on them (testing, or
@@ -36,7 +36,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import backend, contract, route
+from .. import backend, contract
+from ..ops.attention import facts as attention_facts
 
 Tensor = torch.Tensor
 
@@ -169,7 +170,7 @@ class _DeviceOps:
         """None when the route gives the call to our kernel, else why not; always ours where torch has no kernel."""
         if self.previous.kernels.get(op) is None:
             return None
-        decision = route.sdpa_door(q, int(key_length), is_causal, self.kernels.name)
+        decision = attention_facts.sdpa_door(q, int(key_length), is_causal, self.kernels.name)
         return None if decision.ours else f"this call (route: {decision.reason})"
 
     # ---- SDPA's dense op: q [B, H, Lq, D]

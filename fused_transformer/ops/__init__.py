@@ -103,34 +103,70 @@ def _load(launchers: Launchers, backend: str) -> bool:
     return True
 
 
+class Rivals:
+    """What ``bench`` also times beside an op's torch path and ours: implementations from elsewhere (other libraries,
+    each of torch's own kernels), prepared outside the timed calls. An op without rivals is timed against its torch
+    path alone."""
+
+    def names(self, example: Example, device: torch.device) -> Tuple[str, ...]:
+        """The rivals of ``example`` on ``device`` that can run there (installed, on this device type)."""
+        return ()
+
+    def calls(self, example: Example, tensors: Dict[str, Tensor], names: Sequence[str],
+              backward: bool) -> "RivalCalls":
+        """The calls of ``names`` on ``tensors``, and of the op's baseline where the bench must time it prepared (a
+        mask it takes in another form, made here outside the timed call)."""
+        return RivalCalls({})
+
+    def may_refuse(self, impl: str) -> bool:
+        """Whether ``impl`` may refuse a case (left out of it with a note) rather than fail the run."""
+        return False
+
+
+@dataclass
+class RivalCalls:
+    """``calls``: implementation -> a call of it; ``leaves``: further tensors it differentiates (copies in its layout);
+    ``grads``: implementation -> its output gradient made from the baseline's (the same numbers, in its layout);
+    ``notes``: implementation -> a remark for the bench's table."""
+
+    calls: Dict[str, Callable[[], Tensor]]
+    leaves: List[Tensor] = field(default_factory=list)
+    grads: Dict[str, Callable[[Tensor], Tensor]] = field(default_factory=dict)
+    notes: Dict[str, str] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class Op:
     """An op as the tools see it.
 
     ``function`` is the public op, ``torch_path`` torch's own ops computing the same result (the baseline of bench,
-    tune and the overhead suite), both called as ``(**example.tensors, **example.options)``; ``outputs`` names what
-    ``function`` returns (one tensor, or a tuple). ``check``: check's grid; ``bench(gpu, lengths)``: bench's cases
-    over sequence lengths, ``lengths`` their defaults by device type (full, quick); ``work(example, itemsize,
-    backward)`` what a case counts; ``throughput`` the plots' metric; ``overhead``: the tiny call of the overhead
-    suite with its modes and its target for ours / thin; ``tune(device_type, dtype, quick)`` the series ``tune``
-    measures; ``routes`` a few calls whose route ``check`` prints (label, example); ``describe(gpu)`` the bench
-    suite's shapes in words; ``reference`` the float64 oracle (``function``'s arguments, plus ``keep_mask``: a dropout
-    mask to replay), also ``fused_transformer.reference.<name>``."""
+    tune and the overhead suite, named ``baseline`` in bench's tables), both called as ``(**example.tensors,
+    **example.options)``; ``outputs`` names what ``function`` returns (one tensor, or a tuple); ``constants`` the
+    tensor arguments no gradient flows to (masks, offsets, constants), ``float32`` those kept in float32 in every
+    precision (float64 for the oracle). ``check``: check's grid; ``bench(gpu, lengths)``: bench's cases over sequence
+    lengths (None: no bench suite; ``suite`` its name, default the op's), ``lengths`` their defaults by device type
+    (full, quick), ``rivals`` what else it times; ``work(example, itemsize, backward)`` what a case counts;
+    ``throughput`` the plots' metric; ``overhead``: the tiny calls of the overhead suite (the first named as the op,
+    the others ``op (label)``) with their modes and the target for ours / thin of the first (None: no target);
+    ``tune(device_type, dtype, quick)`` the series ``tune`` measures; ``routes`` a few calls whose route ``check``
+    prints (label, example); ``describe(gpu)`` the bench suite's shapes in words; ``reference`` the float64 oracle
+    (``function``'s arguments, plus ``keep_mask``: a dropout mask to replay), also
+    ``fused_transformer.reference.<name>``. A tool skips an op that gives it nothing to run."""
 
     name: str
     function: Callable[..., object]
-    torch_path: Callable[..., object]
+    torch_path: Optional[Callable[..., object]]
     size_of: str
     outputs: Tuple[str, ...]
-    check: Tuple[Example, ...]
-    bench: Callable[[bool, Sequence[int]], Sequence[Example]]
-    lengths: Mapping[str, Tuple[Tuple[int, ...], Tuple[int, ...]]]
-    work: Callable[[Example, int, bool], Work]
-    throughput: Tuple[str, str]
-    describe: Callable[[bool], str]
-    overhead: Example
-    overhead_target: Mapping[str, float]
-    tune: Callable[[str, torch.dtype, bool], Sequence[TuneSeries]]
+    check: Tuple[Example, ...] = ()
+    bench: Optional[Callable[[bool, Sequence[int]], Sequence[Example]]] = None
+    lengths: Mapping[str, Tuple[Tuple[int, ...], Tuple[int, ...]]] = field(default_factory=dict)
+    work: Callable[[Example, int, bool], Work] = lambda example, itemsize, backward: Work()
+    throughput: Tuple[str, str] = ("tokens_per_s", "tokens/s")
+    describe: Callable[[bool], str] = lambda gpu: ""
+    overhead: Tuple[Example, ...] = ()
+    overhead_target: Mapping[str, Optional[float]] = field(default_factory=dict)
+    tune: Callable[[str, torch.dtype, bool], Sequence[TuneSeries]] = lambda device_type, dtype, quick: ()
     reference: Optional[Callable[..., object]] = None
     call_of: Optional[Callable[..., object]] = None  # (tensors, options, device, needs_grad) -> its route.Call
     route_examples: Tuple[Example, ...] = ()
@@ -141,6 +177,23 @@ class Op:
     # autograd.Function that makes those and allocates the rest, taking the example's tensors; None: the suite's
     # ThinFunction, which allocates the outputs only.
     overhead_thin: Optional[Callable[..., Tensor]] = None
+    constants: Tuple[str, ...] = ()
+    float32: Tuple[str, ...] = ()
+    baseline: str = "torch"
+    rivals: Rivals = Rivals()
+    suite: str = ""  # bench's suite of the op ("": its name)
+    bench_modes: Tuple[str, ...] = ("fwd", "fwd+bwd")  # "fwd+bwd" times the backward too
+    differentiable: bool = True  # whether check takes the gradients of its inputs
+
+    @property
+    def bench_suite(self) -> Optional[str]:
+        """The name of the op's bench suite, None where it has none."""
+        return None if self.bench is None else (self.suite or self.name)
+
+    def differentiated(self, tensors: Mapping[str, Optional[Tensor]]) -> List[Tensor]:
+        """The tensors of a call that a gradient flows to: the floating ones, but ``constants``."""
+        return [t for name, t in tensors.items()
+                if t is not None and name not in self.constants and t.is_floating_point()]
 
     def route_call(self, example: Example, device: torch.device, dtype: torch.dtype) -> object:
         """The ``route.Call`` of ``example`` on ``device`` in ``dtype``, with gradients, made without any data (its

@@ -348,7 +348,7 @@ OP = register(Op(
     outputs=("out",), check=CHECK, bench=_bench,
     lengths={"cpu": ((128, 512, 2048), (128, 512)), "cuda": ((512, 1024, 2048, 4096), (1024, 4096))},
     work=_work, throughput=("tflops", "TFLOP/s"), describe=_describe,
-    overhead=example("B2 L8 d32 ff64", (2, 8), 32, 64, dropout_p=BENCH_DROPOUT),
+    overhead=(example("B2 L8 d32 ff64", (2, 8), 32, 64, dropout_p=BENCH_DROPOUT),),
     overhead_target={"fwd": 2.5, "fwd+bwd": 2.5},
     tune=_tune, call_of=lambda tensors, options, device, grad: _call(tensors["x"], FeedForwardSpec(**options), grad,
                                                                     device),

@@ -397,7 +397,7 @@ def op_record(name: str, function, path, oracle, rms: bool, measured: str = "",
         bench=lambda gpu, lengths: bench_examples(gpu, lengths, op_options),
         lengths={"cpu": ((128, 512, 2048), (128, 512)), "cuda": ((512, 1024, 2048, 4096, 8192), (1024, 4096))},
         work=work, throughput=("tokens_per_s", "tokens/s"), describe=describe_bench,
-        overhead=example("B2 L8 d32", (2, 8, 32), dropout_p=BENCH_DROPOUT, **op_options),
+        overhead=(example("B2 L8 d32", (2, 8, 32), dropout_p=BENCH_DROPOUT, **op_options),),
         overhead_target={"fwd": 2.5, "fwd+bwd": 2.5},
         tune=lambda device_type, dtype, quick: tune_series(device_type, dtype, quick, op_options),
         call_of=lambda tensors, options, device, grad: _call(

@@ -9,8 +9,8 @@ KV cache, and its backend entry), ``lengths.py`` (a padding mask's lengths), ``l
 kernel form), ``configs.py`` (the tile plan every launch and the AOT report read), ``ops.py`` (the backend's raw
 entries, and the custom ops that tracing goes through) and ``aot.py`` (what the report compiles).
 
-The entries below add the kernel-level options to the functional ops; their autograd is
-``fused_transformer.autograd``'s one Function per op, the only module above the kernels they call (at call time).
+The entries below add the kernel-level options to the functional ops; their checks and autograd are the op's
+(``fused_transformer.ops.attention``), the only module above the kernels they call (at call time).
 """
 import re
 from typing import Optional, Tuple, Union
@@ -56,16 +56,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, query_lengths: Optional[Tensor
         and the float32 LSE ``[B, H, Lq]`` with ``return_lse``. Inputs need only a contiguous last dim (copied
         otherwise); float16 / bfloat16 / float32, head dims 0..256 (float32: 0..128).
     """
-    options = contract.options_of("attention", options, contract.ATTENTION_OPTIONS)
+    checks, function = _op()
+    options = contract.options_of("attention", options, checks.ATTENTION_OPTIONS)
     masks = AttentionMasks(options["attn_mask"], options["key_padding_mask"], options["query_padding_mask"])
-    contract.check_attention_args(q, k, v, masks)
+    checks.check_attention_args(q, k, v, masks)
     mods, sinks = _mods_and_sinks(q, q.shape[0], options)
     spec = _spec(q, options, allow_tf32)
     if query_lengths is not None and tuple(query_lengths.shape) != (q.shape[0],):
         raise ValueError(f"query_lengths must be [batch={q.shape[0]}], got shape {tuple(query_lengths.shape)}")
-    from ...autograd import attention as attention_on
-
-    o, lse = attention_on("triton", q, k, v, masks._replace(query_lengths=query_lengths), spec, mods, sinks)
+    o, lse = function.run("triton", q, k, v, masks._replace(query_lengths=query_lengths), spec, mods, sinks)
     return (o, lse) if options["return_lse"] else o
 
 
@@ -74,14 +73,13 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``fused_transformer.functional.attention_varlen`` on Triton, plus ``allow_tf32`` as in ``attention``.
     Checked as there but for the values of cu_seqlens, which the kernels read on the device (no host sync)."""
-    options = contract.options_of("attention_varlen", options, contract.ATTENTION_VARLEN_OPTIONS)
-    contract.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    checks, function = _op()
+    options = contract.options_of("attention_varlen", options, checks.ATTENTION_VARLEN_OPTIONS)
+    checks.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     mods, sinks = _mods_and_sinks(q, cu_seqlens_q.shape[0] - 1, options)
     spec = _spec(q, options, allow_tf32)
-    from ...autograd import attention_varlen as attention_varlen_on
-
-    seqs = contract.packed_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
-    o, lse = attention_varlen_on("triton", q, k, v, seqs, spec, mods, sinks)
+    seqs = checks.packed_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
+    o, lse = function.run_varlen("triton", q, k, v, seqs, spec, mods, sinks)
     return (o, lse) if options["return_lse"] else o
 
 
@@ -89,21 +87,31 @@ def attention_weights(q: Tensor, k: Tensor, lse: Tensor, *, query_lengths: Optio
                       **options: object) -> Tensor:
     """``fused_transformer.functional.attention_weights`` on Triton (``weights_of_lse``), plus ``query_lengths`` as in
     ``attention``."""
-    options = contract.options_of("attention_weights", options, contract.ATTENTION_WEIGHTS_OPTIONS)
+    checks, _ = _op()
+    options = contract.options_of("attention_weights", options, checks.ATTENTION_WEIGHTS_OPTIONS)
     masks = AttentionMasks(options["attn_mask"], options["key_padding_mask"], options["query_padding_mask"],
                            query_lengths)
-    contract.check_attention_args(q, k, k, masks)
+    checks.check_attention_args(q, k, k, masks)
     return weights_of_lse(q, k, lse, masks, _spec(q, options, False))
 
 
 def _spec(q: Tensor, options: dict, allow_tf32: bool) -> contract.AttentionSpec:
-    spec = contract.attention_spec(q.shape[-1], options["is_causal"], options["causal_alignment"], options["window"],
-                                   options.get("dropout_p", 0.0), options["scale"])
+    spec = _op()[0].attention_spec(q.shape[-1], options["is_causal"], options["causal_alignment"],
+                                   options["window"], options.get("dropout_p", 0.0), options["scale"])
     return spec._replace(allow_tf32=bool(allow_tf32))
 
 
 def _mods_and_sinks(q: Tensor, batch: int, options: dict) -> Tuple[contract.ScoreMods, Optional[Tensor]]:
     """The checked score modifiers and sinks of ``options`` for q's heads over ``batch`` sequences."""
-    mods = contract.score_mods(q, batch, q.shape[1], **{name: options[name] for name in contract.ScoreMods._fields})
-    contract.check_sinks(q, q.shape[1], options["sinks"])
+    checks = _op()[0]
+    mods = checks.score_mods(q, batch, q.shape[1], **{name: options[name] for name in contract.ScoreMods._fields})
+    checks.check_sinks(q, q.shape[1], options["sinks"])
     return mods, options["sinks"]
+
+
+def _op():
+    """The attention op's checks and Functions (``fused_transformer.ops.attention``), the floor above the kernels:
+    imported at call time."""
+    from ...ops.attention import contract as checks, function
+
+    return checks, function

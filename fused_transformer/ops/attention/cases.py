@@ -1,0 +1,572 @@
+"""Attention's cases, the calls the tools run (``fused_transformer.ops.Op``): check's grid of masks and score
+modifiers, bench's suites against SDPA's backends, FlashAttention and xFormers (``SdpaRivals``), the overhead suite's
+tiny calls, tune's series and the work a case counts; and torch's path of each entry, SDPA given the call's masks in
+its own form (the baseline the tools time).
+
+Work counted is the work needed: ``4 * D`` FLOPs per (query, key) pair a query may attend (``attention_flops``), so
+causal (top-left) counts ``L (L + 1) / 2`` pairs per head and padding only the kept keys; forward+backward is 3.5x the
+forward (the backward does five matmuls to the forward's two). Padding: sequences alternately keep ``1 - 3p/2`` and
+``1 - p/2`` of their keys (p = 0.5: a quarter and three quarters), right-padded (``kept_lengths``).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import Example, RivalCalls, Rivals, TuneSeries, Work
+
+Tensor = torch.Tensor
+GPU_TOKENS = 16384  # tokens per batch on a GPU: batch = 16384 // L (at least 2), 2048 / D heads
+
+
+# ------------------------------------------------------------------------------------------------ the work
+
+
+def kept_lengths(batch: int, length: int, padding: float) -> List[int]:
+    """Keys kept per sequence for a padding ratio p: alternately ``1 - p - s`` and ``1 - p + s`` of ``length``,
+    ``s = min(p, 1 - p) / 2``."""
+    if not 0.0 <= padding < 1.0:
+        raise ValueError(f"padding={padding} must be in [0, 1)")
+    spread = min(padding, 1.0 - padding) / 2
+    fractions = (1.0 - padding - spread, 1.0 - padding + spread)
+    return [max(1, round(length * fractions[b % 2])) for b in range(batch)]
+
+
+def padding_ratio(kept: Sequence[int], length: int) -> float:
+    return 1.0 - sum(kept) / (len(kept) * length)
+
+
+def attention_pairs(q_len: int, kept: int, causal: bool) -> int:
+    """(query, key) pairs one head attends: every query sees ``kept`` keys, or with a top-left causal mask query ``i``
+    sees ``min(i + 1, kept)``."""
+    if not causal:
+        return q_len * kept
+    if kept >= q_len:
+        return q_len * (q_len + 1) // 2
+    return kept * (kept + 1) // 2 + (q_len - kept) * kept
+
+
+def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int, *, causal: bool = False,
+                    kept: Optional[Sequence[int]] = None, backward: bool = False) -> float:
+    """FLOPs attention needs: ``4 * head_dim`` per attended (query, key) pair (``q kᵀ`` and ``p v``), summed over the
+    batch's key lengths ``kept`` (default: no padding); 3.5x that with the backward."""
+    kept = [seq_len] * batch if kept is None else kept
+    if len(kept) != batch:
+        raise ValueError(f"kept has {len(kept)} entries for batch {batch}")
+    pairs = sum(attention_pairs(seq_len, k, causal) for k in kept)
+    return 4.0 * head_dim * heads * pairs * (3.5 if backward else 1.0)
+
+
+def work(example: Example, itemsize: int, backward: bool) -> Work:
+    shape = example.shape
+    kept = kept_lengths(shape["batch"], shape["seq_len"], shape.get("padding_asked", 0.0))
+    return Work(flops=attention_flops(shape["batch"], shape["heads"], shape["seq_len"], shape["head_dim"],
+                                      causal=bool(shape.get("causal")), kept=kept, backward=backward))
+
+
+def decode_work(example: Example, itemsize: int, backward: bool) -> Work:
+    """A decoding step reads the cache: its keys and values."""
+    shape = example.shape
+    return Work(nbytes=2.0 * shape["batch"] * shape["seq_len"] * shape["kv_heads"] * shape["head_dim"] * itemsize)
+
+
+# -------------------------------------------------------------------------------------------- torch's paths
+
+
+def _padding(kept: Sequence[int], length: int, device: torch.device) -> Tensor:
+    """``[B, length]`` bool, True = padding (the torch.nn convention), right-padded after ``kept`` keys."""
+    return torch.arange(length, device=device)[None, :] >= torch.tensor(list(kept), device=device)[:, None]
+
+
+def sdpa_mask(q: Tensor, k: Tensor, attn_mask: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
+              is_causal: bool = False, causal_alignment: str = "top_left",
+              alibi_slopes: Optional[Tensor] = None) -> Tuple[Optional[Tensor], bool]:
+    """The masks of an ``attention`` call in SDPA's form: ``(attn_mask, is_causal)``, one bool (True = may attend) or
+    float mask where SDPA cannot take the call's from ``is_causal`` alone (ALiBi as a float bias ``[1 or B, H, Lq,
+    Lk]``)."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    if attn_mask is None and key_padding_mask is None and alibi_slopes is None and (
+            not is_causal or causal_alignment == "top_left" or lq == lk):
+        return None, is_causal
+    mask = attn_mask
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask[:, None, None, :]
+        mask = keep if mask is None else (mask & keep if mask.dtype == torch.bool else
+                                          mask.masked_fill(~keep, float("-inf")))
+    if alibi_slopes is not None:
+        positions_q = torch.arange(lq, device=q.device)[:, None] + (lk - lq if causal_alignment == "bottom_right" else 0)
+        distance = (positions_q - torch.arange(lk, device=q.device)[None, :]).abs().to(q.dtype)
+        slopes = alibi_slopes.to(q.dtype)
+        bias = -(slopes[:, :, None, None] if slopes.dim() == 2 else slopes[None, :, None, None]) * distance
+        mask = bias if mask is None else (bias.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else
+                                          bias + mask)
+    if is_causal:
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq if causal_alignment == "bottom_right"
+                                                                         else 0)
+        mask = keep if mask is None else (mask & keep if mask.dtype == torch.bool else
+                                          mask.masked_fill(~keep, float("-inf")))
+    return mask, False
+
+
+def torch_path(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Optional[Tensor] = None,
+               key_padding_mask: Optional[Tensor] = None, is_causal: bool = False, causal_alignment: str = "top_left",
+               alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0, scale: Optional[float] = None,
+               **others: object) -> Tensor:
+    """``attention`` as SDPA computes it, its masks given as SDPA takes them (``sdpa_mask``: made in the call; the
+    bench makes them before its timed calls). SDPA has no query padding, window, softcap or sinks: a call with one is
+    a ValueError. A row every key of which is masked gives SDPA's NaN where ``attention`` gives zeros."""
+    given = sorted(name for name, value in others.items() if value is not None and value is not False)
+    if given:
+        raise ValueError(f"torch's path of attention (SDPA) takes no {', '.join(given)}")
+    mask, causal = sdpa_mask(q, k, attn_mask, key_padding_mask, is_causal, causal_alignment, alibi_slopes)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def varlen_torch_path(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                      max_seqlen_k: int, *, is_causal: bool = False, scale: Optional[float] = None) -> Tensor:
+    """``attention_varlen`` as SDPA computes it: one call over every packed token, a block-diagonal mask keeping each
+    sequence to itself (top-left causal within it)."""
+    mask = _same_sequence(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], is_causal)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(0, 1)
+
+
+def _same_sequence(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, tq: int, tk: int, is_causal: bool) -> Tensor:
+    def sequence_of(cu: Tensor, total: int) -> Tensor:
+        return torch.searchsorted(cu.to(torch.int64), torch.arange(total, device=cu.device), right=True) - 1
+
+    seq_q, seq_k = sequence_of(cu_seqlens_q, tq), sequence_of(cu_seqlens_k, tk)
+    mask = seq_q[:, None] == seq_k[None, :]
+    if is_causal:
+        within_q = torch.arange(tq, device=mask.device) - cu_seqlens_q.to(torch.int64)[seq_q]
+        within_k = torch.arange(tk, device=mask.device) - cu_seqlens_k.to(torch.int64)[seq_k]
+        mask &= within_k[None, :] <= within_q[:, None]
+    return mask
+
+
+def kvcache_torch_path(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: object,
+                       k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None, is_causal: bool = True,
+                       scale: Optional[float] = None) -> Tensor:
+    """``attention_with_kvcache`` on a contiguous cache as SDPA computes it: the new keys and values written into the
+    cache, then SDPA over the keys in use (a slice where every sequence holds as many, else a mask), the queries
+    aligned bottom-right."""
+    batch, lq = q.shape[:2]
+    lengths = [cache_seqlens] * batch if isinstance(cache_seqlens, int) else cache_seqlens.tolist()
+    new = 0 if k_new is None else k_new.shape[1]
+    if new:
+        for b, n in enumerate(lengths):
+            k_cache[b, n:n + new] = k_new[b]
+            v_cache[b, n:n + new] = v_new[b]
+    used = max(lengths) + new
+    keys, values = k_cache[:, :used].transpose(1, 2), v_cache[:, :used].transpose(1, 2)
+    query = q.transpose(1, 2)
+    mask = None
+    if min(lengths) != max(lengths) or (is_causal and lq > 1):
+        ends = torch.tensor(lengths, device=q.device)[:, None, None, None] + new
+        key_at = torch.arange(used, device=q.device)
+        query_at = ends - lq + torch.arange(lq, device=q.device)[None, None, :, None]
+        mask = key_at < ends
+        if is_causal:
+            mask = mask & (key_at <= query_at)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[2] != k_cache.shape[2])
+    return out.transpose(1, 2)
+
+
+# ------------------------------------------------------------------------------------------------- check
+
+# Arguments kept in float32 in every precision (float64 for the oracle): the ALiBi slopes and the sinks.
+FLOAT32_ARGUMENTS = ("alibi_slopes", "sinks")
+CONSTANTS = ("attn_mask", "key_padding_mask", "query_padding_mask", "alibi_slopes")
+
+
+def _uniform(draw: Callable[..., Tensor], *shape: int) -> Tensor:
+    """Uniform numbers in (0, 1) from a normal draw (its distribution function)."""
+    return torch.special.ndtr(draw(*shape))
+
+
+def mask_options(kind: str) -> Dict[str, object]:
+    """The options (not tensors) of the masks ``kind``, a '+'-joined list of names (``mask_tensors``)."""
+    found: Dict[str, object] = {}
+    for part in kind.split("+"):
+        if part == "softcap":
+            found["softcap"] = 2.0
+        elif part == "causal":
+            found["is_causal"] = True
+        elif part == "causal-br":
+            found.update(is_causal=True, causal_alignment="bottom_right")
+    return found
+
+
+def mask_tensors(kind: str, draw: Callable[..., Tensor], b: int, h: int, lq: int, lk: int,
+                 device: torch.device) -> Dict[str, Tensor]:
+    """The mask and score-modifier tensors of the masks ``kind`` on ``device``."""
+    found: Dict[str, Tensor] = {}
+    for part in kind.split("+"):
+        if part == "alibi":  # per batch and head
+            found["alibi_slopes"] = _uniform(draw, b, h) * 0.5
+        elif part == "sinks":  # differentiated, as an input
+            found["sinks"] = draw(h, scale=2.0)
+        elif part == "padding":
+            found["key_padding_mask"] = _padding([lk - 3 * i * lk // 10 for i in range(b)], lk, device)
+        elif part == "holes":  # a key padding mask that is not right-padded: the kernels cannot skip it
+            holes = _uniform(draw, b, lk) < 0.25
+            holes[:, 0] = False
+            found["key_padding_mask"] = holes
+        elif part == "bool":  # True = may attend; broadcast over heads
+            keep = _uniform(draw, b, 1, lq, lk) > 0.3
+            keep[..., 0] = True
+            found["attn_mask"] = keep
+        elif part == "float":  # added to the scores, some -inf; broadcast over batch and heads
+            bias, blocked = draw(lq, lk), _uniform(draw, lq, lk) < 0.1
+            blocked[:, 0] = False
+            found["attn_mask"] = bias.masked_fill(blocked, float("-inf"))
+        elif part not in ("none", "softcap", "causal", "causal-br"):
+            raise ValueError(f"unknown mask {part!r}")
+    return found
+
+
+def dense(label: str, b: int, h: int, hkv: int, lq: int, lk: int, d: int, masks: str, quick: bool = False,
+          **options: object) -> Example:
+    """An ``attention`` call: q ``[b, h, lq, d]``, k / v ``[b, hkv, lk, d]``, the masks ``masks``."""
+    def tensors(draw):
+        q = draw(b, h, lq, d)
+        return {"q": q, "k": draw(b, hkv, lk, d), "v": draw(b, hkv, lk, d),
+                **mask_tensors(masks, draw, b, h, lq, lk, q.device)}
+
+    return Example(label, tensors, {**mask_options(masks), **options}, quick,
+                   {"batch": b, "seq_len": lq, "heads": h, "head_dim": d, "d_model": h * d,
+                    "causal": "causal" in masks}, size=lk)
+
+
+# (quick, B, H, H_kv, Lq, Lk, D, masks)
+GRID = (
+    (True, 2, 2, 1, 33, 47, 64, "causal-br+padding"),
+    (True, 1, 2, 2, 47, 33, 48, "bool"),
+    (True, 1, 2, 2, 31, 31, 64, "causal+float"),
+    (False, 2, 4, 2, 77, 130, 64, "none"),
+    (False, 2, 4, 2, 77, 130, 64, "causal"),
+    (False, 2, 4, 2, 77, 130, 64, "causal-br+padding"),
+    (False, 2, 4, 2, 77, 130, 64, "bool"),
+    (False, 2, 4, 2, 77, 130, 64, "float"),
+    (False, 2, 3, 3, 130, 77, 48, "causal-br"),  # Lq > Lk: the first 53 queries see no key (zeros)
+    (False, 2, 3, 1, 63, 63, 48, "holes+float"),
+    (True, 2, 4, 2, 33, 47, 64, "causal-br+padding+softcap+alibi+sinks"),
+    (False, 2, 4, 2, 77, 130, 64, "causal+softcap+alibi+sinks"),
+)
+WEIGHTS_GRID = (
+    (True, 2, 2, 1, 33, 47, 64, "causal-br+padding"),
+    (False, 2, 4, 2, 77, 130, 64, "causal-br+padding"),
+    (False, 2, 3, 3, 63, 63, 48, "float"),
+)
+
+
+def _label(b: int, h: int, hkv: int, lq: int, lk: int, d: int, masks: str) -> str:
+    return f"B{b} H{h}/{hkv} L{lq}x{lk} D{d} {masks}"
+
+
+CHECK = tuple(dense(_label(b, h, hkv, lq, lk, d, masks), b, h, hkv, lq, lk, d, masks, quick)
+              for quick, b, h, hkv, lq, lk, d, masks in GRID)
+WEIGHTS_CHECK = tuple(dense(f"{_label(b, h, hkv, lq, lk, d, masks)} (with its lse)", b, h, hkv, lq, lk, d, masks, quick)
+                      for quick, b, h, hkv, lq, lk, d, masks in WEIGHTS_GRID)
+
+
+# ------------------------------------------------------------------------------------------------- bench
+
+BENCH_MASKS = (("none", False, 0.0), ("causal", True, 0.0), ("pad50%", False, 0.5))
+GPU_BENCH_MASKS = (("causal+pad50%", True, 0.5),)
+EXTRA_MASKS = (("B1H1 causal", True, 0.0), ("causal+alibi", True, 0.0))
+
+
+def alibi_slopes(heads: int, device: torch.device) -> Tensor:
+    """The ALiBi paper's slopes for ``heads`` heads (a power of two): ``2^(-8 (h + 1) / heads)``."""
+    return torch.pow(2.0, -8.0 * torch.arange(1, heads + 1, dtype=torch.float32, device=device) / heads)
+
+
+def bench_example(label: str, batch: int, heads: int, length: int, head_dim: int, causal: bool, padding: float,
+                  alibi: bool) -> Example:
+    """A self-attention call of the attention suite: ``padding`` of the keys padded (``kept_lengths``), ALiBi with the
+    paper's slopes."""
+    kept = kept_lengths(batch, length, padding)
+
+    def tensors(draw):
+        q = draw(batch, heads, length, head_dim)
+        found = {"q": q, "k": draw(batch, heads, length, head_dim), "v": draw(batch, heads, length, head_dim)}
+        if padding:
+            found["key_padding_mask"] = _padding(kept, length, q.device)
+        if alibi:
+            found["alibi_slopes"] = alibi_slopes(heads, q.device)
+        return found
+
+    shape = {"batch": batch, "seq_len": length, "heads": heads, "head_dim": head_dim, "d_model": heads * head_dim,
+             "causal": causal, "padding": padding_ratio(kept, length), "padding_asked": padding}
+    return Example(label, tensors, {"is_causal": causal}, shape=shape, size=length)
+
+
+def bench(gpu: bool, lengths: Sequence[int]) -> List[Example]:
+    """No mask, causal, 50% key padding (and causal + padding on a GPU), one (batch, head) pair causal, causal ALiBi;
+    head dim 64 on the CPU (B 8, H 8), 64 and 128 on a GPU (``GPU_TOKENS`` a batch, 2048 / D heads)."""
+    found = []
+    for head_dim in (64, 128) if gpu else (64,):
+        for mask, causal, padding in BENCH_MASKS + (GPU_BENCH_MASKS if gpu else ()) + EXTRA_MASKS:
+            for length in lengths:
+                batch, heads = (max(GPU_TOKENS // length, 2), 2048 // head_dim) if gpu else (8, 8)
+                if mask.startswith("B1H1"):
+                    batch, heads = 1, 1
+                found.append(bench_example(mask, batch, heads, length, head_dim, causal, padding,
+                                           mask.endswith("alibi")))
+    return found
+
+
+def describe(gpu: bool) -> str:
+    if gpu:
+        return f"batch {GPU_TOKENS} / L (at least 2), 2048 / D heads, D 64 and 128, dropout 0"
+    return "batch 8, 8 heads, D 64, dropout 0"
+
+
+@functools.lru_cache(maxsize=None)
+def third_party(name: str) -> Optional[object]:
+    """The flash_attn / xformers.ops module, or None when it is not installed."""
+    try:
+        return importlib.import_module({"flash_attn": "flash_attn", "xformers": "xformers.ops"}[name])
+    except ImportError:
+        return None
+
+
+def sdpa_backends(device: torch.device) -> Dict[str, object]:
+    """``sdpa:<name>`` -> ``SDPBackend`` for the backends SDPA has on this device type."""
+    from torch.nn.attention import SDPBackend
+
+    names = ("math", "flash_attention") if device.type == "cpu" else (
+        "flash_attention", "efficient_attention", "cudnn_attention", "math")
+    return {f"sdpa:{name}": SDPBackend.__members__[name.upper()] for name in names}
+
+
+def sdpa_dispatch(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool) -> Optional[str]:
+    """The backend SDPA's default dispatch picks for these inputs (a private torch function: None if absent)."""
+    try:
+        choice = int(torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, causal))
+        from torch.nn.attention import SDPBackend
+
+        return next(name.lower() for name, member in SDPBackend.__members__.items() if int(member.value) == choice)
+    except Exception:  # noqa: BLE001 (private API: any failure only loses a note)
+        return None
+
+
+class SdpaRivals(Rivals):
+    """SDPA with its default dispatch (the baseline, ``sdpa``, its masks made before the timed calls) and under each
+    of its backends on this device (``sdpa:math``, ``sdpa:flash_attention``, on CUDA ``sdpa:efficient_attention``
+    and ``sdpa:cudnn_attention``), FlashAttention (with its ALiBi slopes) and xFormers on CUDA where installed,
+    without padding (their padding needs their varlen APIs)."""
+
+    def names(self, example: Example, device: torch.device) -> Tuple[str, ...]:
+        found = tuple(sdpa_backends(device))
+        if device.type == "cuda" and not example.shape.get("padding"):
+            alibi = example.label.endswith("alibi")  # xFormers has no ALiBi of its own (a bias, as SDPA's)
+            found += tuple(name for name in ("flash_attn", "xformers")
+                           if third_party(name) is not None and not (alibi and name == "xformers"))
+        return found
+
+    def calls(self, example: Example, tensors: Dict[str, Tensor], names: Sequence[str],
+              backward: bool) -> RivalCalls:
+        q, k, v = tensors["q"], tensors["k"], tensors["v"]
+        causal = bool(example.options.get("is_causal"))
+        slopes = tensors.get("alibi_slopes")
+        mask, sdpa_causal = sdpa_mask(q, k, key_padding_mask=tensors.get("key_padding_mask"), is_causal=causal,
+                                      alibi_slopes=slopes)
+
+        def sdpa() -> Tensor:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=sdpa_causal)
+
+        def under(backend: object) -> Callable[[], Tensor]:
+            def run() -> Tensor:
+                from torch.nn.attention import sdpa_kernel
+
+                with sdpa_kernel([backend]):
+                    return sdpa()
+            return run
+
+        found = RivalCalls({"sdpa": sdpa})
+        found.calls.update({name: under(backend) for name, backend in sdpa_backends(q.device).items() if name in names})
+        if "flash_attn" in names or "xformers" in names:
+            # Both take [B, L, H, D]: transposed copies made here, outside the timed call.
+            qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_(backward) for t in (q, k, v))
+            found.leaves += [qt, kt, vt]
+            if "flash_attn" in names:
+                found.calls["flash_attn"] = lambda: third_party("flash_attn").flash_attn_func(
+                    qt, kt, vt, causal=causal, alibi_slopes=slopes)
+            if "xformers" in names:
+                xops = third_party("xformers")
+                found.calls["xformers"] = lambda: xops.memory_efficient_attention(
+                    qt, kt, vt, attn_bias=xops.LowerTriangularMask() if causal else None)
+            for name in ("flash_attn", "xformers"):
+                found.grads[name] = lambda grad: grad.transpose(1, 2).contiguous()
+        dispatch = sdpa_dispatch(q, k, v, mask, sdpa_causal)
+        if dispatch:
+            found.notes["sdpa"] = f"dispatch {dispatch}"
+        return found
+
+    def may_refuse(self, impl: str) -> bool:
+        return impl.startswith("sdpa:") or impl in ("flash_attn", "xformers")
+
+    def about(self, device: torch.device) -> List[str]:
+        notes = [f"sdpa backends tried: {', '.join(name[5:] for name in sdpa_backends(device))} "
+                 "(a backend that refuses a case is left out of it, and the table says so)"]
+        if device.type != "cuda":
+            notes.append("flash_attn, xformers: CUDA only, not measured on this device")
+            return notes
+        for name, pip in (("flash_attn", "flash-attn"), ("xformers", "xformers")):
+            if third_party(name) is None:
+                notes.append(f"{name}: NOT INSTALLED, its rows are left out (pip install {pip})")
+            else:
+                notes.append(f"{name}: measured without padding (padding needs its varlen API, not measured here)")
+        return notes
+
+
+# ------------------------------------------------------------------------------------- the decoding step
+
+DECODE_HEADS = ((8, 8), (32, 8))  # (query heads, KV heads): plain and grouped-query, head dim 64 (128 on CUDA)
+
+
+def decode_example(batch: int, length: int, heads: int, kv_heads: int, head_dim: int) -> Example:
+    """One decoding step on a contiguous cache holding ``length - 1`` keys: the new key and value appended, one query
+    per sequence; the lengths on the host (checked there without waiting for the GPU)."""
+    def tensors(draw):
+        q = draw(batch, 1, heads, head_dim)
+        return {"q": q, "k_cache": draw(batch, length, kv_heads, head_dim),
+                "v_cache": draw(batch, length, kv_heads, head_dim), "k_new": draw(batch, 1, kv_heads, head_dim),
+                "v_new": draw(batch, 1, kv_heads, head_dim),
+                "cache_seqlens": torch.full((batch,), length - 1, dtype=torch.int32)}
+
+    return Example(f"B{batch} H{heads}/{kv_heads}", tensors, {},
+                   shape={"batch": batch, "seq_len": length, "heads": heads, "kv_heads": kv_heads,
+                          "head_dim": head_dim, "causal": True, "tokens": batch}, size=length)
+
+
+def decode_bench(gpu: bool, lengths: Sequence[int]) -> List[Example]:
+    """Batch 1, 8, 32 (and 128 on CUDA), 8 KV heads with 8 or 32 query heads, head dim 64 (128 on CUDA)."""
+    return [decode_example(batch, length, heads, kv_heads, 128 if gpu else 64)
+            for batch in ((1, 8, 32, 128) if gpu else (1, 8, 32)) for heads, kv_heads in DECODE_HEADS
+            for length in lengths]
+
+
+def describe_decode(gpu: bool) -> str:
+    return (f"one decoding step (1 query per sequence, the new key appended first) on a contiguous cache of L keys, "
+            f"head dim {128 if gpu else 64}, KV heads 8, query heads 8 and 32; GB/s counts the cache read")
+
+
+class DecodeRivals(Rivals):
+    """SDPA on the same cache after the same write (the baseline), and FlashAttention's ``flash_attn_with_kvcache``
+    on CUDA where installed."""
+
+    def names(self, example: Example, device: torch.device) -> Tuple[str, ...]:
+        return ("flash_attn",) if device.type == "cuda" and third_party("flash_attn") is not None else ()
+
+    def calls(self, example: Example, tensors: Dict[str, Tensor], names: Sequence[str],
+              backward: bool) -> RivalCalls:
+        q, k_cache, v_cache, k_new, v_new = (tensors[n] for n in ("q", "k_cache", "v_cache", "k_new", "v_new"))
+        length = example.shape["seq_len"]
+        enable_gqa = q.shape[2] != k_cache.shape[2]
+
+        def sdpa() -> Tensor:
+            k_cache[:, length - 1:] = k_new
+            v_cache[:, length - 1:] = v_new
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                                  enable_gqa=enable_gqa).transpose(1, 2)
+
+        found = RivalCalls({"sdpa": sdpa})
+        if "flash_attn" in names:
+            lengths = tensors["cache_seqlens"].to(q.device)
+            found.calls["flash_attn"] = lambda: third_party("flash_attn").flash_attn_with_kvcache(
+                q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths, causal=True)
+        return found
+
+    def may_refuse(self, impl: str) -> bool:
+        return impl == "flash_attn"
+
+
+# ---------------------------------------------------------------------------------------------- overhead
+
+OVERHEAD_SHAPE = dict(batch=2, heads=2, seq_len=8, head_dim=16)
+VARLEN_LENGTHS = (8, 5)  # the packed sequences of the varlen call; the key padding call pads the keys past them
+
+
+def _overhead(label: str, padding: bool) -> Example:
+    b, h, length, d = (OVERHEAD_SHAPE[n] for n in ("batch", "heads", "seq_len", "head_dim"))
+
+    def tensors(draw):
+        q = draw(b, h, length, d)
+        found = {"q": q, "k": draw(b, h, length, d), "v": draw(b, h, length, d)}
+        if padding:
+            found["key_padding_mask"] = _padding(VARLEN_LENGTHS, length, q.device)
+        return found
+
+    return Example(label, tensors, {}, shape={**OVERHEAD_SHAPE, "d_model": h * d}, size=length)
+
+
+OVERHEAD = (_overhead("B2 H2 L8 D16", False), _overhead("key padding", True))
+
+
+def _varlen_overhead() -> Example:
+    h, d, longest = OVERHEAD_SHAPE["heads"], OVERHEAD_SHAPE["head_dim"], max(VARLEN_LENGTHS)
+
+    def tensors(draw):
+        tokens = sum(VARLEN_LENGTHS)
+        q = draw(tokens, h, d)
+        cu = F.pad(torch.tensor(VARLEN_LENGTHS, device=q.device).cumsum(0, dtype=torch.int32), (1, 0))
+        return {"q": q, "k": draw(tokens, h, d), "v": draw(tokens, h, d), "cu_seqlens_q": cu, "cu_seqlens_k": cu}
+
+    return Example("packed 8+5", tensors, {"max_seqlen_q": longest, "max_seqlen_k": longest},
+                   shape={**OVERHEAD_SHAPE, "tokens": sum(VARLEN_LENGTHS)}, size=longest)
+
+
+VARLEN_OVERHEAD = (_varlen_overhead(),)
+KVCACHE_OVERHEAD = (decode_example(OVERHEAD_SHAPE["batch"], OVERHEAD_SHAPE["seq_len"], OVERHEAD_SHAPE["heads"],
+                                   OVERHEAD_SHAPE["heads"], OVERHEAD_SHAPE["head_dim"]),)
+
+
+class VarlenRivals(Rivals):
+    """The baseline, SDPA over the packed tokens, with its block-diagonal mask made before the timed calls."""
+
+    def calls(self, example: Example, tensors: Dict[str, Tensor], names: Sequence[str],
+              backward: bool) -> RivalCalls:
+        q, k, v = tensors["q"], tensors["k"], tensors["v"]
+        mask = _same_sequence(tensors["cu_seqlens_q"], tensors["cu_seqlens_k"], q.shape[0], k.shape[0], False)
+        return RivalCalls({"sdpa": lambda: F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask).transpose(0, 1)})
+
+
+# -------------------------------------------------------------------------------------------------- tune
+
+
+def tune(device_type: str, dtype: torch.dtype, quick: bool) -> Tuple[TuneSeries, ...]:
+    """No mask and causal, head dims 64 (and 128 on a GPU), keys per sequence 512 to 4096 with 16k tokens a batch on a
+    GPU, 128 to 2048 on the CPU (B 1, H 4); quick: 64 keys, no mask, the first head dim."""
+    sizes = (64,) if quick else ((512, 1024, 4096) if device_type == "cuda" else (128, 512, 2048))
+    head_dims = (64, 128) if device_type == "cuda" else (64,)
+    series = []
+    for head_dim in head_dims[:1] if quick else head_dims:
+        for mask in ("none",) if quick else ("none", "causal"):
+            examples = []
+            for size in sizes:
+                batch, heads = ((max(1, GPU_TOKENS // size), max(1, 2048 // head_dim)) if device_type == "cuda"
+                                else (1, 4))
+                examples.append(dense(f"L{size}", batch, heads, heads, size, size, head_dim, mask))
+            series.append(TuneSeries("no", tuple(examples), head_dim=str(head_dim), mask=mask))
+    return tuple(series)
+
+
+def weights_of_call(q: Tensor, k: Tensor, v: Tensor, **options: object) -> Tuple[Tensor, Tensor, Tensor]:
+    """An ``attention`` call returning its LSE, then ``attention_weights`` from that LSE: ``(weights, lse, out)``."""
+    from .api import attention, attention_weights
+
+    out, lse = attention(q, k, v, return_lse=True, **options)
+    return attention_weights(q, k, lse, **options), lse, out

@@ -1,0 +1,114 @@
+"""What the route decides an attention call on (``fused_transformer.route``): how each entry makes its ``route.Call``,
+and the rows measured on GPUs and at torch's SDPA door.
+
+Dense ``attention``'s size is its keys per sequence; ``attention_varlen``'s the longest sequence's keys and
+``attention_with_kvcache``'s the keys a sequence's cache holds (``SIZE_OF``). torch's path (SDPA) computes a dense call
+without masks but ``is_causal`` (top-left, or as many queries as keys), without dropout, score modifiers, sinks, the
+LSE or grouped-query heads; packed sequences and KV caches have no torch op on every device. A traced call
+(torch.compile, torch.export) runs ours: one custom op, the same graph on every GPU.
+"""
+from __future__ import annotations
+
+from typing import FrozenSet, Optional
+
+import torch
+
+from ... import route
+from ...contract import NO_SCORE_MODS, AttentionMasks, AttentionSpec, ScoreMods
+
+Tensor = torch.Tensor
+
+SIZE_OF = {"attention": "keys per sequence", "attention_varlen": "longest sequence's keys",
+           "attention_with_kvcache": "keys in the cache"}
+_TRACED = "a traced call (ours there: one custom op, the same graph on every device)"
+_PACKED = "packed sequences or a KV cache (no torch op for them on every device)"
+
+
+def needs(mods: ScoreMods, sinks: Optional[Tensor]) -> FrozenSet[str]:
+    """The features (``route.SUPPORTS``) a call with ``mods`` and ``sinks`` needs of a backend."""
+    if mods is NO_SCORE_MODS and sinks is None:
+        return frozenset()
+    given = frozenset(mods.given)
+    return given | {"sinks"} if sinks is not None else given
+
+
+def mask_kind(query_len: int, key_len: int, masks: Optional[AttentionMasks], spec: AttentionSpec) -> str:
+    """``"none"`` or ``"causal"`` where SDPA computes our masking from ``is_causal`` alone, else ``"other"``."""
+    if (masks is not None and not masks.unmasked) or spec.window is not None:
+        return "other"
+    if not spec.is_causal:
+        return "none"
+    return "causal" if not spec.bottom_right or query_len == key_len else "other"
+
+
+def decide(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods,
+           sinks: Optional[Tensor], needs_lse: bool, remember_as: Optional[tuple] = None) -> route.Decision:
+    """Who runs a dense attention call of checked arguments ``q [B, H, Lq, D]``, ``k, v [B, Hkv, Lk, D]``.
+    ``remember_as``: the caller's own key of the call, under which the decision and ``spec`` are kept
+    (``route.recall``)."""
+    if mods is NO_SCORE_MODS and sinks is None and masks.unmasked and not torch.compiler.is_compiling():
+        key = remember_as or ("attention", q.device, q.dtype, q.shape, k.shape[1], k.shape[2], spec,
+                              route.needs_grad(q, k, v), needs_lse, torch.are_deterministic_algorithms_enabled(),
+                              route.backend.get_backend())
+        return route.remembered(key, lambda: (call(q, k, v, masks, spec, mods, sinks, needs_lse), q.device), spec)
+    return route.choose(call(q, k, v, masks, spec, mods, sinks, needs_lse), q.device)
+
+
+def call(q: Tensor, k: Tensor, v: Tensor, masks: Optional[AttentionMasks], spec: AttentionSpec, mods: ScoreMods,
+         sinks: Optional[Tensor], needs_lse: bool, needs_grad: Optional[bool] = None,
+         device: Optional[torch.device] = None) -> route.Call:
+    """The ``route.Call`` of a dense call (``needs_grad`` None: from the tensors; ``device``: q's unless given)."""
+    device = q.device if device is None else device
+    cannot = ""
+    if min(q.shape[2], k.shape[2], q.shape[3]) == 0:
+        cannot = "empty dims"
+    elif spec.dropout_p > 0.0:
+        cannot = "dropout (SDPA's random mask is not our seed's)"
+    elif torch.compiler.is_compiling():
+        cannot = _TRACED
+    return route.Call("attention", route.device_tag(device), q.dtype, head_dim=q.shape[3],
+                      mask=mask_kind(q.shape[2], k.shape[2], masks, spec), dropout=spec.dropout_p > 0.0,
+                      size=route.size(k.shape[2]),
+                      needs_grad=route.needs_grad(q, k, v, sinks) if needs_grad is None else needs_grad,
+                      needs_lse=needs_lse, deterministic=torch.are_deterministic_algorithms_enabled(),
+                      needs=needs(mods, sinks), gqa=q.shape[1] != k.shape[1], torch_cannot=cannot)
+
+
+def decide_packed(op: str, q: Tensor, max_keys: int, mods: ScoreMods, sinks: Optional[Tensor],
+                  needs_grad: bool = False) -> route.Decision:
+    """Who runs ``attention_varlen`` or ``attention_with_kvcache`` (``op``) on queries ``q`` (head dim last)."""
+    return route.choose(route.Call(op, route.device_tag(q.device), q.dtype, head_dim=q.shape[-1],
+                                   size=route.size(max_keys), needs_grad=needs_grad, needs=needs(mods, sinks),
+                                   torch_cannot=_PACKED), q.device)
+
+
+def sdpa_door(q: Tensor, key_len: int, is_causal: bool, ours: str) -> route.Decision:
+    """Who runs a call of torch's SDPA / FlashAttention ops once our implementation is activated: ``ours`` (the
+    backend behind the door on this device) or ``"torch"``, the kernel the op had before. The forward and its
+    backward decide alike, from the shapes alone (the door cannot see whether autograd will differentiate)."""
+    return route.at_door(route.Call("attention", route.device_tag(q.device), q.dtype, door="sdpa",
+                                    head_dim=q.shape[-1], mask="causal" if is_causal else "none",
+                                    size=route.size(key_len),
+                                    deterministic=torch.are_deterministic_algorithms_enabled()), q.device, ours)
+
+
+# The rows measured on GPUs and at the SDPA door, newest first (``route.parse_rows``).
+MEASURED = """
+# H200, torch 2.11 + cuDNN 9.19, triton 3.6, bfloat16; bench --device cuda:0 --quick (16k tokens a batch, L 1024
+# and 4096): SDPA picks cuDNN. cuDNN's backward is taken as not deterministic until gpu-check measures it.
+attention     forward   sm90    bfloat16         64,128    none,causal  no       *           *               0.55-0.79  -          H200 bench --quick bdb1535 2026-11-28
+attention     training  sm90    bfloat16         64,128    none,causal  no       *           *               0.54-0.71  no         H200 bench --quick bdb1535 2026-11-28
+# CPU, at torch's SDPA door (its dispatcher in front of our kernel), against torch's CPU flash kernel, 2 threads,
+# B 2, H 8, D 64, register-tiled kernels (docs/integrations.md). The door decides a forward and its
+# backward alike from the shapes; where the two disagree the row keeps the forward's figure and the table in
+# docs/integrations.md gives both (float32 below 128 keys: training 0.47-1.09; bfloat16 causal 128-256: 1.29-1.82).
+# float16 was not measured: its rows are bfloat16's (both convert to float32 at the op boundary).
+attention     *         cpu     float32          *         none,causal  *        sdpa        0..128          0.34-0.91  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu     float32          *         none,causal  *        sdpa        128..           1.14-1.75  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu     bfloat16,float16 *         none,causal  *        sdpa        0..128          0.65-0.81  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu     bfloat16,float16 *         none         *        sdpa        128..724        1.09-1.87  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu     bfloat16,float16 *         none         *        sdpa        724..1448       0.93-0.96  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu     bfloat16,float16 *         none         *        sdpa        1448..          1.05-1.23  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu     bfloat16,float16 *         causal       *        sdpa        128..362        0.72-0.91  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu     bfloat16,float16 *         causal       *        sdpa        362..           1.11-1.50  -          CPU sdpa door fefb871 2026-12-06
+"""
