@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from fused_transformer import backend
-from fused_transformer.tools import bench, bench_cases, bench_plots, bench_summary, bench_work, provenance
+from fused_transformer import backend, ops
+from fused_transformer.ops.attention import cases as attention_cases
+from fused_transformer.tools import bench, bench_cases, bench_plots, bench_summary, provenance
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -159,25 +160,55 @@ def test_table_is_printed_as_it_goes(tmp_path, capsys):
     assert not list(tmp_path.glob("*.png"))
 
 
+def test_the_suites_are_the_ops_with_a_bench_then_the_modules():
+    """Registering an op with a bench puts its suite in bench (in registry order), with its lengths and words; those
+    timed in inference only come after decode_step."""
+    op_suites = [op.bench_suite for op in ops.registered() if op.bench_suite is not None]
+    assert {"attention", "decode", "layer_norm", "rms_norm", "feed_forward"} <= set(op_suites)
+    assert [suite for suite in bench_cases.SUITES if suite in op_suites] == sorted(
+        op_suites, key=lambda suite: "fwd+bwd" not in bench_cases.OP_SUITES[suite].bench_modes)
+    assert bench_cases.SUITES.index("decode") > bench_cases.SUITES.index("decode_step")
+    setup = bench_cases.Setup(torch.device("cpu"), torch.float32)
+    for suite in op_suites:
+        op = bench_cases.OP_SUITES[suite]
+        assert bench_cases.default_lengths(suite, setup.device, True) == op.lengths["cpu"][1]
+        assert bench_cases.describe(suite, setup) == op.describe(False)
+
+
+def test_case_ids_name_the_head_dim_where_a_suite_has_several():
+    setup = bench_cases.Setup(torch.device("cpu"), torch.float32)
+    attention = bench_cases.cases("attention", setup, [128])
+    assert attention[0].id == "attention-none-fwd-L128-D64" and attention[0].impls[:2] == ("sdpa", "ours")
+    assert bench_cases.cases("decode", setup, [512])[0].id == "decode-B1_H8/8-eval-L512"  # one head dim a device
+    assert len({case.id for case in attention}) == len(attention)
+    cuda = bench_cases.cases("attention", bench_cases.Setup(torch.device("cuda"), torch.bfloat16), [1024])
+    assert {case.id[-4:] for case in cuda} == {"-D64", "D128"} and len({case.id for case in cuda}) == len(cuda)
+    assert all(case.impls[1:3] == ("ours", "ours:triton") for case in cuda)
+    assert bench_cases.is_competitor("sdpa:math") and not bench_cases.is_competitor("torch")
+    assert bench_cases.is_competitor("flash_attn", "decode") and not bench_cases.is_competitor("xformers", "decode")
+    assert bench_cases.competitor_notes(setup.device, ["layer_norm"]) == []
+    assert any("sdpa backends" in note for note in bench_cases.competitor_notes(setup.device, ["attention"]))
+
+
 def test_attention_flops_count_the_attended_pairs():
-    full = bench_work.attention_flops(2, 3, 128, 64)
+    full = attention_cases.attention_flops(2, 3, 128, 64)
     assert full == 4 * 64 * 3 * 2 * 128 * 128
-    causal = bench_work.attention_flops(2, 3, 128, 64, causal=True)
+    causal = attention_cases.attention_flops(2, 3, 128, 64, causal=True)
     assert causal / full == pytest.approx(0.5, abs=0.01) and causal == 4 * 64 * 3 * 2 * 128 * 129 // 2
-    padded = bench_work.attention_flops(2, 3, 128, 64, kept=[32, 96])
+    padded = attention_cases.attention_flops(2, 3, 128, 64, kept=[32, 96])
     assert padded / full == 0.5
     # causal and padding: query i sees min(i + 1, kept) keys
-    both = bench_work.attention_flops(1, 1, 4, 1, causal=True, kept=[2])
+    both = attention_cases.attention_flops(1, 1, 4, 1, causal=True, kept=[2])
     assert both == 4 * (1 + 2 + 2 + 2)
-    assert bench_work.attention_flops(2, 3, 128, 64, backward=True) == 3.5 * full
+    assert attention_cases.attention_flops(2, 3, 128, 64, backward=True) == 3.5 * full
     with pytest.raises(ValueError):
-        bench_work.attention_flops(2, 3, 128, 64, kept=[128])
+        attention_cases.attention_flops(2, 3, 128, 64, kept=[128])
 
 
 def test_padding_ratio_and_other_counts():
-    kept = bench_work.kept_lengths(8, 128, 0.5)
-    assert kept[:2] == [32, 96] and bench_work.padding_ratio(kept, 128) == 0.5
-    assert bench_work.kept_lengths(3, 10, 0.0) == [10, 10, 10]
+    kept = attention_cases.kept_lengths(8, 128, 0.5)
+    assert kept[:2] == [32, 96] and attention_cases.padding_ratio(kept, 128) == 0.5
+    assert attention_cases.kept_lengths(3, 10, 0.0) == [10, 10, 10]
     from fused_transformer.ops import feed_forward, layer_norm
 
     assert feed_forward.flops(10, 4, 8) == 2 * 2 * 10 * 4 * 8

@@ -122,6 +122,10 @@ class Rivals:
         """Whether ``impl`` may refuse a case (left out of it with a note) rather than fail the run."""
         return False
 
+    def about(self, device: torch.device) -> List[str]:
+        """What bench prints before a run on ``device``: what the rivals are, which are left out and why."""
+        return []
+
 
 @dataclass
 class RivalCalls:

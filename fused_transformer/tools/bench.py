@@ -4,8 +4,8 @@
                                       [--dtype float32|float16|bfloat16] [--out DIR] [--min-time S]
                                       [--threads N] [--backend NAME] [--no-plots] [--no-progress]
 
-Runs the suites of ``fused_transformer.tools.bench_cases`` (attention, every registered op, encoder_layer,
-decoder_layer, decode_step, decode, module_call; all by default) and, only when named, ``overhead``
+Runs the suites of ``fused_transformer.tools.bench_cases`` (every registered op with a bench, encoder_layer,
+decoder_layer, decode_step, module_call; all by default) and, only when named, ``overhead``
 (``fused_transformer.tools.bench_overhead``: the host time of one call of each op and module on a tiny input) and
 ``variants`` (``fused_transformer.tools.bench_variants``: every variant of our kernels against the vendor's, the
 winners written to ``--variant-rows``, the rows the plans read), prints
@@ -93,7 +93,7 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str],
     for impl in case.impls:
         fn = built.fns[impl]
         try:
-            with _quiet(impl == "sdpa" or suites.is_competitor(impl)):
+            with _quiet(impl in built.quiet or suites.is_competitor(impl)):
                 # The first call warms up and tells whether this implementation takes the case at all. On CPU it
                 # is also the memory measurement (the slowest calls take seconds); on CUDA the first call of a
                 # new shape may autotune, so memory is measured on a second one.
@@ -117,7 +117,7 @@ def measure(case: Case, setup: Setup, min_time: float, failures: List[str],
     notes = built.notes
     counted = {impl: bench_overhead.launch_count(fn, setup.device) for impl, fn in accepted.items()} if overhead else {}
     try:
-        with _quiet(case.suite == "attention"):
+        with _quiet(bool(built.quiet)):
             times = (bench_overhead.host_ms if overhead else time_ms)(accepted, built.grads, setup.device, min_time)
         if overhead and profile_path is not None:
             bench_overhead.profile(case, accepted, setup.device, profile_path)
@@ -172,7 +172,7 @@ def _note(notes: Dict[str, str], setup: Setup, impl: str, routed: str = "") -> s
 
 @contextlib.contextmanager
 def _quiet(active: bool) -> Iterator[None]:
-    """SDPA warns about each backend that refuses a case: the table already says so."""
+    """SDPA warns about each backend that refuses a case: the table already says so (``Built.quiet``)."""
     with warnings.catch_warnings():
         if active:
             warnings.simplefilter("ignore", UserWarning)
@@ -332,7 +332,7 @@ def run(args: argparse.Namespace, command: Optional[List[str]] = None, recap: Op
     if setup.backend == "auto" and setup.device.type == "cpu" and ours != "cpu":
         print(f"WARNING: the C++ cpu backend is unavailable ({ft.backend.cpu_unavailable_reason()}); "
               "'ours' is the pure-PyTorch reference here")
-    for note in suites.competitor_notes(setup.device):
+    for note in suites.competitor_notes(setup.device, names):
         print(f"  {note}")
     timing = ("triton.testing.do_bench median" if setup.device.type == "cuda" else
               f"torch.utils.benchmark, the implementations of a case taking turns (at least {args.min_time:g} s "

@@ -3,14 +3,14 @@ the implementations compared in each, the work counted, and how time and memory 
 
 Suites (``SUITES``), each over sequence lengths:
 
-- ``attention``: ``ft.attention`` forward (under ``no_grad``) and forward+backward, no mask / causal / 50% key
-  padding (and causal + 50% padding on CUDA); head dim 64 on CPU (B 8, H 8), 64 and 128 on CUDA (16k tokens per
-  batch, 2048 / D heads). Against ``F.scaled_dot_product_attention`` with its default dispatch (the baseline,
-  ``sdpa``) and under each ``sdpa_kernel`` backend for this device (``sdpa:math``, ``sdpa:flash_attention``, and
-  on CUDA ``sdpa:efficient_attention``, ``sdpa:cudnn_attention``), plus ``flash_attn`` and ``xformers`` on CUDA
-  when installed. SDPA gets the padding as a boolean ``attn_mask`` (its only way to take it).
-- every registered op (``fused_transformer.ops``): the op's ``Op.bench`` examples, forward and forward+backward,
-  against its torch path (``Op.torch_path``: torch.nn's own ops computing the same result).
+- every registered op with a bench (``fused_transformer.ops``: ``Op.bench``, its suite ``Op.bench_suite``): the op's
+  examples in each of its ``Op.bench_modes`` (``fwd`` under ``no_grad``, ``fwd+bwd`` a call and its backward, ``eval``
+  under ``no_grad``), ours (the public function on the chosen backend, and ``ours:triton`` on CUDA under ``auto``)
+  against its baseline (``Op.baseline``: its torch path, or the call its rivals prepare, as SDPA given its masks in
+  its own form) and its rivals (``Op.rivals``: SDPA's backends, FlashAttention, xFormers where the op has them,
+  prepared outside the timed calls). The op says what its suite runs (``Op.describe``), at which lengths
+  (``Op.lengths``) and what a case counts (``Op.work``). The ops timed with their backward come first; those timed
+  in inference only (attention's decoding step, ``decode``) after the ``decode_step`` suite.
 - ``encoder_layer`` / ``decoder_layer``: ``ft.TransformerEncoderLayer`` / ``TransformerDecoderLayer`` against the
   ``torch.nn`` layer holding the same weights (dropout 0.1, batch_first, post-norm); a training step (forward +
   backward) and an eval forward under ``no_grad`` (torch.nn then takes its fast path), without padding and
@@ -21,61 +21,52 @@ Suites (``SUITES``), each over sequence lengths:
   (``fused_transformer.models``, d 256, 3 + 3 layers, 8 heads, ff 512) against its torch.nn twin on the same
   weights, after a prefix of L - 1 target tokens over a source of L tokens; tokens/s counts one token per
   sequence.
-- ``decode``: one decoding step of ``ft.attention_with_kvcache`` (append the new key and value to a contiguous cache
-  of L - 1 keys, attend with one query per sequence; the lengths on the host, as SDPA's slice takes them, so that
-  no call waits for the GPU) against SDPA on the same cache after the same write, and
-  ``flash_attn_with_kvcache`` on CUDA when installed; batch 1, 8, 32 (and 128 on CUDA), 8 KV heads with 8 or 32
-  query heads. GB/s counts the cache read (keys and values), its fraction of the GPU's peak in ``bw_of_peak``.
 - ``module_call``: one call of ``ft.LayerNorm``, ``MultiheadAttention`` (``need_weights=False``), and the encoder and
   decoder layers on a tiny input (batch 2, L 4, d_model 32, 4 heads, d_ff 64), eval under ``no_grad`` and a training
   step, against the ``torch.nn`` module with the same weights: at this size the time is almost all per-call Python
   and dispatch overhead, which a one-token decoding step or a small-batch model pays on every module.
 
-The attention suite also runs batch 1, 1 head (``B1H1 causal``): one (batch, head) pair, whose backward must
-still use every thread; and causal ALiBi (``causal+alibi``, the paper's slopes): ours in the kernel, SDPA with the
-bias materialised as a float mask ``[1, H, L, L]`` (built outside the timed call), FlashAttention with its slopes.
-
 "ours" runs on the ``auto`` backend: the C++ kernels for CPU tensors, Triton for CUDA tensors.
 
-Padding: sequences alternately keep ``1 - 3p/2`` and ``1 - p/2`` of their keys (p = 0.5: a quarter and three
-quarters), right-padded, so a padding ratio p removes the fraction p of the keys of a batch.
+Padding (the layers' and attention's): sequences alternately keep ``1 - 3p/2`` and ``1 - p/2`` of their keys (p =
+0.5: a quarter and three quarters), right-padded, so a padding ratio p removes the fraction p of the keys of a batch
+(``fused_transformer.ops.attention.cases.kept_lengths``).
 
-Work counted: ``bench_work`` (FLOPs and bytes a case needs, whatever the implementation).
-
-Time and peak memory: ``bench_timing``.
+Work counted: the op's ``Op.work``; rates from it in ``bench_work``. Time and peak memory: ``bench_timing``.
 """
 from __future__ import annotations
 
 import functools
-import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fused_transformer as ft
 from fused_transformer import ops
-from fused_transformer.tools.bench_work import attention_flops, kept_lengths, padding_ratio
+from fused_transformer.ops.attention.cases import kept_lengths, padding_ratio
 
-SUITES = ("attention", *ops.names(), "encoder_layer", "decoder_layer", "decode_step", "decode", "module_call")
+# suite -> the op it times, in the order the ops registered; the suites of the ops timed with their backward
+OP_SUITES: Dict[str, ops.Op] = {op.bench_suite: op for op in ops.registered() if op.bench_suite is not None}
+TRAINED = tuple(suite for suite, op in OP_SUITES.items() if "fwd+bwd" in op.bench_modes)
+SUITES = (*TRAINED, "encoder_layer", "decoder_layer", "decode_step",
+          *(suite for suite in OP_SUITES if suite not in TRAINED), "module_call")
 DROPOUT = 0.1
-GPU_ATTENTION_TOKENS = 16384  # tokens per batch on CUDA: batch = 16384 // L (at least 2)
+# "ours" as a user calls it (on "auto", routed to torch's path where the route table measured it faster), and on CUDA
+# under "auto" "ours:triton", our kernel whatever the route.
+OURS = ("ours", "ours:triton")
 
-# Default sequence lengths: (device type, suite) -> (full, --quick); a registered op's are its ``Op.lengths``.
+# Default sequence lengths of the module suites: (device type, suite) -> (full, --quick); an op's are its
+# ``Op.lengths``.
 LENGTHS = {
-    ("cpu", "attention"): ((128, 256, 512, 1024, 2048), (128, 512)),
     ("cpu", "encoder_layer"): ((128, 256, 512), (128,)),
     ("cpu", "decoder_layer"): ((128, 256, 512), (128,)),
     ("cpu", "decode_step"): ((16, 64, 128), (16,)),
-    ("cpu", "decode"): ((512, 2048), (512,)),
     ("cpu", "module_call"): ((4,), (4,)),
-    ("cuda", "attention"): ((512, 1024, 2048, 4096, 8192, 16384), (1024, 4096)),
     ("cuda", "encoder_layer"): ((512, 1024, 2048, 4096), (1024, 4096)),
     ("cuda", "decoder_layer"): ((512, 1024, 2048, 4096), (1024, 4096)),
     ("cuda", "decode_step"): ((64, 256, 1024), (256,)),
-    ("cuda", "decode"): ((512, 2048, 8192, 32768), (2048, 8192)),
     ("cuda", "module_call"): ((4,), (4,)),
 }
 
@@ -96,6 +87,9 @@ class Built:
     fns: Dict[str, Callable[[], object]]
     grads: List[Tensor] = field(default_factory=list)
     notes: Dict[str, str] = field(default_factory=dict)  # impl -> a remark for the CSV's note column
+    # The implementations whose UserWarnings are silenced: SDPA warns about each backend that refuses a case, which the
+    # table already says.
+    quiet: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,7 +98,7 @@ class Case:
 
     suite: str
     case: str  # mask or shape label, e.g. "causal", "pad50%", "d1024"
-    mode: str  # "fwd", "fwd+bwd" (ops), "train", "eval" (layers)
+    mode: str  # "fwd", "fwd+bwd", "eval" (ops: ``Op.bench_modes``), "train", "eval" (layers)
     seq_len: int
     batch: int
     impls: Tuple[str, ...]  # the baseline first
@@ -118,6 +112,7 @@ class Case:
     flops: Optional[float] = None  # work counted, for TFLOP/s
     nbytes: Optional[float] = None  # bytes counted, for GB/s
     new_tokens: Optional[int] = None  # tokens a call produces, when not batch * seq_len (a decoding step)
+    by_head_dim: bool = False  # the suite's cases differ by head dim too (``keyed_by_head_dim``): the id says it
 
     @property
     def baseline(self) -> str:
@@ -129,55 +124,8 @@ class Case:
 
     @property
     def id(self) -> str:
-        head_dim = f"-D{self.head_dim}" if self.suite == "attention" else ""
+        head_dim = f"-D{self.head_dim}" if self.by_head_dim else ""
         return f"{self.suite}-{self.case.replace(' ', '_')}-{self.mode}-L{self.seq_len}{head_dim}"
-
-
-# ------------------------------------------------------------------------------------------- competitors
-
-
-def sdpa_backends(device: torch.device) -> Dict[str, object]:
-    """``sdpa:<name>`` -> ``SDPBackend`` for the backends SDPA has on this device type."""
-    from torch.nn.attention import SDPBackend
-
-    names = ("math", "flash_attention") if device.type == "cpu" else (
-        "flash_attention", "efficient_attention", "cudnn_attention", "math")
-    return {f"sdpa:{name}": SDPBackend.__members__[name.upper()] for name in names}
-
-
-def sdpa_dispatch(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool) -> Optional[str]:
-    """The backend SDPA's default dispatch picks for these inputs (a private torch function: None if absent)."""
-    try:
-        choice = int(torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, causal))
-        from torch.nn.attention import SDPBackend
-
-        return next(name.lower() for name, member in SDPBackend.__members__.items() if int(member.value) == choice)
-    except Exception:  # noqa: BLE001 (private API: any failure only loses a note)
-        return None
-
-
-@functools.lru_cache(maxsize=None)
-def third_party(name: str) -> Optional[object]:
-    """The flash_attn / xformers.ops module, or None when it is not installed."""
-    try:
-        return importlib.import_module({"flash_attn": "flash_attn", "xformers": "xformers.ops"}[name])
-    except ImportError:
-        return None
-
-
-def competitor_notes(device: torch.device) -> List[str]:
-    """What is measured against, and what is left out and why: to print loudly before a run."""
-    notes = [f"sdpa backends tried: {', '.join(name[5:] for name in sdpa_backends(device))} "
-             "(a backend that refuses a case is left out of it, and the table says so)"]
-    if device.type != "cuda":
-        notes.append("flash_attn, xformers: CUDA only, not measured on this device")
-        return notes
-    for name, pip in (("flash_attn", "flash-attn"), ("xformers", "xformers")):
-        if third_party(name) is None:
-            notes.append(f"{name}: NOT INSTALLED, its rows are left out (pip install {pip})")
-        else:
-            notes.append(f"{name}: measured without padding (padding needs its varlen API, not measured here)")
-    return notes
 
 
 # --------------------------------------------------------------------------------------------- builders
@@ -218,131 +166,75 @@ def _padding_mask(kept: Sequence[int], length: int, device: torch.device) -> Ten
     return torch.arange(length, device=device)[None, :] >= torch.tensor(list(kept), device=device)[:, None]
 
 
-def alibi_slopes(heads: int, device: torch.device) -> Tensor:
-    """The ALiBi paper's slopes for ``heads`` heads (a power of two): ``2^(-8 (h + 1) / heads)``."""
-    return torch.pow(2.0, -8.0 * torch.arange(1, heads + 1, dtype=torch.float32, device=device) / heads)
+# ------------------------------------------------------------------------------------------------ the ops
 
 
-def _build_attention(setup: Setup, impls: Tuple[str, ...], batch: int, heads: int, length: int, head_dim: int,
-                     causal: bool, kept: Optional[List[int]], backward: bool, alibi: bool = False) -> Built:
-    torch.manual_seed(0)
-    q, k, v = (_randn(setup, batch, heads, length, head_dim, grad=backward) for _ in range(3))
-    grad = _randn(setup, batch, heads, length, head_dim)
-    key_padding = _padding_mask(kept, length, setup.device) if kept is not None else None
-    sdpa_mask = slopes = None
-    if key_padding is not None:
-        sdpa_mask = ~key_padding[:, None, None, :]
-        if causal:
-            sdpa_mask = sdpa_mask & torch.ones(length, length, dtype=torch.bool, device=setup.device).tril()
-    if alibi:
-        # SDPA takes ALiBi only as a float bias [1, H, L, L], built here outside the timed call (ours: in the kernel).
-        slopes = alibi_slopes(heads, setup.device)
-        positions = torch.arange(length, device=setup.device)
-        distance = (positions[:, None] - positions[None, :]).abs().to(q.dtype)
-        sdpa_mask = -slopes.to(q.dtype)[:, None, None] * distance
-        if causal:
-            sdpa_mask = sdpa_mask.masked_fill(positions[None, :] > positions[:, None], float("-inf"))
-        sdpa_mask = sdpa_mask[None]
-
-    def sdpa() -> Tensor:
-        if sdpa_mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    def under(backend: object) -> Callable[[], Tensor]:
-        def run() -> Tensor:
-            from torch.nn.attention import sdpa_kernel
-
-            with sdpa_kernel([backend]):
-                return sdpa()
-        return run
-
-    def ours() -> Tensor:
-        return ft.attention(q, k, v, key_padding_mask=key_padding, is_causal=causal, alibi_slopes=slopes)
-
-    # "ours" as a user calls it (on "auto", routed to SDPA where the route table measured it faster); "ours:triton"
-    # our kernel whatever the route.
-    calls: Dict[str, Callable[[], Tensor]] = {"sdpa": sdpa, "ours": _on_backend(setup.backend, ours),
-                                              "ours:triton": _on_backend("triton", ours)}
-    calls.update({name: under(backend) for name, backend in sdpa_backends(setup.device).items()})
-    grads = [q, k, v]
-    if "flash_attn" in impls or "xformers" in impls:
-        # Both take [B, L, H, D]: transposed copies made here, outside the timed call.
-        qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_(backward) for t in (q, k, v))
-        grad_t = grad.transpose(1, 2).contiguous()
-        grads += [qt, kt, vt]
-        if "flash_attn" in impls:
-            calls["flash_attn"] = lambda: third_party("flash_attn").flash_attn_func(qt, kt, vt, causal=causal,
-                                                                                    alibi_slopes=slopes)
-        if "xformers" in impls:
-            xops = third_party("xformers")
-            calls["xformers"] = lambda: xops.memory_efficient_attention(
-                qt, kt, vt, attn_bias=xops.LowerTriangularMask() if causal else None)
-    fns = {}
-    for name in impls:
-        out_grad = grad_t if name in ("flash_attn", "xformers") else grad
-        fns[name] = _forward_backward(calls[name], out_grad) if backward else _forward(calls[name])
-    dispatch = sdpa_dispatch(q, k, v, sdpa_mask, causal and sdpa_mask is None)
-    return Built(fns, grads, {"sdpa": f"dispatch {dispatch}"} if dispatch else {})
-
-
-def attention_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
-    gpu = setup.device.type == "cuda"
-    masks = [("none", False, 0.0), ("causal", True, 0.0), ("pad50%", False, 0.5)]
-    if gpu:
-        masks.append(("causal+pad50%", True, 0.5))
-    for head_dim in (64, 128) if gpu else (64,):
-        for mask, causal, padding in masks + [("B1H1 causal", True, 0.0), ("causal+alibi", True, 0.0)]:
-            alibi = mask.endswith("alibi")
-            impls = ("sdpa", "ours", *sdpa_backends(setup.device))
-            if gpu and setup.backend == "auto":
-                impls += ("ours:triton",)
-            if gpu and padding == 0.0:
-                # xFormers has no ALiBi of its own (a materialised bias, as SDPA's), FlashAttention does.
-                impls += tuple(name for name in ("flash_attn", "xformers") if third_party(name) is not None
-                               and not (alibi and name == "xformers"))
-            for mode in ("fwd", "fwd+bwd"):
-                for length in lengths:
-                    batch, heads = (max(GPU_ATTENTION_TOKENS // length, 2), 2048 // head_dim) if gpu else (8, 8)
-                    if mask.startswith("B1H1"):
-                        batch, heads = 1, 1
-                    kept = kept_lengths(batch, length, padding)
-                    backward = mode == "fwd+bwd"
-                    yield Case(
-                        "attention", mask, mode, length, batch, impls, heads=heads, head_dim=head_dim,
-                        d_model=heads * head_dim, causal=causal, padding=padding_ratio(kept, length),
-                        flops=attention_flops(batch, heads, length, head_dim, causal=causal, kept=kept,
-                                              backward=backward),
-                        build=functools.partial(_build_attention, setup, impls, batch, heads, length, head_dim,
-                                                causal, kept if padding else None, backward, alibi),
-                    )
-
-
-def _build_op(setup: Setup, op: ops.Op, example: ops.Example, backward: bool) -> Built:
-    """A registered op's example: ours (its public function) against its torch path, on the same tensors."""
+def _build_op(setup: Setup, op: ops.Op, example: ops.Example, impls: Tuple[str, ...], backward: bool) -> Built:
+    """An op's example: ours (its public function) against its baseline and rivals, on the same tensors."""
     torch.manual_seed(0)
     tensors = example.draw(lambda *shape, scale=1.0: _randn(setup, *shape, scale=scale))
-    leaves = [t.requires_grad_(backward) for t in tensors.values() if t is not None]
-    calls = {"torch": lambda: op.torch_path(**tensors, **example.options),
-             "ours": _on_backend(setup.backend, lambda: op.function(**tensors, **example.options))}
+    tensors = {name: t.float() if name in op.float32 and t is not None and t.is_floating_point() else t
+               for name, t in tensors.items()}
+    leaves = [t.requires_grad_(backward) for t in op.differentiated(tensors)]
+    rival_calls = op.rivals.calls(example, tensors, [name for name in impls if name not in OURS + (op.baseline,)],
+                                  backward)
+
+    def ours() -> object:
+        return op.function(**tensors, **example.options)
+
+    calls = {op.baseline: rival_calls.calls.get(op.baseline, lambda: op.torch_path(**tensors, **example.options)),
+             "ours": _on_backend(setup.backend, ours), "ours:triton": _on_backend("triton", ours),
+             **{name: call for name, call in rival_calls.calls.items() if name != op.baseline}}
+    leaves += rival_calls.leaves
+    built = Built({}, leaves, dict(rival_calls.notes), tuple(rival_calls.calls))
     if not backward:
-        return Built({name: _forward(fn) for name, fn in calls.items()}, leaves)
-    grad = torch.randn_like(calls["torch"]())
-    return Built({name: _forward_backward(fn, grad) for name, fn in calls.items()}, leaves)
+        built.fns = {name: _forward(calls[name]) for name in impls}
+        return built
+    with torch.no_grad():
+        grad = torch.randn_like(calls[op.baseline]())
+    for name in impls:
+        made = rival_calls.grads.get(name)
+        built.fns[name] = _forward_backward(calls[name], made(grad) if made is not None else grad)
+    return built
+
+
+@functools.lru_cache(maxsize=None)
+def keyed_by_head_dim(suite: str) -> bool:
+    """Whether ``suite``'s cases differ by head dim too: an op's whose examples hold several head dims on a device
+    (attention's, 64 and 128 on CUDA). Its case ids and gpu-check's tables show the head dim, on every device alike."""
+    op = OP_SUITES.get(suite)
+    if op is None:
+        return False
+    for kind in ("cpu", "cuda"):
+        lengths = op.lengths[kind][1] if kind in op.lengths else (128,)
+        if len({example.shape.get("head_dim") for example in op.bench(kind == "cuda", lengths)}) > 1:
+            return True
+    return False
 
 
 def op_cases(op: ops.Op, setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
-    """A registered op's bench cases (``Op.bench``), forward and forward + backward."""
-    examples = op.bench(setup.device.type == "cuda", lengths)
-    for label in dict.fromkeys(example.label for example in examples):
-        for mode in ("fwd", "fwd+bwd"):
-            for example in (e for e in examples if e.label == label):
+    """An op's bench cases (``Op.bench``) in each of its modes (``Op.bench_modes``), by label (and head dim)."""
+    gpu = setup.device.type == "cuda"
+    suite, by_head_dim = op.bench_suite, keyed_by_head_dim(op.bench_suite)
+    examples = op.bench(gpu, lengths)
+    groups = dict.fromkeys((example.label, example.shape.get("head_dim")) for example in examples)
+    for key in groups:
+        for mode in op.bench_modes:
+            for example in (e for e in examples if (e.label, e.shape.get("head_dim")) == key):
                 backward = mode == "fwd+bwd"
+                impls = (op.baseline, *(OURS if gpu and setup.backend == "auto" else OURS[:1]),
+                         *op.rivals.names(example, setup.device))
                 shape = example.shape
                 work = op.work(example, setup.dtype.itemsize, backward)
-                yield Case(op.name, label, mode, shape["seq_len"], shape["batch"], ("torch", "ours"),
-                           d_model=shape.get("d_model"), d_ff=shape.get("d_ff"), flops=work.flops,
-                           nbytes=work.nbytes, build=functools.partial(_build_op, setup, op, example, backward))
+                yield Case(suite, example.label, mode, shape["seq_len"], shape["batch"], impls,
+                           heads=shape.get("heads"), head_dim=shape.get("head_dim"), d_model=shape.get("d_model"),
+                           d_ff=shape.get("d_ff"), causal=bool(shape.get("causal", False)),
+                           padding=shape.get("padding", 0.0), flops=work.flops, nbytes=work.nbytes,
+                           new_tokens=shape.get("tokens"), by_head_dim=by_head_dim,
+                           build=functools.partial(_build_op, setup, op, example, impls, backward))
+
+
+# --------------------------------------------------------------------------------------------- the layers
 
 
 def _build_layer(setup: Setup, decoder: bool, batch: int, length: int, d_model: int, heads: int, d_ff: int,
@@ -443,53 +335,6 @@ def decode_step_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
                    build=functools.partial(_build_decode_step, setup, batch, length))
 
 
-DECODE_HEADS = ((8, 8), (32, 8))  # (query heads, KV heads): plain and grouped-query, head dim 64 (128 on CUDA)
-
-
-def _build_decode(setup: Setup, impls: Tuple[str, ...], batch: int, length: int, heads: int, kv_heads: int,
-                  head_dim: int) -> Built:
-    """One decoding step on a contiguous cache holding ``length - 1`` keys: append the new key and value, then attend
-    with one query per sequence. SDPA gets the same cache, written with the same new key, sliced to ``length``."""
-    torch.manual_seed(0)
-    k_cache, v_cache = (_randn(setup, batch, length, kv_heads, head_dim) for _ in range(2))
-    q = _randn(setup, batch, 1, heads, head_dim)
-    k_new, v_new = (_randn(setup, batch, 1, kv_heads, head_dim) for _ in range(2))
-    lengths = torch.full((batch,), length - 1, dtype=torch.int32, device=setup.device)
-    host_lengths = lengths.cpu()  # ours checks the lengths it is given on the host without waiting for the GPU
-
-    def sdpa() -> Tensor:
-        k_cache[:, length - 1:] = k_new
-        v_cache[:, length - 1:] = v_new
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                                              enable_gqa=heads != kv_heads).transpose(1, 2)
-
-    calls: Dict[str, Callable[[], Tensor]] = {
-        "sdpa": sdpa,
-        "ours": _on_backend(setup.backend, lambda: ft.attention_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=host_lengths, k_new=k_new, v_new=v_new)),
-    }
-    if "flash_attn" in impls:
-        calls["flash_attn"] = lambda: third_party("flash_attn").flash_attn_with_kvcache(
-            q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths, causal=True)
-    return Built({name: _forward(calls[name]) for name in impls})
-
-
-def decode_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
-    gpu = setup.device.type == "cuda"
-    head_dim = 128 if gpu else 64
-    impls = ("sdpa", "ours")
-    if gpu and third_party("flash_attn") is not None:
-        impls += ("flash_attn",)
-    for batch in (1, 8, 32, 128) if gpu else (1, 8, 32):
-        for heads, kv_heads in DECODE_HEADS:
-            for length in lengths:
-                cache_bytes = 2.0 * batch * length * kv_heads * head_dim * setup.dtype.itemsize
-                yield Case("decode", f"B{batch} H{heads}/{kv_heads}", "eval", length, batch, impls, heads=heads,
-                           head_dim=head_dim, causal=True, new_tokens=batch, nbytes=cache_bytes,
-                           build=functools.partial(_build_decode, setup, impls, batch, length, heads, kv_heads,
-                                                   head_dim))
-
-
 MODULE_CALL_SHAPE = dict(batch=2, d_model=32, heads=4, d_ff=64)
 MODULE_CALL_MODULES = {  # case label -> the class, in torch.nn and in fused_transformer
     "LayerNorm": "LayerNorm", "MHA": "MultiheadAttention", "encoder layer": "TransformerEncoderLayer",
@@ -550,12 +395,10 @@ def module_call_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
 
 
 CASES: Dict[str, Callable[[Setup, Sequence[int]], Iterator[Case]]] = {
-    "attention": attention_cases,
-    **{op.name: functools.partial(op_cases, op) for op in ops.registered()},
+    **{suite: functools.partial(op_cases, op) for suite, op in OP_SUITES.items()},
     "encoder_layer": functools.partial(_layer_cases, decoder=False),
     "decoder_layer": functools.partial(_layer_cases, decoder=True),
     "decode_step": decode_step_cases,
-    "decode": decode_cases,
     "module_call": module_call_cases,
 }
 
@@ -563,20 +406,12 @@ CASES: Dict[str, Callable[[Setup, Sequence[int]], Iterator[Case]]] = {
 def describe(suite: str, setup: Setup) -> str:
     """The shapes a suite runs on this device, in words (for the table's header)."""
     gpu = setup.device.type == "cuda"
-    if suite == "attention":
-        if gpu:
-            return (f"batch {GPU_ATTENTION_TOKENS} / L (at least 2), 2048 / D heads, D 64 and 128, "
-                    f"dropout 0")
-        return "batch 8, 8 heads, D 64, dropout 0"
-    if suite in ops.names():
-        return ops.get(suite).describe(gpu)
+    if suite in OP_SUITES:
+        return OP_SUITES[suite].describe(gpu)
     if suite == "module_call":
         shape = MODULE_CALL_SHAPE
         return (f"batch {shape['batch']}, d_model {shape['d_model']}, {shape['heads']} heads, d_ff {shape['d_ff']}, "
                 f"dropout {DROPOUT}: one call of a module on a tiny input, its per-call overhead")
-    if suite == "decode":
-        return (f"one decoding step (1 query per sequence, the new key appended first) on a contiguous cache of L "
-                f"keys, head dim {128 if gpu else 64}, KV heads 8, query heads 8 and 32; GB/s counts the cache read")
     if suite == "decode_step":
         return ("batch 32, Seq2Seq d 256, 3 + 3 layers, 8 heads, ff 512, one cached token per sequence after L - 1, "
                 "source L")
@@ -587,7 +422,7 @@ def describe(suite: str, setup: Setup) -> str:
 
 def default_lengths(suite: str, device: torch.device, quick: bool) -> Tuple[int, ...]:
     kind = "cuda" if device.type == "cuda" else "cpu"
-    full, short = ops.get(suite).lengths[kind] if suite in ops.names() else LENGTHS[(kind, suite)]
+    full, short = OP_SUITES[suite].lengths[kind] if suite in OP_SUITES else LENGTHS[(kind, suite)]
     return short if quick else full
 
 
@@ -598,6 +433,15 @@ def cases(suite: str, setup: Setup, lengths: Optional[Sequence[int]] = None, qui
     return list(CASES[suite](setup, lengths or default_lengths(suite, setup.device, quick)))
 
 
-def is_competitor(impl: str) -> bool:
-    """Implementations allowed to refuse a case (left out of it with a note) rather than fail the run."""
-    return impl.startswith("sdpa:") or impl in ("flash_attn", "xformers")
+def is_competitor(impl: str, suite: Optional[str] = None) -> bool:
+    """Whether ``impl`` may refuse a case (left out of it with a note) rather than fail the run: a rival of an op
+    (of ``suite``'s op when given) that says so (``Rivals.may_refuse``)."""
+    found = OP_SUITES.values() if suite is None else [OP_SUITES[suite]] if suite in OP_SUITES else []
+    return any(op.rivals.may_refuse(impl) for op in found)
+
+
+def competitor_notes(device: torch.device, suites: Optional[Sequence[str]] = None) -> List[str]:
+    """What the ops of ``suites`` (default: every op's) are measured against, and what is left out and why
+    (``Rivals.about``): to print loudly before a run."""
+    found = [op for suite, op in OP_SUITES.items() if suites is None or suite in suites]
+    return list(dict.fromkeys(note for op in found for note in op.rivals.about(device)))

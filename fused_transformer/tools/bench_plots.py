@@ -1,24 +1,22 @@
 """The figures ``python -m fused_transformer bench`` writes: throughput and peak memory against the sequence
-length, one panel per case and mode, one line per implementation; for a suite measured at one length (as
-``module_call``, which times calls of small modules), bars per case instead, one panel per mode."""
+length, one panel per case and mode (and head dim, where the suite's rows have several), one line per
+implementation; for a suite measured at one length (as ``module_call``, which times calls of small modules), bars per
+case instead, one panel per mode."""
 from __future__ import annotations
 
 import os
 from typing import Dict, List, Sequence, Tuple
 
-from fused_transformer import ops
-from fused_transformer.tools.bench_cases import Setup
+from fused_transformer.tools.bench_cases import OP_SUITES, Setup
 from fused_transformer.tools.bench_work import finite
 
 Row = Dict[str, object]
 
-THROUGHPUT = {  # suite -> (CSV column, axis label); a registered op's is its ``Op.throughput``
-    "attention": ("tflops", "TFLOP/s (attended pairs counted)"),
-    **{op.name: op.throughput for op in ops.registered()},
+THROUGHPUT = {  # suite -> (CSV column, axis label); an op's is its ``Op.throughput``
+    **{suite: op.throughput for suite, op in OP_SUITES.items()},
     "encoder_layer": ("tokens_per_s", "tokens/s"),
     "decoder_layer": ("tokens_per_s", "tokens/s"),
     "decode_step": ("tokens_per_s", "tokens/s"),
-    "decode": ("gb_per_s", "GB/s of cache read"),
     "module_call": ("tokens_per_s", "tokens/s"),
 }
 MEMORY_AXIS = {
@@ -48,8 +46,8 @@ def suite_figures(rows: Sequence[Row], suite: str, setup: Setup) -> List[Tuple[s
     lengths = sorted({r["seq_len"] for r in rows})
     if len(lengths) == 1:
         return _bar_figures(rows, suite, setup)
-    head_dims = {r["head_dim"] for r in rows}
-    row_keys = list(dict.fromkeys(_panel_row(r, len(head_dims) > 1 and suite == "attention") for r in rows))
+    by_head_dim = len({r["head_dim"] for r in rows if r["head_dim"]}) > 1  # a row of panels per mode and head dim
+    row_keys = list(dict.fromkeys(_panel_row(r, by_head_dim) for r in rows))
     col_keys = list(dict.fromkeys(r["case"] for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     colors = {impl: "black" if impl == "ours" else f"C{i}" for i, impl in enumerate(impls)}
@@ -61,8 +59,7 @@ def suite_figures(rows: Sequence[Row], suite: str, setup: Setup) -> List[Tuple[s
         for i, row_key in enumerate(row_keys):
             for j, col_key in enumerate(col_keys):
                 ax = axes[i][j]
-                panel = [r for r in rows if r["case"] == col_key and
-                         _panel_row(r, len(head_dims) > 1 and suite == "attention") == row_key]
+                panel = [r for r in rows if r["case"] == col_key and _panel_row(r, by_head_dim) == row_key]
                 for impl in impls:
                     points = sorted((r["seq_len"], r[column]) for r in panel if r["impl"] == impl
                                     and finite(r[column]) and (kind == "throughput" or r[column] > 0))

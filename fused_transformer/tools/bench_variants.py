@@ -38,8 +38,8 @@ from torch import Tensor
 from fused_transformer import ops
 from fused_transformer.kernels import variants
 from fused_transformer.kernels.variants import VariantRow
+from fused_transformer.ops.attention.cases import attention_flops
 from fused_transformer.tools.bench_cases import Built, Case, Setup, _forward, _forward_backward
-from fused_transformer.tools.bench_work import attention_flops
 
 SUITE = "variants"
 PREFIX = "variant:"

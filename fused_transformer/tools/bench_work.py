@@ -1,15 +1,13 @@
-"""The work a benchmark case needs, whatever the implementation.
+"""The rates of a benchmark case: its counted work over each implementation's time.
 
-Work counted is the work actually needed: attention (``attention_flops``) counts ``4 * D`` FLOPs per (query, key)
-pair a query may attend, so causal (top-left) counts ``L (L + 1) / 2`` pairs per head (about half) and padding
-counts only the kept keys; forward+backward is 3.5x the forward (the backward does five matmuls to the forward's
-two). A registered op counts its own (``Op.work``: FLOPs of its products, or the bytes it must move). Every
-implementation of a case divides the same count by its own time.
+Work counted is the work actually needed, whatever the implementation: each op counts its own (``Op.work``: the FLOPs
+of its products, the (query, key) pairs attention attends (``fused_transformer.ops.attention.cases.attention_flops``),
+or the bytes it must move). Every implementation of a case divides the same count by its own time.
 """
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -18,41 +16,6 @@ PEAK_BANDWIDTH_GBPS = {
     "H100 PCIe": 2000.0, "H100": 3350.0, "H200": 4800.0, "A100-SXM4-80GB": 2039.0, "A100": 1555.0,
     "L40S": 864.0, "RTX 4090": 1008.0, "A10G": 600.0,
 }
-
-
-def kept_lengths(batch: int, length: int, padding: float) -> List[int]:
-    """Keys kept per sequence for a padding ratio p: alternately ``1 - p - s`` and ``1 - p + s`` of ``length``,
-    ``s = min(p, 1 - p) / 2``."""
-    if not 0.0 <= padding < 1.0:
-        raise ValueError(f"padding={padding} must be in [0, 1)")
-    spread = min(padding, 1.0 - padding) / 2
-    fractions = (1.0 - padding - spread, 1.0 - padding + spread)
-    return [max(1, round(length * fractions[b % 2])) for b in range(batch)]
-
-
-def padding_ratio(kept: Sequence[int], length: int) -> float:
-    return 1.0 - sum(kept) / (len(kept) * length)
-
-
-def attention_pairs(q_len: int, kept: int, causal: bool) -> int:
-    """(query, key) pairs one head attends: every query sees ``kept`` keys, or with a top-left causal mask
-    query ``i`` sees ``min(i + 1, kept)``."""
-    if not causal:
-        return q_len * kept
-    if kept >= q_len:
-        return q_len * (q_len + 1) // 2
-    return kept * (kept + 1) // 2 + (q_len - kept) * kept
-
-
-def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int, *, causal: bool = False,
-                    kept: Optional[Sequence[int]] = None, backward: bool = False) -> float:
-    """FLOPs attention needs: ``4 * head_dim`` per attended (query, key) pair (``q kᵀ`` and ``p v``), summed over
-    the batch's key lengths ``kept`` (default: no padding); 3.5x that with the backward."""
-    kept = [seq_len] * batch if kept is None else kept
-    if len(kept) != batch:
-        raise ValueError(f"kept has {len(kept)} entries for batch {batch}")
-    pairs = sum(attention_pairs(seq_len, k, causal) for k in kept)
-    return 4.0 * head_dim * heads * pairs * (3.5 if backward else 1.0)
 
 
 def peak_bandwidth_gbps(device: torch.device) -> Optional[float]:

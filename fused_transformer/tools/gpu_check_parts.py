@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from fused_transformer import ops
+from fused_transformer.tools import bench_cases
 from fused_transformer.tools.provenance import PACKAGE_ROOT
 
 PARTS = ("variants", "tests", "check", "bench", "graphs")
@@ -74,8 +75,10 @@ GPU_TEST_FILES = (
 # (FUSED_TRANSFORMER_DIRECT_LAUNCH=0): the path launch_kernel falls back to where a launcher does not fit its call.
 PUBLIC_LAUNCH_TEST_FILES = tuple(f for f in GPU_TEST_FILES if f.endswith("_triton.py"))
 PUBLIC_LAUNCH_MIN_S = 60.0  # less left of the part's limit: that run is left out, and the record says so
-# overhead first: its fixed tiny shapes take seconds, and a part stopped by its limit keeps the rows it measured.
-BENCH_SUITES = ("overhead", "attention", *ops.names(), "encoder_layer")
+# overhead first: its fixed tiny shapes take seconds, and a part stopped by its limit keeps the rows it measured. Then
+# the ops timed with their backward (bench_cases.TRAINED: those timed in inference only are left to bench) and the
+# encoder layer.
+BENCH_SUITES = ("overhead", *bench_cases.TRAINED, "encoder_layer")
 BENCH_LENGTHS = (1024, 4096)  # bench --quick's on CUDA; with less time, the longest are kept
 # Estimates for an H100 / H200 (docs/gpu-check.md: to be confirmed by a GPU run): the start (imports, CUDA, compiling
 # the kernels that the parts before left out of Triton's cache), then per length 184 timed implementations
@@ -481,11 +484,13 @@ def ratio_medians(shapes: Sequence[dict]) -> List[dict]:
 
 
 def competitor_status(rows: Sequence[Mapping[str, str]], installed: Mapping[str, bool]) -> Dict[str, str]:
-    """flash_attn / xformers: measured, refused, or why there are no rows (said, not silently left out)."""
-    if not any(row["suite"] == "attention" for row in rows):
-        return {}
+    """flash_attn / xformers, where a suite measured is an op's they may rival (``bench_cases.is_competitor``):
+    measured, refused, or why there are no rows (said, not silently left out)."""
+    suites = {row["suite"] for row in rows}
     status = {}
     for name in COMPETITORS:
+        if not any(bench_cases.is_competitor(name, suite) for suite in suites):
+            continue
         mine = [row for row in rows if row["impl"] == name]
         if any(_number(row["ms"]) is not None for row in mine):
             status[name] = f"measured on {sum(_number(row['ms']) is not None for row in mine)} shapes"

@@ -7,6 +7,7 @@ import json
 import os
 from typing import Callable, Dict, List, Mapping, Optional
 
+from fused_transformer.tools import bench_cases
 from fused_transformer.tools.gpu_check_parts import (
     FAILED, NOT_RUN, PARTS, PASSED, TIMED_OUT, read_record, record_path,
 )
@@ -203,7 +204,7 @@ def _bench_details(figures: Mapping[str, object]) -> List[str]:
         suites.setdefault(shape["suite"], []).append(shape)
     for suite, shapes in suites.items():
         impls = list(dict.fromkeys(impl for shape in shapes for impl in shape["impls"]))
-        head_dim = suite == "attention"
+        head_dim = bench_cases.keyed_by_head_dim(suite)  # a column of its own where the cases differ by it
         lines += ["", f"### {suite} ({shapes[0]['dtype']})", "",
                   "| case | mode | L |" + (" D |" if head_dim else "") + " ours ms | ours throughput |"
                   + "".join(f" vs {impl} |" for impl in impls),
