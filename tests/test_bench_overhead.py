@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import fused_transformer as ft
+from fused_transformer import ops
 from fused_transformer.tools import bench, bench_cases, bench_overhead
 
 
@@ -41,7 +42,8 @@ def test_every_op_is_timed_against_thin_and_torch_and_every_module_against_torch
     expected.update({(name, mode): {"torch.nn", "ours"}
                      for name in bench_overhead.MODULES for mode in ("eval", "train")})
     assert impls == expected
-    assert {("attention", "fwd+bwd"), ("attention_varlen", "fwd"), ("attention_with_kvcache", "fwd"),
+    assert {("attention", "fwd+bwd"), ("attention (key padding)", "fwd+bwd"), ("attention_varlen", "fwd"),
+            ("attention_with_kvcache", "fwd"),
             ("layer_norm", "fwd+bwd"), ("feed_forward", "fwd+bwd"), ("TransformerDecoderLayer", "train")} <= set(impls)
 
 
@@ -107,6 +109,26 @@ def test_the_profiles_say_where_each_cases_host_time_goes(overhead_run):
         assert "Self CPU time total" in section
     attention = sections[expected.index("attention fwd+bwd: ours")]
     assert "attention_bwd (kernels/attention/bwd.py" in attention and "aten::" in attention
+
+
+class _Prepared(ops.Rivals):
+    def calls(self, example, tensors, names, backward):
+        return ops.RivalCalls({"prepared": lambda: tensors["x"] * 3, "other": lambda: None})
+
+
+@pytest.mark.parametrize("rivals", [ops.Rivals(), _Prepared()])
+@pytest.mark.parametrize("backward", [False, True])
+def test_an_ops_calls_are_its_records(rivals, backward):
+    """torch: the baseline its rivals prepare, else its torch path; ours: its function; thin and the backward over the
+    tensors it differentiates (not its constants), which alone require a gradient."""
+    example = ops.Example("tiny", lambda draw: {"x": draw(2, 3), "bias": draw(3), "lengths": torch.tensor([1, 2])})
+    op = ops.Op("probe", lambda x, bias, lengths: x + bias, lambda x, bias, lengths: x * 2, "", ("out",),
+                constants=("bias",), baseline="prepared", rivals=rivals)
+    setup = bench_cases.Setup(torch.device("cpu"), torch.float32, "triton")
+    inputs, calls = bench_overhead._op_calls(op, example, setup, backward)
+    [x] = inputs
+    assert x.shape == (2, 3) and x.requires_grad == backward and set(calls) == {"torch", "ours"}
+    torch.testing.assert_close(calls["torch"](), x * (3 if isinstance(rivals, _Prepared) else 2))
 
 
 def test_a_failing_profile_is_said_in_the_file_and_raises_nothing(tmp_path):

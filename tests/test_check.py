@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fused_transformer import __main__ as cli
+from fused_transformer import ops
 from fused_transformer.tools import check, check_cases, numerics, resolve_device
 
 DEVICE = resolve_device()  # what `check` picks by default
@@ -110,6 +111,49 @@ def test_filters_select_a_slice(capsys):
     # the full grid has more cases and all three dtypes
     full = check_cases.build_cases(DEVICE, ["attention"])
     assert len(full) > len(quick_attention) and {c.label for c in quick_attention} <= {c.label for c in full}
+
+
+def test_the_ops_come_from_the_registry_with_their_labels():
+    assert check_cases.OPS == tuple(op.name for op in ops.registered() if op.check)
+    labels = [(case.op, case.label) for case in check_cases.build_cases(DEVICE, ["attention", "attention_weights"])]
+    assert labels[0] == ("attention", "B2 H2/1 L33x47 D64 causal-br+padding")
+    assert ("attention_weights", "B2 H2/1 L33x47 D64 causal-br+padding (with its lse)") in labels
+
+
+def _probe_op(**fields):
+    """An op over every kind of argument: ``x`` and ``sinks`` differentiated (``sinks`` float32), a bool mask, a float
+    bias, float32 slopes and integer lengths as constants. Its function records what it was given."""
+    seen = {}
+
+    def probe(x, mask, bias, slopes, lengths, sinks, scale):
+        seen.update({n: (t.dtype, t.requires_grad) for n, t in
+                     dict(x=x, mask=mask, bias=bias, slopes=slopes, lengths=lengths, sinks=sinks).items()})
+        return x * scale + sinks.sum().to(x.dtype), x + bias
+
+    example = ops.Example("probe", lambda draw: {
+        "x": draw(3, 4), "mask": draw(3, 4) > 0, "bias": draw(4), "slopes": draw(2),
+        "lengths": torch.tensor([3, 1], dtype=torch.int32), "sinks": draw(2)}, {"scale": 2.0}, quick=True)
+    op = ops.Op("probe", probe, None, "", ("out", "shifted"), check=(example,), reference=probe,
+                constants=("mask", "bias", "slopes", "lengths"), float32=("slopes", "sinks"), **fields)
+    return op, seen
+
+
+def test_an_ops_cases_cast_and_differentiate_its_arguments_as_its_record_says():
+    op, seen = _probe_op()
+    [case] = check_cases._op_cases(op, DEVICE)
+    results = case.run(torch.bfloat16, False)
+    assert list(results) == ["out", "shifted", "dx", "dsinks"]  # the constants get no gradient
+    assert seen == {"x": (torch.bfloat16, True), "mask": (torch.bool, False), "bias": (torch.bfloat16, False),
+                    "slopes": (torch.float32, False), "lengths": (torch.int32, False), "sinks": (torch.float32, True)}
+    case.run(torch.bfloat16, True)  # the oracle: float64 after the rounding, the float32 ones too
+    assert {n: dtype for n, (dtype, _) in seen.items()} == {
+        "x": torch.float64, "mask": torch.bool, "bias": torch.float64, "slopes": torch.float64,
+        "lengths": torch.int32, "sinks": torch.float64}
+
+    op, seen = _probe_op(differentiable=False)
+    [case] = check_cases._op_cases(op, DEVICE)
+    assert list(case.run(torch.float32, False)) == ["out", "shifted"]  # outputs only
+    assert not any(grad for _, grad in seen.values())
 
 
 @pytest.mark.parametrize("args, choices", [

@@ -1,8 +1,10 @@
 """The house of the ops (``fused_transformer.ops``): every registered op reaches every tool, its call path from the
 public function to a Triton launch stays short, ``ft.explain()`` says who ran each call, and an op's name stays in a
 handful of code files."""
+import ast
 import inspect
 import os
+import re
 import shutil
 import subprocess
 
@@ -19,19 +21,48 @@ MAX_FRAMES = 5
 REGISTERED = ops.names()
 
 
+# Checked through another entry (the weights from attention's LSE): its function and oracle run the pair.
+THROUGH_ANOTHER = {"attention_weights"}
+
+
 def test_every_op_module_registers_and_every_tool_lists_it():
-    assert {"layer_norm", "rms_norm", "feed_forward"} <= set(REGISTERED)
+    """Each tool lists every registered op that gives it something to run (``check``: ``Op.check``; bench: its suite;
+    the overhead suite: ``Op.overhead``, the first call named as the op, its targets; ``tune``: ``Op.tune``), and no
+    other; every op reaches at least one tool."""
+    assert {"attention", "attention_weights", "attention_varlen", "attention_with_kvcache", "layer_norm", "rms_norm",
+            "feed_forward"} <= set(REGISTERED)
     for name in REGISTERED:
         op = ops.get(name)
-        assert name in check_cases.CHECKS and name in bench_cases.SUITES and name in route.op_names()
-        assert any(key[0] == name for key in bench_overhead.TARGETS), name
-        assert op.check and any(example.quick for example in op.check), name
-        assert ft.reference.__getattr__(name) is op.reference
-        assert getattr(ft, name) is op.function is getattr(ft.functional, name)
+        assert name in route.op_names()
+        assert getattr(ft, name) is getattr(ft.functional, name)
+        if name not in THROUGH_ANOTHER:
+            assert getattr(ft, name) is op.function
+            assert op.reference is None or ft.reference.__getattr__(name) is op.reference
+        assert op.check or op.bench or op.overhead or op.tune("cpu", torch.float32, True), name
+        assert (name in check_cases.CHECKS) == bool(op.check), name
+        assert not op.check or any(example.quick for example in op.check), name
+        assert op.bench_suite is None or op.bench_suite in bench_cases.SUITES, name
+        overhead = [case for case, (case_op, _) in bench_overhead.OP_CASES.items() if case_op is op]
+        assert overhead == [name, *(f"{name} ({example.label})" for example in op.overhead[1:])][:len(op.overhead)]
+        assert all(bench_overhead.OPS[case] == tuple(op.overhead_target) for case in overhead), name
+        assert {mode for key, mode in bench_overhead.TARGETS if key == name} == (
+            {mode for mode, target in op.overhead_target.items() if target is not None} if op.overhead else set())
         groups = [g for g in tune._groups(torch.device("cpu"), quick=True) if g.op == name]
-        assert groups and all(size > 0 for g in groups for size, _ in g.examples), name
+        assert bool(groups) == bool(op.tune("cpu", torch.float32, True)), name
+        assert all(size > 0 for g in groups for size, _ in g.examples), name
     with pytest.raises(ValueError, match="is not an op"):
         ops.get("no_such_op")
+
+
+def test_no_tool_names_an_op():
+    """The tools read the registry: none of their strings starts with an op's name."""
+    from fused_transformer.tools import check
+
+    for module in (check, check_cases, tune, bench_overhead):
+        strings = [node.value for node in ast.walk(ast.parse(inspect.getsource(module)))
+                   if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+        named = [s for s in strings if re.match(r"\w+", s) and re.match(r"\w+", s).group(0) in REGISTERED]
+        assert not named, (module.__name__, named)
 
 
 def test_a_backend_without_an_ops_launchers_does_not_compute_it():

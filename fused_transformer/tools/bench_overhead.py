@@ -1,25 +1,27 @@
 """``python -m fused_transformer bench --suite overhead``: the host time of one call of every public op and module on a
 tiny input, that is, the Python and dispatch overhead we add to each call.
 
-Cases (``cases``), on batch 2, 2 heads, L 8, head dim 16, d_model 32, d_ff 64:
+Cases (``cases``):
 
-- ops: ``ft.attention`` forward (under ``no_grad``) and forward+backward, without a mask and with a key padding mask
-  (the second sequence's last 3 keys; SDPA takes it as a bool mask made before the calls); ``ft.attention_varlen``
-  forward (two packed sequences of 8 and 5 tokens); ``ft.attention_with_kvcache``, one decoding step (one new key
-  and value appended to a contiguous cache holding 7, one query per sequence, the lengths on the host);
-  then every registered op (``fused_transformer.ops``) on its ``Op.overhead`` example (with dropout where the op
-  has it: without, ATen runs the norms and the feed-forward), forward and forward+backward.
+- ops: every registered op (``fused_transformer.ops``) on the tiny calls of its ``Op.overhead`` (batch 2, L 8, 2
+  heads of 16, d_model 32, d_ff 64 as the op takes them; a mask, packed sequences or a decoding step are calls of
+  their own), the first case named as the op and the others ``op (label)``, in the modes of its
+  ``Op.overhead_target``: forward (under ``no_grad``) and, where listed, forward+backward. An op with dropout runs it
+  here (without, ATen runs the norms and the feed-forward).
 - modules: ``ft.LayerNorm``, ``ft.MultiheadAttention`` (``need_weights=False``), ``ft.TransformerEncoderLayer`` and
-  ``ft.TransformerDecoderLayer`` (dropout 0.1, batch_first), an eval call under ``no_grad`` and a training step.
+  ``ft.TransformerDecoderLayer`` on batch 2, L 8, d_model 32, 2 heads, d_ff 64 (dropout 0.1, batch_first), an eval
+  call under ``no_grad`` and a training step.
 
-Each op is measured three ways in the same run: ``torch``, torch's own equivalent (SDPA, on the cache after the same
-write for the decoding step and with a block-diagonal mask for the packed sequences; a registered op's
-``Op.torch_path``); ``thin``, ``ThinFunction``, an autograd Function over the op's
-input tensors that only allocates its output and, in backward, the gradients: the least a fused op can cost on the
-host (an op whose launches include torch's own gives a thin of its own, ``Op.overhead_thin``, which makes those too:
-the feed-forward's products); and ``ours``. Modules are measured against the ``torch.nn`` module holding the same weights. The figures that
-matter are ours / thin (``TARGETS``) and ours / torch; forward+backward and training steps take the gradients with
-``torch.autograd.grad``, so that no ``.grad`` has to be reset between calls.
+Each op is measured three ways in the same run: ``torch``, torch's own equivalent: the op's baseline as its rivals
+prepare it where they do (``Op.rivals``, ``Op.baseline``: SDPA with its masks made before the timed calls, a
+block-diagonal one for packed sequences, on the cache after the same write for a decoding step), else
+``Op.torch_path``; ``thin``, ``ThinFunction``, an autograd Function over the tensors the op differentiates
+(``Op.differentiated``) that only allocates its output and, in backward, the gradients: the least a fused op can cost
+on the host (an op whose launches include torch's own gives a thin of its own, ``Op.overhead_thin``, which makes
+those too: the feed-forward's products); and ``ours``, the op's function. Modules are measured against the
+``torch.nn`` module holding the same weights. The figures that matter are ours / thin (``TARGETS``: each op's
+``Op.overhead_target`` for its first call) and ours / torch; forward+backward and training steps take the gradients
+with ``torch.autograd.grad``, so that no ``.grad`` has to be reset between calls.
 
 Launches (``launch_count``, ``tools/launches.py``): the device launches of one call of each implementation (Triton
 kernels, C++ kernels, ATen ops that compute), counted apart from the timing; the CSV's ``launches`` column.
@@ -44,7 +46,6 @@ import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 import fused_transformer as ft
@@ -53,18 +54,22 @@ from fused_transformer.tools.bench_cases import Built, Case, Setup, module_calls
 from fused_transformer.tools.launches import cpu_draws_as_on_a_gpu
 
 SUITE = "overhead"
-BATCH, HEADS, SEQ_LEN, HEAD_DIM, D_MODEL, D_FF = 2, 2, 8, 16, 32, 64
-VARLEN_LENGTHS = (8, 5)  # the packed sequences of attention_varlen
-KEY_PADDING = "attention (key padding)"  # ft.attention with a key padding mask: the keys past VARLEN_LENGTHS
-ATTENTION_OPS = {  # op -> its modes; then every registered op's (``Op.overhead``), forward and forward+backward
-    "attention": ("fwd", "fwd+bwd"), KEY_PADDING: ("fwd", "fwd+bwd"), "attention_varlen": ("fwd",),
-    "attention_with_kvcache": ("fwd",),
-}
-OPS = {**ATTENTION_OPS, **{op.name: tuple(op.overhead_target) for op in ops.registered()}}
+BATCH, HEADS, SEQ_LEN, HEAD_DIM, D_MODEL, D_FF = 2, 2, 8, 16, 32, 64  # the modules' (the ops' are their examples')
+
+
+def _op_cases() -> Dict[str, Tuple[ops.Op, ops.Example]]:
+    """Case name -> (op, example) for every registered op's ``Op.overhead``: the first named as the op, the others
+    ``op (label)``."""
+    return {op.name if i == 0 else f"{op.name} ({example.label})": (op, example)
+            for op in ops.registered() for i, example in enumerate(op.overhead)}
+
+
+OP_CASES = _op_cases()
+OPS = {case: tuple(op.overhead_target) for case, (op, _) in OP_CASES.items()}  # case -> its modes
 MODULES = ("LayerNorm", "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer")
-# The targets for ours / thin (CPU, launches skipped): (op, mode) -> the largest ratio allowed.
-TARGETS = {("attention", "fwd"): 2.5, ("attention", "fwd+bwd"): 2.5,
-           **{(op.name, mode): target for op in ops.registered() for mode, target in op.overhead_target.items()}}
+# The targets for ours / thin (CPU, launches skipped), of each op's first call: (op, mode) -> the largest ratio allowed.
+TARGETS = {(op.name, mode): target for op in ops.registered() if op.overhead
+           for mode, target in op.overhead_target.items() if target is not None}
 WARMUP_CALLS = 3
 MIN_CALLS = 5  # per block
 BLOCKS = 5
@@ -244,74 +249,29 @@ def _randn(setup: Setup, *shape: int, grad: bool = False) -> Tensor:
     return torch.randn(*shape, device=setup.device, dtype=setup.dtype).requires_grad_(grad)
 
 
-def _attention(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
-    q, k, v = (_randn(setup, BATCH, HEADS, SEQ_LEN, HEAD_DIM, grad=grad) for _ in range(3))
-    return [q, k, v], {"torch": lambda: F.scaled_dot_product_attention(q, k, v),
-                       "ours": lambda: ft.attention(q, k, v)}
-
-
-def _attention_key_padding(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
-    q, k, v = (_randn(setup, BATCH, HEADS, SEQ_LEN, HEAD_DIM, grad=grad) for _ in range(3))
-    padding = torch.arange(SEQ_LEN, device=setup.device) >= torch.tensor(VARLEN_LENGTHS, device=setup.device)[:, None]
-    allowed = ~padding[:, None, None, :]
-    return [q, k, v], {"torch": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
-                       "ours": lambda: ft.attention(q, k, v, key_padding_mask=padding)}
-
-
-def _attention_varlen(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
-    tokens = sum(VARLEN_LENGTHS)
-    q, k, v = (_randn(setup, tokens, HEADS, HEAD_DIM, grad=grad) for _ in range(3))
-    lengths = torch.tensor(VARLEN_LENGTHS, device=setup.device)
-    cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    sequence = torch.repeat_interleave(torch.arange(len(VARLEN_LENGTHS), device=setup.device), lengths)
-    same_sequence = sequence[:, None] == sequence[None, :]  # SDPA's one call over the packed tokens
-
-    def sdpa() -> Tensor:
-        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                              attn_mask=same_sequence).transpose(0, 1)
-
-    longest = max(VARLEN_LENGTHS)
-    return [q, k, v, cu_seqlens], {
-        "torch": sdpa, "ours": lambda: ft.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, longest, longest)}
-
-
-def _attention_with_kvcache(setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
-    k_cache, v_cache = (_randn(setup, BATCH, SEQ_LEN, HEADS, HEAD_DIM) for _ in range(2))
-    q, k_new, v_new = (_randn(setup, BATCH, 1, HEADS, HEAD_DIM) for _ in range(3))
-    cached = torch.full((BATCH,), SEQ_LEN - 1, dtype=torch.int32, device=setup.device)
-
-    def sdpa() -> Tensor:
-        k_cache[:, SEQ_LEN - 1:] = k_new
-        v_cache[:, SEQ_LEN - 1:] = v_new
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2),
-                                              v_cache.transpose(1, 2)).transpose(1, 2)
-
-    on_host = cached.cpu()  # checked there without waiting for the GPU
-    return [q, k_cache, v_cache, cached, k_new, v_new], {"torch": sdpa, "ours": lambda: ft.attention_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens=on_host, k_new=k_new, v_new=v_new)}
-
-
-def _registered(op: ops.Op, setup: Setup, grad: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
-    example = op.overhead
+def _op_calls(op: ops.Op, example: ops.Example, setup: Setup,
+              backward: bool) -> Tuple[List[Tensor], Dict[str, Callable[[], Tensor]]]:
+    """The tensors ``example`` differentiates (``Op.differentiated``: requiring a gradient for the backward) and the
+    calls on them: ``torch``, the op's baseline as its rivals prepare it (a mask it takes in another form made here,
+    outside the timed call), else ``Op.torch_path``; ``ours``, the op's function; ``thin`` where the op has its own
+    (``Op.overhead_thin``)."""
     tensors = example.draw(lambda *shape, scale=1.0: _randn(setup, *shape) * scale)
-    calls = {"torch": lambda: op.torch_path(**tensors, **example.options),
+    tensors = {name: t.float() if name in op.float32 and t is not None and t.is_floating_point() else t
+               for name, t in tensors.items()}
+    inputs = [t.requires_grad_(backward) for t in op.differentiated(tensors)]
+    prepared = op.rivals.calls(example, tensors, (), backward).calls.get(op.baseline)
+    calls = {"torch": prepared or (lambda: op.torch_path(**tensors, **example.options)),
              "ours": lambda: op.function(**tensors, **example.options)}
     if op.overhead_thin is not None:
         calls["thin"] = lambda: op.overhead_thin(**tensors)
-    return [t.requires_grad_(grad) for t in tensors.values() if t is not None], calls
+    return inputs, calls
 
 
-OP_INPUTS = {
-    "attention": _attention, KEY_PADDING: _attention_key_padding, "attention_varlen": _attention_varlen,
-    "attention_with_kvcache": _attention_with_kvcache,
-    **{op.name: functools.partial(_registered, op) for op in ops.registered()},
-}
-
-
-def _build_op(setup: Setup, op: str, backward: bool) -> Built:
+def _build_op(setup: Setup, case: str, backward: bool) -> Built:
     """torch, thin and ours on the same inputs; thin's output is shaped as its first input, ours as torch's."""
     torch.manual_seed(0)
-    inputs, calls = OP_INPUTS[op](setup, backward)
+    op, example = OP_CASES[case]
+    inputs, calls = _op_calls(op, example, setup, backward)
     thin = calls.get("thin", lambda: ThinFunction.apply(*inputs))
     calls = {"torch": calls["torch"], "thin": thin, "ours": calls["ours"]}
     if not backward:
@@ -331,16 +291,14 @@ def _build_module(setup: Setup, name: str, train: bool) -> Built:
 def cases(setup: Setup) -> List[Case]:
     """Every case of the suite: the ops (torch, thin, ours), then the modules (torch.nn, ours)."""
     found = []
-    for op, modes in OPS.items():
-        attention = op in ATTENTION_OPS
-        shape = {} if attention else ops.get(op).overhead.shape
-        for mode in modes:
+    for case, (op, example) in OP_CASES.items():
+        shape = example.shape
+        for mode in op.overhead_target:
             found.append(Case(
-                SUITE, op, mode, SEQ_LEN, BATCH, ("torch", "thin", "ours"),
-                heads=HEADS if attention else None, head_dim=HEAD_DIM if attention else None,
-                d_model=shape.get("d_model"), d_ff=shape.get("d_ff"),
-                new_tokens={"attention_varlen": sum(VARLEN_LENGTHS), "attention_with_kvcache": BATCH}.get(op),
-                build=functools.partial(_build_op, setup, op, mode == "fwd+bwd")))
+                SUITE, case, mode, shape["seq_len"], shape["batch"], ("torch", "thin", "ours"),
+                heads=shape.get("heads"), head_dim=shape.get("head_dim"), d_model=shape.get("d_model"),
+                d_ff=shape.get("d_ff"), new_tokens=shape.get("tokens"),
+                build=functools.partial(_build_op, setup, case, mode == "fwd+bwd")))
     for name in MODULES:
         for mode in ("eval", "train"):
             found.append(Case(

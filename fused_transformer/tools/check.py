@@ -143,15 +143,8 @@ def _routes(device: torch.device) -> str:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with ft.use_backend("auto"):
         ours = backend.current(device, dtype)
-    tag = route.device_tag(device)
-    calls = {"attention": route.Call("attention", tag, dtype, head_dim=64, size=1024, needs_grad=True),
-             "attention causal": route.Call("attention", tag, dtype, head_dim=64, mask="causal", size=1024,
-                                            needs_grad=True),
-             "attention padded": route.Call("attention", tag, dtype, head_dim=64, mask="other", size=1024,
-                                            needs_grad=True)}
-    for op in ops.registered():
-        for example in op.route_examples:
-            calls[f"{op.name} {example.label}".strip()] = op.route_call(example, device, dtype)
+    calls = {f"{op.name} {example.label}".strip(): op.route_call(example, device, dtype)
+             for op in ops.registered() for example in op.route_examples}
     return "; ".join(f"{name} -> {route.decide_for(call, device, 'auto', ours).backend} "
                      f"({route.decide_for(call, device, 'auto', ours).reason})" for name, call in calls.items())
 

@@ -1,16 +1,17 @@
 """The grid of ``python -m fused_transformer check``: every op and module on fixed random inputs.
 
-A case runs one op (its output and the gradient of every input) or one module (its output, the attention
-weights where it returns them, the gradients of its inputs and of every parameter) in one precision, from the
-inputs rounded to that precision, or in float64 after that rounding (the oracle). Everything is drawn at random
-from seeds derived from the case's label (never zeros; module biases and LayerNorm weights are perturbed off
-their 0 / 1 initialisation); modules run in eval mode with dropout 0.
+A case runs one op (its outputs and the gradient of every input it differentiates, none for an op whose check
+takes none) or one module (its output, the attention weights where it returns them, the gradients of its inputs
+and of every parameter) in one precision, from the inputs rounded to that precision, or in float64 after that
+rounding (the oracle); an op's ``Op.float32`` arguments stay float32 (float64 for the oracle), masks and integer
+tensors as they are. Everything is drawn at random from seeds derived from the case's label (never zeros; module
+biases and LayerNorm weights are perturbed off their 0 / 1 initialisation); modules run in eval mode with dropout 0.
 
-``--quick`` takes a small-shape subset that still runs every op and module, in float32 and bfloat16; the full
-grid adds float16 and the shapes and masks of ``ATTENTION_GRID``, every registered op's ``Op.check`` and the
-module builders below. Modules use GELU: through relu, a last-bit difference upstream flips the mask of a
-pre-activation near 0 and changes gradients by O(1) in PyTorch's own low-precision run as much as in a
-kernel's.
+The ops are the registry's (``fused_transformer.ops``): every registered op with a grid (``Op.check``), none named
+here. ``--quick`` takes a small-shape subset that still runs every op and module, in float32 and bfloat16; the full
+grid adds float16, the rest of each op's ``Op.check`` and the module builders below. Modules use GELU: through
+relu, a last-bit difference upstream flips the mask of a pre-activation near 0 and changes gradients by O(1) in
+PyTorch's own low-precision run as much as in a kernel's.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from fused_transformer.tools.numerics import outputs_and_grads
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 QUICK_DTYPES = ("float32", "bfloat16")
-OPS = ("attention", "attention_weights", *registry.names())  # then every registered op (fused_transformer.ops)
+OPS = tuple(op.name for op in registry.registered() if op.check)  # every registered op with a grid (Op.check)
 MODULES = ("MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "Transformer")
 CHECKS = OPS + MODULES
 
@@ -84,133 +85,40 @@ def _padding(lengths: Sequence[int], length: int, device: torch.device) -> Tenso
     return (torch.arange(length)[None, :] >= torch.tensor(lengths)[:, None]).to(device)
 
 
-# Arguments that stay float32 in every precision (float64 for the oracle): the ALiBi slopes and the sinks.
-FLOAT32_ARGUMENTS = ("alibi_slopes", "sinks")
-
-
-def _attention_masks(kind: str, rng: _Random, b: int, h: int, lq: int, lk: int) -> Dict[str, object]:
-    """The functional ``attention`` mask (and score modifier) arguments for ``kind``, a '+'-joined list of names."""
-    kwargs: Dict[str, object] = {}
-    for part in kind.split("+"):
-        if part == "softcap":
-            kwargs["softcap"] = 2.0
-        elif part == "alibi":  # per batch and head
-            kwargs["alibi_slopes"] = rng.rand(b, h) * 0.5
-        elif part == "sinks":  # differentiated, as an input
-            kwargs["sinks"] = rng.randn(h, scale=2.0)
-        elif part == "causal":
-            kwargs["is_causal"] = True
-        elif part == "causal-br":
-            kwargs.update(is_causal=True, causal_alignment="bottom_right")
-        elif part == "padding":
-            kwargs["key_padding_mask"] = _padding([lk - 3 * i * lk // 10 for i in range(b)], lk, rng.device)
-        elif part == "holes":  # a key padding mask that is not right-padded: the kernels cannot skip it
-            holes = rng.rand(b, lk) < 0.25
-            holes[:, 0] = False
-            kwargs["key_padding_mask"] = holes
-        elif part == "bool":  # True = may attend; broadcast over heads
-            keep = rng.rand(b, 1, lq, lk) > 0.3
-            keep[..., 0] = True
-            kwargs["attn_mask"] = keep
-        elif part == "float":  # added to the scores, some -inf; broadcast over batch and heads
-            bias = rng.randn(lq, lk)
-            blocked = rng.rand(lq, lk) < 0.1
-            blocked[:, 0] = False
-            kwargs["attn_mask"] = bias.masked_fill(blocked, float("-inf"))
-        elif part != "none":
-            raise ValueError(f"unknown mask {part!r}")
-    return kwargs
-
-
-# (quick, B, H, H_kv, Lq, Lk, D, masks)
-ATTENTION_GRID = [
-    (True, 2, 2, 1, 33, 47, 64, "causal-br+padding"),
-    (True, 1, 2, 2, 47, 33, 48, "bool"),
-    (True, 1, 2, 2, 31, 31, 64, "causal+float"),
-    (False, 2, 4, 2, 77, 130, 64, "none"),
-    (False, 2, 4, 2, 77, 130, 64, "causal"),
-    (False, 2, 4, 2, 77, 130, 64, "causal-br+padding"),
-    (False, 2, 4, 2, 77, 130, 64, "bool"),
-    (False, 2, 4, 2, 77, 130, 64, "float"),
-    (False, 2, 3, 3, 130, 77, 48, "causal-br"),  # Lq > Lk: the first 53 queries see no key (zeros)
-    (False, 2, 3, 1, 63, 63, 48, "holes+float"),
-    (True, 2, 4, 2, 33, 47, 64, "causal-br+padding+softcap+alibi+sinks"),
-    (False, 2, 4, 2, 77, 130, 64, "causal+softcap+alibi+sinks"),
-]
-ATTENTION_WEIGHTS_GRID = [
-    (True, 2, 2, 1, 33, 47, 64, "causal-br+padding"),
-    (False, 2, 4, 2, 77, 130, 64, "causal-br+padding"),
-    (False, 2, 3, 3, 63, 63, 48, "float"),
-]
-
-
-def _attention_label(b: int, h: int, hkv: int, lq: int, lk: int, d: int, masks: str) -> str:
-    return f"B{b} H{h}/{hkv} L{lq}x{lk} D{d} {masks}"
-
-
-def _cast_argument(cast: Callable[[Tensor], Tensor], name: str, value: object, exact: bool) -> object:
-    """A mask or score argument in the case's precision; the float32 ones in float32 (float64 for the oracle)."""
-    if not isinstance(value, Tensor):
-        return value
-    if name in FLOAT32_ARGUMENTS:
-        return value.to(torch.float32).to(torch.float64 if exact else torch.float32)
-    return cast(value)
-
-
-def _attention_cases(device: torch.device) -> List[Case]:
-    cases = []
-    for quick, b, h, hkv, lq, lk, d, masks in ATTENTION_GRID:
-        label = _attention_label(b, h, hkv, lq, lk, d, masks)
-        rng = _Random("attention " + label, device)
-        inputs = {"q": rng.randn(b, h, lq, d), "k": rng.randn(b, hkv, lk, d), "v": rng.randn(b, hkv, lk, d)}
-        dout, mask_args = rng.randn(b, h, lq, d), _attention_masks(masks, rng, b, h, lq, lk)
-        if "sinks" in mask_args:
-            inputs["sinks"] = mask_args.pop("sinks")
-
-        def run(dtype, exact, inputs=inputs, dout=dout, mask_args=mask_args):
-            cast = _caster(dtype, exact)
-            kwargs = {n: _cast_argument(cast, n, t, exact) for n, t in mask_args.items()}
-            differentiated = {n: _cast_argument(cast, n, t, exact) for n, t in inputs.items()}
-            (out,), grads = outputs_and_grads(lambda **qkv: ft.attention(**qkv, **kwargs), differentiated, [cast(dout)])
-            return {"out": out, **{f"d{n}": g for n, g in grads.items()}}
-
-        cases.append(Case("attention", label, quick, run))
-    return cases
-
-
-def _attention_weights_cases(device: torch.device) -> List[Case]:
-    cases = []
-    for quick, b, h, hkv, lq, lk, d, masks in ATTENTION_WEIGHTS_GRID:
-        label = _attention_label(b, h, hkv, lq, lk, d, masks)
-        rng = _Random("attention_weights " + label, device)
-        q, k, v = rng.randn(b, h, lq, d), rng.randn(b, hkv, lk, d), rng.randn(b, hkv, lk, d)
-        mask_args = _attention_masks(masks, rng, b, h, lq, lk)
-
-        def run(dtype, exact, q=q, k=k, v=v, mask_args=mask_args):
-            cast = _caster(dtype, exact)
-            kwargs = {n: cast(t) if isinstance(t, Tensor) else t for n, t in mask_args.items()}
-            out, lse = ft.attention(cast(q), cast(k), cast(v), return_lse=True, **kwargs)
-            return {"weights": ft.attention_weights(cast(q), cast(k), lse, **kwargs), "lse": lse, "out": out}
-
-        cases.append(Case("attention_weights", f"{label} (with its lse)", quick, run))
-    return cases
+def _in_precision(op: registry.Op, cast: Callable[[Tensor], Tensor], exact: bool,
+                  tensors: Dict[str, Optional[Tensor]]) -> Dict[str, Optional[Tensor]]:
+    """An example's tensors in the case's precision: floating ones cast (constants too: a float mask), those of
+    ``Op.float32`` kept float32 (float64 for the oracle); bool and integer tensors as they are."""
+    found = {}
+    for name, t in tensors.items():
+        if isinstance(t, Tensor) and t.is_floating_point() and name in op.float32:
+            t = t.to(torch.float32).to(torch.float64 if exact else torch.float32)
+        elif isinstance(t, Tensor):
+            t = cast(t)
+        found[name] = t
+    return found
 
 
 def _op_cases(op: registry.Op, device: torch.device) -> List[Case]:
-    """A registered op's check grid (``Op.check``): its output(s) and the gradient of every input."""
+    """A registered op's check grid (``Op.check``): its outputs (``Op.outputs``) and, where ``Op.differentiable``,
+    the gradient of every input it differentiates (``Op.differentiated``: not its constants), named ``d<input>``."""
     cases = []
     for example in op.check:
         rng = _Random(f"{op.name} {example.label}", device)
-        inputs = example.draw(rng.randn)
-        shapes = op.reference(**inputs, **example.options)
-        shapes = shapes if isinstance(shapes, tuple) else (shapes,)
-        out_grads = [rng.randn(*t.shape) for t in shapes]
+        tensors = example.draw(rng.randn)
+        out_grads = []
+        if op.differentiable:
+            shapes = op.reference(**tensors, **example.options)
+            out_grads = [rng.randn(*t.shape) for t in (shapes if isinstance(shapes, tuple) else (shapes,))]
 
-        def run(dtype, exact, inputs=inputs, out_grads=out_grads, example=example, op=op):
+        def run(dtype, exact, tensors=tensors, out_grads=out_grads, example=example):
             cast = _caster(dtype, exact)
-            outs, grads = outputs_and_grads(
-                lambda **tensors: op.function(**tensors, **example.options),
-                {n: cast(t) if isinstance(t, Tensor) else t for n, t in inputs.items()}, [cast(g) for g in out_grads])
+            given = _in_precision(op, cast, exact, tensors)
+            wanted = {id(t) for t in op.differentiated(given)} if op.differentiable else set()
+            inputs = {n: t for n, t in given.items() if id(t) in wanted}
+            others = {n: t for n, t in given.items() if id(t) not in wanted}
+            outs, grads = outputs_and_grads(lambda **leaves: op.function(**leaves, **others, **example.options),
+                                            inputs, [cast(g) for g in out_grads])
             return {**dict(zip(op.outputs, outs)), **{f"d{n}": g for n, g in grads.items()}}
 
         cases.append(Case(op.name, example.label, example.quick, run))
@@ -354,7 +262,6 @@ def _transformer_cases(device: torch.device) -> List[Case]:
 def build_cases(device: torch.device, ops: Sequence[str] = CHECKS, quick: bool = False) -> List[Case]:
     """The grid for ``ops`` (in ``CHECKS`` order): every case, or those marked quick."""
     builders = {
-        "attention": _attention_cases, "attention_weights": _attention_weights_cases,
         **{op.name: functools.partial(_op_cases, op) for op in registry.registered()},
         "MultiheadAttention": _multihead_attention_cases, "TransformerEncoderLayer": _encoder_layer_cases,
         "TransformerDecoderLayer": _decoder_layer_cases, "Transformer": _transformer_cases,

@@ -1,9 +1,10 @@
 """``python -m fused_transformer tune``: measure the route table's rows on this machine (fused_transformer/route.py).
 
-For each op, dtype, mask or dropout, and pass (forward without gradients; forward + backward), ours (the backend
-of the device, named) and torch's path (SDPA, ATen's LayerNorm, ATen's Linear products) are timed side by side at a
-few sizes (``bench_timing.time_ms``); each size's speed-up (torch's time over ours) becomes a row whose size range
-reaches halfway, in log scale, to the next size measured, adjacent rows with the same winner merged. Training rows
+For each registered op (``fused_transformer.ops``: the series of its ``Op.tune``, none named here), dtype, mask or
+dropout, and pass (forward without gradients; forward + backward), ours (the backend of the device, named) and
+torch's path (``Op.torch_path``: SDPA, ATen's LayerNorm, ATen's Linear products) are timed side by side at a few
+sizes (``bench_timing.time_ms``); each size's speed-up (torch's time over ours) becomes a row whose size range reaches
+halfway, in log scale, to the next size measured, adjacent rows with the same winner merged. Training rows
 say whether torch's backward gave bitwise equal gradients twice (``torch_det``). The rows go to the user's cache
 (``route.tuned_path``: one file per device, driver and versions), which the route reads before its built-in rows;
 a second run replaces them. ``--budget`` bounds the time (default 110 s: the cases measured when it runs out are
@@ -15,10 +16,9 @@ import argparse
 import math
 import os
 import time
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 import fused_transformer as ft
@@ -36,50 +36,31 @@ class Group(NamedTuple):
     head_dim: str
     mask: str
     dropout: str
-    examples: Tuple[Tuple[int, Optional[ops.Example]], ...]  # (size, example); attention's are made here
-
-
-def _attention_sizes(device: torch.device, quick: bool) -> Sequence[int]:
-    """The keys per sequence measured, with 16k tokens a batch on a GPU."""
-    if quick:
-        return (64,)
-    return (512, 1024, 4096) if device.type == "cuda" else (128, 512, 2048)
+    examples: Tuple[Tuple[int, ops.Example], ...]  # (size, example)
 
 
 def _groups(device: torch.device, quick: bool) -> Iterator[Group]:
+    """Every registered op's series (``Op.tune``), per pass and dtype."""
     dtypes = (torch.bfloat16, torch.float16) if device.type == "cuda" else (torch.float32, torch.bfloat16)
-    head_dims = ("64", "128") if device.type == "cuda" else ("64",)
-    sizes = tuple((size, None) for size in _attention_sizes(device, quick))
     for passes in ("forward", "training"):
         for dtype in dtypes[:1] if quick else dtypes:
-            for head_dim in head_dims[:1] if quick else head_dims:
-                for mask in ("none",) if quick else ("none", "causal"):
-                    yield Group("attention", passes, dtype, head_dim, mask, "no", sizes)
             for op in ops.registered():
                 for series in op.tune(device.type, dtype, quick):
                     yield Group(op.name, passes, dtype, series.head_dim, series.mask, series.dropout,
                                 tuple((example.size, example) for example in series.examples))
 
 
-def _inputs(group: Group, size: int, example: Optional[ops.Example],
+def _inputs(group: Group, example: ops.Example,
             device: torch.device) -> Tuple[Callable[[], Tensor], Callable[[], Tensor], List[Tensor]]:
-    """``(ours, torch's, leaves)`` for one size: ``ours`` the functional op on the backend named, ``torch's`` the
-    path the route would run instead."""
-    grad = group.passes == "training"
-    make = dict(device=device, dtype=group.dtype)
-    if group.op == "attention":
-        d = int(group.head_dim)
-        if device.type == "cuda":
-            batch, heads = max(1, 16384 // size), max(1, 2048 // d)
-        else:
-            batch, heads = 1, 4
-        q, k, v = (torch.randn(batch, heads, size, d, **make, requires_grad=grad) for _ in range(3))
-        causal = group.mask == "causal"
-        return (lambda: ft.attention(q, k, v, is_causal=causal),
-                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), [q, k, v])
+    """``(ours, torch's, leaves)`` for one size: ``ours`` the op's public function on the backend named, ``torch's``
+    its torch path (``Op.torch_path``: the path the route would run instead), ``leaves`` the tensors it
+    differentiates (``Op.differentiated``). Floating tensors in the group's dtype, ``Op.float32`` ones in float32."""
     op = ops.get(group.op)
+    make = dict(device=device, dtype=group.dtype)
     tensors = example.draw(lambda *shape, scale=1.0: torch.randn(*shape, **make) * scale)
-    leaves = [t.requires_grad_(grad) for t in tensors.values() if t is not None]
+    tensors = {name: t.float() if name in op.float32 and t is not None and t.is_floating_point() else t
+               for name, t in tensors.items()}
+    leaves = [t.requires_grad_(group.passes == "training") for t in op.differentiated(tensors)]
     return (lambda: op.function(**tensors, **example.options), lambda: op.torch_path(**tensors, **example.options),
             leaves)
 
@@ -101,10 +82,10 @@ def _deterministic(fn: Callable[[], Tensor], leaves: List[Tensor]) -> bool:
     return all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-def measure(group: Group, size: int, example: Optional[ops.Example], device: torch.device, ours: str,
+def measure(group: Group, example: ops.Example, device: torch.device, ours: str,
             min_time: float) -> Tuple[float, str]:
     """``(speed-up of ours over torch's path, torch_det)`` at one size."""
-    mine, theirs, leaves = _inputs(group, size, example, device)
+    mine, theirs, leaves = _inputs(group, example, device)
 
     def on_ours() -> object:
         with ft.use_backend(ours):
@@ -155,7 +136,7 @@ def tune(device: torch.device, budget: float, quick: bool = False, out: Optional
             break
         measured = []
         for size, example in group.examples:
-            speedup, det = measure(group, size, example, device, ours, min_time)
+            speedup, det = measure(group, example, device, ours, min_time)
             measured.append((size, speedup, det))
         group_rows = rows_of(group, tag, measured, source)
         rows.extend(group_rows)
