@@ -54,12 +54,18 @@ class TuneSeries:
 class VariantCases:
     """Where ``bench --suite variants`` measures the variants of one of the op's kernels (``kernels.variants``): the
     name they are registered under there, whether the backward is timed, the examples by ``(gpu, quick)`` and the
-    shape class each falls in (the rows' key)."""
+    shape class each falls in (the rows' key). ``choose(example, device, dtype, names)``: those of the buildable
+    variants ``names`` (the default first) whose launch differs from the default's on the example (None: every one);
+    ``vendor(device)``: the vendor's kernel the variants race, ``(name, call)`` taking the example's arguments (None:
+    the op's torch path, named "torch"); ``dtype``: the precision of the CPU's interpreted case (None: the suite's)."""
 
     variant_op: str
     backward: bool
     examples: Callable[[bool, bool], Sequence[Example]]
     shape_class: Callable[[Example, torch.dtype], str]
+    choose: Optional[Callable[[Example, torch.device, torch.dtype, Sequence[str]], Sequence[str]]] = None
+    vendor: Optional[Callable[[torch.device], Tuple[str, Callable[..., Tensor]]]] = None
+    dtype: Optional[torch.dtype] = None
 
 
 @dataclass(frozen=True)

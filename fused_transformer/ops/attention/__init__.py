@@ -55,7 +55,7 @@ ATTENTION = register(Op(
                     cases.dense("causal", 2, 8, 8, 1024, 1024, 64, "causal"),
                     cases.dense("padded", 2, 8, 8, 1024, 1024, 64, "padding")),
     measured=facts.MEASURED, constants=cases.CONSTANTS, float32=cases.FLOAT32_ARGUMENTS, baseline="sdpa",
-    rivals=cases.SdpaRivals(),
+    rivals=cases.SdpaRivals(), variants=cases.VARIANTS,
 ))
 ATTENTION_WEIGHTS = register(Op(
     name="attention_weights", function=cases.weights_of_call, torch_path=None, reference=_weights_reference,
@@ -75,4 +75,5 @@ ATTENTION_WITH_KVCACHE = register(Op(
     work=cases.decode_work, throughput=("gb_per_s", "GB/s of cache read"), describe=cases.describe_decode,
     overhead=cases.KVCACHE_OVERHEAD, overhead_target={"fwd": None}, constants=("cache_seqlens",),
     float32=cases.FLOAT32_ARGUMENTS, baseline="sdpa", rivals=cases.DecodeRivals(), bench_modes=("eval",),
+    variants=cases.DECODE_VARIANTS,
 ))

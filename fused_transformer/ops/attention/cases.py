@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .. import Example, RivalCalls, Rivals, TuneSeries, Work
+from .. import Example, RivalCalls, Rivals, TuneSeries, VariantCases, Work
 
 Tensor = torch.Tensor
 GPU_TOKENS = 16384  # tokens per batch on a GPU: batch = 16384 // L (at least 2), 2048 / D heads
@@ -570,3 +570,110 @@ def weights_of_call(q: Tensor, k: Tensor, v: Tensor, **options: object) -> Tuple
 
     out, lse = attention(q, k, v, return_lse=True, **options)
     return attention_weights(q, k, lse, **options), lse, out
+
+
+# ---------------------------------------------------------------------------------------------- variants
+
+VARIANT_LENGTHS = {(True, False): (1024, 4096, 16384), (True, True): (4096,), (False, False): (40,),
+                   (False, True): (40,)}
+DECODE_KEYS = {True: (8192, 32768), False: (512,)}
+DECODE_BATCHES = {True: (1, 8), False: (2,)}  # from 32 x 8 KV heads the grid fills an H100 without splits
+
+
+def variant_examples(gpu: bool, quick: bool) -> Tuple[Example, ...]:
+    """No mask and causal, head dims 64 and 128 (64 on the CPU), L 1024, 4096 and 16384 (quick: 4096) with 16k tokens
+    a batch and 2048 / D heads; the CPU's interpreter runs one tiny case a mask (B 2, H 2, L 40)."""
+    found = []
+    for head_dim in (64, 128) if gpu else (64,):
+        for masks in ("none", "causal"):
+            for length in VARIANT_LENGTHS[(gpu, quick)]:
+                batch, heads = (max(GPU_TOKENS // length, 1), 2048 // head_dim) if gpu else (2, 2)
+                found.append(dense(f"L{length}", batch, heads, heads, length, length, head_dim, masks))
+    return tuple(found)
+
+
+def variant_shape_class(example: Example, dtype: torch.dtype) -> str:
+    from ...kernels.attention.configs import shape_class
+
+    shape = example.shape
+    return shape_class(dtype, shape["head_dim"], example.size, bool(shape["causal"]), True)
+
+
+def _variants_that_change(kernels: Tuple[str, ...]) -> Callable[..., Sequence[str]]:
+    def choose(example: Example, device: torch.device, dtype: torch.dtype, names: Sequence[str]) -> Sequence[str]:
+        """The variants whose plan for ``kernels`` differs from the default's on this launch."""
+        from ...kernels.attention import configs
+        from ...kernels.attention.launch import launch_target
+
+        shape = example.shape
+        target = launch_target(device)
+        tma = shape["batch"] * shape["heads"] * example.size * example.size >= configs.TMA_MIN_SCORES
+        return [names[0], *(name for name in names[1:] if any(
+            configs.plan(kernel, dtype, shape["head_dim"], target, tma_addressable=tma, scores_only=True,
+                         variant=name).variant == name for kernel in kernels))]
+    return choose
+
+
+def _cudnn(device: torch.device) -> Tuple[str, Callable[..., Tensor]]:
+    """SDPA's cuDNN backend on CUDA (the vendor's kernel), SDPA elsewhere."""
+    if device.type != "cuda":
+        return "sdpa", torch_path
+
+    def cudnn(q: Tensor, k: Tensor, v: Tensor, **options: object) -> Tensor:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch_path(q, k, v, **options)
+    return "sdpa:cudnn_attention", cudnn
+
+
+def decode_variant_examples(gpu: bool, quick: bool) -> Tuple[Example, ...]:
+    """One query per sequence on a full contiguous cache (no new keys), 8 KV heads of 32 query heads, head dim 128, on
+    8192 and 32768 keys (quick: 8192), batch 1 and 8: where the split rules' counts differ; the CPU's a tiny one."""
+    heads, kv_heads, head_dim = (32, 8, 128) if gpu else (4, 2, 16)
+    found = []
+    for keys in DECODE_KEYS[gpu][:1] if quick else DECODE_KEYS[gpu]:
+        for batch in DECODE_BATCHES[gpu]:
+            def tensors(draw, batch=batch, keys=keys):
+                return {"q": draw(batch, 1, heads, head_dim), "k_cache": draw(batch, keys, kv_heads, head_dim),
+                        "v_cache": draw(batch, keys, kv_heads, head_dim),
+                        "cache_seqlens": torch.full((batch,), keys, dtype=torch.int32)}  # on the host: no GPU wait
+            found.append(Example(f"B{batch} L{keys}", tensors, {}, shape={
+                "batch": batch, "seq_len": keys, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                "causal": True, "tokens": batch}, size=keys))
+    return tuple(found)
+
+
+def decode_shape_class(example: Example, dtype: torch.dtype) -> str:
+    from ...kernels.attention.decode import shape_class
+
+    return shape_class(example.shape["batch"], example.shape["kv_heads"], example.size)
+
+
+def decode_splits_that_change(example: Example, device: torch.device, dtype: torch.dtype,
+                              names: Sequence[str]) -> Sequence[str]:
+    """The split rules whose split count differs from the default's on this step (elsewhere they launch the same
+    grid)."""
+    from ...kernels.attention import decode
+    from ...kernels.attention.launch import sm_count_of
+
+    shape = example.shape
+    tile = decode.decode_tile(shape["heads"] // shape["kv_heads"], dtype)
+
+    def splits(rule: str) -> int:
+        return decode.decode_splits(shape["batch"], shape["kv_heads"], 1, example.size, sm_count_of(device),
+                                    tile.block_n, rule)
+
+    return [names[0], *(name for name in names[1:] if splits(name) != splits(names[0]))]
+
+
+VARIANTS = (
+    VariantCases("attention.fwd", False, variant_examples, variant_shape_class, _variants_that_change(("fwd",)),
+                 _cudnn, torch.bfloat16),
+    VariantCases("attention.bwd", True, variant_examples, variant_shape_class,
+                 _variants_that_change(("bwd_dq", "bwd_dkdv")), _cudnn, torch.bfloat16),
+)
+DECODE_VARIANTS = (
+    VariantCases("decode.split", False, decode_variant_examples, decode_shape_class, decode_splits_that_change,
+                 lambda device: ("sdpa", kvcache_torch_path)),
+)
