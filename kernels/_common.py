@@ -463,16 +463,18 @@ SUM_ROWS_BLOCK_COLS = 64
 _SUM_ROWS_CHUNK = 1024
 
 
-def sum_rows(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def sum_rows(x: torch.Tensor, out_dtype: torch.dtype, parts: int = 1) -> torch.Tensor:
     """``x.sum(0)`` for a 2-D ``x`` (last dim contiguous), accumulated in float32 in a fixed order (no atomics),
-    returned in ``out_dtype``."""
+    returned in ``out_dtype``; with ``parts`` > 1 shaped ``[parts, n_cols // parts]`` (the sums of side-by-side
+    blocks of columns, one row each: ``unbind`` gives them as views, without a view op per block)."""
     n_rows, n_cols = x.shape
-    out = x.new_empty((n_cols,), dtype=out_dtype)
+    # Sizes as ints, not a tuple, which new_empty parses more slowly.
+    out = x.new_empty(n_cols, dtype=out_dtype) if parts == 1 else x.new_empty(parts, n_cols // parts, dtype=out_dtype)
     if n_cols == 0:  # no column block to launch (a grid of 0 programs is an error on a GPU)
         return out
     if n_rows > _SUM_ROWS_CHUNK:
         chunks = cdiv(n_rows, _SUM_ROWS_CHUNK)
-        partial = x.new_empty((chunks, n_cols), dtype=torch.float32)
+        partial = x.new_empty(chunks, n_cols, dtype=torch.float32)
         _launch_sum_rows(x, partial, chunks, _SUM_ROWS_CHUNK)
         x, n_rows = partial, chunks
     _launch_sum_rows(x, out, 1, max(n_rows, 1))
@@ -481,11 +483,11 @@ def sum_rows(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 
 def _launch_sum_rows(x: torch.Tensor, out: torch.Tensor, chunks: int, rows_per_program: int) -> None:
     """Rows ``[c * rows_per_program, ...)`` of ``x`` summed into row ``c`` of the contiguous ``out`` (``chunks`` rows,
-    or one as a 1-D tensor)."""
+    or one, of any shape holding ``x``'s columns)."""
     n_rows, n_cols = x.shape
     launch_kernel(_sum_rows_kernel, (cdiv(n_cols, SUM_ROWS_BLOCK_COLS), chunks),
-                  (x, out, n_rows, n_cols, x.stride(0), n_cols, rows_per_program), 4,
-                  BLOCK_ROWS=SUM_ROWS_BLOCK_ROWS, BLOCK_COLS=SUM_ROWS_BLOCK_COLS)
+                  (x, out, n_rows, n_cols, x.stride(0), n_cols, rows_per_program, SUM_ROWS_BLOCK_ROWS,
+                   SUM_ROWS_BLOCK_COLS), 4)
 
 
 _CONSTEXPR_ORDER: Dict[tuple, Tuple[object, Tuple[str, ...]]] = {}  # by id(kernel), as _RUNTIME_PARAMS

@@ -152,8 +152,8 @@ def _layer_norm_bwd_kernel(
     RSTD,  # [rows] float32
     DX,  # [rows, N] gradient of x
     DRESIDUAL,  # [rows, N] gradient of residual (HAS_RESIDUAL)
-    DW_PARTIAL,  # [programs, N] float32, this program's sum of dy * xhat (HAS_WEIGHT), rows stride_partial_row apart
-    DB_PARTIAL,  # [programs, N] float32, this program's sum of dy (HAS_BIAS), the same row stride
+    PARTIALS,  # [programs, N (HAS_WEIGHT) + N (HAS_BIAS)] float32, rows stride_partial_row apart: this program's sum
+    # of dy * xhat (dweight's, columns [0, N)), then of dy (dbias's, the N columns after dweight's or the first N)
     stride_z_row, stride_dy_row, stride_dz_row, stride_dx_row, stride_dres_row, stride_partial_row,
     n_rows, n_cols, rows_per_program, dropout_p, SEED, host_seed,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -221,10 +221,13 @@ def _layer_norm_bwd_kernel(
             dz = tl.where(keep, dz * (1.0 / (1.0 - dropout_p)), 0.0)
         tl.store(DX + rows[:, None] * stride_dx_row + cols[None, :], dz.to(DX.dtype.element_ty), mask=mask)
 
-    if HAS_WEIGHT:
-        tl.store(DW_PARTIAL + program * stride_partial_row + cols, tl.sum(dw_sum, axis=0), mask=col_mask)
-    if HAS_BIAS:
-        tl.store(DB_PARTIAL + program * stride_partial_row + cols, tl.sum(db_sum, axis=0), mask=col_mask)
+    if HAS_WEIGHT or HAS_BIAS:
+        partials = PARTIALS + program * stride_partial_row
+        if HAS_WEIGHT:
+            tl.store(partials + cols, tl.sum(dw_sum, axis=0), mask=col_mask)
+            partials += n_cols  # dbias's partials follow
+        if HAS_BIAS:
+            tl.store(partials + cols, tl.sum(db_sum, axis=0), mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -433,19 +436,21 @@ def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
     n_rows, stride_x = _rows(x)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     z = torch.empty_like(y) if store_z else None
-    mean = x.new_empty((n_rows,), dtype=torch.float32) if store_stats and not rms_norm else None
-    rstd = x.new_empty((n_rows,), dtype=torch.float32) if store_stats else None
+    # Sizes as ints, not a tuple, which new_empty parses more slowly.
+    mean = x.new_empty(n_rows, dtype=torch.float32) if store_stats and not rms_norm else None
+    rstd = x.new_empty(n_rows, dtype=torch.float32) if store_stats else None
     if n_rows == 0 or n_cols == 0:  # nothing to normalise; the statistics of an empty row are NaN (0 / 0)
         return y, z, *(None if t is None else t.fill_(float("nan")) for t in (mean, rstd))
     launch = fwd_launch(n_cols, _variant(FWD, n_rows, n_cols, x))
+    # The constexprs by position (BLOCK_M, BLOCK_N, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_DROPOUT, STORE_Z,
+    # IS_RMS_NORM, STORE_STATS): by name they cost the launch more on the host (``positional_constexprs``).
     launch_kernel(
         _layer_norm_fwd_kernel, (cdiv(n_rows, launch.block_m),),
         (x, residual, weight, bias, y, z, mean, rstd, stride_x, _rows(residual)[1] if residual is not None else 0,
-         n_cols, n_cols, n_rows, n_cols, eps, dropout_p, *seed_args(seed, x.device)),
+         n_cols, n_cols, n_rows, n_cols, eps, dropout_p, *seed_args(seed, x.device),
+         launch.block_m, launch.block_n, residual is not None, weight is not None, bias is not None, dropout_p > 0.0,
+         store_z, rms_norm, store_stats),
         1 if interpreting() else launch.num_warps,
-        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, HAS_RESIDUAL=residual is not None,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, STORE_Z=store_z,
-        IS_RMS_NORM=rms_norm, STORE_STATS=store_stats,
     )
     return y, z, mean, rstd
 
@@ -458,8 +463,8 @@ def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional
 
     Returns ``dx`` (z's shape), ``dresidual`` (None without a residual), ``dweight`` and ``dbias`` (None when
     absent, else in the parameter's dtype); the custom op returns empty tensors for the Nones. ``one_sum``: dweight
-    and dbias of one dtype summed by one launch, views of its ``[2N]`` result (not for a custom op, whose outputs may
-    not alias each other).
+    and dbias of one dtype summed by one launch, the two rows of its ``[2, N]`` result (not for a custom op, whose
+    outputs may not alias each other).
     """
     dy = _row_major(dy)
     dz = _row_major(dz) if dz is not None else None
@@ -477,27 +482,29 @@ def layer_norm_bwd(dy: Tensor, dz: Optional[Tensor], z: Tensor, weight: Optional
     launch = bwd_launch(n_cols, launches_clusters(z.device), _variant(BWD, n_rows, n_cols, z))
     rows_per_program = backward_rows_per_program(n_rows, z.device, launch.block_m)
     programs = max(cdiv(n_rows, rows_per_program), 1)
-    # One buffer holds both partials side by side, [programs, dweight's N | dbias's N], so that one reduction sums both.
+    # One buffer holds both partials side by side, [programs, dweight's N | dbias's N] (the kernel writes dbias's at
+    # column N itself: no view to make), so that one reduction sums both.
     width = n_cols * ((weight is not None) + (bias is not None))
-    partials = z.new_empty((programs, width), dtype=torch.float32) if width else None
-    dw_partial = partials if weight is not None else None  # [:, :N]: the kernel takes a pointer and a row stride
-    db_partial = (partials[:, n_cols:] if weight is not None else partials) if bias is not None else None
-    # Launched even for zero rows: every program writes its (possibly zero) partial sums.
+    partials = z.new_empty(programs, width, dtype=torch.float32) if width else None
+    # Launched even for zero rows: every program writes its (possibly zero) partial sums. The constexprs by position
+    # as in the forward (BLOCK_M, BLOCK_N, HAS_DZ, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_DROPOUT, IS_RMS_NORM,
+    # SPLIT_COLS).
     launch_kernel(
         _layer_norm_bwd_kernel, (programs, launch.col_blocks),
-        (z, dy, dz, weight, None if rms_norm else mean, rstd, dx, dresidual, dw_partial, db_partial,
+        (z, dy, dz, weight, None if rms_norm else mean, rstd, dx, dresidual, partials,
          stride_z, _rows(dy)[1], _rows(dz)[1] if dz is not None else 0, n_cols, n_cols if has_residual else 0, width,
-         n_rows, n_cols, rows_per_program, dropout_p, *seed_args(seed, z.device)),
+         n_rows, n_cols, rows_per_program, dropout_p, *seed_args(seed, z.device),
+         launch.block_m, launch.block_n, dz is not None, has_residual, weight is not None, bias is not None,
+         dropout_p > 0.0, rms_norm, launch.col_blocks > 1),
         1 if interpreting() else launch.num_warps, num_ctas=launch.num_ctas,
-        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, HAS_DZ=dz is not None, HAS_RESIDUAL=has_residual,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0, IS_RMS_NORM=rms_norm,
-        SPLIT_COLS=launch.col_blocks > 1,
     )
-    if one_sum and weight is not None and bias is not None and weight.dtype == bias.dtype:
-        dweight, dbias = sum_rows(partials, weight.dtype).chunk(2)
-        return dx, dresidual, dweight, dbias
-    dweight = sum_rows(partials[:, :n_cols], weight.dtype) if weight is not None else None
-    dbias = sum_rows(db_partial, bias.dtype) if bias is not None else None
+    if weight is not None and bias is not None:
+        if one_sum and weight.dtype == bias.dtype:
+            dweight, dbias = sum_rows(partials, weight.dtype, parts=2).unbind()
+            return dx, dresidual, dweight, dbias
+        return dx, dresidual, sum_rows(partials[:, :n_cols], weight.dtype), sum_rows(partials[:, n_cols:], bias.dtype)
+    dweight = sum_rows(partials, weight.dtype) if weight is not None else None
+    dbias = sum_rows(partials, bias.dtype) if bias is not None else None
     return dx, dresidual, dweight, dbias
 
 
@@ -593,7 +600,7 @@ def aot_configs(triton: Optional[Version] = None) -> List[AotKernel]:
     }
     bwd_signature = {
         "Z": "*bf16", "DY": "*bf16", "DZ": "*bf16", "W": "*bf16", "MEAN": "*fp32", "RSTD": "*fp32",
-        "DX": "*bf16", "DRESIDUAL": "*bf16", "DW_PARTIAL": "*fp32", "DB_PARTIAL": "*fp32",
+        "DX": "*bf16", "DRESIDUAL": "*bf16", "PARTIALS": "*fp32",
         "stride_z_row": "i32", "stride_dy_row": "i32", "stride_dz_row": "i32", "stride_dx_row": "i32",
         "stride_dres_row": "i32", "stride_partial_row": "i32", "n_rows": "i32", "n_cols": "i32",
         "rows_per_program": "i32", "dropout_p": "fp32", "SEED": "*i64", "host_seed": "i32",

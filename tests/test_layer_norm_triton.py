@@ -144,7 +144,8 @@ def test_weight_and_bias_gradients_share_one_reduction(monkeypatch, bias_dtype):
     weight, bias = torch.randn(48, device=DEVICE), torch.randn(48, device=DEVICE, dtype=bias_dtype)
     _, _, mean, rstd = triton_layer_norm.layer_norm_fwd(x, weight, bias, None, EPS, 0.0, None, False, False)
     sums, sum_rows = [], triton_layer_norm.sum_rows
-    monkeypatch.setattr(triton_layer_norm, "sum_rows", lambda t, dtype: sums.append(t.shape[1]) or sum_rows(t, dtype))
+    monkeypatch.setattr(triton_layer_norm, "sum_rows",
+                        lambda t, dtype, **parts: sums.append(t.shape[1]) or sum_rows(t, dtype, **parts))
     args = (dy, None, x, weight, bias, mean, rstd, 0.0, None, False, False)
     one = triton_layer_norm.layer_norm_bwd(*args)
     assert sums == ([96] if bias_dtype == torch.float32 else [48, 48])
@@ -229,11 +230,12 @@ def _spy_block_m(monkeypatch):
     """(forward or backward, BLOCK_M, grid) of every LayerNorm kernel launch from here on."""
     launched, launch = [], triton_layer_norm.launch_kernel
 
-    def spy(kernel, grid, *args, **constexprs):
+    def spy(kernel, grid, args, *options, **constexprs):
         if kernel in (triton_layer_norm._layer_norm_fwd_kernel, triton_layer_norm._layer_norm_bwd_kernel):
             fwd = kernel is triton_layer_norm._layer_norm_fwd_kernel
-            launched.append(("fwd" if fwd else "bwd", constexprs["BLOCK_M"], grid))
-        return launch(kernel, grid, *args, **constexprs)
+            named = {**dict(zip(kernel.arg_names, args)), **constexprs}  # the constexprs by position or by name
+            launched.append(("fwd" if fwd else "bwd", named["BLOCK_M"], grid))
+        return launch(kernel, grid, args, *options, **constexprs)
 
     monkeypatch.setattr(triton_layer_norm, "launch_kernel", spy)
     return launched
