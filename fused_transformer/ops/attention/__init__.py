@@ -3,9 +3,10 @@ sink in the kernel, over dense batches, packed sequences and a KV cache.
 
 The package reads top-down: ``contract`` (the checks and their errors; the types the backends take are
 ``fused_transformer.contract``'s), ``facts`` (what the route decides a call on, and the rows measured), ``function``
-(the autograd Functions over the backends' entries, ``backend.ops(name)``), ``api`` (the public entries) and
-``cases`` (torch's path of each entry, and the calls the tools run). The float64 reference is the reference backend's
-(``fused_transformer.reference.attention`` and its siblings), which the kernels below also use.
+(the autograd Functions over the backends' entries, ``backend.ops(name)``), ``api`` (the public entries),
+``torch_paths`` (torch's own path of each entry), ``cases`` (the calls the tools run) and ``rivals`` (what else bench
+times). The float64 reference is the reference backend's (``fused_transformer.reference.attention`` and its
+siblings), which the kernels below also use.
 
 Registered ops: ``attention``, ``attention_weights`` (check's cases of the probabilities from an LSE),
 ``attention_varlen`` and ``attention_with_kvcache`` (bench's ``decode`` suite).
@@ -19,7 +20,7 @@ import torch
 from ... import reference
 from ...contract import NO_SCORE_MODS, AttentionMasks, ScoreMods
 from .. import Op, register
-from . import cases, facts
+from . import cases, facts, rivals, torch_paths
 from .api import attention, attention_varlen, attention_weights, attention_with_kvcache
 from .contract import attention_spec
 
@@ -45,7 +46,7 @@ def _weights_reference(q: Tensor, k: Tensor, v: Tensor, **options: object):
 
 
 ATTENTION = register(Op(
-    name="attention", function=attention, torch_path=cases.torch_path, reference=reference.attention,
+    name="attention", function=attention, torch_path=torch_paths.torch_path, reference=reference.attention,
     size_of=facts.SIZE_OF["attention"], outputs=("out",), check=cases.CHECK, bench=cases.bench,
     lengths={"cpu": ((128, 256, 512, 1024, 2048), (128, 512)),
              "cuda": ((512, 1024, 2048, 4096, 8192, 16384), (1024, 4096))},
@@ -55,7 +56,7 @@ ATTENTION = register(Op(
                     cases.dense("causal", 2, 8, 8, 1024, 1024, 64, "causal"),
                     cases.dense("padded", 2, 8, 8, 1024, 1024, 64, "padding")),
     measured=facts.MEASURED, constants=cases.CONSTANTS, float32=cases.FLOAT32_ARGUMENTS, baseline="sdpa",
-    rivals=cases.SdpaRivals(), variants=cases.VARIANTS,
+    rivals=rivals.SdpaRivals(), variants=cases.VARIANTS,
 ))
 ATTENTION_WEIGHTS = register(Op(
     name="attention_weights", function=cases.weights_of_call, torch_path=None, reference=_weights_reference,
@@ -63,17 +64,17 @@ ATTENTION_WEIGHTS = register(Op(
     constants=cases.CONSTANTS, float32=cases.FLOAT32_ARGUMENTS, differentiable=False,
 ))
 ATTENTION_VARLEN = register(Op(
-    name="attention_varlen", function=attention_varlen, torch_path=cases.varlen_torch_path,
+    name="attention_varlen", function=attention_varlen, torch_path=torch_paths.varlen_torch_path,
     reference=reference.attention_varlen, size_of=facts.SIZE_OF["attention_varlen"], outputs=("out",),
     overhead=cases.VARLEN_OVERHEAD, overhead_target={"fwd": None}, constants=("cu_seqlens_q", "cu_seqlens_k"),
-    float32=cases.FLOAT32_ARGUMENTS, baseline="sdpa", rivals=cases.VarlenRivals(),
+    float32=cases.FLOAT32_ARGUMENTS, baseline="sdpa", rivals=rivals.VarlenRivals(),
 ))
 ATTENTION_WITH_KVCACHE = register(Op(
-    name="attention_with_kvcache", function=attention_with_kvcache, torch_path=cases.kvcache_torch_path,
+    name="attention_with_kvcache", function=attention_with_kvcache, torch_path=torch_paths.kvcache_torch_path,
     size_of=facts.SIZE_OF["attention_with_kvcache"], outputs=("out",), bench=cases.decode_bench, suite="decode",
     lengths={"cpu": ((512, 2048), (512,)), "cuda": ((512, 2048, 8192, 32768), (2048, 8192))},
     work=cases.decode_work, throughput=("gb_per_s", "GB/s of cache read"), describe=cases.describe_decode,
     overhead=cases.KVCACHE_OVERHEAD, overhead_target={"fwd": None}, constants=("cache_seqlens",),
-    float32=cases.FLOAT32_ARGUMENTS, baseline="sdpa", rivals=cases.DecodeRivals(), bench_modes=("eval",),
+    float32=cases.FLOAT32_ARGUMENTS, baseline="sdpa", rivals=rivals.DecodeRivals(), bench_modes=("eval",),
     variants=cases.DECODE_VARIANTS,
 ))

@@ -1,7 +1,6 @@
 """Attention's cases, the calls the tools run (``fused_transformer.ops.Op``): check's grid of masks and score
-modifiers, bench's suites against SDPA's backends, FlashAttention and xFormers (``SdpaRivals``), the overhead suite's
-tiny calls, tune's series and the work a case counts; and torch's path of each entry, SDPA given the call's masks in
-its own form (the baseline the tools time).
+modifiers, bench's suites (what else they time: ``rivals``), the overhead suite's tiny calls, tune's series, the
+variants suite's launches, and the work a case counts.
 
 Work counted is the work needed: ``4 * D`` FLOPs per (query, key) pair a query may attend (``attention_flops``), so
 causal (top-left) counts ``L (L + 1) / 2`` pairs per head and padding only the kept keys; forward+backward is 3.5x the
@@ -10,14 +9,13 @@ forward (the backward does five matmuls to the forward's two). Padding: sequence
 """
 from __future__ import annotations
 
-import functools
-import importlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from .. import Example, RivalCalls, Rivals, TuneSeries, VariantCases, Work
+from .. import Example, TuneSeries, VariantCases, Work
+from .torch_paths import kvcache_torch_path, torch_path
 
 Tensor = torch.Tensor
 GPU_TOKENS = 16384  # tokens per batch on a GPU: batch = 16384 // L (at least 2), 2048 / D heads
@@ -74,114 +72,13 @@ def decode_work(example: Example, itemsize: int, backward: bool) -> Work:
     return Work(nbytes=2.0 * shape["batch"] * shape["seq_len"] * shape["kv_heads"] * shape["head_dim"] * itemsize)
 
 
-# -------------------------------------------------------------------------------------------- torch's paths
+# ------------------------------------------------------------------------------------------------- check
 
 
 def _padding(kept: Sequence[int], length: int, device: torch.device) -> Tensor:
     """``[B, length]`` bool, True = padding (the torch.nn convention), right-padded after ``kept`` keys."""
     return torch.arange(length, device=device)[None, :] >= torch.tensor(list(kept), device=device)[:, None]
 
-
-def sdpa_mask(q: Tensor, k: Tensor, attn_mask: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
-              is_causal: bool = False, causal_alignment: str = "top_left",
-              alibi_slopes: Optional[Tensor] = None) -> Tuple[Optional[Tensor], bool]:
-    """The masks of an ``attention`` call in SDPA's form: ``(attn_mask, is_causal)``, one bool (True = may attend) or
-    float mask where SDPA cannot take the call's from ``is_causal`` alone (ALiBi as a float bias ``[1 or B, H, Lq,
-    Lk]``)."""
-    lq, lk = q.shape[-2], k.shape[-2]
-    if attn_mask is None and key_padding_mask is None and alibi_slopes is None and (
-            not is_causal or causal_alignment == "top_left" or lq == lk):
-        return None, is_causal
-    mask = attn_mask
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(q.dtype)
-    if key_padding_mask is not None:
-        keep = ~key_padding_mask[:, None, None, :]
-        mask = keep if mask is None else (mask & keep if mask.dtype == torch.bool else
-                                          mask.masked_fill(~keep, float("-inf")))
-    if alibi_slopes is not None:
-        positions_q = torch.arange(lq, device=q.device)[:, None] + (lk - lq if causal_alignment == "bottom_right" else 0)
-        distance = (positions_q - torch.arange(lk, device=q.device)[None, :]).abs().to(q.dtype)
-        slopes = alibi_slopes.to(q.dtype)
-        bias = -(slopes[:, :, None, None] if slopes.dim() == 2 else slopes[None, :, None, None]) * distance
-        mask = bias if mask is None else (bias.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else
-                                          bias + mask)
-    if is_causal:
-        keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq if causal_alignment == "bottom_right"
-                                                                         else 0)
-        mask = keep if mask is None else (mask & keep if mask.dtype == torch.bool else
-                                          mask.masked_fill(~keep, float("-inf")))
-    return mask, False
-
-
-def torch_path(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Optional[Tensor] = None,
-               key_padding_mask: Optional[Tensor] = None, is_causal: bool = False, causal_alignment: str = "top_left",
-               alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0, scale: Optional[float] = None,
-               **others: object) -> Tensor:
-    """``attention`` as SDPA computes it, its masks given as SDPA takes them (``sdpa_mask``: made in the call; the
-    bench makes them before its timed calls). SDPA has no query padding, window, softcap or sinks: a call with one is
-    a ValueError. A row every key of which is masked gives SDPA's NaN where ``attention`` gives zeros."""
-    given = sorted(name for name, value in others.items() if value is not None and value is not False)
-    if given:
-        raise ValueError(f"torch's path of attention (SDPA) takes no {', '.join(given)}")
-    mask, causal = sdpa_mask(q, k, attn_mask, key_padding_mask, is_causal, causal_alignment, alibi_slopes)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
-def varlen_torch_path(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                      max_seqlen_k: int, *, is_causal: bool = False, scale: Optional[float] = None) -> Tensor:
-    """``attention_varlen`` as SDPA computes it: one call over every packed token, a block-diagonal mask keeping each
-    sequence to itself (top-left causal within it)."""
-    mask = _same_sequence(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], is_causal)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(0, 1)
-
-
-def _same_sequence(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, tq: int, tk: int, is_causal: bool) -> Tensor:
-    def sequence_of(cu: Tensor, total: int) -> Tensor:
-        return torch.searchsorted(cu.to(torch.int64), torch.arange(total, device=cu.device), right=True) - 1
-
-    seq_q, seq_k = sequence_of(cu_seqlens_q, tq), sequence_of(cu_seqlens_k, tk)
-    mask = seq_q[:, None] == seq_k[None, :]
-    if is_causal:
-        within_q = torch.arange(tq, device=mask.device) - cu_seqlens_q.to(torch.int64)[seq_q]
-        within_k = torch.arange(tk, device=mask.device) - cu_seqlens_k.to(torch.int64)[seq_k]
-        mask &= within_k[None, :] <= within_q[:, None]
-    return mask
-
-
-def kvcache_torch_path(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: object,
-                       k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None, is_causal: bool = True,
-                       scale: Optional[float] = None) -> Tensor:
-    """``attention_with_kvcache`` on a contiguous cache as SDPA computes it: the new keys and values written into the
-    cache, then SDPA over the keys in use (a slice where every sequence holds as many, else a mask), the queries
-    aligned bottom-right."""
-    batch, lq = q.shape[:2]
-    lengths = [cache_seqlens] * batch if isinstance(cache_seqlens, int) else cache_seqlens.tolist()
-    new = 0 if k_new is None else k_new.shape[1]
-    if new:
-        for b, n in enumerate(lengths):
-            k_cache[b, n:n + new] = k_new[b]
-            v_cache[b, n:n + new] = v_new[b]
-    used = max(lengths) + new
-    keys, values = k_cache[:, :used].transpose(1, 2), v_cache[:, :used].transpose(1, 2)
-    query = q.transpose(1, 2)
-    mask = None
-    if min(lengths) != max(lengths) or (is_causal and lq > 1):
-        ends = torch.tensor(lengths, device=q.device)[:, None, None, None] + new
-        key_at = torch.arange(used, device=q.device)
-        query_at = ends - lq + torch.arange(lq, device=q.device)[None, None, :, None]
-        mask = key_at < ends
-        if is_causal:
-            mask = mask & (key_at <= query_at)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
-                                         enable_gqa=q.shape[2] != k_cache.shape[2])
-    return out.transpose(1, 2)
-
-
-# ------------------------------------------------------------------------------------------------- check
 
 # Arguments kept in float32 in every precision (float64 for the oracle): the ALiBi slopes and the sinks.
 FLOAT32_ARGUMENTS = ("alibi_slopes", "sinks")
@@ -332,105 +229,6 @@ def describe(gpu: bool) -> str:
     return "batch 8, 8 heads, D 64, dropout 0"
 
 
-@functools.lru_cache(maxsize=None)
-def third_party(name: str) -> Optional[object]:
-    """The flash_attn / xformers.ops module, or None when it is not installed."""
-    try:
-        return importlib.import_module({"flash_attn": "flash_attn", "xformers": "xformers.ops"}[name])
-    except ImportError:
-        return None
-
-
-def sdpa_backends(device: torch.device) -> Dict[str, object]:
-    """``sdpa:<name>`` -> ``SDPBackend`` for the backends SDPA has on this device type."""
-    from torch.nn.attention import SDPBackend
-
-    names = ("math", "flash_attention") if device.type == "cpu" else (
-        "flash_attention", "efficient_attention", "cudnn_attention", "math")
-    return {f"sdpa:{name}": SDPBackend.__members__[name.upper()] for name in names}
-
-
-def sdpa_dispatch(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool) -> Optional[str]:
-    """The backend SDPA's default dispatch picks for these inputs (a private torch function: None if absent)."""
-    try:
-        choice = int(torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, causal))
-        from torch.nn.attention import SDPBackend
-
-        return next(name.lower() for name, member in SDPBackend.__members__.items() if int(member.value) == choice)
-    except Exception:  # noqa: BLE001 (private API: any failure only loses a note)
-        return None
-
-
-class SdpaRivals(Rivals):
-    """SDPA with its default dispatch (the baseline, ``sdpa``, its masks made before the timed calls) and under each
-    of its backends on this device (``sdpa:math``, ``sdpa:flash_attention``, on CUDA ``sdpa:efficient_attention``
-    and ``sdpa:cudnn_attention``), FlashAttention (with its ALiBi slopes) and xFormers on CUDA where installed,
-    without padding (their padding needs their varlen APIs)."""
-
-    def names(self, example: Example, device: torch.device) -> Tuple[str, ...]:
-        found = tuple(sdpa_backends(device))
-        if device.type == "cuda" and not example.shape.get("padding"):
-            alibi = example.label.endswith("alibi")  # xFormers has no ALiBi of its own (a bias, as SDPA's)
-            found += tuple(name for name in ("flash_attn", "xformers")
-                           if third_party(name) is not None and not (alibi and name == "xformers"))
-        return found
-
-    def calls(self, example: Example, tensors: Dict[str, Tensor], names: Sequence[str],
-              backward: bool) -> RivalCalls:
-        q, k, v = tensors["q"], tensors["k"], tensors["v"]
-        causal = bool(example.options.get("is_causal"))
-        slopes = tensors.get("alibi_slopes")
-        mask, sdpa_causal = sdpa_mask(q, k, key_padding_mask=tensors.get("key_padding_mask"), is_causal=causal,
-                                      alibi_slopes=slopes)
-
-        def sdpa() -> Tensor:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=sdpa_causal)
-
-        def under(backend: object) -> Callable[[], Tensor]:
-            def run() -> Tensor:
-                from torch.nn.attention import sdpa_kernel
-
-                with sdpa_kernel([backend]):
-                    return sdpa()
-            return run
-
-        found = RivalCalls({"sdpa": sdpa})
-        found.calls.update({name: under(backend) for name, backend in sdpa_backends(q.device).items() if name in names})
-        if "flash_attn" in names or "xformers" in names:
-            # Both take [B, L, H, D]: transposed copies made here, outside the timed call.
-            qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_(backward) for t in (q, k, v))
-            found.leaves += [qt, kt, vt]
-            if "flash_attn" in names:
-                found.calls["flash_attn"] = lambda: third_party("flash_attn").flash_attn_func(
-                    qt, kt, vt, causal=causal, alibi_slopes=slopes)
-            if "xformers" in names:
-                xops = third_party("xformers")
-                found.calls["xformers"] = lambda: xops.memory_efficient_attention(
-                    qt, kt, vt, attn_bias=xops.LowerTriangularMask() if causal else None)
-            for name in ("flash_attn", "xformers"):
-                found.grads[name] = lambda grad: grad.transpose(1, 2).contiguous()
-        dispatch = sdpa_dispatch(q, k, v, mask, sdpa_causal)
-        if dispatch:
-            found.notes["sdpa"] = f"dispatch {dispatch}"
-        return found
-
-    def may_refuse(self, impl: str) -> bool:
-        return impl.startswith("sdpa:") or impl in ("flash_attn", "xformers")
-
-    def about(self, device: torch.device) -> List[str]:
-        notes = [f"sdpa backends tried: {', '.join(name[5:] for name in sdpa_backends(device))} "
-                 "(a backend that refuses a case is left out of it, and the table says so)"]
-        if device.type != "cuda":
-            notes.append("flash_attn, xformers: CUDA only, not measured on this device")
-            return notes
-        for name, pip in (("flash_attn", "flash-attn"), ("xformers", "xformers")):
-            if third_party(name) is None:
-                notes.append(f"{name}: NOT INSTALLED, its rows are left out (pip install {pip})")
-            else:
-                notes.append(f"{name}: measured without padding (padding needs its varlen API, not measured here)")
-        return notes
-
-
 # ------------------------------------------------------------------------------------- the decoding step
 
 DECODE_HEADS = ((8, 8), (32, 8))  # (query heads, KV heads): plain and grouped-query, head dim 64 (128 on CUDA)
@@ -461,36 +259,6 @@ def decode_bench(gpu: bool, lengths: Sequence[int]) -> List[Example]:
 def describe_decode(gpu: bool) -> str:
     return (f"one decoding step (1 query per sequence, the new key appended first) on a contiguous cache of L keys, "
             f"head dim {128 if gpu else 64}, KV heads 8, query heads 8 and 32; GB/s counts the cache read")
-
-
-class DecodeRivals(Rivals):
-    """SDPA on the same cache after the same write (the baseline), and FlashAttention's ``flash_attn_with_kvcache``
-    on CUDA where installed."""
-
-    def names(self, example: Example, device: torch.device) -> Tuple[str, ...]:
-        return ("flash_attn",) if device.type == "cuda" and third_party("flash_attn") is not None else ()
-
-    def calls(self, example: Example, tensors: Dict[str, Tensor], names: Sequence[str],
-              backward: bool) -> RivalCalls:
-        q, k_cache, v_cache, k_new, v_new = (tensors[n] for n in ("q", "k_cache", "v_cache", "k_new", "v_new"))
-        length = example.shape["seq_len"]
-        enable_gqa = q.shape[2] != k_cache.shape[2]
-
-        def sdpa() -> Tensor:
-            k_cache[:, length - 1:] = k_new
-            v_cache[:, length - 1:] = v_new
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                                                  enable_gqa=enable_gqa).transpose(1, 2)
-
-        found = RivalCalls({"sdpa": sdpa})
-        if "flash_attn" in names:
-            lengths = tensors["cache_seqlens"].to(q.device)
-            found.calls["flash_attn"] = lambda: third_party("flash_attn").flash_attn_with_kvcache(
-                q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths, causal=True)
-        return found
-
-    def may_refuse(self, impl: str) -> bool:
-        return impl == "flash_attn"
 
 
 # ---------------------------------------------------------------------------------------------- overhead
@@ -531,17 +299,6 @@ def _varlen_overhead() -> Example:
 VARLEN_OVERHEAD = (_varlen_overhead(),)
 KVCACHE_OVERHEAD = (decode_example(OVERHEAD_SHAPE["batch"], OVERHEAD_SHAPE["seq_len"], OVERHEAD_SHAPE["heads"],
                                    OVERHEAD_SHAPE["heads"], OVERHEAD_SHAPE["head_dim"]),)
-
-
-class VarlenRivals(Rivals):
-    """The baseline, SDPA over the packed tokens, with its block-diagonal mask made before the timed calls."""
-
-    def calls(self, example: Example, tensors: Dict[str, Tensor], names: Sequence[str],
-              backward: bool) -> RivalCalls:
-        q, k, v = tensors["q"], tensors["k"], tensors["v"]
-        mask = _same_sequence(tensors["cu_seqlens_q"], tensors["cu_seqlens_k"], q.shape[0], k.shape[0], False)
-        return RivalCalls({"sdpa": lambda: F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask).transpose(0, 1)})
 
 
 # -------------------------------------------------------------------------------------------------- tune
