@@ -259,8 +259,8 @@ def _op_calls(op: ops.Op, example: ops.Example, setup: Setup,
     tensors = {name: t.float() if name in op.float32 and t is not None and t.is_floating_point() else t
                for name, t in tensors.items()}
     inputs = [t.requires_grad_(backward) for t in op.differentiated(tensors)]
-    prepared = op.rivals.calls(example, tensors, (), backward).calls.get(op.baseline)
-    calls = {"torch": prepared or (lambda: op.torch_path(**tensors, **example.options)),
+    baseline_call = op.rivals.calls(example, tensors, (), backward).calls.get(op.baseline)
+    calls = {"torch": baseline_call or (lambda: op.torch_path(**tensors, **example.options)),
              "ours": lambda: op.function(**tensors, **example.options)}
     if op.overhead_thin is not None:
         calls["thin"] = lambda: op.overhead_thin(**tensors)
