@@ -92,11 +92,18 @@ def test_speedup_is_baseline_time_over_time(bench_run):
 
 def test_throughput_and_memory_columns(bench_run):
     _, _, _, rows = bench_run
+    counted = {"flops": set(), "nbytes": set()}  # the suites whose op counts FLOPs, or bytes (``Op.work``)
+    for op in ops.registered():
+        if op.bench is not None:
+            work = op.work(op.bench(False, (128,))[0], 4, False)
+            for kind in counted:
+                if getattr(work, kind) is not None:
+                    counted[kind].add(op.bench_suite)
     for row in (r for r in rows if r["ms"]):
         assert float(row["ms"]) > 0 and float(row["tokens_per_s"]) > 0
         assert float(row["peak_mem_mb"]) >= 0 and row["mem_measure"] == "cpu_profiler_alloc"
-        assert bool(row["tflops"]) == (row["suite"] in ("attention", "feed_forward"))
-        assert bool(row["gb_per_s"]) == (row["suite"] in ("layer_norm", "rms_norm", "decode"))
+        assert bool(row["tflops"]) == (row["suite"] in counted["flops"])
+        assert bool(row["gb_per_s"]) == (row["suite"] in counted["nbytes"])
         assert row["bw_of_peak"] == ""  # no peak bandwidth on CPU
     # The math backend materialises the [L, L] scores: it allocates more than ours.
     fwd = {row["impl"]: float(row["peak_mem_mb"]) for row in rows

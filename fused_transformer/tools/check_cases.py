@@ -74,10 +74,10 @@ class _Random:
         self.device = device
 
     def randn(self, *shape: int, scale: float = 1.0) -> Tensor:
-        return (torch.randn(*shape, generator=self.g, dtype=torch.float64) * scale).to(self.device)
+        return (torch.randn(shape, generator=self.g, dtype=torch.float64) * scale).to(self.device)
 
     def rand(self, *shape: int) -> Tensor:
-        return torch.rand(*shape, generator=self.g, dtype=torch.float64).to(self.device)
+        return torch.rand(shape, generator=self.g, dtype=torch.float64).to(self.device)
 
 
 def _padding(lengths: Sequence[int], length: int, device: torch.device) -> Tensor:
