@@ -121,6 +121,13 @@ def test_default_chunks_hold_about_as_many_floats_as_hidden():
     assert op.chunk_rows_of(0, 64, 100) == 1
 
 
+def test_default_chunks_on_the_cpu_hold_up_to_a_budget_of_floats():
+    assert op.chunk_rows_of(4096, 512, 32000, "cpu") == 512  # 2**24 / 32000 -> 524, down to a power of two
+    assert op.chunk_rows_of(300, 512, 32000, "cpu") == 300  # every row at once
+    assert op.chunk_rows_of(1 << 20, 512, 32000, "cpu") == 1 << 15  # the GPU rule's 16645 rows, up: more
+    assert op.chunk_rows_of(64, 64, 1 << 26, "cpu") == 1
+
+
 @pytest.mark.parametrize("kwargs, error, words", [
     (dict(target=torch.zeros(3, dtype=torch.float32)), TypeError, "target must be int64"),
     (dict(target=torch.zeros(4, dtype=torch.int64)), TypeError, "hidden's leading shape [3]"),

@@ -44,7 +44,7 @@ class LinearCrossEntropySpec(NamedTuple):
     label_smoothing: float
     reduction: str  # one of REDUCTIONS
     softcap: Optional[float]  # logits become softcap * tanh(logits / softcap) (Gemma 2)
-    chunk_rows: Optional[int]  # rows a chunk of logits holds; None: about as many floats as hidden holds
+    chunk_rows: Optional[int]  # rows a chunk of logits holds; None: chunk_rows_of's choice
 
 
 # ----------------------------------------------------------------------------------------------- contract
@@ -136,11 +136,19 @@ def _call(hidden: Tensor, weight: Tensor, grad: bool, device: Optional[torch.dev
 # ------------------------------------------------------------------------------------------- the chunks
 
 
-def chunk_rows_of(rows: int, hidden: int, vocab: int) -> int:
+# On the CPU a GEMM of few rows runs well under its peak: a chunk's logits there may hold up to this many floats
+# (64 MiB in float32), measured 1.4x faster than the GPU rule's 64 rows at 2048 x 512 -> 32000.
+CPU_CHUNK_FLOATS = 1 << 24
+
+
+def chunk_rows_of(rows: int, hidden: int, vocab: int, device_type: str = "cuda") -> int:
     """Rows a chunk holds by default: a power of two whose logits hold about as many floats as ``hidden`` (at least
-    one row, at most every row), as Liger-Kernel chooses them."""
+    one row, at most every row), as Liger-Kernel chooses them; on the CPU up to ``CPU_CHUNK_FLOATS`` floats."""
     per_chunk = max(1, math.ceil(rows / max(1, math.ceil(vocab / max(hidden, 1)))))
-    return min(max(rows, 1), 1 << (per_chunk - 1).bit_length())
+    power = 1 << (per_chunk - 1).bit_length()  # up to a power of two
+    if device_type == "cpu":
+        power = max(power, 1 << max(0, (CPU_CHUNK_FLOATS // max(vocab, 1)).bit_length() - 1))  # down to one
+    return min(max(rows, 1), power)
 
 
 def _chunk(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, spec: LinearCrossEntropySpec,
@@ -178,7 +186,7 @@ def _chunks(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tens
     """Over the chunks: the per-row losses into ``loss`` (when given) and, with ``scale`` (per row ``[N]`` or one
     number), the gradients asked for in ``grads``."""
     rows, vocab = hidden.shape[0], weight.shape[0]
-    step = spec.chunk_rows or chunk_rows_of(rows, hidden.shape[1], vocab)
+    step = spec.chunk_rows or chunk_rows_of(rows, hidden.shape[1], vocab, hidden.device.type)
     d_hidden = torch.empty_like(hidden) if grads[0] else None
     d_weight = torch.zeros(weight.shape, dtype=stats_dtype(weight.dtype), device=weight.device) if grads[1] else None
     d_bias = torch.zeros(vocab, dtype=stats_dtype(weight.dtype), device=weight.device) if grads[2] else None
@@ -325,7 +333,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
             only when asked: a read waits for the GPU), as torch's own check on a GPU is a device assert.
         label_smoothing, reduction: as in ``F.cross_entropy`` (``"mean"`` over the targets not ignored).
         softcap: logits become ``softcap * tanh(logits / softcap)`` before the loss (Gemma 2's final softcap).
-        chunk_rows: rows of logits made at a time (None: about as many floats as ``hidden`` holds).
+        chunk_rows: rows of logits made at a time (None: about as many floats as ``hidden`` holds; on the CPU
+            up to 2**24 floats).
 
     Returns:
         The loss, float32 (float64 for float64 inputs): a scalar, or target's shape with ``reduction="none"``. The
