@@ -57,8 +57,10 @@ def op_names() -> Tuple[str, ...]:
 # options); a call needing another runs on the reference.
 SUPPORTS: Dict[str, FrozenSet[str]] = {
     "triton": frozenset(ScoreMods._fields) | {"sinks", "recompute", "allow_tf32"},
-    "cpu": frozenset({"softcap", "alibi_slopes", "sinks"}),
+    "cpu": frozenset({"softcap", "alibi_slopes", "sinks", "float32 head dims above 128", "head dims above 256"}),
 }
+# Features a backend of ours may lack that torch's path computes as any other call (the widths of its operands).
+TORCH_COMPUTES = frozenset({"float32 head dims above 128", "head dims above 256"})
 
 
 class Call(NamedTuple):
@@ -176,8 +178,8 @@ def torch_refuses(call: Call) -> Optional[str]:
         return None  # the kernel the op had before ours: it computes the call as torch always did
     if call.torch_cannot:
         return call.torch_cannot
-    if call.needs:
-        return "its " + ", ".join(sorted(call.needs))
+    if call.needs - TORCH_COMPUTES:
+        return "its " + ", ".join(sorted(call.needs - TORCH_COMPUTES))
     if call.mask == "other":
         return "its masks (SDPA's differ on rows with no key left, and cost a dense mask)"
     if call.needs_lse:

@@ -24,11 +24,27 @@ _TRACED = "a traced call (ours there: one custom op, the same graph on every dev
 _PACKED = "packed sequences or a KV cache (no torch op for them on every device)"
 
 
-def needs(mods: ScoreMods, sinks: Optional[Tensor]) -> FrozenSet[str]:
-    """The features (``route.SUPPORTS``) a call with ``mods`` and ``sinks`` needs of a backend."""
+# The widest heads the Triton kernels take (kernels/attention/configs.py MAX_HEAD_DIM): beyond them a call needs a
+# feature only the CPU kernels have, and torch's path runs it by default (Gemma's 256 in float32, for one).
+FLOAT32_MAX_HEAD_DIM, MAX_HEAD_DIM = 128, 256
+_WIDE_HEADS = "float32 head dims above 128: our Triton kernels stop at 128"
+
+
+def head_needs(dtype: torch.dtype, head_dim: int) -> FrozenSet[str]:
+    """The features (``route.SUPPORTS``) heads of ``head_dim`` in ``dtype`` need beyond the Triton kernels' widths."""
+    if head_dim > MAX_HEAD_DIM:
+        return frozenset({"head dims above 256"})
+    if dtype == torch.float32 and head_dim > FLOAT32_MAX_HEAD_DIM:
+        return frozenset({"float32 head dims above 128"})
+    return frozenset()
+
+
+def needs(mods: ScoreMods, sinks: Optional[Tensor], q: Optional[Tensor] = None) -> FrozenSet[str]:
+    """The features (``route.SUPPORTS``) a call with ``mods``, ``sinks`` and queries ``q`` needs of a backend."""
+    wide = frozenset() if q is None else head_needs(q.dtype, q.shape[-1])
     if mods is NO_SCORE_MODS and sinks is None:
-        return frozenset()
-    given = frozenset(mods.given)
+        return wide
+    given = frozenset(mods.given) | wide
     return given | {"sinks"} if sinks is not None else given
 
 
@@ -71,14 +87,15 @@ def call(q: Tensor, k: Tensor, v: Tensor, masks: Optional[AttentionMasks], spec:
                       size=route.size(k.shape[2]),
                       needs_grad=route.needs_grad(q, k, v, sinks) if needs_grad is None else needs_grad,
                       needs_lse=needs_lse, deterministic=torch.are_deterministic_algorithms_enabled(),
-                      needs=needs(mods, sinks), gqa=q.shape[1] != k.shape[1], torch_cannot=cannot)
+                      needs=needs(mods, sinks, q), gqa=q.shape[1] != k.shape[1], torch_cannot=cannot,
+                      torch_default=_WIDE_HEADS if head_needs(q.dtype, q.shape[3]) else "")
 
 
 def decide_packed(op: str, q: Tensor, max_keys: int, mods: ScoreMods, sinks: Optional[Tensor],
                   needs_grad: bool = False) -> route.Decision:
     """Who runs ``attention_varlen`` or ``attention_with_kvcache`` (``op``) on queries ``q`` (head dim last)."""
     return route.choose(route.Call(op, route.device_tag(q.device), q.dtype, head_dim=q.shape[-1],
-                                   size=route.size(max_keys), needs_grad=needs_grad, needs=needs(mods, sinks),
+                                   size=route.size(max_keys), needs_grad=needs_grad, needs=needs(mods, sinks, q),
                                    torch_cannot=_PACKED), q.device)
 
 
@@ -88,7 +105,7 @@ def sdpa_door(q: Tensor, key_len: int, is_causal: bool, ours: str) -> route.Deci
     backward decide alike, from the shapes alone (the door cannot see whether autograd will differentiate)."""
     return route.at_door(route.Call("attention", route.device_tag(q.device), q.dtype, door="sdpa",
                                     head_dim=q.shape[-1], mask="causal" if is_causal else "none",
-                                    size=route.size(key_len),
+                                    size=route.size(key_len), needs=head_needs(q.dtype, q.shape[-1]),
                                     deterministic=torch.are_deterministic_algorithms_enabled()), q.device, ours)
 
 
