@@ -115,6 +115,10 @@ MEASURED = """
 # and 4096): SDPA picks cuDNN. cuDNN's backward is taken as not deterministic until gpu-check measures it.
 attention     forward   sm90    bfloat16         64,128    none,causal  no       *           *               0.55-0.79  -          H200 bench --quick bdb1535 2026-11-28
 attention     training  sm90    bfloat16         64,128    none,causal  no       *           *               0.54-0.71  no         H200 bench --quick bdb1535 2026-11-28
+# Phi-3's head dim 96 (padded to 128 in the kernels) and Gemma's 256, unmeasured: the rows above, taken as a prior
+# until gpu-check measures them (dense calls are cuDNN's at every width it serves).
+attention     forward   sm90    bfloat16         96,256    none,causal  no       *           *               0.55-0.79  -          prior: the H200's D64,128 rows
+attention     training  sm90    bfloat16         96,256    none,causal  no       *           *               0.54-0.71  no         prior: the H200's D64,128 rows
 # CPU, at torch's SDPA door (its dispatcher in front of our kernel), against torch's CPU flash kernel, 2 threads,
 # B 2, H 8, D 64, register-tiled kernels (docs/integrations.md). The door decides a forward and its
 # backward alike from the shapes; where the two disagree the row keeps the forward's figure and the table in
