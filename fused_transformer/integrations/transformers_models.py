@@ -1,0 +1,248 @@
+"""``fuse(model)`` on Hugging Face transformers' Llama-family models: their RMSNorms and their causal-LM loss.
+
+A table names, per family, the transformers classes fuse knows (``FAMILIES``); each known class has a fused twin, a
+subclass of it that adds no state and overrides ``forward``, and ``fuse_model`` gives a module its twin's class (as
+``fuse`` does for torch.nn modules), so that parameters, buffers, hooks and the ``state_dict`` stay as they were.
+Only exact classes are swapped (a user's subclass keeps its own ``forward``), and only where ``forward`` is the
+class's own: an instance ``forward`` set by Hugging Face's ``kernels.kernelize`` is removed (ours replaces the hub
+kernel's), any other one is left and named. A twin keeps its class's ``__name__`` and ``__module__``, so that
+``save_pretrained`` writes the same ``architectures`` and a pickle loads the unfused class.
+
+- RMSNorm (Llama, Mistral, Qwen2, Qwen3 with its q/k norms, Phi-3): ``weight * normed`` on ``ops.rms_norm``; Gemma
+  2 and 3 (``normed * (1 + weight)`` in float32, rounded once): ``ops.rms_norm`` of the float32 input with
+  ``1 + weight``. Parameters of another dtype than the input (mixed precision without autocast) run the class's own
+  ``forward``: its output dtype follows type promotion, ours would not.
+- The causal LM (``*ForCausalLM``): in training mode with ``labels``, the head and transformers' ``ForCausalLMLoss``
+  run as one ``ops.linear_cross_entropy`` over the last hidden states, the logits never made: labels shifted (padded
+  with ``ignore_index``) or ``shift_labels`` as given, ``ignore_index`` (default -100), ``num_items_in_batch`` (sum
+  over the targets / num_items) and Gemma's ``final_logit_softcapping``; ``logits_to_keep`` slices the hidden states
+  as it slices the logits. The output's ``logits`` is then None. In eval mode, without labels, or where the model's
+  ``loss_function`` is not transformers' ``ForCausalLMLoss``, the class's own forward runs (logits and its loss), so
+  evaluation with labels still returns the logits a metric needs.
+
+Importing this module imports transformers; ``fuse`` imports it only when transformers is already imported.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+from collections import Counter
+from types import MethodType
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import route
+from ..ops.linear_cross_entropy import linear_cross_entropy
+from ..ops.rms_norm import rms_norm
+
+try:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_utils import slice_logits_to_keep
+    from transformers.utils.generic import can_return_tuple
+except ImportError as exc:  # pragma: no cover - exercised only without the [hf] extra
+    raise ImportError(
+        "fused_transformer.integrations.transformers_models needs Hugging Face transformers: "
+        "pip install fused_transformer[hf]"
+    ) from exc
+
+Tensor = torch.Tensor
+
+
+class Family(NamedTuple):
+    """A model family's modeling module and the names of its classes fuse knows, by what their twins do."""
+
+    module: str
+    rms_norm: Tuple[str, ...] = ()
+    gemma_norm: Tuple[str, ...] = ()
+    causal_lm: Tuple[str, ...] = ()
+
+
+def _family(name: str, prefix: str, *, gemma: bool = False) -> Family:
+    norm = (f"{prefix}RMSNorm",)
+    return Family(f"transformers.models.{name}.modeling_{name}", rms_norm=() if gemma else norm,
+                  gemma_norm=norm if gemma else (), causal_lm=(f"{prefix}ForCausalLM",))
+
+
+FAMILIES: Dict[str, Family] = {
+    "llama": _family("llama", "Llama"),
+    "mistral": _family("mistral", "Mistral"),
+    "qwen2": _family("qwen2", "Qwen2"),
+    "qwen3": _family("qwen3", "Qwen3"),
+    "phi3": _family("phi3", "Phi3"),
+    "gemma2": _family("gemma2", "Gemma2", gemma=True),
+    "gemma3": _family("gemma3", "Gemma3", gemma=True),
+}
+
+
+# ------------------------------------------------------------------------------------------------ the twins' forwards
+
+
+class FusedRMSNorm:
+    """Llama's RMSNorm (``weight * normed``, eps in ``variance_epsilon``) on ``ops.rms_norm``."""
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        if self.weight.dtype != hidden_states.dtype:
+            route.ran_elsewhere("rms_norm", "transformers", "parameters of another dtype than the input")
+            return super().forward(hidden_states)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+class FusedGemmaRMSNorm:
+    """Gemma's RMSNorm (``normed * (1 + weight)`` in float32, then the input's dtype) on ``ops.rms_norm``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x.float(), 1.0 + self.weight.float(), self.eps).type_as(x)
+
+
+class FusedCausalLM:
+    """A transformers ``*ForCausalLM`` whose loss, in training with labels, is one ``ops.linear_cross_entropy``."""
+
+    _forward_names: Tuple[str, ...] = ()  # the class's forward's parameters, in order (set on each twin)
+
+    def forward(self, *args, **kwargs):
+        kwargs.update(zip(self._forward_names, args))
+        if (kwargs.get("labels") is None or not self.training
+                or self.loss_function is not ForCausalLMLoss or not head_fusable(self.lm_head)):
+            return super().forward(**kwargs)
+        return self._forward_with_fused_loss(**kwargs)
+
+    @can_return_tuple
+    def _forward_with_fused_loss(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)  # the name transformers deprecates for ``cache``
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        loss = causal_lm_loss(hidden_states, self.lm_head.weight, labels, self.lm_head.bias,
+                              softcap=getattr(self.config, "final_logit_softcapping", None), **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=None, cache=outputs.cache,
+                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+def causal_lm_loss(hidden_states: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
+                   num_items_in_batch: Optional[object] = None, ignore_index: int = -100,
+                   shift_labels: Optional[Tensor] = None, softcap: Optional[float] = None, **_: object) -> Tensor:
+    """transformers' ``ForCausalLMLoss`` of the logits ``softcap(hidden_states @ weight^T + bias)``, without them.
+
+    Args:
+        hidden_states: ``[B, L, H]`` (or ``[..., H]`` as many rows as the targets), the last hidden states.
+        weight: ``[V, H]``, the head's; bias ``[V]`` or None.
+        labels: ``[B, L]``, shifted here (row ``i`` predicts ``labels[:, i + 1]``, the last row ignored) unless
+            ``shift_labels`` (already shifted, hidden's leading shape) is given.
+        num_items_in_batch: None for the mean over the targets not ignored; else the sum divided by it (a tensor or
+            a number: the count over a whole gradient-accumulation step).
+        ignore_index: targets that count for nothing. softcap: Gemma's ``final_logit_softcapping``.
+        **_: the rest of the model's keyword arguments, which the loss does not read (as transformers').
+
+    Returns:
+        The loss, a float32 scalar (float64 for float64 inputs).
+    """
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.reshape(-1).to(hidden_states.device)
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if num_items_in_batch is None:
+        return linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index, softcap=softcap)
+    loss = linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index, softcap=softcap,
+                                reduction="sum")
+    if isinstance(num_items_in_batch, Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+# ------------------------------------------------------------------------------------------------ matching
+
+
+def linear_problem(linear: nn.Module) -> Optional[str]:
+    """Why a module standing where an ``nn.Linear`` is expected cannot be fused, or None when it is one."""
+    if hasattr(linear, "base_layer"):
+        return f"a wrapped Linear ({type(linear).__name__}, a PEFT/LoRA adapter): its adapters would be skipped"
+    weight = getattr(linear, "weight", None)
+    if isinstance(weight, Tensor) and not weight.is_floating_point():
+        return f"a quantized Linear ({type(linear).__name__}, {weight.dtype} weight)"
+    if type(linear) is not nn.Linear:
+        return f"a {type(linear).__name__}, not an nn.Linear"
+    return None
+
+
+def head_fusable(lm_head: nn.Module) -> bool:
+    return linear_problem(lm_head) is None
+
+
+_TWINS: Dict[type, type] = {}  # a transformers class -> its fused twin
+
+
+def _twin(hf_class: type, body: type) -> type:
+    """``hf_class``'s fused twin: ``body``'s forward over ``hf_class``, under the same name and module."""
+    twin = _TWINS.get(hf_class)
+    if twin is None:
+        namespace = {"__module__": hf_class.__module__, "__qualname__": hf_class.__qualname__,
+                     "__doc__": f"{hf_class.__name__} fused by fused_transformer ({body.__doc__})",
+                     "fused_twin_of": hf_class}
+        if body is FusedCausalLM:
+            # forward(*args) maps positional arguments to the names the class's forward gives them
+            names = tuple(inspect.signature(hf_class.forward).parameters)[1:]
+            namespace["_forward_names"] = tuple(n for n in names if n != "kwargs")
+        twin = type(hf_class.__name__, (body, hf_class), namespace)
+        _TWINS[hf_class] = twin
+    return twin
+
+
+def known_classes() -> Dict[type, type]:
+    """The transformers classes fuse knows, of the families whose modeling module is imported: class -> body.
+
+    A class counts only where it is still the one its module defined (not one a patching library put in its place)
+    and its ``forward`` is its own."""
+    found: Dict[type, type] = {}
+    for family in FAMILIES.values():
+        module = sys.modules.get(family.module)
+        if module is None:
+            continue
+        for names, body in ((family.rms_norm, FusedRMSNorm), (family.gemma_norm, FusedGemmaRMSNorm),
+                            (family.causal_lm, FusedCausalLM)):
+            for name in names:
+                cls = getattr(module, name, None)
+                if (isinstance(cls, type) and cls.__module__ == family.module and cls.__qualname__ == name
+                        and getattr(cls.forward, "__qualname__", "") == f"{name}.forward"):
+                    found[cls] = body
+    return found
+
+
+def _kernelized_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s instance ``forward`` is the one ``kernels.kernelize`` set (a hub kernel's forward bound
+    to it, with the repository it came from beside it)."""
+    forward = module.__dict__.get("forward")
+    return (isinstance(forward, MethodType) and forward.__self__ is module and "_kernel_repo" in module.__dict__
+            and hasattr(type(module), "kernel_layer_name"))
+
+
+def fuse_model(model: nn.Module) -> Tuple[Counter, Dict[str, str]]:
+    """Give each module of ``model`` whose exact class is a known transformers class its fused twin's class.
+
+    Returns the count of modules swapped per class name, and the modules left, by qualified name, with why."""
+    known = known_classes()
+    swapped: Counter = Counter()
+    skipped: Dict[str, str] = {}
+    for path, module in model.named_modules():
+        body = known.get(type(module))
+        if body is None:
+            continue
+        name = path or type(module).__name__
+        if "forward" in module.__dict__:
+            if not _kernelized_forward(module):
+                skipped[name] = f"{type(module).__name__} with a forward set on the instance"
+                continue
+            del module.__dict__["forward"]  # the hub kernel kernelize chose: ours runs instead
+        if body is FusedCausalLM:
+            problem = linear_problem(module.lm_head)
+            if problem is not None:
+                skipped[f"{path}.lm_head" if path else "lm_head"] = f"loss not fused: {problem}"
+                continue
+        module.__class__ = _twin(type(module), body)
+        swapped[type(module).__name__] += 1
+    return swapped, skipped
