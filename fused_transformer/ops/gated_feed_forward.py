@@ -229,8 +229,15 @@ def cpu_backward(dy: Tensor, x: Tensor, gate_weight: Tensor, up_weight: Optional
         drop = ~cpu_keep_mask(seed, *d_hidden.shape, dropout_p)
         d_hidden.mul_(1.0 / (1.0 - dropout_p)).masked_fill_(drop, 0.0)
     packed = len(saved) == 1
-    d_gu = saved[0].new_empty(saved[0].shape) if packed else None
-    d_up = torch.mul(d_hidden, act, out=d_gu[:, gate.shape[1]:]) if packed else d_hidden * act
+    if packed:  # dg and du side by side: dx and the packed weight's gradient are one product each
+        d_gu = saved[0].new_empty(saved[0].shape)
+        d_up = d_gu[:, gate.shape[1]:]
+        if traced():
+            d_up.copy_(d_hidden * act)  # Dynamo refuses an out= view with strides
+        else:
+            torch.mul(d_hidden, act, out=d_up)
+    else:
+        d_up = d_hidden * act
     hidden = act.mul_(up)
     if dropout_p > 0.0:
         hidden.mul_(1.0 / (1.0 - dropout_p)).masked_fill_(drop, 0.0)
