@@ -148,7 +148,9 @@ def broadcast_strides(table: Tensor) -> Tuple[int, int, int]:
     return tuple(0 if n == 1 else s for n, s in zip(sizes, strides))
 
 
-def _launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, backward: bool) -> Tuple[Tensor, Tensor]:
+def _prepared(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
+              backward: bool) -> Tuple[Tensor, Tensor, Optional[tuple]]:
+    """The outputs and ``launch_kernel``'s arguments after the kernel (None where there is nothing to launch)."""
     q, k, cos, sin = (last_dim_contiguous(t) for t in (q, k, cos, sin))
     q_out, k_out = output_like(q), output_like(k)
     head_dim, rotary_dim = q.shape[-1], cos.shape[-1]
@@ -156,7 +158,7 @@ def _launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, b
     (_, k_n1, k_n2), k_strides = leading3(k)
     q_rows, k_rows = q.numel() // max(head_dim, 1), k.numel() // max(head_dim, 1)
     if q_rows + k_rows == 0 or head_dim == 0:
-        return q_out, k_out
+        return q_out, k_out, None
     plan = plan_of(head_dim, rotary_dim)
     q_programs = cdiv(q_rows, plan.block_rows)
     grid = (q_programs + cdiv(k_rows, plan.block_rows),)
@@ -164,8 +166,7 @@ def _launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, b
             *leading3(q_out)[1], *leading3(k_out)[1], *broadcast_strides(cos), *broadcast_strides(sin), head_dim,
             rotary_dim // 2, plan.block_rows, plan.block_half, plan.block_pass, interleaved, backward,
             head_dim > rotary_dim)
-    launch_kernel(_rotary_kernel, grid, args, plan.num_warps)
-    return q_out, k_out
+    return q_out, k_out, (grid, args, plan.num_warps)
 
 
 def rotary_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tuple[Tensor, Tensor]:
@@ -175,7 +176,10 @@ def rotary_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool
     _check_dtypes(q=q, k=k)
     if traced():
         return torch.ops.fused_transformer.rotary(q, k, cos, sin, interleaved, False)
-    return _launch(q, k, cos, sin, interleaved, False)
+    q_embed, k_embed, launch = _prepared(q, k, cos, sin, interleaved, False)
+    if launch is not None:
+        launch_kernel(_rotary_kernel, *launch)
+    return q_embed, k_embed
 
 
 def rotary_bwd(dq_embed: Tensor, dk_embed: Tensor, cos: Tensor, sin: Tensor,
@@ -183,7 +187,10 @@ def rotary_bwd(dq_embed: Tensor, dk_embed: Tensor, cos: Tensor, sin: Tensor,
     """``(dq, dk)`` from the outputs' gradients, in one launch (through the custom op when traced)."""
     if traced():
         return torch.ops.fused_transformer.rotary(dq_embed, dk_embed, cos, sin, interleaved, True)
-    return _launch(dq_embed, dk_embed, cos, sin, interleaved, True)
+    dq, dk, launch = _prepared(dq_embed, dk_embed, cos, sin, interleaved, True)
+    if launch is not None:
+        launch_kernel(_rotary_kernel, *launch)
+    return dq, dk
 
 
 # ------------------------------------------------------------------------------------ traced: the custom op
@@ -193,7 +200,10 @@ def rotary_bwd(dq_embed: Tensor, dk_embed: Tensor, cos: Tensor, sin: Tensor,
 def _rotary_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
                backward: bool) -> Tuple[Tensor, Tensor]:
     """The launch as torch.compile and torch.export trace it (forward, or with ``backward`` the gradients)."""
-    return _launch(q, k, cos, sin, interleaved, backward)
+    q_out, k_out, launch = _prepared(q, k, cos, sin, interleaved, backward)
+    if launch is not None:
+        launch_kernel(_rotary_kernel, *launch)
+    return q_out, k_out
 
 
 @_rotary_op.register_fake

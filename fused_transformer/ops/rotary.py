@@ -41,12 +41,17 @@ class RotarySpec(NamedTuple):
 # ----------------------------------------------------------------------------------------------- contract
 
 
-def check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: object, interleaved: object) -> RotarySpec:
+def check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: object, unsqueeze_dim: object,
+          interleaved: object) -> RotarySpec:
     """The checked ``RotarySpec`` of a call: q ``[B, H, S, D]`` (2 to 4 dims), k q's rank, dtype and head dim, cos and
     sin one shape, ``[.., rotary_dim]`` with ``rotary_dim`` even and at most D, broadcasting to q and k once
     unsqueezed at ``unsqueeze_dim``."""
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         check_tensor(name, t)
+    if position_ids is not None and not isinstance(position_ids, Tensor):
+        # transformers 5's own signature has no position_ids: its unsqueeze_dim passed by position lands here
+        raise TypeError(f"position_ids must be a Tensor or None (it is unused), got {position_ids!r}; pass "
+                        f"unsqueeze_dim by keyword")
     if not 2 <= q.dim() <= 4:
         raise ValueError(f"q must be [B, H, S, D] (2 to 4 dims), got {describe(q)}")
     if k.dim() != q.dim() or k.shape[-1] != q.shape[-1]:
@@ -137,13 +142,13 @@ def decide(q: Tensor, k: Tensor, spec: RotarySpec) -> route.Decision:
     grad = route.needs_grad(q, k)
     if torch.compiler.is_compiling():
         return route.choose(_call(q, k, grad), q.device)
-    key = ("rotary", q.device, q.dtype, q.shape, k.shape, spec, grad, route.backend.get_backend())
+    key = ("apply_rotary_pos_emb", q.device, q.dtype, q.shape, k.shape, spec, grad, route.backend.get_backend())
     return route.remembered(key, lambda: (_call(q, k, grad), q.device))
 
 
 def _call(q: Tensor, k: Tensor, grad: bool, device: Optional[torch.device] = None) -> route.Call:
     rows = (q.numel() + k.numel()) // max(q.shape[-1], 1)
-    return route.Call("rotary", route.device_tag(q.device if device is None else device), q.dtype,
+    return route.Call("apply_rotary_pos_emb", route.device_tag(q.device if device is None else device), q.dtype,
                       head_dim=q.shape[-1], size=route.size(rows), needs_grad=grad,
                       deterministic=torch.are_deterministic_algorithms_enabled(), backends=_BACKENDS)
 
@@ -170,9 +175,26 @@ def _rotate_into(out: Tensor, x: Tensor, cos: Tensor, sin: Tensor, interleaved: 
     return out
 
 
+def _rotated(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, backward: bool) -> Tensor:
+    """``_rotate_into``'s result from functional ops, for a trace (dynamo takes no ``out=`` into a strided view; the
+    compiler fuses these)."""
+    rotary_dim = cos.shape[-1]
+    x1, x2 = _halves(x, rotary_dim, interleaved)
+    c1, c2 = _halves(cos, rotary_dim, interleaved)
+    s1, s2 = _halves(sin, rotary_dim, interleaved)
+    if backward:
+        y1, y2 = x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
+    else:
+        y1, y2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    y = torch.stack((y1, y2), dim=-1).flatten(-2) if interleaved else torch.cat((y1, y2), dim=-1)
+    return y if rotary_dim == x.shape[-1] else torch.cat((y, x[..., rotary_dim:]), dim=-1)
+
+
 def _cpu_pass(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
               backward: bool) -> Tuple[Tensor, Tensor]:
     cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    if torch.compiler.is_compiling():
+        return tuple(_rotated(x, cos, sin, interleaved, backward) for x in (q, k))
     return tuple(_rotate_into(torch.empty_like(x, memory_format=torch.contiguous_format), x, cos, sin, interleaved,
                               backward) for x in (q, k))
 
@@ -262,9 +284,9 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positio
         a layout's last dim is not). The gradients of q and k are made in one pass (the rotation by ``-sin``); a cos
         or sin that requires a gradient sends the call to torch's path, which autograd differentiates.
     """
-    spec = check(q, k, cos, sin, unsqueeze_dim, interleaved)
+    spec = check(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved)
     if route.needs_grad(cos, sin):
-        route.ran_elsewhere("rotary", "functional", _TABLE_GRAD)
+        route.ran_elsewhere("apply_rotary_pos_emb", "functional", _TABLE_GRAD)
         name = "torch"
     else:
         name = decide(q, k, spec).backend
@@ -350,7 +372,7 @@ def _thin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tenso
 
 
 OP = register(Op(
-    name="rotary", function=apply_rotary_pos_emb, torch_path=torch_path, reference=reference,
+    name="apply_rotary_pos_emb", function=apply_rotary_pos_emb, torch_path=torch_path, reference=reference,
     size_of="rows of q and k", outputs=("q_embed", "k_embed"), check=CHECK, bench=_bench,
     lengths={"cpu": ((128, 512), (128,)), "cuda": ((512, 1024, 2048, 4096), (1024, 4096))},
     work=_work, describe=_describe,
