@@ -4,8 +4,7 @@ from . import backend, integrations, reference
 from .backend import current, set_backend, use_backend
 from .functional import (
     apply_rotary_pos_emb, attention, attention_varlen, attention_weights, attention_with_kvcache, feed_forward,
-    gated_feed_forward,
-    layer_norm, linear_cross_entropy, rms_norm,
+    gated_feed_forward, layer_norm, linear_cross_entropy, rms_norm,
 )
 from .integrations import sdpa as _sdpa_registry
 from .route import explain

@@ -68,7 +68,11 @@ def test_family_matches_unfused_and_float64(family):
     ids = batch()
     norms = sum(type(m).__name__ == NORMS[family] for m in model.modules())
     _, summary = ft.fuse(copy.deepcopy(model), return_summary=True)
+    layers = model.config.num_hidden_layers
     assert summary.swapped[NORMS[family]] == norms and summary.swapped[type(model).__name__] == 1
+    assert summary.swapped[type(model.model.layers[0].mlp).__name__] == layers
+    # Phi-3's rotary is a module-level function with no per-instance copy: left as it is
+    assert summary.swapped.get("apply_rotary_pos_emb", 0) == (0 if family == "phi3" else layers)
     assert not summary.skipped
 
     # logits (eval: the class's own forward around our norms and attention)
@@ -92,7 +96,8 @@ def test_family_matches_unfused_and_float64(family):
         out = fused(ids, labels=labels)
     assert out.logits is None
     ran = {c.op for c in calls}
-    assert {"rms_norm", "linear_cross_entropy"} <= ran, ran
+    assert {"rms_norm", "linear_cross_entropy", "gated_feed_forward"} <= ran, ran
+    assert ("apply_rotary_pos_emb" in ran) == (family != "phi3"), ran
     losses = [m(ids, labels=labels).loss for m in (model64, model)]
     assert_close_to_reference(out.loss, *losses, "loss")
     grads = []
@@ -122,15 +127,33 @@ def test_state_dict_is_unchanged_and_loads_strictly_both_ways(family):
     model.load_state_dict(torch.load(buffer), strict=True)
 
 
-def test_rms_norm_runs_our_kernel_on_the_cpu_backend():
-    """On "auto" a CPU RMSNorm without dropout is torch's ``F.rms_norm`` (the route's choice); the cpu backend is ours."""
-    _, fused = build("qwen3")
-    with ft.use_backend("cpu"), ft.explain() as calls, torch.no_grad():
-        fused.eval()(batch())
-    backends = {c.backend for c in calls if c.op == "rms_norm"}
-    assert backends == {"cpu"}
+@pytest.mark.parametrize("name", ["cpu", "triton"])
+def test_every_fused_op_runs_ours_on_a_named_backend(name):
+    """On "auto" a CPU RMSNorm or gated MLP without dropout is torch's ATen ops (the route's choice: nothing to fuse
+    there); named, the backend runs ours, within the 2x rule of the float64 model."""
+    model, fused = build("qwen3", num_hidden_layers=1)
+    model64 = float64_copy(model)
+    ids = batch(length=7)
+    fused.train(), model.train(), model64.train()
+    with ft.use_backend(name), ft.explain() as calls:
+        loss = fused(ids, labels=ids).loss
+    by_op = {}
+    for call in calls:
+        by_op.setdefault(call.op, set()).add(call.backend)
+    for op in ("rms_norm", "gated_feed_forward", "apply_rotary_pos_emb", "linear_cross_entropy", "attention"):
+        assert by_op.get(op) == {name}, (op, by_op)
     # Qwen3: input, post-attention, q and k norms per layer, and the final norm
-    assert sum(c.op == "rms_norm" for c in calls) == 4 * 2 + 1
+    assert sum(c.op == "rms_norm" for c in calls) == 4 + 1
+    assert_close_to_reference(loss, model64(ids, labels=ids).loss, model(ids, labels=ids).loss, "loss")
+
+
+def test_an_unfused_model_in_the_same_process_runs_none_of_ours():
+    model, fused = build("llama")
+    with ft.explain() as calls, torch.no_grad():
+        fused.eval()(batch())
+        seen = len(calls)
+        model.eval()(batch())
+    assert seen > 0 and len(calls) == seen
 
 
 # ------------------------------------------------------------------------------------------------ the loss
@@ -276,15 +299,33 @@ def test_summary_names_what_it_left():
         def forward(self, x):
             return self.base_layer(x)
 
-    model, _ = build("llama")
+    model, _ = build("llama", num_hidden_layers=3)
     model.lm_head = LoraLinear(model.lm_head)
     own = model.model.norm
     own.forward = MethodType(lambda self, x: x, own)
+    layers = model.model.layers
+    layers[0].mlp.up_proj = LoraLinear(layers[0].mlp.up_proj)
+    layers[1].mlp.act_fn = nn.ReLU()  # a gated MLP the op does not compute
     _, summary = ft.fuse(model, return_summary=True)
-    assert "LoRA" in summary.skipped["lm_head"] and "instance" in summary.skipped["model.norm"]
-    assert "lm_head" in str(summary) and "model.norm" in str(summary)
-    assert summary.swapped["LlamaRMSNorm"] == 4 and "LlamaForCausalLM" not in summary.swapped
+    skipped = summary.skipped
+    assert "LoRA" in skipped["lm_head"] and "instance" in skipped["model.norm"]
+    assert "up_proj" in skipped["model.layers.0.mlp"] and "LoRA" in skipped["model.layers.0.mlp"]
+    assert "ReLU" in skipped["model.layers.1.mlp"]
+    assert "lm_head" in str(summary) and "model.layers.1.mlp" in str(summary)
+    assert summary.swapped["LlamaRMSNorm"] == 6 and summary.swapped["LlamaMLP"] == 1
+    assert "LlamaForCausalLM" not in summary.swapped
     assert type(model).__mro__[1] is not hf_models.FusedCausalLM
+    with ft.explain() as calls, torch.no_grad():
+        model.eval()(batch())
+    assert sum(c.op == "gated_feed_forward" for c in calls) == 1
+
+
+def test_mlp_of_another_shape_is_left():
+    model, _ = build("llama")
+    model.model.layers[0].mlp.down_proj = nn.Linear(80, 64, bias=False)
+    model.model.layers[0].mlp.up_proj = nn.Linear(64, 80, bias=False)
+    _, summary = ft.fuse(model, return_summary=True)
+    assert "shape" in summary.skipped["model.layers.0.mlp"]
 
 
 def test_user_subclass_is_left_alone():

@@ -35,10 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import route
+from ..ops.gated_feed_forward import gated_feed_forward
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from ..ops.rms_norm import rms_norm
+from ..ops.rotary import apply_rotary_pos_emb
 
 try:
+    from transformers import activations
     from transformers.loss.loss_utils import ForCausalLMLoss
     from transformers.modeling_outputs import CausalLMOutputWithPast
     from transformers.modeling_utils import slice_logits_to_keep
@@ -59,12 +62,16 @@ class Family(NamedTuple):
     rms_norm: Tuple[str, ...] = ()
     gemma_norm: Tuple[str, ...] = ()
     causal_lm: Tuple[str, ...] = ()
+    mlp: Tuple[str, ...] = ()  # gate_proj, up_proj, down_proj and act_fn
+    packed_mlp: Tuple[str, ...] = ()  # gate_up_proj, down_proj and activation_fn
+    rotary: Tuple[str, ...] = ()  # attention classes whose apply_rotary_pos_emb is a per-instance kernel function
 
 
-def _family(name: str, prefix: str, *, gemma: bool = False) -> Family:
-    norm = (f"{prefix}RMSNorm",)
+def _family(name: str, prefix: str, *, gemma: bool = False, packed: bool = False) -> Family:
+    norm, mlp = (f"{prefix}RMSNorm",), (f"{prefix}MLP",)
     return Family(f"transformers.models.{name}.modeling_{name}", rms_norm=() if gemma else norm,
-                  gemma_norm=norm if gemma else (), causal_lm=(f"{prefix}ForCausalLM",))
+                  gemma_norm=norm if gemma else (), causal_lm=(f"{prefix}ForCausalLM",), mlp=() if packed else mlp,
+                  packed_mlp=mlp if packed else (), rotary=() if packed else (f"{prefix}Attention",))
 
 
 FAMILIES: Dict[str, Family] = {
@@ -72,7 +79,8 @@ FAMILIES: Dict[str, Family] = {
     "mistral": _family("mistral", "Mistral"),
     "qwen2": _family("qwen2", "Qwen2"),
     "qwen3": _family("qwen3", "Qwen3"),
-    "phi3": _family("phi3", "Phi3"),
+    # Phi-3's attention calls its module's apply_rotary_pos_emb with no per-instance hook: its rotary stays
+    "phi3": _family("phi3", "Phi3", packed=True),
     "gemma2": _family("gemma2", "Gemma2", gemma=True),
     "gemma3": _family("gemma3", "Gemma3", gemma=True),
 }
@@ -96,6 +104,42 @@ class FusedGemmaRMSNorm:
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x.float(), 1.0 + self.weight.float(), self.eps).type_as(x)
+
+
+class FusedMLP:
+    """A gated MLP (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``) on ``ops.gated_feed_forward``."""
+
+    fused_activation: str = "silu"  # set on each instance's twin by fuse_model, from its act_fn
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        if not (gate.weight.dtype == up.weight.dtype == down.weight.dtype == x.dtype):
+            route.ran_elsewhere("gated_feed_forward", "transformers", "parameters of another dtype than the input")
+            return super().forward(x)
+        return gated_feed_forward(x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias,
+                                  activation=self.fused_activation)
+
+
+class FusedPackedMLP:
+    """Phi-3's gated MLP (``gate_up_proj`` holding the gate rows then the up rows) on ``ops.gated_feed_forward``."""
+
+    fused_activation: str = "silu"
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if not (gate_up.weight.dtype == down.weight.dtype == hidden_states.dtype):
+            route.ran_elsewhere("gated_feed_forward", "transformers", "parameters of another dtype than the input")
+            return super().forward(hidden_states)
+        return gated_feed_forward(hidden_states, gate_up.weight, None, down.weight, gate_up.bias, None, down.bias,
+                                  activation=self.fused_activation)
+
+
+class FusedRotary:
+    """An attention layer's own copy of transformers' ``apply_rotary_pos_emb`` (kernels' per-instance function
+    module, ``_kernel_funcs``) on ``ops.apply_rotary_pos_emb``."""
+
+    def forward(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1):
+        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
 class FusedCausalLM:
@@ -170,16 +214,52 @@ def linear_problem(linear: nn.Module) -> Optional[str]:
     return None
 
 
+def gated_activation(act: object) -> Optional[str]:
+    """The name ``ops.gated_feed_forward`` knows a transformers activation module by, or None."""
+    kind = type(act)
+    if kind in (activations.SiLUActivation, nn.SiLU):
+        return "silu"
+    if kind in (activations.GELUTanh, activations.NewGELUActivation, activations.FastGELUActivation):
+        return "gelu_tanh"
+    if kind is activations.GELUActivation:
+        return "gelu"
+    if kind is nn.GELU:
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    return None
+
+
+def mlp_problem(mlp: nn.Module, linears: Tuple[str, ...], activation_name: str) -> Optional[str]:
+    """Why a known MLP class's instance cannot run ``ops.gated_feed_forward``, or None."""
+    for name in linears:
+        problem = linear_problem(getattr(mlp, name, None)) if isinstance(getattr(mlp, name, None), nn.Module) else \
+            "missing"
+        if problem is not None:
+            return f"{name} is {problem}"
+    act = getattr(mlp, activation_name, None)
+    if gated_activation(act) is None:
+        return f"{activation_name} {type(act).__name__} is not one the gated op computes (SiLU, GELU, GELU-tanh)"
+    if "forward" in getattr(act, "__dict__", {}) and not _kernelized_forward(act):
+        return f"{activation_name} has a forward set on the instance"
+    gate = getattr(mlp, linears[0])
+    down = mlp.down_proj
+    d_ff = gate.out_features // 2 if len(linears) == 2 else gate.out_features
+    if down.in_features != d_ff or (len(linears) == 3 and mlp.up_proj.out_features != d_ff) or \
+            (len(linears) == 3 and mlp.up_proj.in_features != gate.in_features):
+        return "projections of another shape than a gated MLP's"
+    return None
+
+
 def head_fusable(lm_head: nn.Module) -> bool:
     return linear_problem(lm_head) is None
 
 
-_TWINS: Dict[type, type] = {}  # a transformers class -> its fused twin
+_TWINS: Dict[Tuple[type, Optional[str]], type] = {}  # (a transformers class, activation) -> its fused twin
 
 
-def _twin(hf_class: type, body: type) -> type:
-    """``hf_class``'s fused twin: ``body``'s forward over ``hf_class``, under the same name and module."""
-    twin = _TWINS.get(hf_class)
+def _twin(hf_class: type, body: type, activation: Optional[str] = None) -> type:
+    """``hf_class``'s fused twin: ``body``'s forward over ``hf_class``, under the same name and module (an MLP's,
+    one per activation)."""
+    twin = _TWINS.get((hf_class, activation))
     if twin is None:
         namespace = {"__module__": hf_class.__module__, "__qualname__": hf_class.__qualname__,
                      "__doc__": f"{hf_class.__name__} fused by fused_transformer ({body.__doc__})",
@@ -188,8 +268,10 @@ def _twin(hf_class: type, body: type) -> type:
             # forward(*args) maps positional arguments to the names the class's forward gives them
             names = tuple(inspect.signature(hf_class.forward).parameters)[1:]
             namespace["_forward_names"] = tuple(n for n in names if n != "kwargs")
+        if activation is not None:
+            namespace["fused_activation"] = activation
         twin = type(hf_class.__name__, (body, hf_class), namespace)
-        _TWINS[hf_class] = twin
+        _TWINS[hf_class, activation] = twin
     return twin
 
 
@@ -204,7 +286,8 @@ def known_classes() -> Dict[type, type]:
         if module is None:
             continue
         for names, body in ((family.rms_norm, FusedRMSNorm), (family.gemma_norm, FusedGemmaRMSNorm),
-                            (family.causal_lm, FusedCausalLM)):
+                            (family.causal_lm, FusedCausalLM), (family.mlp, FusedMLP),
+                            (family.packed_mlp, FusedPackedMLP), (family.rotary, FusedRotary)):
             for name in names:
                 cls = getattr(module, name, None)
                 if (isinstance(cls, type) and cls.__module__ == family.module and cls.__qualname__ == name
@@ -238,11 +321,43 @@ def fuse_model(model: nn.Module) -> Tuple[Counter, Dict[str, str]]:
                 skipped[name] = f"{type(module).__name__} with a forward set on the instance"
                 continue
             del module.__dict__["forward"]  # the hub kernel kernelize chose: ours runs instead
+        activation = None
+        if body is FusedRotary:
+            if _fuse_rotary(module):
+                swapped["apply_rotary_pos_emb"] += 1
+            continue
         if body is FusedCausalLM:
             problem = linear_problem(module.lm_head)
             if problem is not None:
                 skipped[f"{path}.lm_head" if path else "lm_head"] = f"loss not fused: {problem}"
                 continue
-        module.__class__ = _twin(type(module), body)
+        elif body in (FusedMLP, FusedPackedMLP):
+            packed = body is FusedPackedMLP
+            act_name = "activation_fn" if packed else "act_fn"
+            problem = mlp_problem(module, ("gate_up_proj", "down_proj") if packed else
+                                  ("gate_proj", "up_proj", "down_proj"), act_name)
+            if problem is not None:
+                skipped[name] = f"{type(module).__name__} not fused: {problem}"
+                continue
+            activation = gated_activation(getattr(module, act_name))
+        module.__class__ = _twin(type(module), body, activation)
         swapped[type(module).__name__] += 1
     return swapped, skipped
+
+
+def _fuse_rotary(attention: nn.Module) -> bool:
+    """Give an attention layer's own ``apply_rotary_pos_emb`` function module (kernels' ``use_kernelized_func``: each
+    instance has its copy in ``_kernel_funcs``, so the module-level function other models call is untouched) its
+    fused twin's class. False where the layer has no such copy."""
+    funcs = attention.__dict__.get("_kernel_funcs")
+    # the function module of the attention's own modeling module (kernels names the copies by kernel_layer_name)
+    shared = getattr(sys.modules.get(type(attention).__module__), "apply_rotary_pos_emb", None)
+    func = funcs.get(getattr(shared, "kernel_layer_name", None)) if isinstance(funcs, dict) else None
+    if not isinstance(func, nn.Module) or type(func) is not type(shared):
+        return False
+    if "forward" in func.__dict__:
+        if not _kernelized_forward(func):
+            return False
+        del func.__dict__["forward"]
+    func.__class__ = _twin(type(func), FusedRotary)
+    return True
