@@ -279,13 +279,21 @@ def test_kernelize_instance_forward_is_replaced_by_ours():
         def forward(self, hidden_states):
             raise AssertionError("the hub kernel ran")
 
+    class HubRotary(nn.Module):
+        def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+            raise AssertionError("the hub rotary ran")
+
     for module in model.modules():
         if type(module).__name__ == "LlamaRMSNorm":
             _replace_forward(module, HubRMSNorm, repo="kernels-community/test")
-    ft.fuse(model)
+        if type(module).__name__ == "LlamaAttention":  # its own copy of apply_rotary_pos_emb
+            for func in module._kernel_funcs.values():
+                _replace_forward(func, HubRotary, repo="kernels-community/test")
+    _, summary = ft.fuse(model, return_summary=True)
+    assert summary.swapped["LlamaRMSNorm"] == 5 and summary.swapped["apply_rotary_pos_emb"] == 2
     with ft.explain() as calls, torch.no_grad():
         model.eval()(batch())
-    assert sum(c.op == "rms_norm" for c in calls) == 5
+    assert sum(c.op == "rms_norm" for c in calls) == 5 and sum(c.op == "apply_rotary_pos_emb" for c in calls) == 2
 
 
 def test_summary_names_what_it_left():
