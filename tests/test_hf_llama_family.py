@@ -374,3 +374,42 @@ def test_gradient_checkpointing_replays_the_attention_dropout():
     assert any(not torch.allclose(a, b) for a, b in zip(grads[1], other))  # the dropout does change them
     for plain, checkpointed in zip(*grads):
         torch.testing.assert_close(checkpointed, plain, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3"])
+def test_bfloat16_logits_and_loss_within_the_2x_rule(family):
+    """Gemma's norm rounds ``normed * (1 + weight)`` once, from float32, as Gemma's own; Llama's rounds once where
+    transformers rounds twice (``weight * normed.to(bf16)``): both within 2x of transformers' bfloat16 error."""
+    model, _ = build(family)
+    model64 = float64_copy(model).eval()
+    model16 = copy.deepcopy(model).to(torch.bfloat16).eval()
+    fused16 = ft.fuse(copy.deepcopy(model16))
+    ids = batch()
+    with torch.no_grad():
+        want64, want16, got = (m(ids).logits for m in (model64, model16, fused16))
+    assert got.dtype == torch.bfloat16
+    assert_close_to_reference(got, want64, want16, "bfloat16 logits")
+
+
+@pytest.mark.parametrize("softcap", [None, 0.5])
+def test_bfloat16_loss_alone_within_the_2x_rule(softcap):
+    """The loss of the same bfloat16 hidden states (a whole model's loss is one number whose bfloat16 error, about
+    1e-4, comes from every layer: too noisy to hold to the rule), against transformers' ``ForCausalLMLoss`` of the
+    head's bfloat16 logits."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    torch.manual_seed(0)
+    hidden64 = torch.randn(3, 33, 64, dtype=torch.float64)
+    weight64 = torch.randn(VOCAB, 64, dtype=torch.float64) * 0.3
+    labels = torch.randint(0, VOCAB, (3, 33))
+    labels[1, 5:9] = -100
+
+    def transformers_loss(hidden, weight):
+        logits = hidden @ weight.T
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return ForCausalLMLoss(logits, labels, VOCAB)
+
+    got = hf_models.causal_lm_loss(hidden64.bfloat16(), weight64.bfloat16(), labels, softcap=softcap)
+    want16 = transformers_loss(hidden64.bfloat16(), weight64.bfloat16())
+    assert_close_to_reference(got, transformers_loss(hidden64, weight64), want16, "bfloat16 loss")
