@@ -413,3 +413,18 @@ def test_bfloat16_loss_alone_within_the_2x_rule(softcap):
     got = hf_models.causal_lm_loss(hidden64.bfloat16(), weight64.bfloat16(), labels, softcap=softcap)
     want16 = transformers_loss(hidden64.bfloat16(), weight64.bfloat16())
     assert_close_to_reference(got, transformers_loss(hidden64, weight64), want16, "bfloat16 loss")
+
+
+def test_a_pickled_fused_model_loads_fused():
+    model, fused = build("llama")
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False).eval()
+    assert type(loaded) is type(fused) and type(loaded.model.norm) is type(fused.model.norm)
+    ids = batch()
+    with ft.explain() as calls, torch.no_grad():
+        got = loaded(ids).logits
+    assert sum(c.op == "apply_rotary_pos_emb" for c in calls) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(got, fused.eval()(ids).logits, rtol=0, atol=0)

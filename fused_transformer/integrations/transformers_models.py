@@ -24,6 +24,7 @@ Importing this module imports transformers; ``fuse`` imports it only when transf
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 from collections import Counter
@@ -89,7 +90,23 @@ FAMILIES: Dict[str, Family] = {
 # ------------------------------------------------------------------------------------------------ the twins' forwards
 
 
-class FusedRMSNorm:
+class TransformersTwin:
+    """What every twin shares: a pickle that rebuilds the twin (its class is made at run time, under the name of the
+    transformers class it derives from, which pickle would find instead)."""
+
+    def __reduce_ex__(self, protocol):
+        cls = type(self)
+        return _rebuilt_twin, (cls.fused_twin_of, cls.fused_body, cls.__dict__.get("fused_activation")), \
+            self.__getstate__()
+
+
+def _rebuilt_twin(hf_class: type, body: type, activation: Optional[str]) -> object:
+    twin = _twin(hf_class, body, activation)
+    return twin.__new__(twin)
+
+
+
+class FusedRMSNorm(TransformersTwin):
     """Llama's RMSNorm (``weight * normed``, eps in ``variance_epsilon``) on ``ops.rms_norm``."""
 
     def forward(self, hidden_states: Tensor) -> Tensor:
@@ -99,14 +116,14 @@ class FusedRMSNorm:
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-class FusedGemmaRMSNorm:
+class FusedGemmaRMSNorm(TransformersTwin):
     """Gemma's RMSNorm (``normed * (1 + weight)`` in float32, then the input's dtype) on ``ops.rms_norm``."""
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x.float(), 1.0 + self.weight.float(), self.eps).type_as(x)
 
 
-class FusedMLP:
+class FusedMLP(TransformersTwin):
     """A gated MLP (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``) on ``ops.gated_feed_forward``."""
 
     fused_activation: str = "silu"  # set on each instance's twin by fuse_model, from its act_fn
@@ -120,7 +137,7 @@ class FusedMLP:
                                   activation=self.fused_activation)
 
 
-class FusedPackedMLP:
+class FusedPackedMLP(TransformersTwin):
     """Phi-3's gated MLP (``gate_up_proj`` holding the gate rows then the up rows) on ``ops.gated_feed_forward``."""
 
     fused_activation: str = "silu"
@@ -134,15 +151,25 @@ class FusedPackedMLP:
                                   activation=self.fused_activation)
 
 
-class FusedRotary:
+class FusedRotary(TransformersTwin):
     """An attention layer's own copy of transformers' ``apply_rotary_pos_emb`` (kernels' per-instance function
     module, ``_kernel_funcs``) on ``ops.apply_rotary_pos_emb``."""
 
     def forward(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1):
         return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
+    def __reduce_ex__(self, protocol):
+        # kernels' Func class is local to a function: named by the modeling module that holds its shared instance,
+        # and its __setstate__ takes (state, its instance forward)
+        return _rebuilt_rotary, (type(self).__module__,), (dict(self.__dict__), None)
 
-class FusedCausalLM:
+
+def _rebuilt_rotary(modeling_module: str) -> object:
+    shared = importlib.import_module(modeling_module).apply_rotary_pos_emb
+    return _rebuilt_twin(type(shared), FusedRotary, None)
+
+
+class FusedCausalLM(TransformersTwin):
     """A transformers ``*ForCausalLM`` whose loss, in training with labels, is one ``ops.linear_cross_entropy``."""
 
     _forward_names: Tuple[str, ...] = ()  # the class's forward's parameters, in order (set on each twin)
@@ -263,7 +290,7 @@ def _twin(hf_class: type, body: type, activation: Optional[str] = None) -> type:
     if twin is None:
         namespace = {"__module__": hf_class.__module__, "__qualname__": hf_class.__qualname__,
                      "__doc__": f"{hf_class.__name__} fused by fused_transformer ({body.__doc__})",
-                     "fused_twin_of": hf_class}
+                     "fused_twin_of": hf_class, "fused_body": body}
         if body is FusedCausalLM:
             # forward(*args) maps positional arguments to the names the class's forward gives them
             names = tuple(inspect.signature(hf_class.forward).parameters)[1:]
