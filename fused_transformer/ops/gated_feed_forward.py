@@ -455,7 +455,7 @@ OP = register(Op(
     size_of="rows of x", outputs=("out",), check=CHECK, bench=_bench,
     lengths={"cpu": ((128, 512), (128,)), "cuda": ((512, 2048, 4096), (2048,))},
     work=_work, throughput=("tflops", "TFLOP/s"), describe=_describe,
-    overhead=(example("B2 L8 d32 ff64", (2, 8), 32, 64),),
+    overhead=(example("B2 L8 d32 ff64", (2, 8), 32, 64, dropout_p=0.1),),  # dropout: ours on the CPU too
     overhead_target={"fwd": 2.5, "fwd+bwd": 2.5},
     call_of=lambda tensors, options, device, grad: _call(
         tensors["x"], GatedFeedForwardSpec(options["activation"], options["dropout_p"], tensors["up_weight"] is None),
