@@ -354,3 +354,24 @@ def test_no_rows_and_rows_with_strides(name, packed):
     with ft.use_backend(name):
         torch.testing.assert_close(ft.gated_feed_forward(strided, **weights),
                                    ft.gated_feed_forward(strided.contiguous(), **weights))
+
+
+@pytest.mark.parametrize("name", [n for n in _backends() if n != "auto"])
+def test_activation_checkpointing_replays_the_dropout_mask(name):
+    """torch.utils.checkpoint runs the forward again in the backward with torch's RNG state restored: the same seed,
+    so the same mask, and the gradients of the plain call."""
+    torch.manual_seed(6)
+    inputs = _inputs((3, 4), 16, 20, 16, torch.float32, biases=True, packed=True)
+    leaves = [v.requires_grad_() for v in inputs.values() if v is not None]
+
+    def call(x, gate_weight, down_weight, gate_bias, down_bias):
+        with ft.use_backend(name):
+            return ft.gated_feed_forward(x, gate_weight, None, down_weight, gate_bias, None, down_bias,
+                                         dropout_p=0.4)
+
+    torch.manual_seed(9)
+    plain = torch.autograd.grad(call(*leaves).sin().sum(), leaves)
+    torch.manual_seed(9)
+    out = torch.utils.checkpoint.checkpoint(call, *leaves, use_reentrant=False)
+    for got, want in zip(torch.autograd.grad(out.sin().sum(), leaves), plain):
+        torch.testing.assert_close(got, want)
