@@ -334,3 +334,44 @@ def test_the_triton_entry_rejects_float64_and_the_module_a_bad_activation():
         kernels.gated_feed_forward_fwd(*inputs.values(), "silu", 0.0, None)
     with pytest.raises(ValueError, match="activation='relu'"):
         ft.GatedFeedForward(8, 16, activation="relu")
+
+
+@pytest.mark.parametrize("name", [n for n in _backends() if n != "auto"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_no_rows_and_rows_with_strides(name, packed):
+    """x of no rows gives no rows and zero weight gradients; x whose last dim is not contiguous gives what its
+    contiguous copy gives."""
+    torch.manual_seed(5)
+    inputs = _inputs((0, 3), 16, 24, 8, torch.float32, biases=True, packed=packed)
+    leaves = {k: v.requires_grad_() if v is not None else None for k, v in inputs.items()}
+    with ft.use_backend(name):
+        out = ft.gated_feed_forward(**leaves, dropout_p=0.1)
+        out.sum().backward()
+    assert out.shape == (0, 3, 8) and leaves["x"].grad.shape == (0, 3, 16)
+    assert not leaves["gate_weight"].grad.any() and not leaves["gate_bias"].grad.any()
+    weights = {k: v.detach() if v is not None else None for k, v in inputs.items() if k != "x"}
+    strided = torch.randn(16, 7, device=DEVICE).t()
+    with ft.use_backend(name):
+        torch.testing.assert_close(ft.gated_feed_forward(strided, **weights),
+                                   ft.gated_feed_forward(strided.contiguous(), **weights))
+
+
+@pytest.mark.parametrize("name", [n for n in _backends() if n != "auto"])
+def test_activation_checkpointing_replays_the_dropout_mask(name):
+    """torch.utils.checkpoint runs the forward again in the backward with torch's RNG state restored: the same seed,
+    so the same mask, and the gradients of the plain call."""
+    torch.manual_seed(6)
+    inputs = _inputs((3, 4), 16, 20, 16, torch.float32, biases=True, packed=True)
+    leaves = [v.requires_grad_() for v in inputs.values() if v is not None]
+
+    def call(x, gate_weight, down_weight, gate_bias, down_bias):
+        with ft.use_backend(name):
+            return ft.gated_feed_forward(x, gate_weight, None, down_weight, gate_bias, None, down_bias,
+                                         dropout_p=0.4)
+
+    torch.manual_seed(9)
+    plain = torch.autograd.grad(call(*leaves).sin().sum(), leaves)
+    torch.manual_seed(9)
+    out = torch.utils.checkpoint.checkpoint(call, *leaves, use_reentrant=False)
+    for got, want in zip(torch.autograd.grad(out.sin().sum(), leaves), plain):
+        torch.testing.assert_close(got, want)
