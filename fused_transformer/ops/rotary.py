@@ -46,6 +46,14 @@ def check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: object, 
     """The checked ``RotarySpec`` of a call: q ``[B, H, S, D]`` (2 to 4 dims), k q's rank, dtype and head dim, cos and
     sin one shape, ``[.., rotary_dim]`` with ``rotary_dim`` even and at most D, broadcasting to q and k once
     unsqueezed at ``unsqueeze_dim``."""
+    if (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(cos, Tensor) and isinstance(sin, Tensor)
+            and position_ids is None and interleaved.__class__ is bool and unsqueeze_dim.__class__ is int
+            and q.dtype in FLOAT_DTYPES and k.dtype == q.dtype and cos.dtype in FLOAT_DTYPES and sin.dtype == cos.dtype
+            and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and sin.shape == cos.shape
+            and q.device == k.device == cos.device == sin.device and q.shape[-1] == k.shape[-1]
+            and cos.shape[-1] % 2 == 0 and 0 < cos.shape[-1] <= q.shape[-1]
+            and (unsqueeze_dim == 1 or unsqueeze_dim == 2) and _broadcasts(cos.shape, unsqueeze_dim, q.shape, k.shape)):
+        return RotarySpec(unsqueeze_dim, interleaved, cos.shape[-1])  # checked: the common case, in one expression
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         check_tensor(name, t)
     if position_ids is not None and not isinstance(position_ids, Tensor):
@@ -86,6 +94,13 @@ def check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: object, 
     return RotarySpec(unsqueeze_dim, interleaved, rotary_dim)
 
 
+def _broadcasts(table: torch.Size, unsqueeze_dim: int, q_shape: torch.Size, k_shape: torch.Size) -> bool:
+    """Whether a 3-dim cos unsqueezed at 1 or 2 broadcasts to 4-dim q and k without growing them."""
+    b, s = table[0], table[1]
+    at = 2 if unsqueeze_dim == 1 else 1
+    return ((b == 1 or b == q_shape[0] == k_shape[0]) and (s == 1 or s == q_shape[at] == k_shape[at]))
+
+
 def _tables(q: Tensor, cos: Tensor, sin: Tensor, spec: RotarySpec) -> Tuple[Tensor, Tensor]:
     """cos and sin unsqueezed at ``spec.unsqueeze_dim`` (views), as the launchers take them."""
     return cos.unsqueeze(spec.unsqueeze_dim), sin.unsqueeze(spec.unsqueeze_dim)
@@ -95,9 +110,13 @@ def _tables(q: Tensor, cos: Tensor, sin: Tensor, spec: RotarySpec) -> Tuple[Tens
 
 
 def _halves(x: Tensor, rotary_dim: int, interleaved: bool) -> Tuple[Tensor, Tensor]:
+    """The two views rotated together: features ``[:r/2]`` and ``[r/2:r]``, or (``interleaved``) the even and the odd
+    ones of ``[:r]`` (one split / unbind: a call of each costs a microsecond or two on the host)."""
+    head_dim = x.shape[-1]
     if interleaved:
-        return x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
-    return x[..., :rotary_dim // 2], x[..., rotary_dim // 2:rotary_dim]
+        return (x if rotary_dim == head_dim else x[..., :rotary_dim]).unflatten(-1, (rotary_dim // 2, 2)).unbind(-1)
+    half = rotary_dim // 2
+    return x.split((half, half, head_dim - rotary_dim), -1)[:2] if rotary_dim < head_dim else x.split(half, -1)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -158,20 +177,19 @@ def _call(q: Tensor, k: Tensor, grad: bool, device: Optional[torch.device] = Non
 # dtype: no rotated copy, no concatenation, no intermediate of q's size beyond the outputs.
 
 
-def _rotate_into(out: Tensor, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, backward: bool) -> Tensor:
+def _rotate_into(out: Tensor, x: Tensor, cos: Tensor, halves: Tuple[Tensor, Tensor], interleaved: bool) -> Tensor:
+    """``out = x * cos``, then the other halves' products added in place (``halves``: sin's two halves, the first
+    negated, ``(-s1, s2)``, forward; ``(s2, -s1)`` backward)."""
     rotary_dim = cos.shape[-1]
     x1, x2 = _halves(x, rotary_dim, interleaved)
     y1, y2 = _halves(out, rotary_dim, interleaved)
-    c1, c2 = _halves(cos, rotary_dim, interleaved)
-    s1, s2 = _halves(sin, rotary_dim, interleaved)
-    if backward:  # dx1 = g1 c1 + g2 s2, dx2 = g2 c2 - g1 s1
-        torch.mul(x1, c1, out=y1).addcmul_(x2, s2)
-        torch.mul(x2, c2, out=y2).addcmul_(x1, s1, value=-1)
-    else:  # y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2
-        torch.mul(x1, c1, out=y1).addcmul_(x2, s1, value=-1)
-        torch.mul(x2, c2, out=y2).addcmul_(x1, s2)
     if rotary_dim < x.shape[-1]:
+        torch.mul(x[..., :rotary_dim], cos, out=out[..., :rotary_dim])
         out[..., rotary_dim:].copy_(x[..., rotary_dim:])
+    else:
+        torch.mul(x, cos, out=out)
+    y1.addcmul_(x2, halves[0])  # forward: y1 = x1 c1 - x2 s1; backward: dx1 = g1 c1 + g2 s2
+    y2.addcmul_(x1, halves[1])  # forward: y2 = x2 c2 + x1 s2; backward: dx2 = g2 c2 - g1 s1
     return out
 
 
@@ -195,8 +213,10 @@ def _cpu_pass(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
     cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     if torch.compiler.is_compiling():
         return tuple(_rotated(x, cos, sin, interleaved, backward) for x in (q, k))
-    return tuple(_rotate_into(torch.empty_like(x, memory_format=torch.contiguous_format), x, cos, sin, interleaved,
-                              backward) for x in (q, k))
+    s1, s2 = _halves(sin, cos.shape[-1], interleaved)
+    halves = (s2, -s1) if backward else (-s1, s2)  # -s1: sin's size (no heads), not q's
+    return tuple(_rotate_into(torch.empty_like(x, memory_format=torch.contiguous_format), x, cos, halves,
+                              interleaved) for x in (q, k))
 
 
 def cpu_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tuple[Tensor, Tensor]:
