@@ -111,12 +111,12 @@ def _tables(q: Tensor, cos: Tensor, sin: Tensor, spec: RotarySpec) -> Tuple[Tens
 
 def _halves(x: Tensor, rotary_dim: int, interleaved: bool) -> Tuple[Tensor, Tensor]:
     """The two views rotated together: features ``[:r/2]`` and ``[r/2:r]``, or (``interleaved``) the even and the odd
-    ones of ``[:r]`` (one split / unbind: a call of each costs a microsecond or two on the host)."""
-    head_dim = x.shape[-1]
+    ones of ``[:r]`` (by ATen's own split / unbind: ``Tensor.split`` and ``unflatten`` cost microseconds of Python)."""
+    head_dim, half = x.shape[-1], rotary_dim // 2
     if interleaved:
-        return (x if rotary_dim == head_dim else x[..., :rotary_dim]).unflatten(-1, (rotary_dim // 2, 2)).unbind(-1)
-    half = rotary_dim // 2
-    return x.split((half, half, head_dim - rotary_dim), -1)[:2] if rotary_dim < head_dim else x.split(half, -1)
+        pairs = x if rotary_dim == head_dim else x.narrow(-1, 0, rotary_dim)
+        return pairs.view(x.shape[:-1] + (half, 2)).unbind(-1)
+    return x.split_with_sizes((half, half, head_dim - rotary_dim), -1)[:2]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -177,19 +177,26 @@ def _call(q: Tensor, k: Tensor, grad: bool, device: Optional[torch.device] = Non
 # dtype: no rotated copy, no concatenation, no intermediate of q's size beyond the outputs.
 
 
-def _rotate_into(out: Tensor, x: Tensor, cos: Tensor, halves: Tuple[Tensor, Tensor], interleaved: bool) -> Tensor:
-    """``out = x * cos``, then the other halves' products added in place (``halves``: sin's two halves, the first
-    negated, ``(-s1, s2)``, forward; ``(s2, -s1)`` backward)."""
+def _rotate_into(x: Tensor, cos: Tensor, sin_halves: Tuple[Tensor, Tensor], interleaved: bool,
+                 backward: bool) -> Tensor:
+    """``x * cos`` (in x's layout; a new contiguous tensor for a partial rotary), then the other halves' products
+    added in place."""
     rotary_dim = cos.shape[-1]
-    x1, x2 = _halves(x, rotary_dim, interleaved)
-    y1, y2 = _halves(out, rotary_dim, interleaved)
     if rotary_dim < x.shape[-1]:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         torch.mul(x[..., :rotary_dim], cos, out=out[..., :rotary_dim])
         out[..., rotary_dim:].copy_(x[..., rotary_dim:])
     else:
-        torch.mul(x, cos, out=out)
-    y1.addcmul_(x2, halves[0])  # forward: y1 = x1 c1 - x2 s1; backward: dx1 = g1 c1 + g2 s2
-    y2.addcmul_(x1, halves[1])  # forward: y2 = x2 c2 + x1 s2; backward: dx2 = g2 c2 - g1 s1
+        out = torch.mul(x, cos)
+    x1, x2 = _halves(x, rotary_dim, interleaved)
+    y1, y2 = _halves(out, rotary_dim, interleaved)
+    s1, s2 = sin_halves
+    if backward:  # dx1 = g1 c1 + g2 s2, dx2 = g2 c2 - g1 s1
+        y1.addcmul_(x2, s2)
+        y2.addcmul_(x1, s1, value=-1)
+    else:  # y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2
+        y1.addcmul_(x2, s1, value=-1)
+        y2.addcmul_(x1, s2)
     return out
 
 
@@ -210,17 +217,17 @@ def _rotated(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, backward: b
 
 def _cpu_pass(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
               backward: bool) -> Tuple[Tensor, Tensor]:
-    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    if cos.dtype != q.dtype:
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     if torch.compiler.is_compiling():
         return tuple(_rotated(x, cos, sin, interleaved, backward) for x in (q, k))
-    s1, s2 = _halves(sin, cos.shape[-1], interleaved)
-    halves = (s2, -s1) if backward else (-s1, s2)  # -s1: sin's size (no heads), not q's
-    return tuple(_rotate_into(torch.empty_like(x, memory_format=torch.contiguous_format), x, cos, halves,
-                              interleaved) for x in (q, k))
+    sin_halves = _halves(sin, cos.shape[-1], interleaved)
+    return _rotate_into(q, cos, sin_halves, interleaved, backward), _rotate_into(k, cos, sin_halves, interleaved,
+                                                                                backward)
 
 
 def cpu_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tuple[Tensor, Tensor]:
-    """``(q_embed, k_embed)``, contiguous."""
+    """``(q_embed, k_embed)`` in q's and k's layouts (contiguous for a partial rotary)."""
     return _cpu_pass(q, k, cos, sin, interleaved, False)
 
 
