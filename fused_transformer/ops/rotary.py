@@ -101,11 +101,6 @@ def _broadcasts(table: torch.Size, unsqueeze_dim: int, q_shape: torch.Size, k_sh
     return ((b == 1 or b == q_shape[0] == k_shape[0]) and (s == 1 or s == q_shape[at] == k_shape[at]))
 
 
-def _tables(q: Tensor, cos: Tensor, sin: Tensor, spec: RotarySpec) -> Tuple[Tensor, Tensor]:
-    """cos and sin unsqueezed at ``spec.unsqueeze_dim`` (views), as the launchers take them."""
-    return cos.unsqueeze(spec.unsqueeze_dim), sin.unsqueeze(spec.unsqueeze_dim)
-
-
 # ---------------------------------------------------------------------------------------------- reference
 
 
@@ -221,9 +216,24 @@ def _cpu_pass(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     if torch.compiler.is_compiling():
         return tuple(_rotated(x, cos, sin, interleaved, backward) for x in (q, k))
-    sin_halves = _halves(sin, cos.shape[-1], interleaved)
-    return _rotate_into(q, cos, sin_halves, interleaved, backward), _rotate_into(k, cos, sin_halves, interleaved,
-                                                                                backward)
+    rotary_dim, head_dim = cos.shape[-1], q.shape[-1]
+    if interleaved or rotary_dim < head_dim:
+        sin_halves = _halves(sin, rotary_dim, interleaved)
+        return (_rotate_into(q, cos, sin_halves, interleaved, backward),
+                _rotate_into(k, cos, sin_halves, interleaved, backward))
+    # The common case inline (the host's microseconds count at small sizes): halves over the whole head dim.
+    halves = (rotary_dim // 2, rotary_dim // 2)
+    s1, s2 = sin.split_with_sizes(halves, -1)
+    first, first_sign, second, second_sign = (s2, 1, s1, -1) if backward else (s1, -1, s2, 1)
+    outs = []
+    for x in (q, k):
+        out = torch.mul(x, cos)
+        x1, x2 = x.split_with_sizes(halves, -1)
+        y1, y2 = out.split_with_sizes(halves, -1)
+        y1.addcmul_(x2, first, value=first_sign)
+        y2.addcmul_(x1, second, value=second_sign)
+        outs.append(out)
+    return outs[0], outs[1]
 
 
 def cpu_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tuple[Tensor, Tensor]:
@@ -268,7 +278,7 @@ def run(name: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, spec: RotaryS
     if name == "torch" or name == "reference":
         path = torch_path if name == "torch" else reference
         return path(q, k, cos, sin, None, spec.unsqueeze_dim, interleaved=spec.interleaved)
-    cos, sin = _tables(q, cos, sin, spec)
+    cos, sin = cos.unsqueeze(spec.unsqueeze_dim), sin.unsqueeze(spec.unsqueeze_dim)
     if route.needs_grad(q, k):
         apply = RotaryFunction.apply if traced_apply() else _autograd_apply
         return apply(q, k, cos, sin, spec.interleaved, name)
