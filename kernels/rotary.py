@@ -37,6 +37,12 @@ def _row_offsets(rows, n1, n2, stride0, stride1, stride2):
 
 
 @triton.jit
+def _pairs(rows, BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The even and the odd features of ``rows`` ``[BLOCK_ROWS, 2 * BLOCK_HALF]``, in float32."""
+    return tl.split(tl.reshape(rows.to(tl.float32), (BLOCK_ROWS, BLOCK_HALF, 2)))
+
+
+@triton.jit
 def _rotary_kernel(
     Q, K,  # [*, n1, n2, head_dim], last dim contiguous: x (forward) or the outputs' gradients (BACKWARD)
     Q_OUT, K_OUT,  # q's and k's shapes, last dim contiguous
@@ -65,26 +71,35 @@ def _rotary_kernel(
     cos_row = _row_offsets(rows, n1, n2, cos_s0, cos_s1, cos_s2)[:, None]
     sin_row = _row_offsets(rows, n1, n2, sin_s0, sin_s1, sin_s2)[:, None]
 
-    cols = tl.arange(0, BLOCK_HALF)
     if INTERLEAVED:
-        first, second = 2 * cols, 2 * cols + 1
+        # Whole rows loaded contiguous (vector loads), then split into even and odd features: stride-2 loads would
+        # address each element on its own (twice the registers).
+        cols = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+        mask = row_mask[:, None] & (cols < 2 * half)
+        x1, x2 = _pairs(tl.load(X + x_row + cols, mask=mask, other=0.0), BLOCK_ROWS, BLOCK_HALF)
+        c1, c2 = _pairs(tl.load(COS + cos_row + cols, mask=mask, other=0.0), BLOCK_ROWS, BLOCK_HALF)
+        s1, s2 = _pairs(tl.load(SIN + sin_row + cols, mask=mask, other=0.0), BLOCK_ROWS, BLOCK_HALF)
     else:
-        first, second = cols, cols + half
-    mask = row_mask[:, None] & (cols < half)[None, :]
-    x1 = tl.load(X + x_row + first[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X + x_row + second[None, :], mask=mask, other=0.0).to(tl.float32)
-    c1 = tl.load(COS + cos_row + first[None, :], mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + cos_row + second[None, :], mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + sin_row + first[None, :], mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + sin_row + second[None, :], mask=mask, other=0.0).to(tl.float32)
+        cols = tl.arange(0, BLOCK_HALF)[None, :]
+        mask = row_mask[:, None] & (cols < half)
+        x1 = tl.load(X + x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(X + x_row + half + cols, mask=mask, other=0.0).to(tl.float32)
+        c1 = tl.load(COS + cos_row + cols, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + cos_row + half + cols, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + sin_row + cols, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + sin_row + half + cols, mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:
         y1 = x1 * c1 + x2 * s2
         y2 = x2 * c2 - x1 * s1
     else:
         y1 = x1 * c1 - x2 * s1
         y2 = x2 * c2 + x1 * s2
-    tl.store(OUT + out_row + first[None, :], y1.to(OUT.dtype.element_ty), mask=mask)
-    tl.store(OUT + out_row + second[None, :], y2.to(OUT.dtype.element_ty), mask=mask)
+    if INTERLEAVED:
+        y = tl.reshape(tl.join(y1, y2), (BLOCK_ROWS, 2 * BLOCK_HALF))
+        tl.store(OUT + out_row + cols, y.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        tl.store(OUT + out_row + cols, y1.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(OUT + out_row + half + cols, y2.to(OUT.dtype.element_ty), mask=mask)
     if HAS_PASS:  # the features past rotary_dim, as they are (their gradient too: the identity's)
         passed = 2 * half + tl.arange(0, BLOCK_PASS)
         pass_mask = row_mask[:, None] & (passed < head_dim)[None, :]

@@ -30,7 +30,7 @@ def test_every_op_module_registers_and_every_tool_lists_it():
     the overhead suite: ``Op.overhead``, the first call named as the op, its targets; ``tune``: ``Op.tune``), and no
     other; every op reaches at least one tool."""
     assert {"attention", "attention_weights", "attention_varlen", "attention_with_kvcache", "layer_norm", "rms_norm",
-            "feed_forward", "gated_feed_forward"} <= set(REGISTERED)
+            "feed_forward", "gated_feed_forward", "apply_rotary_pos_emb"} <= set(REGISTERED)
     for name in REGISTERED:
         op = ops.get(name)
         assert name in route.op_names()

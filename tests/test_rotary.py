@@ -276,3 +276,32 @@ def test_compiles_fullgraph_without_a_graph_break(name):
     torch.testing.assert_close(got, want)
     for g, w in zip(grads, torch.autograd.grad(want, (q, k))):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("name", _backends())
+def test_stands_in_for_transformers_in_llama_attention(monkeypatch, name):
+    """LlamaAttention with modeling_llama's apply_rotary_pos_emb replaced by ours: the same output and gradients."""
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama
+
+    torch.manual_seed(7)
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="eager")
+    attention = modeling_llama.LlamaAttention(config, layer_idx=0).to(DEVICE)
+    hidden = torch.randn(BATCH, SEQ, 64, device=DEVICE)
+    positions = torch.arange(SEQ, device=DEVICE)[None].expand(BATCH, SEQ)
+    cos_sin = modeling_llama.LlamaRotaryEmbedding(config).to(DEVICE)(hidden, positions)
+
+    def run():
+        leaf = hidden.detach().requires_grad_()
+        out = attention(leaf, cos_sin, None)[0]
+        out.square().sum().backward()
+        return out.detach(), leaf.grad
+
+    want = run()
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", ft.apply_rotary_pos_emb)
+    with ft.use_backend(name), ft.explain() as calls:
+        got = run()
+    assert [r.op for r in calls] == ["apply_rotary_pos_emb"] and calls[0].backend == name
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

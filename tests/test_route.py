@@ -70,6 +70,10 @@ def test_without_a_row_the_default_decides():
                               example.options, target, True)
         ours = "cpu" if device == "cpu" else "triton"
         assert decide(call._replace(device=device, size=512), "auto", ours, ROWS).backend == want, (device, dropout_p)
+    rotary = ops.get("apply_rotary_pos_emb")  # q and k in one pass: ours where no row says otherwise
+    call = rotary.route_call(rotary.route_examples[0], torch.device("cpu"), torch.float32)
+    assert decide(call._replace(device="sm75"), "auto", "triton", ROWS).backend == "triton"
+    assert decide(call, "auto", "cpu", ROWS).backend == "cpu"
 
 
 def test_a_named_backend_runs_ours_and_falls_back_for_what_it_lacks():

@@ -46,6 +46,14 @@ def check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: object, 
     """The checked ``RotarySpec`` of a call: q ``[B, H, S, D]`` (2 to 4 dims), k q's rank, dtype and head dim, cos and
     sin one shape, ``[.., rotary_dim]`` with ``rotary_dim`` even and at most D, broadcasting to q and k once
     unsqueezed at ``unsqueeze_dim``."""
+    if (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(cos, Tensor) and isinstance(sin, Tensor)
+            and position_ids is None and interleaved.__class__ is bool and unsqueeze_dim.__class__ is int
+            and q.dtype in FLOAT_DTYPES and k.dtype == q.dtype and cos.dtype in FLOAT_DTYPES and sin.dtype == cos.dtype
+            and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and sin.shape == cos.shape
+            and q.device == k.device == cos.device == sin.device and q.shape[-1] == k.shape[-1]
+            and cos.shape[-1] % 2 == 0 and 0 < cos.shape[-1] <= q.shape[-1]
+            and (unsqueeze_dim == 1 or unsqueeze_dim == 2) and _broadcasts(cos.shape, unsqueeze_dim, q.shape, k.shape)):
+        return RotarySpec(unsqueeze_dim, interleaved, cos.shape[-1])  # checked: the common case, in one expression
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         check_tensor(name, t)
     if position_ids is not None and not isinstance(position_ids, Tensor):
@@ -86,18 +94,24 @@ def check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: object, 
     return RotarySpec(unsqueeze_dim, interleaved, rotary_dim)
 
 
-def _tables(q: Tensor, cos: Tensor, sin: Tensor, spec: RotarySpec) -> Tuple[Tensor, Tensor]:
-    """cos and sin unsqueezed at ``spec.unsqueeze_dim`` (views), as the launchers take them."""
-    return cos.unsqueeze(spec.unsqueeze_dim), sin.unsqueeze(spec.unsqueeze_dim)
+def _broadcasts(table: torch.Size, unsqueeze_dim: int, q_shape: torch.Size, k_shape: torch.Size) -> bool:
+    """Whether a 3-dim cos unsqueezed at 1 or 2 broadcasts to 4-dim q and k without growing them."""
+    b, s = table[0], table[1]
+    at = 2 if unsqueeze_dim == 1 else 1
+    return ((b == 1 or b == q_shape[0] == k_shape[0]) and (s == 1 or s == q_shape[at] == k_shape[at]))
 
 
 # ---------------------------------------------------------------------------------------------- reference
 
 
 def _halves(x: Tensor, rotary_dim: int, interleaved: bool) -> Tuple[Tensor, Tensor]:
+    """The two views rotated together: features ``[:r/2]`` and ``[r/2:r]``, or (``interleaved``) the even and the odd
+    ones of ``[:r]`` (by ATen's own split / unbind: ``Tensor.split`` and ``unflatten`` cost microseconds of Python)."""
+    head_dim, half = x.shape[-1], rotary_dim // 2
     if interleaved:
-        return x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
-    return x[..., :rotary_dim // 2], x[..., rotary_dim // 2:rotary_dim]
+        pairs = x if rotary_dim == head_dim else x.narrow(-1, 0, rotary_dim)
+        return pairs.view(x.shape[:-1] + (half, 2)).unbind(-1)
+    return x.split_with_sizes((half, half, head_dim - rotary_dim), -1)[:2]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -158,20 +172,26 @@ def _call(q: Tensor, k: Tensor, grad: bool, device: Optional[torch.device] = Non
 # dtype: no rotated copy, no concatenation, no intermediate of q's size beyond the outputs.
 
 
-def _rotate_into(out: Tensor, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, backward: bool) -> Tensor:
+def _rotate_into(x: Tensor, cos: Tensor, sin_halves: Tuple[Tensor, Tensor], interleaved: bool,
+                 backward: bool) -> Tensor:
+    """``x * cos`` (in x's layout; a new contiguous tensor for a partial rotary), then the other halves' products
+    added in place."""
     rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        torch.mul(x[..., :rotary_dim], cos, out=out[..., :rotary_dim])
+        out[..., rotary_dim:].copy_(x[..., rotary_dim:])
+    else:
+        out = torch.mul(x, cos)
     x1, x2 = _halves(x, rotary_dim, interleaved)
     y1, y2 = _halves(out, rotary_dim, interleaved)
-    c1, c2 = _halves(cos, rotary_dim, interleaved)
-    s1, s2 = _halves(sin, rotary_dim, interleaved)
+    s1, s2 = sin_halves
     if backward:  # dx1 = g1 c1 + g2 s2, dx2 = g2 c2 - g1 s1
-        torch.mul(x1, c1, out=y1).addcmul_(x2, s2)
-        torch.mul(x2, c2, out=y2).addcmul_(x1, s1, value=-1)
+        y1.addcmul_(x2, s2)
+        y2.addcmul_(x1, s1, value=-1)
     else:  # y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2
-        torch.mul(x1, c1, out=y1).addcmul_(x2, s1, value=-1)
-        torch.mul(x2, c2, out=y2).addcmul_(x1, s2)
-    if rotary_dim < x.shape[-1]:
-        out[..., rotary_dim:].copy_(x[..., rotary_dim:])
+        y1.addcmul_(x2, s1, value=-1)
+        y2.addcmul_(x1, s2)
     return out
 
 
@@ -192,15 +212,32 @@ def _rotated(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, backward: b
 
 def _cpu_pass(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
               backward: bool) -> Tuple[Tensor, Tensor]:
-    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    if cos.dtype != q.dtype:
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     if torch.compiler.is_compiling():
         return tuple(_rotated(x, cos, sin, interleaved, backward) for x in (q, k))
-    return tuple(_rotate_into(torch.empty_like(x, memory_format=torch.contiguous_format), x, cos, sin, interleaved,
-                              backward) for x in (q, k))
+    rotary_dim, head_dim = cos.shape[-1], q.shape[-1]
+    if interleaved or rotary_dim < head_dim:
+        sin_halves = _halves(sin, rotary_dim, interleaved)
+        return (_rotate_into(q, cos, sin_halves, interleaved, backward),
+                _rotate_into(k, cos, sin_halves, interleaved, backward))
+    # The common case inline (the host's microseconds count at small sizes): halves over the whole head dim.
+    halves = (rotary_dim // 2, rotary_dim // 2)
+    s1, s2 = sin.split_with_sizes(halves, -1)
+    first, first_sign, second, second_sign = (s2, 1, s1, -1) if backward else (s1, -1, s2, 1)
+    outs = []
+    for x in (q, k):
+        out = torch.mul(x, cos)
+        x1, x2 = x.split_with_sizes(halves, -1)
+        y1, y2 = out.split_with_sizes(halves, -1)
+        y1.addcmul_(x2, first, value=first_sign)
+        y2.addcmul_(x1, second, value=second_sign)
+        outs.append(out)
+    return outs[0], outs[1]
 
 
 def cpu_forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tuple[Tensor, Tensor]:
-    """``(q_embed, k_embed)``, contiguous."""
+    """``(q_embed, k_embed)`` in q's and k's layouts (contiguous for a partial rotary)."""
     return _cpu_pass(q, k, cos, sin, interleaved, False)
 
 
@@ -241,7 +278,7 @@ def run(name: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, spec: RotaryS
     if name == "torch" or name == "reference":
         path = torch_path if name == "torch" else reference
         return path(q, k, cos, sin, None, spec.unsqueeze_dim, interleaved=spec.interleaved)
-    cos, sin = _tables(q, cos, sin, spec)
+    cos, sin = cos.unsqueeze(spec.unsqueeze_dim), sin.unsqueeze(spec.unsqueeze_dim)
     if route.needs_grad(q, k):
         apply = RotaryFunction.apply if traced_apply() else _autograd_apply
         return apply(q, k, cos, sin, spec.interleaved, name)
