@@ -428,3 +428,19 @@ def test_a_pickled_fused_model_loads_fused():
     assert sum(c.op == "apply_rotary_pos_emb" for c in calls) == 2
     with torch.no_grad():
         torch.testing.assert_close(got, fused.eval()(ids).logits, rtol=0, atol=0)
+
+
+def test_the_fused_forward_has_the_class_signature():
+    """generate() passes logits_to_keep and the attention mask, and the Trainer keeps dataset columns, by reading it."""
+    import inspect
+
+    model, fused = build("gemma2")
+    assert inspect.signature(fused.forward) == inspect.signature(model.forward)
+    assert fused._supports_logits_to_keep()
+    ids = batch()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    fused.eval(), model.eval()
+    want = model.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(fused.generate(ids, attention_mask=mask, **options), want)

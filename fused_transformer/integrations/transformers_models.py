@@ -24,6 +24,7 @@ Importing this module imports transformers; ``fuse`` imports it only when transf
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
@@ -295,11 +296,21 @@ def _twin(hf_class: type, body: type, activation: Optional[str] = None) -> type:
             # forward(*args) maps positional arguments to the names the class's forward gives them
             names = tuple(inspect.signature(hf_class.forward).parameters)[1:]
             namespace["_forward_names"] = tuple(n for n in names if n != "kwargs")
+            namespace["forward"] = _with_signature_of(hf_class.forward)
         if activation is not None:
             namespace["fused_activation"] = activation
         twin = type(hf_class.__name__, (body, hf_class), namespace)
         _TWINS[hf_class, activation] = twin
     return twin
+
+
+def _with_signature_of(hf_forward: Callable) -> Callable:
+    """``FusedCausalLM.forward`` under the signature of ``hf_forward``: ``generate`` and the Trainer read the model's
+    forward signature (whether it takes ``logits_to_keep``, ``attention_mask``; which dataset columns to keep)."""
+    def forward(self, *args, **kwargs):
+        return FusedCausalLM.forward(self, *args, **kwargs)
+
+    return functools.update_wrapper(forward, hf_forward)
 
 
 def known_classes() -> Dict[type, type]:
