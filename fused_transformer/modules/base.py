@@ -149,7 +149,8 @@ def fuse(model: nn.Module, *, return_summary: bool = False) -> Union[nn.Module, 
     loss fused (``fused_transformer.integrations.transformers_models``: what each gets, what is left and why).
 
     What was done is logged (logger ``fused_transformer``, level INFO); a model with nothing to fuse warns.
-    Returns ``model``, or ``(model, FuseSummary)`` with ``return_summary=True``.
+    Returns ``model``, or ``(model, FuseSummary)`` with ``return_summary=True`` (its ``skipped``: the modules of a
+    known kind left as they were, by qualified name, with why).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fuse(model) takes a torch.nn.Module, got {type(model).__name__}")
