@@ -6,8 +6,9 @@ route facts, Function, public function, cases): ``attention``, ``attention_varle
 Each checks its arguments once, then runs where ``fused_transformer.route`` decides: a backend of ours, torch's own
 path, or the reference. Under ``torch.autocast`` the ops follow autocast's own policy for what they replace:
 ``attention``, ``attention_weights`` and ``feed_forward`` (matrix products) run in the autocast dtype, the norms in
-float32; float16 / bfloat16 / float32 tensor arguments are cast (masks and float64 are left alone) and the op runs
-with autocast off inside, so each backend sees one dtype.
+float32 (float16 / bfloat16 / float32 tensor arguments are cast, masks and float64 left alone, and the op runs with
+autocast off inside, so each backend sees one dtype); ``apply_rotary_pos_emb``, elementwise as Hugging Face's, runs in
+q's dtype.
 """
 from __future__ import annotations
 

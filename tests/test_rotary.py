@@ -8,7 +8,6 @@ import torch
 
 import fused_transformer as ft
 from fused_transformer import backend
-from fused_transformer.ops import rotary as op
 from tests.kernel_checks import DTYPES, check_against_reference
 from tests.numerics import DEVICE
 from tests.test_ops_registry import MAX_FRAMES, launches_seen  # noqa: F401 (a fixture)
