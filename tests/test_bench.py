@@ -48,7 +48,9 @@ def test_csv_has_ours_and_every_baseline(bench_run):
     impls = {suite: {row["impl"] for row in rows if row["suite"] == suite and row["ms"]}
              for suite in bench_cases.SUITES}
     assert {"ours", "sdpa", "sdpa:math", "sdpa:flash_attention"} <= impls["attention"]
-    assert impls["layer_norm"] == impls["rms_norm"] == impls["feed_forward"] == {"ours", "torch"}
+    assert impls["layer_norm"] == impls["rms_norm"] == impls["feed_forward"] == impls["gated_feed_forward"] == {
+        "ours", "torch"}
+    assert impls["apply_rotary_pos_emb"] == {"ours", "torch"}
     assert impls["encoder_layer"] == impls["decoder_layer"] == impls["decode_step"] == {"ours", "torch.nn"}
     assert impls["module_call"] == {"ours", "torch.nn"}
     assert impls["decode"] == {"ours", "sdpa"}

@@ -44,7 +44,8 @@ def test_every_op_is_timed_against_thin_and_torch_and_every_module_against_torch
     assert impls == expected
     assert {("attention", "fwd+bwd"), ("attention (key padding)", "fwd+bwd"), ("attention_varlen", "fwd"),
             ("attention_with_kvcache", "fwd"),
-            ("layer_norm", "fwd+bwd"), ("feed_forward", "fwd+bwd"), ("TransformerDecoderLayer", "train")} <= set(impls)
+            ("layer_norm", "fwd+bwd"), ("feed_forward", "fwd+bwd"), ("apply_rotary_pos_emb", "fwd+bwd"),
+            ("TransformerDecoderLayer", "train")} <= set(impls)
 
 
 def test_times_are_positive_and_the_notes_give_microseconds_and_ratios(overhead_run):

@@ -101,7 +101,10 @@ def test_fuse_selects_our_attention_on_a_transformers_model(monkeypatch, caplog)
     model = llama()
     with caplog.at_level("INFO", logger="fused_transformer"):
         fused, summary = ft.fuse(model, return_summary=True)
-    assert fused is model and summary.attn_implementation == DEFAULT_NAME and summary.swapped == {}
+    assert fused is model and summary.attn_implementation == DEFAULT_NAME
+    # its RMSNorms and its loss too (tests/test_hf_llama_family.py)
+    assert summary.swapped == {"LlamaRMSNorm": 5, "LlamaForCausalLM": 1, "LlamaMLP": 2, "apply_rotary_pos_emb": 2}
+    assert summary.skipped == {}
     assert model.config._attn_implementation == DEFAULT_NAME and DEFAULT_NAME in caplog.text
     ids, mask = token_batch(padding="right")
     with kernel_calls(monkeypatch) as specs, torch.no_grad():

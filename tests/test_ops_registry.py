@@ -30,7 +30,7 @@ def test_every_op_module_registers_and_every_tool_lists_it():
     the overhead suite: ``Op.overhead``, the first call named as the op, its targets; ``tune``: ``Op.tune``), and no
     other; every op reaches at least one tool."""
     assert {"attention", "attention_weights", "attention_varlen", "attention_with_kvcache", "layer_norm", "rms_norm",
-            "feed_forward"} <= set(REGISTERED)
+            "feed_forward", "gated_feed_forward", "apply_rotary_pos_emb"} <= set(REGISTERED)
     for name in REGISTERED:
         op = ops.get(name)
         assert name in route.op_names()
@@ -107,7 +107,7 @@ def launches_seen(monkeypatch):
 
 
 @pytest.mark.skipif(ft.backend.triton_unavailable_reason() is not None, reason="triton is not installed")
-@pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "feed_forward"])
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "feed_forward", "gated_feed_forward"])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_at_most_five_project_frames_at_every_launch(launches_seen, name, autocast):
     """From the public call to Triton's runtime: the public function, the op's run, its Function's forward or

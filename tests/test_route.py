@@ -58,6 +58,22 @@ def test_without_a_row_the_default_decides():
 
         assert decide(call(0.0), "auto", "triton", ROWS).backend == "torch"  # nothing to fuse: the op's own default
         assert decide(call(0.1), "auto", "triton", ROWS).backend == "triton"
+    # The gated feed-forward fuses the gating on a GPU with or without dropout; on the CPU, without dropout, ours
+    # would be ATen's own ops and a recompute.
+    record = ops.get("gated_feed_forward")
+    for device, dropout_p, want in (("sm75", 0.0, "triton"), ("sm75", 0.1, "triton"), ("cpu", 0.0, "torch"),
+                                    ("cpu", 0.1, "cpu")):
+        example = dataclasses.replace(record.route_examples[0],
+                                      options={**record.route_examples[0].options, "dropout_p": dropout_p})
+        target = torch.device("cpu" if device == "cpu" else "meta")  # meta: a device other than the CPU
+        call = record.call_of(example.draw(lambda *shape, scale=1.0: torch.empty(shape, device="meta")),
+                              example.options, target, True)
+        ours = "cpu" if device == "cpu" else "triton"
+        assert decide(call._replace(device=device, size=512), "auto", ours, ROWS).backend == want, (device, dropout_p)
+    rotary = ops.get("apply_rotary_pos_emb")  # q and k in one pass: ours where no row says otherwise
+    call = rotary.route_call(rotary.route_examples[0], torch.device("cpu"), torch.float32)
+    assert decide(call._replace(device="sm75"), "auto", "triton", ROWS).backend == "triton"
+    assert decide(call, "auto", "cpu", ROWS).backend == "cpu"
 
 
 def test_a_named_backend_runs_ours_and_falls_back_for_what_it_lacks():

@@ -8,7 +8,8 @@ import logging
 import sys
 import warnings
 from collections import Counter
-from typing import Callable, Dict, NamedTuple, Optional, Tuple, Type, Union
+from types import MappingProxyType
+from typing import Callable, Dict, Mapping, NamedTuple, Optional, Tuple, Type, Union
 
 import torch
 import torch.nn.functional as F
@@ -119,16 +120,21 @@ def _swap_classes(model: nn.Module) -> Counter:
 
 
 class FuseSummary(NamedTuple):
-    """What ``fuse`` did: modules swapped per class, and the transformers attention implementation it set."""
+    """What ``fuse`` did: modules swapped per class, the transformers attention implementation it set, and the
+    modules of a known kind it left as they were (qualified name -> why)."""
 
     swapped: Dict[str, int]
     attn_implementation: Optional[str] = None
+    skipped: Mapping[str, str] = MappingProxyType({})
 
     def __str__(self) -> str:
         parts = [f"{count} {name}" for name, count in sorted(self.swapped.items())]
         if self.attn_implementation is not None:
             parts.append(f"transformers attn_implementation={self.attn_implementation!r}")
-        return "fused " + ", ".join(parts) if parts else "nothing to fuse"
+        text = "fused " + ", ".join(parts) if parts else "nothing to fuse"
+        if self.skipped:
+            text += "; left " + "; ".join(f"{name}: {why}" for name, why in sorted(self.skipped.items()))
+        return text
 
 
 def fuse(model: nn.Module, *, return_summary: bool = False) -> Union[nn.Module, Tuple[nn.Module, FuseSummary]]:
@@ -138,20 +144,26 @@ def fuse(model: nn.Module, *, return_summary: bool = False) -> Union[nn.Module, 
     The fused classes add no state, so each module keeps its identity: only its class changes. Parameters,
     buffers, hooks, optimizers and every reference the caller holds stay valid. Only exact ``torch.nn`` types
     change: user subclasses keep their own ``forward``. A ``transformers.PreTrainedModel`` gets
-    ``set_attn_implementation("fused_transformer")`` (``fused_transformer.integrations.transformers``).
+    ``set_attn_implementation("fused_transformer")`` (``fused_transformer.integrations.transformers``), and the
+    Llama-family models (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3) their RMSNorms and their causal-LM
+    loss fused (``fused_transformer.integrations.transformers_models``: what each gets, what is left and why).
 
     What was done is logged (logger ``fused_transformer``, level INFO); a model with nothing to fuse warns.
-    Returns ``model``, or ``(model, FuseSummary)`` with ``return_summary=True``.
+    Returns ``model``, or ``(model, FuseSummary)`` with ``return_summary=True`` (its ``skipped``: the modules of a
+    known kind left as they were, by qualified name, with why).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fuse(model) takes a torch.nn.Module, got {type(model).__name__}")
     swapped = _swap_classes(model)
-    attn_implementation = None
+    attn_implementation, skipped = None, {}
     if "transformers" in sys.modules:  # only a model built with transformers can be one of its models
         from ..integrations import transformers as hf
+        from ..integrations import transformers_models
 
         attn_implementation = hf.select(model)
-    summary = FuseSummary(dict(swapped), attn_implementation)
+        hf_swapped, skipped = transformers_models.fuse_model(model)
+        swapped.update(hf_swapped)
+    summary = FuseSummary(dict(swapped), attn_implementation, skipped)
     if not swapped and attn_implementation is None:
         warnings.warn(f"fuse: {type(model).__name__} has no torch.nn Transformer module nor a transformers "
                       "attention to fuse; it runs unchanged", stacklevel=2)

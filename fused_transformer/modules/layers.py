@@ -1,6 +1,5 @@
-"""The encoder and decoder layers (and ``LayerNorm``, ``RMSNorm``): fused attention, feed-forward and add &
-LayerNorm, post-LN
-and pre-LN, padded or on packed tokens."""
+"""The encoder and decoder layers (and ``LayerNorm``, ``RMSNorm``, ``GatedFeedForward``): fused attention,
+feed-forward and add & LayerNorm, post-LN and pre-LN, padded or on packed tokens."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, Tuple
@@ -18,7 +17,7 @@ from .packing import (
     Packing, causal_or_none, fits_padding, pack, packing_allowed, row_wise_norm, seq_len, unpack, zero_padding,
 )
 
-__all__ = ["LayerNorm", "RMSNorm", "TransformerEncoderLayer", "TransformerDecoderLayer"]
+__all__ = ["LayerNorm", "RMSNorm", "GatedFeedForward", "TransformerEncoderLayer", "TransformerDecoderLayer"]
 
 
 @twin_of(nn.LayerNorm)
@@ -60,6 +59,47 @@ class RMSNorm(FusedTwin, nn.RMSNorm):
         weight = None if self.weight is None else self.weight.flatten()
         return ops.rms_norm(x.flatten(x.dim() - dims), weight, self.eps).view(x.shape)
 
+
+
+class GatedFeedForward(nn.Module):
+    """The gated MLP of Llama, Gemma and Phi-3 on the fused ``gated_feed_forward`` op:
+    ``down_proj(dropout(act(gate_proj(x)) * up_proj(x)))``.
+
+    Its submodules are ``nn.Linear``s named as Hugging Face's: ``gate_proj``, ``up_proj`` and ``down_proj``
+    (LlamaMLP's ``state_dict``), or with ``packed=True`` ``gate_up_proj`` (``Linear(d_model, 2 * d_ff)``, gate rows
+    then up rows) and ``down_proj`` (Phi3MLP's). ``d_out`` defaults to ``d_model``; ``activation`` is ``"silu"``,
+    ``"gelu"`` or ``"gelu_tanh"``; ``bias`` gives every projection a bias (Llama's ``mlp_bias``); ``dropout`` drops
+    the gated product in training mode."""
+
+    def __init__(self, d_model: int, d_ff: int, d_out: Optional[int] = None, *, activation: str = "silu",
+                 bias: bool = False, dropout: float = 0.0, packed: bool = False, device=None, dtype=None):
+        super().__init__()
+        if activation not in ops.GATED_ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} must be one of {ops.GATED_ACTIVATIONS}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout={dropout!r} must be a number in [0, 1)")
+        factory = {"device": device, "dtype": dtype}
+        self.activation, self.dropout, self.packed = activation, float(dropout), bool(packed)
+        if packed:
+            self.gate_up_proj = nn.Linear(d_model, 2 * d_ff, bias=bias, **factory)
+        else:
+            self.gate_proj = nn.Linear(d_model, d_ff, bias=bias, **factory)
+            self.up_proj = nn.Linear(d_model, d_ff, bias=bias, **factory)
+        self.down_proj = nn.Linear(d_ff, d_model if d_out is None else d_out, bias=bias, **factory)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dropout_p = self.dropout if self.training else 0.0
+        down = self.down_proj
+        if self.packed:
+            gate = self.gate_up_proj
+            return ops.gated_feed_forward(x, gate.weight, None, down.weight, gate.bias, None, down.bias,
+                                          activation=self.activation, dropout_p=dropout_p)
+        gate, up = self.gate_proj, self.up_proj
+        return ops.gated_feed_forward(x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias,
+                                      activation=self.activation, dropout_p=dropout_p)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, dropout={self.dropout}, packed={self.packed}"
 
 def _add_and_norm(
     norm: nn.Module, x: Tensor, residual: Optional[Tensor] = None, dropout_p: float = 0.0, prenorm: bool = False,
