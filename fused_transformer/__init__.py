@@ -1,10 +1,10 @@
-"""fused_transformer: fused attention, LayerNorm, RMSNorm, feed-forward and LM-loss kernels behind drop-in torch.nn
+"""fused_transformer: fused attention, LayerNorm, RMSNorm, feed-forward, LM-loss and rotary-embedding kernels behind drop-in torch.nn
 modules."""
 from . import backend, integrations, reference
 from .backend import current, set_backend, use_backend
 from .functional import (
-    attention, attention_varlen, attention_weights, attention_with_kvcache, feed_forward, layer_norm,
-    linear_cross_entropy, rms_norm,
+    apply_rotary_pos_emb, attention, attention_varlen, attention_weights, attention_with_kvcache, feed_forward,
+    layer_norm, linear_cross_entropy, rms_norm,
 )
 from .integrations import sdpa as _sdpa_registry
 from .route import explain
@@ -27,7 +27,7 @@ _sdpa_registry.register()
 
 __all__ = [
     "attention", "attention_varlen", "attention_weights", "attention_with_kvcache", "layer_norm", "rms_norm",
-    "feed_forward", "linear_cross_entropy", "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
+    "feed_forward", "linear_cross_entropy", "apply_rotary_pos_emb", "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
     "TransformerDecoder", "Transformer", "LayerNorm", "RMSNorm", "fuse", "explain",
     "backend", "reference", "current", "set_backend", "use_backend", "integrations",
 ]

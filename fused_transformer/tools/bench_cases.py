@@ -141,9 +141,15 @@ def _forward(fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
 
 
 def _forward_backward(fn: Callable[[], Tensor], grad: Tensor) -> Callable[[], None]:
+    """``fn`` and its backward from ``grad`` (a tuple of gradients for an op that returns a tuple)."""
     def run() -> None:
-        fn().backward(grad)
+        torch.autograd.backward(fn(), grad)
     return run
+
+
+def random_like(out: object) -> object:
+    """Random numbers shaped as an op's output: a tensor, or a tuple of them for an op that returns several."""
+    return tuple(map(torch.randn_like, out)) if isinstance(out, tuple) else torch.randn_like(out)
 
 
 def _on_backend(backend: str, fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
@@ -193,7 +199,7 @@ def _build_op(setup: Setup, op: ops.Op, example: ops.Example, impls: Tuple[str, 
         built.fns = {name: _forward(calls[name]) for name in impls}
         return built
     with torch.no_grad():
-        grad = torch.randn_like(calls[op.baseline]())
+        grad = random_like(calls[op.baseline]())
     for name in impls:
         made = rival_calls.grads.get(name)
         built.fns[name] = _forward_backward(calls[name], made(grad) if made is not None else grad)

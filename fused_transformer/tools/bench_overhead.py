@@ -50,7 +50,7 @@ from torch import Tensor
 
 import fused_transformer as ft
 from fused_transformer import ops
-from fused_transformer.tools.bench_cases import Built, Case, Setup, module_calls, module_twins
+from fused_transformer.tools.bench_cases import Built, Case, Setup, module_calls, module_twins, random_like
 from fused_transformer.tools.launches import cpu_draws_as_on_a_gpu
 
 SUITE = "overhead"
@@ -276,7 +276,7 @@ def _build_op(setup: Setup, case: str, backward: bool) -> Built:
     calls = {"torch": calls["torch"], "thin": thin, "ours": calls["ours"]}
     if not backward:
         return Built({name: _forward(fn) for name, fn in calls.items()})
-    grad = torch.randn_like(calls["torch"]())
+    grad = random_like(calls["torch"]())
     return Built({name: _forward_backward(fn, inputs, grad) for name, fn in calls.items()})
 
 
