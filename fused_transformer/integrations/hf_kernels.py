@@ -1,7 +1,8 @@
 """Hugging Face ``kernels``' door: our ops as the layers ``kernels.kernelize`` swaps into transformers' models.
 
 transformers marks the layers a hub kernel may replace (``@use_kernel_forward_from_hub("RMSNorm")`` on
-``LlamaRMSNorm`` and the 130-odd RMSNorm classes written like it) and ``kernels.kernelize(model, mode=...)`` replaces
+``LlamaRMSNorm`` and the 130-odd RMSNorm classes written like it, ``"rotary_pos_emb"`` on ``apply_rotary_pos_emb``,
+which ``@use_kernelized_func`` attaches to the attention modules that call it) and ``kernels.kernelize(model, mode=...)`` replaces
 their ``forward`` with the one of the layer that the active mapping names for the layer, the device type and the
 mode. ``mapping()`` is such a mapping whose entries are our layers, by name, in this module::
 
@@ -20,9 +21,11 @@ from __future__ import annotations
 
 from typing import Dict, Tuple, Type
 
+import torch
+
 from torch import Tensor, nn
 
-from ..functional import rms_norm
+from ..functional import apply_rotary_pos_emb, rms_norm
 
 # The device types whose models the mapping kernelizes: ``kernels``' names, which are torch's ("cpu": the C++
 # kernels, "cuda": Triton's).
@@ -46,6 +49,25 @@ class RMSNorm(nn.Module):
         if self.weight.dtype == hidden_states.dtype:
             return rms_norm(hidden_states, self.weight, self.variance_epsilon)
         return self.weight * rms_norm(hidden_states, None, self.variance_epsilon)
+
+
+class RotaryPosEmb(nn.Module):
+    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (the function its models mark
+    ``rotary_pos_emb``) through ``fused_transformer.apply_rotary_pos_emb``: ``(q_embed, k_embed)`` in q's dtype,
+    computed in float32 and rounded once.
+
+    Those functions take cos and sin at q's full head dim, except gpt-oss's, which takes them at half of it and uses
+    them for both halves: there (``2 * cos.shape[-1] == q.shape[-1]``) the tables are repeated to the full width,
+    the same rotation.
+    """
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1) -> Tuple[Tensor, Tensor]:
+        if 2 * cos.shape[-1] == q.shape[-1]:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
 class Repository:
@@ -75,7 +97,7 @@ class Repository:
 
 
 # transformers' hub-kernel name -> our layer that replaces its forward
-LAYERS: Dict[str, Type[nn.Module]] = {"RMSNorm": RMSNorm}
+LAYERS: Dict[str, Type[nn.Module]] = {"RMSNorm": RMSNorm, "rotary_pos_emb": RotaryPosEmb}
 
 
 def mapping() -> Dict[str, Dict[str, Repository]]:
@@ -86,4 +108,4 @@ def mapping() -> Dict[str, Dict[str, Repository]]:
     return {name: {device: Repository(name) for device in DEVICE_TYPES} for name in LAYERS}
 
 
-__all__ = ["DEVICE_TYPES", "LAYERS", "RMSNorm", "Repository", "mapping"]
+__all__ = ["DEVICE_TYPES", "LAYERS", "RMSNorm", "Repository", "RotaryPosEmb", "mapping"]
