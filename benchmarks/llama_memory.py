@@ -91,6 +91,23 @@ def _run_child(args: List[str]) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else the platform's word for it: ratios differ by CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return (names[0] if names else platform.processor() or platform.machine()) + \
+        f", torch CPU capability {_cpu_capability()}"
+
+
+def _cpu_capability() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024, help="sequence length of the memory step (default 1024)")
@@ -119,7 +136,7 @@ def main(argv=None) -> int:
     import torch
 
     threads = ["--threads", str(args.threads)] if args.threads is not None else []
-    print(f"llama_memory: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+    print(f"llama_memory: torch {torch.__version__}, {_cpu_name()}, "
           f"threads {args.threads or torch.get_num_threads()}, batch {BATCH}")
     print(f"peak RSS growth over one training step at {BATCH} x {args.tokens} (a fresh process each):")
     grown = {}

@@ -313,6 +313,16 @@ def test_the_llama_suite_compares_transformers_with_its_fused_copy():
         output.loss.backward()
     for (name, mine), theirs_param in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(mine.grad, theirs_param.grad, rtol=1e-4, atol=1e-5, msg=name)
+    # the decoder layer case's call: no mask, causal attention
+    x = torch.randn(2, 19, TINY_LLAMA["hidden_size"])
+    positions = torch.arange(19).expand(2, 19)
+    cos_sin = theirs.model.rotary_emb(x, positions)
+    layers = [model.model.layers[0](x, position_ids=positions, position_embeddings=cos_sin) for model in (theirs, ours)]
+    torch.testing.assert_close(layers[1], layers[0], rtol=1e-5, atol=1e-5)
+    future = x.clone()
+    future[:, -1] += 1.0  # the last token changes no earlier output
+    changed = ours.model.layers[0](future, position_ids=positions, position_embeddings=cos_sin)
+    torch.testing.assert_close(changed[:, :-1], layers[1][:, :-1])
 
 
 def test_the_llama_suite_is_skipped_loudly_without_transformers(tmp_path, capsys, monkeypatch):

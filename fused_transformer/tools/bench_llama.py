@@ -59,7 +59,8 @@ def llama_model(setup: Setup) -> nn.Module:
 
     torch.manual_seed(0)
     config = LlamaConfig(**model_sizes(setup.device), tie_word_embeddings=False, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).to(device=setup.device, dtype=setup.dtype).train()
+    with setup.device:  # the weights drawn where they will be used
+        model = LlamaForCausalLM(config).to(dtype=setup.dtype).train()
     if model.use_kernels:  # built from its config, nothing kernelizes it: transformers' forward everywhere
         raise RuntimeError("transformers kernelized the baseline model: it would not be transformers' own code")
     return model
