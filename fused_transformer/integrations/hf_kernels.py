@@ -1,28 +1,28 @@
 """Hugging Face ``kernels``' door: our ops as the layers ``kernels.kernelize`` swaps into transformers' models.
 
-transformers marks the layers a hub kernel may replace (``@use_kernel_forward_from_hub("RMSNorm")`` on
-``LlamaRMSNorm`` and the 130-odd RMSNorm classes written like it, ``"rotary_pos_emb"`` on ``apply_rotary_pos_emb``,
-which ``@use_kernelized_func`` attaches to the attention modules that call it) and ``kernels.kernelize(model, mode=...)`` replaces
-their ``forward`` with the one of the layer that the active mapping names for the layer, the device type and the
-mode. ``mapping()`` is such a mapping whose entries are our layers, by name, in this module::
+transformers marks what a hub kernel may replace: ``@use_kernel_forward_from_hub("RMSNorm")`` on ``LlamaRMSNorm``
+and the 130-odd RMSNorm classes written like it, ``"rotary_pos_emb"`` on ``apply_rotary_pos_emb``, which
+``@use_kernelized_func`` attaches to the attention modules that call it. ``kernels.kernelize(model, mode=...)``
+replaces their ``forward`` with that of the layer the mapping in force names for the name, the device type and the
+mode. ``mapping()`` is such a mapping, whose entries are our layers, by name, in this module::
 
     import kernels
     from fused_transformer.integrations import hf_kernels
 
-    with kernels.use_kernel_mapping(hf_kernels.mapping()):
+    with kernels.use_kernel_mapping(hf_kernels.mapping(), inherit_mapping=False):
         model = kernels.kernelize(model, mode=kernels.Mode.TRAINING, device="cpu")
 
 Its entries are ``Repository`` objects: ``kernels`` asks a repository for ``load()`` (the layer class, which it
 checks against the layer it replaces) and uses it as a cache key; nothing is downloaded and no kernel tree exists
-on disk. The layers are stateless, as ``kernels`` requires: their ``forward`` reads the replaced module's attributes
-(``weight``, ``variance_epsilon``).
+on disk. The layers are stateless, as ``kernels`` requires: ``RMSNorm.forward`` reads the replaced module's
+``weight`` and ``variance_epsilon``. docs/integrations.md says in which order to call it against
+``from_pretrained``'s own kernelizing.
 """
 from __future__ import annotations
 
 from typing import Dict, Tuple, Type
 
 import torch
-
 from torch import Tensor, nn
 
 from ..functional import apply_rotary_pos_emb, rms_norm
