@@ -11,16 +11,23 @@ import torch
 
 from fused_transformer import backend, ops
 from fused_transformer.ops.attention import cases as attention_cases
-from fused_transformer.tools import bench, bench_cases, bench_plots, bench_summary, provenance
+from fused_transformer.tools import bench, bench_cases, bench_llama, bench_plots, bench_summary, provenance
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+# The llama suite's model at a size a test can afford.
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256)
+
+
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
-    """One tiny run of every suite on CPU: length 32, short timings."""
+    """One tiny run of every suite on CPU: length 32, short timings, the llama suite's model tiny."""
     out = tmp_path_factory.mktemp("bench")
-    code = bench.main(["--quick", "--device", "cpu", "--lengths", "32", "--min-time", "0.01",
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(bench_llama.MODELS, "cpu", TINY_LLAMA)
+        code = bench.main(["--quick", "--device", "cpu", "--lengths", "32", "--min-time", "0.01",
                            "--threads", "1", "--out", str(out)])
     with open(out / "bench_cpu.csv", newline="") as f:
         reader = csv.DictReader(f)
@@ -53,6 +60,9 @@ def test_csv_has_ours_and_every_baseline(bench_run):
     assert impls["apply_rotary_pos_emb"] == {"ours", "torch"}
     assert impls["encoder_layer"] == impls["decoder_layer"] == impls["decode_step"] == {"ours", "torch.nn"}
     assert impls["module_call"] == {"ours", "torch.nn"}
+    assert impls["llama"] == {"ours", "transformers"}
+    llama = {(row["case"], row["mode"], row["seq_len"], row["d_model"]) for row in rows if row["suite"] == "llama"}
+    assert llama == {("decoder layer", "train", "32", "64"), ("LM step", "train", "32", "64")}
     assert impls["decode"] == {"ours", "sdpa"}
     decode = [row for row in rows if row["suite"] == "decode" and row["ms"]]
     assert {row["case"] for row in decode} == {f"B{b} H{h}/8" for b in (1, 8, 32) for h in (8, 32)}
@@ -279,3 +289,50 @@ def test_the_pytest_benchmark_suite_collects_every_case_of_a_suite():
     setup = bench_cases.Setup(torch.device("cpu"), torch.float32)
     expected = sum(len(case.impls) for case in bench_cases.cases("module_call", setup, [4]))
     assert len(collected) == expected == 16
+
+
+def test_the_llama_suite_compares_transformers_with_its_fused_copy():
+    """Both twins compute the same model (logits, loss, every gradient); ours is the fused copy."""
+    pytest.importorskip("transformers")
+    setup = bench_cases.Setup(torch.device("cpu"), torch.float32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(bench_llama.MODELS, "cpu", TINY_LLAMA)
+        models, fused = bench_llama.twins(setup)
+        assert [case.id for case in bench_cases.cases("llama", setup, [16, 24])] == [
+            "llama-decoder_layer-train-L16", "llama-decoder_layer-train-L24", "llama-LM_step-train-L16",
+            "llama-LM_step-train-L24"]
+        assert bench_cases.default_lengths("llama", setup.device, True) == (128,)
+        assert bench_cases.default_lengths("llama", setup.device, False) == (512,)
+    theirs, ours = models["transformers"], models["ours"]
+    assert theirs.config._attn_implementation == "sdpa" and not theirs.use_kernels
+    assert ours.config._attn_implementation == "fused_transformer" and fused.startswith("ft.fuse: ")
+    assert theirs.training and ours.training and not theirs.config.tie_word_embeddings
+    ids = torch.randint(256, (2, 19))
+    outputs = [model(input_ids=ids, labels=ids) for model in (theirs, ours)]
+    torch.testing.assert_close(outputs[1].logits, outputs[0].logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs[1].loss, outputs[0].loss, rtol=1e-5, atol=1e-6)
+    for output in outputs:
+        output.loss.backward()
+    for (name, mine), theirs_param in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(mine.grad, theirs_param.grad, rtol=1e-4, atol=1e-5, msg=name)
+    # the decoder layer case's call: no mask, causal attention
+    x = torch.randn(2, 19, TINY_LLAMA["hidden_size"])
+    positions = torch.arange(19).expand(2, 19)
+    cos_sin = theirs.model.rotary_emb(x, positions)
+    layers = [model.model.layers[0](x, position_ids=positions, position_embeddings=cos_sin) for model in (theirs, ours)]
+    torch.testing.assert_close(layers[1], layers[0], rtol=1e-5, atol=1e-5)
+    future = x.clone()
+    future[:, -1] += 1.0  # the last token changes no earlier output
+    changed = ours.model.layers[0](future, position_ids=positions, position_embeddings=cos_sin)
+    torch.testing.assert_close(changed[:, :-1], layers[1][:, :-1])
+
+
+def test_the_llama_suite_is_skipped_loudly_without_transformers(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench_llama, "unavailable_reason", lambda: "transformers is not installed (test)")
+    assert list(bench_llama.cases(bench_cases.Setup(torch.device("cpu"), torch.float32), [16])) == []
+    argv = ["--suite", "llama", "--suite", "rms_norm", "--lengths", "16", "--min-time", "0.01", "--threads", "1",
+            "--out", str(tmp_path), "--no-plots"]
+    assert bench.main(argv) == 0
+    assert "SKIPPED suite llama: transformers is not installed (test)" in capsys.readouterr().out
+    with open(tmp_path / "bench_cpu.csv", newline="") as f:
+        assert {row["suite"] for row in csv.DictReader(f)} == {"rms_norm"}

@@ -56,9 +56,9 @@ def test_every_op_module_registers_and_every_tool_lists_it():
 
 def test_no_tool_names_an_op():
     """The tools read the registry: none of their strings starts with an op's name."""
-    from fused_transformer.tools import check
+    from fused_transformer.tools import bench_llama, check
 
-    for module in (check, check_cases, tune, bench_overhead):
+    for module in (check, check_cases, tune, bench_overhead, bench_llama):
         strings = [node.value for node in ast.walk(ast.parse(inspect.getsource(module)))
                    if isinstance(node, ast.Constant) and isinstance(node.value, str)]
         named = [s for s in strings if re.match(r"\w+", s) and re.match(r"\w+", s).group(0) in REGISTERED]

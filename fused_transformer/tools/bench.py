@@ -5,7 +5,8 @@
                                       [--threads N] [--backend NAME] [--no-plots] [--no-progress]
 
 Runs the suites of ``fused_transformer.tools.bench_cases`` (every registered op with a bench, encoder_layer,
-decoder_layer, decode_step, module_call; all by default) and, only when named, ``overhead``
+decoder_layer, llama, decode_step, module_call; all by default; llama, ``bench_llama``, is skipped with a line saying
+so where transformers is not installed) and, only when named, ``overhead``
 (``fused_transformer.tools.bench_overhead``: the host time of one call of each op and module on a tiny input) and
 ``variants`` (``fused_transformer.tools.bench_variants``: every variant of our kernels against the vendor's, the
 winners written to ``--variant-rows``, the rows the plans read), prints
@@ -322,6 +323,9 @@ def main(argv: Optional[List[str]] = None, recap: Optional[List[str]] = None) ->
 def run(args: argparse.Namespace, command: Optional[List[str]] = None, recap: Optional[List[str]] = None) -> int:
     setup = Setup(args.device, args.dtype, args.backend)
     names = list(dict.fromkeys(args.suite or suites.SUITES))
+    unavailable = {name: reason for name in names if name in suites.SUITES
+                   for reason in [suites.unavailable_reason(name)] if reason}
+    names = [name for name in names if name not in unavailable]
     if setup.device.type == "cuda":
         torch.cuda.set_device(setup.device)  # do_bench and the memory statistics use the current device
     device_name = torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else "CPU"
@@ -329,6 +333,8 @@ def run(args: argparse.Namespace, command: Optional[List[str]] = None, recap: Op
         ours = ft.current(setup.device, setup.dtype)
     print(f"fused_transformer bench: torch {torch.__version__}, {device_name}, {torch.get_num_threads()} threads, "
           f"{str(setup.dtype)[6:]}; ours = backend {setup.backend!r} -> {ours}")
+    for name, reason in unavailable.items():
+        print(f"SKIPPED suite {name}: {reason}")
     if setup.backend == "auto" and setup.device.type == "cpu" and ours != "cpu":
         print(f"WARNING: the C++ cpu backend is unavailable ({ft.backend.cpu_unavailable_reason()}); "
               "'ours' is the pure-PyTorch reference here")

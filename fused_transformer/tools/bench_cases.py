@@ -17,6 +17,8 @@ Suites (``SUITES``), each over sequence lengths:
   with 50% key padding; the decoder self-attention is causal and its memory has the target's length. The
   encoder also runs seq-first (``batch_first=False``, torch.nn's default) with a causal float mask, as the
   PyTorch examples' word-language model does.
+- ``llama``: a Llama model of Hugging Face transformers, ``ft.fuse``'d against transformers' own: a decoder layer's
+  forward + backward and a training step (``fused_transformer.tools.bench_llama``; none without transformers).
 - ``decode_step``: one cached greedy-decoding step (a token per sequence) of the study notes' Seq2Seq model
   (``fused_transformer.models``, d 256, 3 + 3 layers, 8 heads, ff 512) against its torch.nn twin on the same
   weights, after a prefix of L - 1 target tokens over a source of L tokens; tokens/s counts one token per
@@ -50,7 +52,7 @@ from fused_transformer.ops.attention.cases import kept_lengths, padding_ratio
 # suite -> the op it times, in the order the ops registered; the suites of the ops timed with their backward
 OP_SUITES: Dict[str, ops.Op] = {op.bench_suite: op for op in ops.registered() if op.bench_suite is not None}
 TRAINED = tuple(suite for suite, op in OP_SUITES.items() if "fwd+bwd" in op.bench_modes)
-SUITES = (*TRAINED, "encoder_layer", "decoder_layer", "decode_step",
+SUITES = (*TRAINED, "encoder_layer", "decoder_layer", "llama", "decode_step",
           *(suite for suite in OP_SUITES if suite not in TRAINED), "module_call")
 DROPOUT = 0.1
 # "ours" as a user calls it (on "auto", routed to torch's path where the route table measured it faster), and on CUDA
@@ -400,12 +402,19 @@ def module_call_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
                            build=functools.partial(_build_module_call, setup, name, length, mode == "train"))
 
 
+def _llama_cases(setup: Setup, lengths: Sequence[int]) -> Iterator[Case]:
+    from fused_transformer.tools import bench_llama  # it imports this module, and transformers
+
+    return bench_llama.cases(setup, lengths)
+
+
 CASES: Dict[str, Callable[[Setup, Sequence[int]], Iterator[Case]]] = {
     **{suite: functools.partial(op_cases, op) for suite, op in OP_SUITES.items()},
     "encoder_layer": functools.partial(_layer_cases, decoder=False),
     "decoder_layer": functools.partial(_layer_cases, decoder=True),
     "decode_step": decode_step_cases,
     "module_call": module_call_cases,
+    "llama": _llama_cases,
 }
 
 
@@ -418,6 +427,10 @@ def describe(suite: str, setup: Setup) -> str:
         shape = MODULE_CALL_SHAPE
         return (f"batch {shape['batch']}, d_model {shape['d_model']}, {shape['heads']} heads, d_ff {shape['d_ff']}, "
                 f"dropout {DROPOUT}: one call of a module on a tiny input, its per-call overhead")
+    if suite == "llama":
+        from fused_transformer.tools import bench_llama
+
+        return bench_llama.describe(setup)
     if suite == "decode_step":
         return ("batch 32, Seq2Seq d 256, 3 + 3 layers, 8 heads, ff 512, one cached token per sequence after L - 1, "
                 "source L")
@@ -428,6 +441,11 @@ def describe(suite: str, setup: Setup) -> str:
 
 def default_lengths(suite: str, device: torch.device, quick: bool) -> Tuple[int, ...]:
     kind = "cuda" if device.type == "cuda" else "cpu"
+    if suite == "llama":
+        from fused_transformer.tools import bench_llama
+
+        full, short = bench_llama.LENGTHS[kind]
+        return short if quick else full
     full, short = OP_SUITES[suite].lengths[kind] if suite in OP_SUITES else LENGTHS[(kind, suite)]
     return short if quick else full
 
@@ -437,6 +455,15 @@ def cases(suite: str, setup: Setup, lengths: Optional[Sequence[int]] = None, qui
     if suite not in CASES:
         raise ValueError(f"suite={suite!r} is not one of {', '.join(SUITES)}")
     return list(CASES[suite](setup, lengths or default_lengths(suite, setup.device, quick)))
+
+
+def unavailable_reason(suite: str) -> Optional[str]:
+    """Why ``suite`` cannot run here (``llama`` without transformers), or None: bench says so and skips it."""
+    if suite != "llama":
+        return None
+    from fused_transformer.tools import bench_llama
+
+    return bench_llama.unavailable_reason()
 
 
 def is_competitor(impl: str, suite: Optional[str] = None) -> bool:

@@ -16,6 +16,7 @@ THROUGHPUT = {  # suite -> (CSV column, axis label); an op's is its ``Op.through
     **{suite: op.throughput for suite, op in OP_SUITES.items()},
     "encoder_layer": ("tokens_per_s", "tokens/s"),
     "decoder_layer": ("tokens_per_s", "tokens/s"),
+    "llama": ("tokens_per_s", "tokens/s"),
     "decode_step": ("tokens_per_s", "tokens/s"),
     "module_call": ("tokens_per_s", "tokens/s"),
 }
