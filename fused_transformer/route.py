@@ -78,7 +78,6 @@ class Call(NamedTuple):
     needs_lse: bool = False
     deterministic: bool = False
     needs: FrozenSet[str] = frozenset()  # features a backend must compute (SUPPORTS)
-    gqa: bool = False  # fewer key heads than query heads
     torch_cannot: str = ""  # a fact of the call's tensors that torch's path does not compute as ours does
     torch_default: str = ""  # why torch's path runs the call when no row matches ("": ours by default)
     backends: FrozenSet[str] = frozenset()  # the backends of ours that compute the op (empty: every one)
@@ -184,8 +183,6 @@ def torch_refuses(call: Call) -> Optional[str]:
         return "its masks (SDPA's differ on rows with no key left, and cost a dense mask)"
     if call.needs_lse:
         return "the LSE (SDPA returns none)"
-    if call.gqa:
-        return "grouped-query heads"
     return None
 
 

@@ -89,7 +89,7 @@ def test_a_named_backend_runs_ours_and_falls_back_for_what_it_lacks():
 
 
 @pytest.mark.parametrize("change, why", [
-    (dict(mask="other"), "masks"), (dict(needs_lse=True), "LSE"), (dict(gqa=True), "grouped-query"),
+    (dict(mask="other"), "masks"), (dict(needs_lse=True), "LSE"),
     (dict(needs=frozenset({"softcap"})), "softcap"), (dict(torch_cannot="empty dims"), "empty dims"),
 ])
 def test_calls_torchs_path_does_not_compute_run_ours(change, why):
@@ -317,8 +317,8 @@ def test_a_feature_the_cpu_backend_lacks_falls_back_to_the_reference_which_compu
 @pytest.mark.parametrize("dtype, head_dim, need", [(torch.float32, 256, "float32 head dims above 128"),
                                                     (torch.bfloat16, 320, "head dims above 256")])
 def test_heads_wider_than_the_triton_kernels_go_where_they_are_computed(dtype, head_dim, need):
-    """Gemma's head dim 256 in float32 (and any head over 256): torch's path without masks, else the reference on a
-    GPU (the Triton kernels stop short of them) and ours on the CPU, whose kernels take any width."""
+    """Gemma's head dim 256 in float32 (and any head over 256): torch's path where it serves the call, else the
+    reference on a GPU (the Triton kernels stop short of them) and ours on the CPU, whose kernels take any width."""
     q = torch.empty(1, 4, 16, head_dim, device="meta", dtype=dtype)
     k = torch.empty(1, 2, 16, head_dim, device="meta", dtype=dtype)
     spec = attention_contract.attention_spec(head_dim, True, "top_left", None, 0.0, None)
@@ -326,8 +326,8 @@ def test_heads_wider_than_the_triton_kernels_go_where_they_are_computed(dtype, h
                                 needs_grad=True, device=torch.device("cpu"))._replace(device="sm90")
     assert need in call.needs
     assert decide(call, "auto", "triton", ROWS).backend == "torch"
-    grouped = attention_facts.call(q, k, k, contract.AttentionMasks(), spec, contract.NO_SCORE_MODS, None, False,
-                                   needs_grad=True, device=torch.device("cpu"))
+    grouped = attention_facts.call(q, k, k, contract.AttentionMasks(), spec, contract.NO_SCORE_MODS, None, True,
+                                   needs_grad=True, device=torch.device("cpu"))  # the LSE: torch's path refuses
     assert decide(grouped._replace(device="sm90"), "auto", "triton", ROWS).backend == "reference"
     assert decide(grouped, "auto", "cpu", ROWS).backend == "cpu"
     assert decide(grouped._replace(device="sm90"), "triton", "triton", ROWS).backend == "reference"

@@ -138,11 +138,14 @@ def attention_forward(
         with use_backend("reference"):
             out, lse = functional.attention(query, key, value, attn_mask=mask, dropout_p=dropout, return_lse=True,
                                             softcap=softcap, sinks=sinks, **options)
-    else:
+    elif want_weights or trainable_mask:  # the LSE makes the weights and the mask's gradient
         out, lse = functional.attention(query, key, value, attn_mask=mask.detach() if trainable_mask else mask,
                                         dropout_p=dropout, return_lse=True, softcap=softcap, sinks=sinks, **options)
         if trainable_mask:
             out = MaskGradient.apply(out, mask, query, key, value, lse, options)
+    else:  # without the LSE, torch's SDPA may run the call where the route finds it faster
+        out = functional.attention(query, key, value, attn_mask=mask, dropout_p=dropout, softcap=softcap, sinks=sinks,
+                                   **options)
     weights = None
     if want_weights:
         detached_mask = mask.detach() if mask is not None else None

@@ -3,8 +3,8 @@ and the rows measured on GPUs and at torch's SDPA door.
 
 Dense ``attention``'s size is its keys per sequence; ``attention_varlen``'s the longest sequence's keys and
 ``attention_with_kvcache``'s the keys a sequence's cache holds (``SIZE_OF``). torch's path (SDPA) computes a dense call
-without masks but ``is_causal`` (top-left, or as many queries as keys), without dropout, score modifiers, sinks, the
-LSE or grouped-query heads; packed sequences and KV caches have no torch op on every device. A traced call
+without masks but ``is_causal`` (top-left, or as many queries as keys), without dropout, score modifiers, sinks or the
+LSE (grouped-query heads: ``enable_gqa``); packed sequences and KV caches have no torch op on every device. A traced call
 (torch.compile, torch.export) runs ours: one custom op, the same graph on every GPU.
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ def call(q: Tensor, k: Tensor, v: Tensor, masks: Optional[AttentionMasks], spec:
                       size=route.size(k.shape[2]),
                       needs_grad=route.needs_grad(q, k, v, sinks) if needs_grad is None else needs_grad,
                       needs_lse=needs_lse, deterministic=torch.are_deterministic_algorithms_enabled(),
-                      needs=needs(mods, sinks, q), gqa=q.shape[1] != k.shape[1], torch_cannot=cannot,
+                      needs=needs(mods, sinks, q), torch_cannot=cannot,
                       torch_default=_WIDE_HEADS if head_needs(q.dtype, q.shape[3]) else "")
 
 

@@ -27,9 +27,10 @@ Tensor = torch.Tensor
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
     """torch's path of a routed call: ``F.scaled_dot_product_attention`` without masks but ``is_causal`` (top-left, or
-    ``Lq = Lk``), dropout, score modifiers or sinks, the query's heads on the keys' (``facts``: the calls it
+    ``Lq = Lk``), dropout, score modifiers or sinks, grouped-query heads by ``enable_gqa`` (``facts``: the calls it
     serves)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=spec.is_causal, scale=spec.scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=spec.is_causal, scale=spec.scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _float_output(ctx, q: Tensor, sinks: Optional[Tensor]) -> bool:
