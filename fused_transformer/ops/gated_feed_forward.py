@@ -33,7 +33,7 @@ from ..contract import (
     FLOAT_DTYPES, Seed, as_rows, autocast_all, autocast_dtype, check_dropout, check_same, check_tensor, describe,
     stats_dtype, traced,
 )
-from . import Example, Launchers, Op, Work, register
+from . import Example, Launchers, Op, TuneSeries, Work, register
 
 Tensor = torch.Tensor
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -425,6 +425,14 @@ def _describe(gpu: bool) -> str:
     return f"batch 2, d_model/d_ff {shapes}, SiLU, no dropout"
 
 
+def _tune(device_type: str, dtype: torch.dtype, quick: bool) -> Sequence[TuneSeries]:
+    """Rows of d_model 512 / d_ff 1408 (4096 / 11008 on a GPU), with dropout and without; sizes counted in rows."""
+    d_model, d_ff = (4096, 11008) if device_type == "cuda" else (512, 1408)
+    rows = (64,) if quick else ((1024, 8192) if device_type == "cuda" else (64, 1024, 4096))
+    return tuple(TuneSeries("yes" if p else "no", tuple(
+        example(f"{n}x{d_model}", (n,), d_model, d_ff, dropout_p=p) for n in rows)) for p in (0.1, 0.0))
+
+
 class ThinGatedFeedForward(torch.autograd.Function):
     """The least the op can cost on the host (the overhead suite's thin): torch's products, which no implementation
     skips, with the gating pass's outputs allocated and not computed; no check, route or seed."""
@@ -461,5 +469,5 @@ OP = register(Op(
         tensors["x"], GatedFeedForwardSpec(options["activation"], options["dropout_p"], tensors["up_weight"] is None),
         grad, device),
     route_examples=(example("dropout", (1024,), 512, 1408, dropout_p=0.1),),
-    launchers=LAUNCHERS, overhead_thin=_thin,
+    launchers=LAUNCHERS, overhead_thin=_thin, tune=_tune,
 ))

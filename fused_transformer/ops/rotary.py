@@ -25,7 +25,7 @@ import torch
 from .. import route
 from ..autograd import traced_apply
 from ..contract import FLOAT_DTYPES, check_tensor, describe
-from . import Example, Launchers, Op, Work, register
+from . import Example, Launchers, Op, TuneSeries, Work, register
 
 Tensor = torch.Tensor
 
@@ -391,6 +391,13 @@ def _describe(gpu: bool) -> str:
     return f"q/k heads {shapes}, cos/sin per batch, halves"
 
 
+def _tune(device_type: str, dtype: torch.dtype, quick: bool) -> Sequence[TuneSeries]:
+    """q 8 heads, k 2 (32 and 8 on a GPU), head dim 64 (128), halves; sizes counted in rows of q and k."""
+    heads, kv_heads, head_dim = (32, 8, 128) if device_type == "cuda" else (8, 2, 64)
+    lengths = (64,) if quick else ((1024, 4096, 16384) if device_type == "cuda" else (64, 512, 2048))
+    return (TuneSeries("no", tuple(example(f"S{n}", 1, heads, kv_heads, n, head_dim) for n in lengths)),)
+
+
 class ThinRotary(torch.autograd.Function):
     """The least the op can cost on the host (the overhead suite's thin): autograd's bookkeeping and the two outputs
     allocated, the two gradients in backward; no check, route or arithmetic."""
@@ -416,5 +423,5 @@ OP = register(Op(
     overhead=(example("B2 H4/2 S8 D32", 2, 4, 2, 8, 32),), overhead_target={"fwd": 2.5, "fwd+bwd": 2.5},
     constants=("cos", "sin"),
     call_of=lambda tensors, options, device, grad: _call(tensors["q"], tensors["k"], grad, device),
-    route_examples=(example("Llama", 1, 32, 8, 1024, 128),), launchers=LAUNCHERS, overhead_thin=_thin,
+    route_examples=(example("Llama", 1, 32, 8, 1024, 128),), launchers=LAUNCHERS, overhead_thin=_thin, tune=_tune,
 ))

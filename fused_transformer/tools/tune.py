@@ -68,8 +68,8 @@ def _inputs(group: Group, example: ops.Example,
 def _with_backward(fn: Callable[[], Tensor], leaves: List[Tensor]) -> Callable[[], object]:
     def step() -> object:
         out = fn()
-        out = out[0] if isinstance(out, tuple) else out
-        return torch.autograd.grad(out, leaves, torch.ones_like(out))
+        outs = [t for t in out if t is not None and t.requires_grad] if isinstance(out, tuple) else [out]
+        return torch.autograd.grad(outs, leaves, [torch.ones_like(t) for t in outs])
     return step
 
 
