@@ -13,7 +13,7 @@ sin ``[B or 1, ..., rotary_dim]`` are read at stride 0 along the dims they broad
 one rounding at the store.
 """
 import re
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -163,25 +163,45 @@ def broadcast_strides(table: Tensor) -> Tuple[int, int, int]:
     return tuple(0 if n == 1 else s for n, s in zip(sizes, strides))
 
 
-def _prepared(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
-              backward: bool) -> Tuple[Tensor, Tensor, Optional[tuple]]:
-    """The outputs and ``launch_kernel``'s arguments after the kernel (None where there is nothing to launch)."""
-    q, k, cos, sin = (last_dim_contiguous(t) for t in (q, k, cos, sin))
-    q_out, k_out = output_like(q), output_like(k)
+# The integer arguments of a launch by its tensors' layouts (the key below): an eager model calls the op with the same
+# few layouts every step, and working them out again is most of the op's host time.
+_LAUNCH_INTS: Dict[tuple, Optional[tuple]] = {}
+
+
+def _launch_ints(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
+                 backward: bool) -> Optional[tuple]:
+    """``(grid, the kernel's arguments after its six tensors, num_warps)``, None where there is nothing to launch."""
     head_dim, rotary_dim = q.shape[-1], cos.shape[-1]
     (_, q_n1, q_n2), q_strides = leading3(q)
     (_, k_n1, k_n2), k_strides = leading3(k)
     q_rows, k_rows = q.numel() // max(head_dim, 1), k.numel() // max(head_dim, 1)
     if q_rows + k_rows == 0 or head_dim == 0:
-        return q_out, k_out, None
+        return None
     plan = plan_of(head_dim, rotary_dim)
     q_programs = cdiv(q_rows, plan.block_rows)
     grid = (q_programs + cdiv(k_rows, plan.block_rows),)
-    args = (q, k, q_out, k_out, cos, sin, q_rows, k_rows, q_programs, q_n1, q_n2, k_n1, k_n2, *q_strides, *k_strides,
-            *leading3(q_out)[1], *leading3(k_out)[1], *broadcast_strides(cos), *broadcast_strides(sin), head_dim,
-            rotary_dim // 2, plan.block_rows, plan.block_half, plan.block_pass, interleaved, backward,
-            head_dim > rotary_dim)
-    return q_out, k_out, (grid, args, plan.num_warps)
+    ints = (q_rows, k_rows, q_programs, q_n1, q_n2, k_n1, k_n2, *q_strides, *k_strides, *leading3(q_out)[1],
+            *leading3(k_out)[1], *broadcast_strides(cos), *broadcast_strides(sin), head_dim, rotary_dim // 2,
+            plan.block_rows, plan.block_half, plan.block_pass, interleaved, backward, head_dim > rotary_dim)
+    return grid, ints, plan.num_warps
+
+
+def _prepared(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
+              backward: bool) -> Tuple[Tensor, Tensor, Optional[tuple]]:
+    """The outputs and ``launch_kernel``'s arguments after the kernel (None where there is nothing to launch)."""
+    q, k, cos, sin = (last_dim_contiguous(t) for t in (q, k, cos, sin))
+    q_out, k_out = output_like(q), output_like(k)
+    key = (q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), cos.shape, cos.stride(),
+           sin.shape, sin.stride(), interleaved, backward)
+    found = _LAUNCH_INTS.get(key, key)
+    if found is key:
+        if len(_LAUNCH_INTS) >= 256:
+            _LAUNCH_INTS.clear()
+        found = _LAUNCH_INTS[key] = _launch_ints(q, k, q_out, k_out, cos, sin, interleaved, backward)
+    if found is None:
+        return q_out, k_out, None
+    grid, ints, num_warps = found
+    return q_out, k_out, (grid, (q, k, q_out, k_out, cos, sin, *ints), num_warps)
 
 
 def rotary_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tuple[Tensor, Tensor]:
