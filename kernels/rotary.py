@@ -124,11 +124,12 @@ class RotaryPlan(NamedTuple):
 
 def plan_of(head_dim: int, rotary_dim: int) -> RotaryPlan:
     """The tile for rows of ``head_dim`` features, ``rotary_dim`` of them rotated: the next powers of two of the half
-    and of the passed features, rows to fill ``TILE_ELEMENTS`` (at most 64), 4 warps (2 for a tile of 1024 or less)."""
+    and of the passed features, rows to fill ``TILE_ELEMENTS`` (a power of two, at most 64), 4 warps (2 for a tile of
+    1024 or less)."""
     block_half = next_power_of_2(max(rotary_dim // 2, 1))
     block_pass = next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 1
     width = 2 * block_half + (block_pass if head_dim > rotary_dim else 0)
-    block_rows = max(1, min(64, TILE_ELEMENTS // width))
+    block_rows = 1 << (max(1, min(64, TILE_ELEMENTS // width)).bit_length() - 1)  # a power of two (tl.arange)
     return RotaryPlan(block_rows, block_half, block_pass, 4 if block_rows * width > 1024 else 2)
 
 

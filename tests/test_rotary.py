@@ -304,3 +304,22 @@ def test_stands_in_for_transformers_in_llama_attention(monkeypatch, name):
     assert [r.op for r in calls] == ["apply_rotary_pos_emb"] and calls[0].backend == name
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.skipif(backend.triton_unavailable_reason() is not None, reason="triton is not installed")
+def test_every_plan_tiles_rows_by_a_power_of_two():
+    """tl.arange takes powers of two only: a partial rotary's tile (head dim 96, 32 rotated: 96 features wide) once
+    asked for 42 rows."""
+    from fused_transformer.kernels import rotary as kernel
+
+    for head_dim in range(2, 257, 2):
+        for rotary_dim in range(2, head_dim + 1, 2):
+            rows = kernel.plan_of(head_dim, rotary_dim).block_rows
+            assert rows & (rows - 1) == 0, (head_dim, rotary_dim, rows)
+    q, k = torch.randn(2, 3, 13, 96, device=DEVICE), torch.randn(2, 1, 13, 96, device=DEVICE)
+    angles = torch.randn(2, 13, 32, device=DEVICE)
+    with ft.use_backend("triton"):
+        got = ft.apply_rotary_pos_emb(q, k, angles.cos(), angles.sin())
+    want = ft.reference.apply_rotary_pos_emb(q.double(), k.double(), angles.cos().double(), angles.sin().double())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
