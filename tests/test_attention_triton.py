@@ -878,7 +878,8 @@ def test_tf32_loads_through_tma_at_its_head_dims(monkeypatch, head_dim, mask_kin
     """The forward in float32 with allow_tf32 takes the TMA path at head dims 33..128 (configs.TF32_TMA_HEAD_DIMS; the
     interpreter computes its products in float32, so it gives the pointer path's values); the backward, exact float32
     and other head dims keep the pointer path. Past 128 no tile serves float32 (configs.MAX_HEAD_DIM), tf32 or not:
-    the argument checks refuse it, before any plan is asked, at the kernel-level entry and through the backend."""
+    the argument checks refuse it at the kernel-level entry, and the route sends it elsewhere, before any plan is
+    asked."""
     (q, k, v, do, dlse), g = _random_inputs(2, 2, 1, 37, 50, head_dim, seed=head_dim)
     masks = _masks(mask_kind, 2, 2, 37, 50, g)
     pointer = _run(triton_attention.attention, q, k, v, do, dlse, torch.float32, masks, allow_tf32=True)
@@ -896,8 +897,10 @@ def test_tf32_loads_through_tma_at_its_head_dims(monkeypatch, head_dim, mask_kin
     refusal = r"triton attention: float32 supports head_dim up to 128, got 256; use float16/bfloat16 inputs"
     with pytest.raises(ValueError, match=refusal):
         triton_attention.attention(*head_dim_256, allow_tf32=True, **masks)
-    with fused_transformer.use_backend("triton"), pytest.raises(ValueError, match=refusal):
+    with fused_transformer.use_backend("triton"), fused_transformer.explain() as calls:  # the route falls back
         fused_transformer.attention(*head_dim_256, **masks)
+    assert [(c.backend, c.reason) for c in calls] == [
+        ("reference", "backend 'triton' does not compute float32 head dims above 128")]
     assert decisions == []  # refused before any plan lookup
 
 

@@ -214,7 +214,7 @@ def test_fastest_route_on_cuda_follows_the_measured_rows():
             call = ft.route.Call("attention", "sm90", torch.bfloat16, door="sdpa", head_dim=64,
                                  mask="causal" if causal else "none", size=lk)
             assert ft.route.decide(call, "auto", "triton", rows).backend == "torch"
-            assert ft.route.decide(call._replace(head_dim=256), "auto", "triton", rows).backend == "triton"
+            assert ft.route.decide(call._replace(head_dim=32), "auto", "triton", rows).backend == "triton"
             assert ft.route.decide(call._replace(device="sm80"), "auto", "triton", rows).backend == "triton"
 
 
