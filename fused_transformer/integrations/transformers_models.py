@@ -1,4 +1,5 @@
-"""``fuse(model)`` on Hugging Face transformers' Llama-family models: their RMSNorms and their causal-LM loss.
+"""``fuse(model)`` on Hugging Face transformers' Llama-family models: their RMSNorms, gated MLPs, rotary and
+causal-LM loss.
 
 A table names, per family, the transformers classes fuse knows (``FAMILIES``); each known class has a fused twin, a
 subclass of it that adds no state and overrides ``forward``, and ``fuse_model`` gives a module its twin's class (as
@@ -12,6 +13,11 @@ kernel's), any other one is left and named. A twin keeps its class's ``__name__`
   2 and 3 (``normed * (1 + weight)`` in float32, rounded once): ``ops.rms_norm`` of the float32 input with
   ``1 + weight``. Parameters of another dtype than the input (mixed precision without autocast) run the class's own
   ``forward``: its output dtype follows type promotion, ours would not.
+- The gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``; Phi-3's packed ``gate_up_proj``) on
+  ``ops.gated_feed_forward``, its activation read from the module (SiLU, GELU, GELU-tanh).
+- Rotary: each attention layer's own copy of ``apply_rotary_pos_emb`` (``_kernel_funcs``) on
+  ``ops.apply_rotary_pos_emb``; the module-level function, which unfused models share, is never touched (Phi-3's
+  attention calls that one directly: its rotary stays transformers').
 - The causal LM (``*ForCausalLM``): in training mode with ``labels``, the head and transformers' ``ForCausalLMLoss``
   run as one ``ops.linear_cross_entropy`` over the last hidden states, the logits never made: labels shifted (padded
   with ``ignore_index``) or ``shift_labels`` as given, ``ignore_index`` (default -100), ``num_items_in_batch`` (sum
@@ -104,7 +110,6 @@ class TransformersTwin:
 def _rebuilt_twin(hf_class: type, body: type, activation: Optional[str]) -> object:
     twin = _twin(hf_class, body, activation)
     return twin.__new__(twin)
-
 
 
 class FusedRMSNorm(TransformersTwin):
