@@ -33,6 +33,7 @@ path the forward ran).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from typing import Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Optional, Tuple
@@ -136,7 +137,7 @@ def _in(cells: Tuple[str, ...], value: str) -> bool:
 
 COLUMNS = ("op", "pass", "device", "dtype", "head_dim", "mask", "dropout", "door", "size", "speedup", "torch_det",
            "source")
-_WIDTHS = (12, 8, 6, 15, 8, 11, 7, 10, 14, 9, 9)
+_WIDTHS = (12, 8, 13, 16, 8, 11, 7, 10, 14, 9, 9)
 HEADER = "  ".join(f"{c:<{w}}" for c, w in zip(COLUMNS, _WIDTHS)) + "  " + COLUMNS[-1]
 
 
@@ -274,22 +275,145 @@ def tuned_path(device: torch.device) -> str:
     return os.path.join(cache_dir(), device_key(device) + ".txt")
 
 
+# ------------------------------------------------------------------------------------------------- devices
+
+
+class DeviceFacts(NamedTuple):
+    """What the route knows of a device: ``tag`` names it in the rows (``Call.device``, a row's device cell); the
+    rest is what ``nearest`` compares."""
+
+    tag: str  # a GPU's model ("H200", "RTX5090"); a CPU's "cpu-<instruction set>-t<threads>" ("cpu-avx512-t2")
+    kind: str  # "cuda" or "cpu"
+    capability: Tuple[int, int] = (0, 0)  # a GPU's compute capability
+    bandwidth: float = 0.0  # a GPU's memory bandwidth in GB/s (0: unknown)
+    isa: str = ""  # a CPU's instruction set, as torch dispatches on it ("avx512", "avx2", "default", ...)
+    threads: int = 0  # a CPU's threads (torch.get_num_threads())
+
+
+# The devices the built-in rows were measured on (their rows' device cell is the tag). A GPU's figures are its
+# vendor's: capability, HBM bandwidth.
+MEASURED_DEVICES: Dict[str, DeviceFacts] = {facts.tag: facts for facts in (
+    DeviceFacts("H200", "cuda", (9, 0), 4800.0),
+    DeviceFacts("cpu-avx512-t2", "cpu", isa="avx512", threads=2),
+    DeviceFacts("cpu-avx2-t2", "cpu", isa="avx2", threads=2),
+)}
+# Threads a CPU's rows stretch to: a factor of this either way (rows taken on 2 threads route 1 to 4, not 64).
+CPU_THREADS_FACTOR = 2
+
+
+def gpu_tag(name: str) -> str:
+    """The tag of a GPU from its device name: the model, without the vendor's and the product line's words
+    (``"NVIDIA H200"`` -> ``"H200"``, ``"NVIDIA GeForce RTX 5090"`` -> ``"RTX5090"``, ``"Tesla T4"`` -> ``"T4"``)."""
+    words = [w for w in re.split(r"\s+", name.strip()) if w not in ("NVIDIA", "GeForce", "Tesla", "Quadro")]
+    return re.sub(r"[^A-Za-z0-9.-]+", "", "".join(words)) or "gpu"
+
+
+def gpu_facts(props) -> DeviceFacts:
+    """``DeviceFacts`` of a GPU from its properties (``torch.cuda.get_device_properties``, or anything with their
+    ``name``, ``major``, ``minor`` and, where torch reports them, ``memory_clock_rate`` (kHz) and
+    ``memory_bus_width`` (bits)): bandwidth = 2 transfers a clock x the bus's bytes."""
+    clock, width = getattr(props, "memory_clock_rate", 0) or 0, getattr(props, "memory_bus_width", 0) or 0
+    bandwidth = 2.0 * clock * 1e3 * width / 8 / 1e9
+    return DeviceFacts(gpu_tag(props.name), "cuda", (int(props.major), int(props.minor)), round(bandwidth, 1))
+
+
+def cpu_facts(threads: Optional[int] = None, isa: Optional[str] = None) -> DeviceFacts:
+    """``DeviceFacts`` of this CPU: the instruction set torch dispatches on (``ATEN_CPU_CAPABILITY`` lowers it) and
+    the threads it runs on (default: now)."""
+    isa = (torch.backends.cpu.get_cpu_capability() if isa is None else isa).lower()
+    threads = torch.get_num_threads() if threads is None else threads
+    return DeviceFacts(f"cpu-{isa}-t{threads}", "cpu", isa=isa, threads=threads)
+
+
+def facts_of_tag(tag: str) -> Optional[DeviceFacts]:
+    """The facts behind a row's device cell: a measured device's, or a CPU's read from its tag (a row ``tune``
+    wrote); None for a tag that names neither."""
+    found = MEASURED_DEVICES.get(tag)
+    if found is not None:
+        return found
+    match = re.fullmatch(r"cpu-([a-z0-9_]+)-t(\d+)", tag)
+    return cpu_facts(int(match[2]), match[1]) if match else None
+
+
+def nearest(device: DeviceFacts, measured: Iterable[DeviceFacts]) -> Optional[DeviceFacts]:
+    """The measured device whose rows ``device`` takes as priors (docs/route.md, "Devices nobody measured").
+
+    A GPU: any measured GPU, the same architecture (the capability's major) first, then the closest capability,
+    then the closest memory bandwidth (by ratio; unknown counts as no difference), then the tag. A CPU: only one
+    with the same instruction set and threads within ``CPU_THREADS_FACTOR`` either way, the closest threads first;
+    None where there is none (a 64-thread machine takes no rows measured on 2).
+    """
+    def gap(a: float, b: float) -> float:
+        return abs(math.log(a / b)) if a > 0 and b > 0 else 0.0
+
+    if device.kind == "cuda":
+        capability = device.capability[0] * 10 + device.capability[1]
+        candidates = [(other.capability[0] != device.capability[0],
+                       abs(other.capability[0] * 10 + other.capability[1] - capability),
+                       gap(other.bandwidth, device.bandwidth), other.tag, other)
+                      for other in measured if other.kind == "cuda" and other.tag != device.tag]
+    else:
+        candidates = [(gap(other.threads, device.threads), other.tag, other) for other in measured
+                      if other.kind == "cpu" and other.tag != device.tag and other.isa == device.isa
+                      and device.threads <= other.threads * CPU_THREADS_FACTOR
+                      and other.threads <= device.threads * CPU_THREADS_FACTOR]
+    return min(candidates)[-1] if candidates else None
+
+
+def with_priors(device: DeviceFacts, rows: Iterable[Row]) -> Tuple[Row, ...]:
+    """The rows that route calls on ``device``: its own (and those of every device, ``*``, or of its kind, ``cpu`` or
+    ``cuda``), then the nearest measured device's as priors, retagged for it, their source saying ``prior from
+    <device>``. Rows of other devices are dropped."""
+    rows = tuple(rows)
+    mine = ("*", device.kind, device.tag)
+    own = [row._replace(device=device.tag) if row.device == device.kind else row for row in rows
+           if row.device in mine]
+    others = {row.device for row in rows} - set(mine)
+    near = nearest(device, [facts for facts in map(facts_of_tag, sorted(others)) if facts is not None])
+    if near is None:
+        return tuple(own)
+    priors = [row._replace(device=device.tag, source=f"prior from {near.tag}: {row.source}")
+              for row in rows if row.device == near.tag]
+    return tuple(own + priors)
+
+
+def device_facts(device: torch.device) -> DeviceFacts:
+    """``DeviceFacts`` of ``device`` (a CUDA device's are read once)."""
+    if device.type == "cuda":
+        return _cuda_facts(device.index if device.index is not None else torch.cuda.current_device())
+    if device.type == "cpu":
+        return cpu_facts()
+    return DeviceFacts(device.type, device.type)
+
+
 def device_tag(device: torch.device) -> str:
-    """``Call.device`` for ``device``: ``"sm90"`` for a GPU of capability 9.0, else the device's type."""
-    if device.type != "cuda":
-        return device.type
-    return _cuda_tag(device.index if device.index is not None else torch.cuda.current_device())
+    """``Call.device`` for ``device``: its ``DeviceFacts.tag`` (a GPU's model, ``cpu-<isa>-t<threads>``), else the
+    device's type."""
+    if device.type == "cuda":
+        return _cuda_facts(device.index if device.index is not None else torch.cuda.current_device()).tag
+    if device.type == "cpu":
+        return _cpu_tag()
+    return device.type
 
 
-_CUDA_TAGS: Dict[int, str] = {}
+_CUDA_FACTS: Dict[int, DeviceFacts] = {}
+_CPU_TAGS: Dict[int, str] = {}
 
 
 @constant_for_compile
-def _cuda_tag(index: int) -> str:
-    found = _CUDA_TAGS.get(index)
+def _cuda_facts(index: int) -> DeviceFacts:
+    found = _CUDA_FACTS.get(index)
     if found is None:
-        major, minor = torch.cuda.get_device_capability(index)
-        found = _CUDA_TAGS[index] = f"sm{major}{minor}"
+        found = _CUDA_FACTS[index] = gpu_facts(torch.cuda.get_device_properties(index))
+    return found
+
+
+@constant_for_compile
+def _cpu_tag() -> str:
+    threads = torch.get_num_threads()
+    found = _CPU_TAGS.get(threads)
+    if found is None:
+        found = _CPU_TAGS[threads] = cpu_facts(threads).tag
     return found
 
 
@@ -311,22 +435,24 @@ def _measured() -> Tuple[Row, ...]:
 
 
 def table(device: Optional[torch.device] = None) -> Tuple[Row, ...]:
-    """The route table for calls on ``device`` (default: the CPU and every GPU's built-in rows): the rows ``tune``
-    measured there, then the ops' measured rows."""
+    """The route table for calls on ``device``: the rows ``tune`` measured there, then the ops' measured rows of that
+    device, then the nearest measured device's as priors (``with_priors``). Without ``device``: the CPU's tuned rows
+    and every built-in row, of every device, as written."""
     if device is None:
-        device = torch.device("cpu")
+        return tuple(tuned_rows(torch.device("cpu"))) + _measured()
     return _with_tuned(device.type, device.index)
 
 
-_TABLES: Dict[Tuple[str, Optional[int]], Tuple[Row, ...]] = {}
+_TABLES: Dict[Tuple[str, object], Tuple[Row, ...]] = {}
 
 
 @constant_for_compile  # torch.compile calls it at trace time: it reads a file the first time
 def _with_tuned(device_type: str, index: Optional[int]) -> Tuple[Row, ...]:
-    found = _TABLES.get((device_type, index))
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    key = (device_type, index if device_type == "cuda" else device_tag(device))  # a CPU's rows follow its threads
+    found = _TABLES.get(key)
     if found is None:
-        device = torch.device(device_type, index) if index is not None else torch.device(device_type)
-        found = _TABLES[(device_type, index)] = tuple(tuned_rows(device)) + _measured()
+        found = _TABLES[key] = with_priors(device_facts(device), tuple(tuned_rows(device)) + _measured())
     return found
 
 

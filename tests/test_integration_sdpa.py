@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import fused_transformer as ft
 from fused_transformer import reference
 from fused_transformer.integrations import sdpa
+from fused_transformer.ops.attention import facts as attention_facts
 
 from tests.numerics import DEVICE, assert_close_to_reference
 
@@ -45,9 +46,10 @@ def activated(route: str = "ours"):
 
 
 def _cpu_door(lk: int, is_causal: bool) -> bool:
-    """Whether the route gives a float32 call of ``lk`` keys at SDPA's door on the CPU to our kernel."""
-    call = ft.route.Call("attention", "cpu", torch.float32, door="sdpa", head_dim=8,
-                         mask="causal" if is_causal else "none", size=lk)
+    """Whether the route gives a float32 call of ``lk`` keys at SDPA's door on the CPU its rows were measured on (an
+    AVX-512 CPU, 2 threads) to our kernel."""
+    call = ft.route.Call("attention", "cpu-avx512-t2", torch.float32, door="sdpa", head_dim=8,
+                         mask="causal" if is_causal else "none", size=lk, torch_default=attention_facts.DENSE_PRIOR)
     return ft.route.decide(call, "auto", "cpu", ft.route.table()).ours
 
 
@@ -207,15 +209,20 @@ def test_every_implementation_overrides_an_op_this_torch_has():
 
 def test_fastest_route_on_cuda_follows_the_measured_rows():
     """On a GPU the door reads the rows measured for every door: the H200's send dense bfloat16 calls without a mask
-    or causal to torch's kernel (cuDNN there); a call no row covers runs ours."""
-    rows = ft.route.table()
-    for lk in (64, 512, 8192):
-        for causal in (False, True):
-            call = ft.route.Call("attention", "sm90", torch.bfloat16, door="sdpa", head_dim=64,
-                                 mask="causal" if causal else "none", size=lk)
-            assert ft.route.decide(call, "auto", "triton", rows).backend == "torch"
-            assert ft.route.decide(call._replace(head_dim=32), "auto", "triton", rows).backend == "triton"
-            assert ft.route.decide(call._replace(device="sm80"), "auto", "triton", rows).backend == "triton"
+    or causal to torch's kernel (cuDNN there), and so does the prior where no row matches (another width, another
+    GPU: the H200's rows as priors)."""
+    h200, a100 = ft.route.MEASURED_DEVICES["H200"], ft.route.DeviceFacts("A100-SXM4-80GB", "cuda", (8, 0), 2039.0)
+    for facts in (h200, a100):
+        rows = ft.route.with_priors(facts, ft.route.table())
+        for lk in (64, 512, 8192):
+            for causal in (False, True):
+                call = ft.route.Call("attention", facts.tag, torch.bfloat16, door="sdpa", head_dim=64,
+                                     mask="causal" if causal else "none", size=lk,
+                                     torch_default=attention_facts.DENSE_PRIOR)
+                got = ft.route.decide(call, "auto", "triton", rows)
+                assert got.backend == "torch" and (facts is h200) != ("prior from H200" in got.reason), got
+                got = ft.route.decide(call._replace(head_dim=32), "auto", "triton", rows)
+                assert got.backend == "torch" and got.reason == attention_facts.DENSE_PRIOR
 
 
 def test_unserved_arguments_go_to_the_previous_kernel(kernel_calls):

@@ -2,6 +2,7 @@
 features as data, the table's text form, tuned rows read from the user's cache ahead of the measured ones, and the
 ops running where the route says."""
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def _matching_call(row: route.Row, needs_grad: bool) -> Call:
 @pytest.mark.parametrize("row", MEASURED, ids=lambda row: f"{row.op}-{row.passes}-{row.device}-{row.sizes}")
 def test_every_measured_row_decides_the_calls_it_matches(row):
     passes = {"forward": [False], "training": [True], "*": [False, True]}[row.passes]
-    ours = "cpu" if row.device == "cpu" else "triton"
+    ours = "cpu" if row.device.startswith("cpu") else "triton"
     for grad in passes:
         call = _matching_call(row, grad)
         assert row.matches(call)
@@ -77,7 +78,7 @@ def test_without_a_row_the_default_decides():
 
 
 def test_a_named_backend_runs_ours_and_falls_back_for_what_it_lacks():
-    call = Call("attention", "sm90", torch.bfloat16, head_dim=64, size=4096)
+    call = Call("attention", "H200", torch.bfloat16, head_dim=64, size=4096)
     assert decide(call, "auto", "triton", ROWS).backend == "torch"
     assert decide(call, "triton", "triton", ROWS).backend == "triton"  # forced: ours, even where torch is faster
     assert decide(call, "reference", "reference", ROWS).backend == "reference"
@@ -93,7 +94,7 @@ def test_a_named_backend_runs_ours_and_falls_back_for_what_it_lacks():
     (dict(needs=frozenset({"softcap"})), "softcap"), (dict(torch_cannot="empty dims"), "empty dims"),
 ])
 def test_calls_torchs_path_does_not_compute_run_ours(change, why):
-    call = Call("attention", "sm90", torch.bfloat16, head_dim=64, size=4096)._replace(**change)
+    call = Call("attention", "H200", torch.bfloat16, head_dim=64, size=4096)._replace(**change)
     got = decide(call, "auto", "triton", ROWS)
     assert got.backend == "triton" and why in got.reason
 
@@ -120,7 +121,7 @@ def test_attentions_facts_say_what_sdpa_does_not_serve():
 
 
 def test_layer_norm_rows_split_by_size_and_cpu_keeps_16_bits_on_ours():
-    call = Call("layer_norm", "sm90", torch.bfloat16, dropout=True, size=8 * 1024 * 1024)
+    call = Call("layer_norm", "H200", torch.bfloat16, dropout=True, size=8 * 1024 * 1024)
     assert decide(call, "auto", "triton", ROWS).backend == "torch"
     assert decide(call._replace(size=32 * 1024 * 1024), "auto", "triton", ROWS).backend == "triton"
     assert decide(call._replace(needs_grad=True, size=1 << 30), "auto", "triton", ROWS).backend == "torch"
@@ -159,8 +160,8 @@ def _write_rows(device: torch.device, *lines: str) -> None:
 
 @pytest.mark.skipif(backend.cpu_unavailable_reason() is not None, reason="needs the C++ kernels")
 def test_tuned_rows_come_first_and_change_the_route(tuned_cache, monkeypatch):
-    """Rows in the user's cache for this CPU send attention to SDPA where they measured it faster; a named backend
-    still runs ours."""
+    """Rows in the user's cache for this CPU decide ahead of the built-in ones and the priors: SDPA where they
+    measured it faster, ours where they measured ours faster; a named backend still runs ours."""
     cpu = torch.device("cpu")
     ran = []
     def sdpa(q, k, v, spec):
@@ -169,27 +170,28 @@ def test_tuned_rows_come_first_and_change_the_route(tuned_cache, monkeypatch):
     monkeypatch.setattr(attention_function, "sdpa", sdpa)
     q = torch.randn(1, 2, 64, 16)
     expected = F.scaled_dot_product_attention(q, q, q, is_causal=True)
-    assert route.table(cpu) == route._measured()
-    ft.attention(q, q, q, is_causal=True)
-    assert ran == []
-    _write_rows(cpu, "attention  *  cpu  float32  16  causal  no  functional  32..128  0.80  -  a test's row")
-    route.forget_tuned()
-    assert route.table(cpu)[0].source == "a test's row"
-    torch.testing.assert_close(ft.attention(q, q, q, is_causal=True), expected)
-    assert ran == ["torch"]
-    ft.attention(q, q, q)  # no row for it: ours
-    ft.attention(torch.randn(1, 2, 200, 16), torch.randn(1, 2, 200, 16), torch.randn(1, 2, 200, 16), is_causal=True)
+    assert route.table(cpu) == route.with_priors(route.device_facts(cpu), route._measured())
+    for speedup, runs in (("0.80", ["torch"]), ("1.30", [])):
+        _write_rows(cpu, f"attention  *  cpu  float32  16  causal  no  functional  32..128  {speedup}  -  a test's row")
+        route.forget_tuned()
+        assert route.table(cpu)[0].source == "a test's row"
+        ran.clear()
+        with route.explain() as calls:
+            torch.testing.assert_close(ft.attention(q, q, q, is_causal=True), expected)
+        assert ran == runs and "a test's row" in calls[0].reason
     with ft.use_backend("cpu"):
         ft.attention(q, q, q, is_causal=True)
-    assert ran == ["torch"]
+    assert ran == []
 
 
 def test_a_gpu_row_sends_the_functional_call_to_sdpa(monkeypatch):
-    """The H200's rows, as a GPU of capability 9.0 would read them: a dense bfloat16 call runs SDPA (bit for bit
-    what SDPA gives), forward and backward; one with a padding mask runs ours."""
-    monkeypatch.setattr(route, "device_tag", lambda device: "sm90")
+    """The H200's rows, as an H200 would read them: a dense bfloat16 call runs SDPA (bit for bit what SDPA gives),
+    forward and backward; one with a padding mask runs ours."""
+    monkeypatch.setattr(route, "device_tag", lambda device: "H200")
+    monkeypatch.setattr(route, "device_facts", lambda device: route.MEASURED_DEVICES["H200"])
     monkeypatch.setattr(backend, "current", lambda device, dtype=None: "cpu")
     monkeypatch.setattr(route, "_DECISIONS", {})
+    monkeypatch.setattr(route, "_TABLES", {})
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 4, 33, 64, generator=g).bfloat16().requires_grad_() for _ in range(3))
     out = ft.attention(q, k, v, is_causal=True)
@@ -213,11 +215,11 @@ def test_traced_attention_runs_ours(monkeypatch):
     spec = attention_contract.attention_spec(64, False, "top_left", None, 0.0, None)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     call = attention_facts.call(q, q, q, None, spec, contract.NO_SCORE_MODS, None, False, needs_grad=True,
-                                device=torch.device("cpu"))._replace(device="sm90")
+                                device=torch.device("cpu"))._replace(device="H200")
     monkeypatch.undo()
     assert call.size is None and "traced" in call.torch_cannot
     assert decide(call, "auto", "triton", ROWS).backend == "triton"
-    layer_norm = Call("layer_norm", "sm90", torch.bfloat16, size=None, torch_default="no dropout: nothing to fuse")
+    layer_norm = Call("layer_norm", "H200", torch.bfloat16, size=None, torch_default="no dropout: nothing to fuse")
     assert decide(layer_norm, "auto", "triton", ROWS).backend == "torch"
 
 
@@ -323,11 +325,123 @@ def test_heads_wider_than_the_triton_kernels_go_where_they_are_computed(dtype, h
     k = torch.empty(1, 2, 16, head_dim, device="meta", dtype=dtype)
     spec = attention_contract.attention_spec(head_dim, True, "top_left", None, 0.0, None)
     call = attention_facts.call(q, q, q, contract.AttentionMasks(), spec, contract.NO_SCORE_MODS, None, False,
-                                needs_grad=True, device=torch.device("cpu"))._replace(device="sm90")
+                                needs_grad=True, device=torch.device("cpu"))._replace(device="H200")
     assert need in call.needs
     assert decide(call, "auto", "triton", ROWS).backend == "torch"
     grouped = attention_facts.call(q, k, k, contract.AttentionMasks(), spec, contract.NO_SCORE_MODS, None, True,
                                    needs_grad=True, device=torch.device("cpu"))  # the LSE: torch's path refuses
-    assert decide(grouped._replace(device="sm90"), "auto", "triton", ROWS).backend == "reference"
+    assert decide(grouped._replace(device="H200"), "auto", "triton", ROWS).backend == "reference"
     assert decide(grouped, "auto", "cpu", ROWS).backend == "cpu"
-    assert decide(grouped._replace(device="sm90"), "triton", "triton", ROWS).backend == "reference"
+    assert decide(grouped._replace(device="H200"), "triton", "triton", ROWS).backend == "reference"
+
+
+# ----------------------------------------------------------------------------------- devices nobody measured
+
+# Vendors' figures: name, capability, memory bandwidth (GB/s); torch reports the clock (kHz) and the bus (bits).
+SIMULATED_GPUS = {"Tesla T4": ((7, 5), 320.0), "NVIDIA L4": ((8, 9), 300.0), "NVIDIA B200": ((10, 0), 8000.0),
+                  "NVIDIA GeForce RTX 5090": ((12, 0), 1792.0), "NVIDIA H100 80GB HBM3": ((9, 0), 3350.0)}
+
+
+def _props(name, capability, bandwidth):
+    """Device properties as torch.cuda.get_device_properties gives them (a 2 GHz memory clock, the bus to match)."""
+    clock_khz = 2_000_000
+    return SimpleNamespace(name=name, major=capability[0], minor=capability[1], memory_clock_rate=clock_khz,
+                           memory_bus_width=round(bandwidth * 1e9 * 8 / (2 * clock_khz * 1e3)))
+
+
+def test_gpu_facts_read_the_model_capability_and_bandwidth():
+    facts = route.gpu_facts(_props("NVIDIA GeForce RTX 5090", (12, 0), 1792.0))
+    assert facts.tag == "RTX5090" and facts.capability == (12, 0) and abs(facts.bandwidth - 1792.0) < 2
+    assert route.gpu_tag("Tesla T4") == "T4" and route.gpu_tag("NVIDIA H100 80GB HBM3") == "H10080GBHBM3"
+    assert route.gpu_facts(SimpleNamespace(name="NVIDIA H200", major=9, minor=0)).bandwidth == 0.0
+
+
+def test_nearest_is_the_same_architecture_then_capability_then_bandwidth():
+    """Two synthetic measured GPUs: "Fast90" (sm_90, 3000 GB/s), where ours won, and "Slow80" (sm_80, 2000 GB/s),
+    where torch won; each unmeasured GPU follows the nearest by the documented rule and its reason names it."""
+    fast = route.DeviceFacts("Fast90", "cuda", (9, 0), 3000.0)
+    slow = route.DeviceFacts("Slow80", "cuda", (8, 0), 2000.0)
+    rows = route.parse_rows(
+        "attention forward Fast90 bfloat16 64 none,causal no * * 1.40 - synthetic: ours won\n"
+        "attention forward Slow80 bfloat16 64 none,causal no * * 0.60 - synthetic: torch won\n")
+    monkey = {"Fast90": fast, "Slow80": slow}
+    expected = {"H100": "Fast90", "B200": "Fast90", "A100": "Slow80", "L4": "Slow80", "RTX5090": "Fast90",
+                "T4": "Slow80", "A10": "Slow80"}
+    gpus = {"H100": ((9, 0), 3350.0), "B200": ((10, 0), 8000.0), "A100": ((8, 0), 2039.0), "L4": ((8, 9), 300.0),
+            "RTX5090": ((12, 0), 1792.0), "T4": ((7, 5), 320.0), "A10": ((8, 6), 600.0)}
+    for tag, (capability, bandwidth) in gpus.items():
+        facts = route.DeviceFacts(tag, "cuda", capability, bandwidth)
+        assert route.nearest(facts, monkey.values()).tag == expected[tag], tag
+    # Same architecture beats a closer capability across architectures; bandwidth breaks a capability tie.
+    twin = route.DeviceFacts("Twin90", "cuda", (9, 0), 4800.0)
+    h100 = route.DeviceFacts("H100", "cuda", (9, 0), 3350.0)
+    assert route.nearest(h100, [fast, twin]).tag == "Fast90"
+    assert route.nearest(route.DeviceFacts("H20", "cuda", (9, 0), 4000.0), [fast, twin]).tag == "Twin90"
+    assert route.nearest(route.DeviceFacts("sm87", "cuda", (8, 7), 200.0), [fast, slow]).tag == "Slow80"
+    for tag, won in (("H100", "triton"), ("T4", "torch")):
+        facts = route.DeviceFacts(tag, "cuda", *gpus[tag])
+        table = _with_devices(monkeypatch_devices=monkey, facts=facts, rows=rows)
+        got = decide(Call("attention", tag, torch.bfloat16, head_dim=64, size=512), "auto", "triton", table)
+        assert got.backend == won and f"prior from {expected[tag]}" in got.reason, got
+
+
+def _with_devices(monkeypatch_devices, facts, rows):
+    saved = dict(route.MEASURED_DEVICES)
+    route.MEASURED_DEVICES.update(monkeypatch_devices)
+    try:
+        return route.with_priors(facts, rows)
+    finally:
+        route.MEASURED_DEVICES.clear()
+        route.MEASURED_DEVICES.update(saved)
+
+
+@pytest.mark.parametrize("name", sorted(SIMULATED_GPUS))
+@pytest.mark.parametrize("needs_grad", [False, True])
+def test_unmeasured_gpus_send_dense_bfloat16_attention_to_torch(monkeypatch, name, needs_grad):
+    """A simulated GPU (its properties, no GPU): dense and causal bfloat16 attention, eval and training, at the
+    functional door and SDPA's, goes to torch with a prior's reason: the H200's rows, or the dense prior where none
+    matches (another head dim)."""
+    facts = route.gpu_facts(_props(name, *SIMULATED_GPUS[name]))
+    monkeypatch.setattr(route, "device_tag", lambda device: facts.tag)
+    monkeypatch.setattr(route, "device_facts", lambda device: facts)
+    monkeypatch.setattr(backend, "current", lambda device, dtype=None: "triton")
+    monkeypatch.setattr(route, "_DECISIONS", {})
+    monkeypatch.setattr(route, "_TABLES", {})
+    spec = attention_contract.attention_spec
+    for head_dim, reason in ((64, "prior from H200"), (128, "prior from H200"), (96, "prior: torch"),
+                             (256, "prior: torch")):
+        q = torch.empty(2, 8, 1024, head_dim, dtype=torch.bfloat16, device="meta", requires_grad=needs_grad)
+        for causal in (False, True):
+            with route.explain() as calls:
+                got = attention_facts.decide(q, q, q, contract.AttentionMasks(),
+                                             spec(head_dim, causal, "top_left", None, 0.0, None),
+                                             contract.NO_SCORE_MODS, None, False)
+                door = attention_facts.sdpa_door(q, 1024, causal, "triton")
+            assert got.backend == door.backend == "torch", (got, door)
+            assert reason in got.reason and reason in door.reason, (got, door)
+            assert [record.backend for record in calls] == ["torch", "torch"]
+    padding = contract.AttentionMasks(None, torch.zeros(2, 1024, dtype=torch.bool, device="meta"))
+    q = torch.empty(2, 8, 1024, 64, dtype=torch.bfloat16, device="meta")
+    got = attention_facts.decide(q, q, q, padding, spec(64, False, "top_left", None, 0.0, None),
+                                 contract.NO_SCORE_MODS, None, False)
+    assert got.backend == "triton"  # a mask torch's path does not compute as ours: ours, measured or not
+
+
+def test_cpu_rows_route_only_the_same_instruction_set_and_threads_near_theirs():
+    rows = route.table()
+    sdpa = Call("attention", "", torch.float32, door="sdpa", head_dim=64, mask="causal", size=512,
+                torch_default=attention_facts.DENSE_PRIOR)
+    for threads, isa, want in ((2, "avx512", "cpu"), (1, "avx512", "cpu"), (4, "avx512", "cpu"),
+                               (64, "avx512", "torch"), (8, "avx512", "torch"), (2, "sve256", "torch")):
+        facts = route.cpu_facts(threads, isa)
+        table = route.with_priors(facts, rows)
+        got = decide(sdpa._replace(device=facts.tag), "auto", "cpu", table)
+        assert got.backend == want, (facts, got)
+        if want == "torch":
+            assert got.reason == attention_facts.DENSE_PRIOR
+        elif threads != 2:
+            assert "prior from cpu-avx512-t2" in got.reason
+        assert all(row.device == facts.tag for row in table if row.device != "*")
+    assert route.cpu_facts().tag == f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}-t{torch.get_num_threads()}"
+    assert route.facts_of_tag("cpu-avx2-t16") == route.cpu_facts(16, "avx2")
+    assert route.facts_of_tag("sm90") is None

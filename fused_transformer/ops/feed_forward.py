@@ -339,8 +339,8 @@ def _thin(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
 
 # Measured with bench --device cuda (docs/benchmarks.md "On a GPU" holds the runs).
 MEASURED = """
-feed_forward  forward   sm90    bfloat16         *         *            yes      *           *               0.88-1.00  -          H200 bench --quick bdb1535 2026-11-28
-feed_forward  training  sm90    bfloat16         *         *            yes      *           *               0.72-0.95  yes        H200 bench --quick bdb1535 2026-11-28
+feed_forward  forward   H200           bfloat16          *         *            yes      *           *               0.88-1.00  -          H200 bench --quick bdb1535 2026-11-28
+feed_forward  training  H200           bfloat16          *         *            yes      *           *               0.72-0.95  yes        H200 bench --quick bdb1535 2026-11-28
 """
 
 OP = register(Op(

@@ -362,9 +362,9 @@ def tune_series(device_type: str, dtype: torch.dtype, quick: bool, op_options: d
 # Measured with bench --device cuda (docs/benchmarks.md "On a GPU" holds the runs).
 MEASURED = """
 # layer_norm + residual, dropout 0.1, d 1024 and 4096, 8k and 32k rows: ours ahead forward from 32M elements
-layer_norm    forward   sm90    bfloat16         *         *            yes      *           0..16777216     0.45-0.54  -          H200 bench --quick bdb1535 2026-11-28
-layer_norm    forward   sm90    bfloat16         *         *            yes      *           16777216..      1.12-1.28  -          H200 bench --quick bdb1535 2026-11-28
-layer_norm    training  sm90    bfloat16         *         *            yes      *           *               0.40-0.94  yes        H200 bench --quick bdb1535 2026-11-28
+layer_norm    forward   H200           bfloat16          *         *            yes      *           0..16777216     0.45-0.54  -          H200 bench --quick bdb1535 2026-11-28
+layer_norm    forward   H200           bfloat16          *         *            yes      *           16777216..      1.12-1.28  -          H200 bench --quick bdb1535 2026-11-28
+layer_norm    training  H200           bfloat16          *         *            yes      *           *               0.40-0.94  yes        H200 bench --quick bdb1535 2026-11-28
 """
 
 

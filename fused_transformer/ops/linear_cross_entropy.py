@@ -398,7 +398,7 @@ def _work(example: Example, itemsize: int, backward: bool) -> Work:
 # runs), yet in a Llama training step, where torch's [tokens, vocab] logits cost their pages, the fused step ran
 # 1.03-1.06x transformers' own at 0.52-0.55x the memory (benchmarks/llama_memory.py): ours by default, for memory.
 MEASURED = """
-linear_cross_entropy  training  cpu  bfloat16  *  *  no  *  *  0.54-0.72  yes  CPU tune (EPYC AVX-512) 2026-12-07
+linear_cross_entropy  training  cpu-avx512-t2  bfloat16          *         *            no       *           *               0.54-0.72  yes        CPU tune (EPYC AVX-512) 2026-12-07
 """
 
 

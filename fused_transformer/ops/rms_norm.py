@@ -81,8 +81,8 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: Optional[float] = 
 # Measured with tune --device cpu (AMD EPYC, AVX-512, 2 threads, torch 2.13): the C++ kernel against F.rms_norm
 # without dropout, where the norms otherwise default to ATen's ops. Tuned rows of the user's own CPU come first.
 MEASURED = """
-rms_norm      forward   cpu     float32          *         *            no       *           262144..        1.24-2.97  -          CPU tune (EPYC AVX-512) 2026-12-07
-rms_norm      training  cpu     float32          *         *            no       *           *               1.01-2.41  yes        CPU tune (EPYC AVX-512) 2026-12-07
+rms_norm      forward   cpu-avx512-t2  float32           *         *            no       *           262144..        1.24-2.97  -          CPU tune (EPYC AVX-512) 2026-12-07
+rms_norm      training  cpu-avx512-t2  float32           *         *            no       *           *               1.01-2.41  yes        CPU tune (EPYC AVX-512) 2026-12-07
 """
 
 OP = register(norm.op_record("rms_norm", rms_norm, torch_path, reference, rms=True, measured=MEASURED))

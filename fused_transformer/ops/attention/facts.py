@@ -28,6 +28,9 @@ _PACKED = "packed sequences or a KV cache (no torch op for them on every device)
 # feature only the CPU kernels have, and torch's path runs it by default (Gemma's 256 in float32, for one).
 FLOAT32_MAX_HEAD_DIM, MAX_HEAD_DIM = 128, 256
 _WIDE_HEADS = "float32 head dims above 128: our Triton kernels stop at 128"
+# Dense and causal attention where no row matches (a device, dtype or width nobody measured): torch's kernels
+# (cuDNN, FlashAttention, its CPU flash kernel) beat ours there wherever it was measured (H200: 0.54-0.79x).
+DENSE_PRIOR = "prior: torch for dense and causal attention without a measured row (ours 0.54-0.79x on the H200)"
 
 
 def head_needs(dtype: torch.dtype, head_dim: int) -> FrozenSet[str]:
@@ -88,7 +91,7 @@ def call(q: Tensor, k: Tensor, v: Tensor, masks: Optional[AttentionMasks], spec:
                       needs_grad=route.needs_grad(q, k, v, sinks) if needs_grad is None else needs_grad,
                       needs_lse=needs_lse, deterministic=torch.are_deterministic_algorithms_enabled(),
                       needs=needs(mods, sinks, q), torch_cannot=cannot,
-                      torch_default=_WIDE_HEADS if head_needs(q.dtype, q.shape[3]) else "")
+                      torch_default=_WIDE_HEADS if head_needs(q.dtype, q.shape[3]) else DENSE_PRIOR)
 
 
 def decide_packed(op: str, q: Tensor, max_keys: int, mods: ScoreMods, sinks: Optional[Tensor],
@@ -106,30 +109,27 @@ def sdpa_door(q: Tensor, key_len: int, is_causal: bool, ours: str) -> route.Deci
     return route.at_door(route.Call("attention", route.device_tag(q.device), q.dtype, door="sdpa",
                                     head_dim=q.shape[-1], mask="causal" if is_causal else "none",
                                     size=route.size(key_len), needs=head_needs(q.dtype, q.shape[-1]),
-                                    deterministic=torch.are_deterministic_algorithms_enabled()), q.device, ours)
+                                    deterministic=torch.are_deterministic_algorithms_enabled(),
+                                    torch_default=DENSE_PRIOR), q.device, ours)
 
 
 # The rows measured on GPUs and at the SDPA door, newest first (``route.parse_rows``).
 MEASURED = """
 # H200, torch 2.11 + cuDNN 9.19, triton 3.6, bfloat16; bench --device cuda:0 --quick (16k tokens a batch, L 1024
 # and 4096): SDPA picks cuDNN. cuDNN's backward is taken as not deterministic until gpu-check measures it.
-attention     forward   sm90    bfloat16         64,128    none,causal  no       *           *               0.55-0.79  -          H200 bench --quick bdb1535 2026-11-28
-attention     training  sm90    bfloat16         64,128    none,causal  no       *           *               0.54-0.71  no         H200 bench --quick bdb1535 2026-11-28
-# Phi-3's head dim 96 (padded to 128 in the kernels) and Gemma's 256, unmeasured: the rows above, taken as a prior
-# until gpu-check measures them (dense calls are cuDNN's at every width it serves).
-attention     forward   sm90    bfloat16         96,256    none,causal  no       *           *               0.55-0.79  -          prior: the H200's D64,128 rows
-attention     training  sm90    bfloat16         96,256    none,causal  no       *           *               0.54-0.71  no         prior: the H200's D64,128 rows
+attention     forward   H200           bfloat16          64,128    none,causal  no       *           *               0.55-0.79  -          H200 bench --quick bdb1535 2026-11-28
+attention     training  H200           bfloat16          64,128    none,causal  no       *           *               0.54-0.71  no         H200 bench --quick bdb1535 2026-11-28
 # CPU, at torch's SDPA door (its dispatcher in front of our kernel), against torch's CPU flash kernel, 2 threads,
 # B 2, H 8, D 64, register-tiled kernels (docs/integrations.md). The door decides a forward and its
 # backward alike from the shapes; where the two disagree the row keeps the forward's figure and the table in
 # docs/integrations.md gives both (float32 below 128 keys: training 0.47-1.09; bfloat16 causal 128-256: 1.29-1.82).
 # float16 was not measured: its rows are bfloat16's (both convert to float32 at the op boundary).
-attention     *         cpu     float32          *         none,causal  *        sdpa        0..128          0.34-0.91  -          CPU sdpa door fefb871 2026-12-06
-attention     *         cpu     float32          *         none,causal  *        sdpa        128..           1.14-1.75  -          CPU sdpa door fefb871 2026-12-06
-attention     *         cpu     bfloat16,float16 *         none,causal  *        sdpa        0..128          0.65-0.81  -          CPU sdpa door fefb871 2026-12-06
-attention     *         cpu     bfloat16,float16 *         none         *        sdpa        128..724        1.09-1.87  -          CPU sdpa door fefb871 2026-12-06
-attention     *         cpu     bfloat16,float16 *         none         *        sdpa        724..1448       0.93-0.96  -          CPU sdpa door fefb871 2026-12-06
-attention     *         cpu     bfloat16,float16 *         none         *        sdpa        1448..          1.05-1.23  -          CPU sdpa door fefb871 2026-12-06
-attention     *         cpu     bfloat16,float16 *         causal       *        sdpa        128..362        0.72-0.91  -          CPU sdpa door fefb871 2026-12-06
-attention     *         cpu     bfloat16,float16 *         causal       *        sdpa        362..           1.11-1.50  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu-avx512-t2  float32           *         none,causal  *        sdpa        0..128          0.34-0.91  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu-avx512-t2  float32           *         none,causal  *        sdpa        128..           1.14-1.75  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu-avx512-t2  bfloat16,float16  *         none,causal  *        sdpa        0..128          0.65-0.81  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu-avx512-t2  bfloat16,float16  *         none         *        sdpa        128..724        1.09-1.87  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu-avx512-t2  bfloat16,float16  *         none         *        sdpa        724..1448       0.93-0.96  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu-avx512-t2  bfloat16,float16  *         none         *        sdpa        1448..          1.05-1.23  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu-avx512-t2  bfloat16,float16  *         causal       *        sdpa        128..362        0.72-0.91  -          CPU sdpa door fefb871 2026-12-06
+attention     *         cpu-avx512-t2  bfloat16,float16  *         causal       *        sdpa        362..           1.11-1.50  -          CPU sdpa door fefb871 2026-12-06
 """
