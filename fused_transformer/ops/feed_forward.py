@@ -341,6 +341,35 @@ def _thin(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
 MEASURED = """
 feed_forward  forward   H200           bfloat16          *         *            yes      *           *               0.88-1.00  -          H200 bench --quick bdb1535 2026-11-28
 feed_forward  training  H200           bfloat16          *         *            yes      *           *               0.72-0.95  yes        H200 bench --quick bdb1535 2026-11-28
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at c75bf14, 2 threads, torch 2.13,
+# on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2 paths).
+feed_forward  forward   cpu-avx512-t2  float32           *         *            yes      functional  *               1.22-1.50  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx512-t2  float32           *         *            no       functional  0..256          0.47       -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx512-t2  float32           *         *            no       functional  256..2048       1.10       -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx512-t2  float32           *         *            no       functional  2048..          0.96       -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx512-t2  bfloat16          *         *            yes      functional  *               1.22-1.42  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  0..2048         0.76-0.98  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  2048..          1.02       -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+feed_forward  training  cpu-avx512-t2  float32           *         *            yes      functional  0..256          1.01       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+feed_forward  training  cpu-avx512-t2  float32           *         *            yes      functional  256..           0.92-1.00  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+feed_forward  training  cpu-avx512-t2  float32           *         *            no       functional  0..2048         0.95-0.98  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+feed_forward  training  cpu-avx512-t2  float32           *         *            no       functional  2048..          1.01       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+feed_forward  training  cpu-avx512-t2  bfloat16          *         *            yes      functional  *               0.45-0.97  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+feed_forward  training  cpu-avx512-t2  bfloat16          *         *            no       functional  0..2048         1.26-1.41  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+feed_forward  training  cpu-avx512-t2  bfloat16          *         *            no       functional  2048..          0.85       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx2-t2    float32           *         *            yes      functional  0..256          0.59       -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+feed_forward  forward   cpu-avx2-t2    float32           *         *            yes      functional  256..           1.23-1.33  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+feed_forward  forward   cpu-avx2-t2    float32           *         *            no       functional  0..256          1.00       -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+feed_forward  forward   cpu-avx2-t2    float32           *         *            no       functional  256..           0.78-0.85  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            yes      functional  *               1.28-1.46  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  *               1.00-1.06  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+feed_forward  training  cpu-avx2-t2    float32           *         *            yes      functional  0..2048         1.09-1.29  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+feed_forward  training  cpu-avx2-t2    float32           *         *            yes      functional  2048..          0.95       yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+feed_forward  training  cpu-avx2-t2    float32           *         *            no       functional  0..256          0.85       yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+feed_forward  training  cpu-avx2-t2    float32           *         *            no       functional  256..           1.30-1.76  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+feed_forward  training  cpu-avx2-t2    bfloat16          *         *            yes      functional  0..2048         0.56-0.82  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+feed_forward  training  cpu-avx2-t2    bfloat16          *         *            yes      functional  2048..          1.11       yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+feed_forward  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.77-0.97  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
 """
 
 OP = register(Op(

@@ -399,6 +399,17 @@ def _work(example: Example, itemsize: int, backward: bool) -> Work:
 # 1.03-1.06x transformers' own at 0.52-0.55x the memory (benchmarks/llama_memory.py): ours by default, for memory.
 MEASURED = """
 linear_cross_entropy  training  cpu-avx512-t2  bfloat16          *         *            no       *           *               0.54-0.72  yes        CPU tune (EPYC AVX-512) 2026-12-07
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at c75bf14, 2 threads, torch 2.13,
+# on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2 paths).
+linear_cross_entropy  forward   cpu-avx512-t2  float32           *         *            no       functional  *               0.86-0.90  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+linear_cross_entropy  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  *               0.76-0.99  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+linear_cross_entropy  training  cpu-avx512-t2  float32           *         *            no       functional  *               0.86-0.97  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+linear_cross_entropy  training  cpu-avx512-t2  bfloat16          *         *            no       functional  0..724          0.63       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+linear_cross_entropy  training  cpu-avx512-t2  bfloat16          *         *            no       functional  724..           3.74       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+linear_cross_entropy  forward   cpu-avx2-t2    float32           *         *            no       functional  *               0.75-0.92  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+linear_cross_entropy  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.73-0.91  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+linear_cross_entropy  training  cpu-avx2-t2    float32           *         *            no       functional  *               0.82-1.00  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+linear_cross_entropy  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.58-0.71  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
 """
 
 

@@ -415,6 +415,23 @@ def _thin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tenso
     return ThinRotary.apply(q, k, cos, sin)
 
 
+MEASURED = """
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at c75bf14, 2 threads, torch 2.13,
+# on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2 paths).
+apply_rotary_pos_emb  forward   cpu-avx512-t2  float32           *         *            no       functional  *               1.49-2.45  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+apply_rotary_pos_emb  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  *               1.12-1.86  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx512-t2  float32           *         *            no       functional  0..10240        1.58-654.06  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx512-t2  float32           *         *            no       functional  10240..         0.29       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx512-t2  bfloat16          *         *            no       functional  0..1810         1.10       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx512-t2  bfloat16          *         *            no       functional  1810..10240     0.52       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx512-t2  bfloat16          *         *            no       functional  10240..         2.11       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+apply_rotary_pos_emb  forward   cpu-avx2-t2    float32           *         *            no       functional  *               1.25-2.08  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+apply_rotary_pos_emb  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  *               1.17-2.62  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx2-t2    float32           *         *            no       functional  *               1.49-1.89  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               1.19-2.84  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+"""
+
+
 OP = register(Op(
     name="apply_rotary_pos_emb", function=apply_rotary_pos_emb, torch_path=torch_path, reference=reference,
     size_of="rows of q and k", outputs=("q_embed", "k_embed"), check=CHECK, bench=_bench,
@@ -424,4 +441,5 @@ OP = register(Op(
     constants=("cos", "sin"),
     call_of=lambda tensors, options, device, grad: _call(tensors["q"], tensors["k"], grad, device),
     route_examples=(example("Llama", 1, 32, 8, 1024, 128),), launchers=LAUNCHERS, overhead_thin=_thin, tune=_tune,
+    measured=MEASURED,
 ))

@@ -132,4 +132,30 @@ attention     *         cpu-avx512-t2  bfloat16,float16  *         none         
 attention     *         cpu-avx512-t2  bfloat16,float16  *         none         *        sdpa        1448..          1.05-1.23  -          CPU sdpa door fefb871 2026-12-06
 attention     *         cpu-avx512-t2  bfloat16,float16  *         causal       *        sdpa        128..362        0.72-0.91  -          CPU sdpa door fefb871 2026-12-06
 attention     *         cpu-avx512-t2  bfloat16,float16  *         causal       *        sdpa        362..           1.11-1.50  -          CPU sdpa door fefb871 2026-12-06
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at c75bf14, 2 threads, torch 2.13,
+# on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2 paths).
+attention     forward   cpu-avx512-t2  float32           64        none         no       functional  *               1.02-1.14  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  float32           64        causal       no       functional  *               1.00-1.25  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  bfloat16          64        none         no       functional  0..256          0.97       -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  bfloat16          64        none         no       functional  256..           1.19-1.20  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  bfloat16          64        causal       no       functional  0..256          0.84       -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  bfloat16          64        causal       no       functional  256..           1.21-1.61  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  float32           64        none         no       functional  *               1.17-1.34  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  float32           64        causal       no       functional  *               1.08-1.95  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  bfloat16          64        none         no       functional  *               0.82-0.97  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  bfloat16          64        causal       no       functional  0..1024         2.61-3.50  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  bfloat16          64        causal       no       functional  1024..          0.65       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
+attention     forward   cpu-avx2-t2    float32           64        none         no       functional  0..1024         1.03-1.06  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    float32           64        none         no       functional  1024..          0.89       -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    float32           64        causal       no       functional  0..1024         0.82-0.86  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    float32           64        causal       no       functional  1024..          1.28       -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    bfloat16          64        none         no       functional  *               0.60-0.77  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    bfloat16          64        causal       no       functional  *               0.21-0.94  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+attention     training  cpu-avx2-t2    float32           64        none         no       functional  0..256          0.46       yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+attention     training  cpu-avx2-t2    float32           64        none         no       functional  256..           1.08-1.64  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+attention     training  cpu-avx2-t2    float32           64        causal       no       functional  *               1.05-2.65  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+attention     training  cpu-avx2-t2    bfloat16          64        none         no       functional  0..1024         1.12-1.13  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+attention     training  cpu-avx2-t2    bfloat16          64        none         no       functional  1024..          0.74       yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+attention     training  cpu-avx2-t2    bfloat16          64        causal       no       functional  0..256          0.99       yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+attention     training  cpu-avx2-t2    bfloat16          64        causal       no       functional  256..           1.22-2.11  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
 """
