@@ -459,7 +459,7 @@ def _with_tuned(device_type: str, index: Optional[int]) -> Tuple[Row, ...]:
 def forget_tuned() -> None:
     """Read the tuned rows again at the next call (after ``tune`` wrote them)."""
     _TABLES.clear()
-    _DECISIONS.clear()
+    _forget_decisions()
 
 
 # ------------------------------------------------------------------------------------------------- decisions
@@ -467,7 +467,17 @@ def forget_tuned() -> None:
 # Decisions of eager calls: by (call, device, choice, ours) (decide_for), and by the hot ops' own keys of plain values
 # (_remembered, with the call). Forgotten with the facts they rest on (backend availability) and the tuned rows.
 _DECISIONS: Dict[tuple, object] = {}
-on_facts_forgotten(_DECISIONS.clear)
+# Bumped whenever the decisions are forgotten: the modules' verdicts (``module_verdicts``) carry the generation they
+# were made in.
+_GENERATION = [0]
+
+
+def _forget_decisions() -> None:
+    _DECISIONS.clear()
+    _GENERATION[0] += 1
+
+
+on_facts_forgotten(_forget_decisions)
 
 
 def decide_for(call: Call, device: torch.device, choice: str, ours: Optional[str]) -> Decision:
@@ -516,8 +526,8 @@ def explain() -> Iterator[List[Record]]:
     _RECORDERS.append(seen)
     try:
         yield seen
-    finally:
-        _RECORDERS.remove(seen)
+    finally:  # by identity: an inner block's list may equal an outer one's
+        del _RECORDERS[next(i for i, recorder in enumerate(_RECORDERS) if recorder is seen)]
 
 
 def ran_elsewhere(op: str, door: str, reason: str) -> None:
@@ -589,6 +599,35 @@ def at_door(call: Call, device: torch.device, ours: str) -> Decision:
     if not decision.ours:
         decision = Decision("torch", decision.reason)
     return _decided(call, decision) if _RECORDERS else decision
+
+
+# ----------------------------------------------------------------------------------------------- the modules' door
+
+TORCH_NN = "every op of this call runs torch's path: torch.nn's own forward runs it whole (its fused fast path)"
+
+
+def torch_nn_runs(records: Iterable[Record]) -> bool:
+    """Whether a fused module's call, whose ops the route decided as ``records``, is torch.nn's own forward's to run:
+    every op went to torch's path (no kernel of ours, no reference), so torch.nn's forward computes the same thing, in
+    one native op where it has a fast path (an encoder layer, MultiheadAttention in eval)."""
+    records = list(records)
+    return bool(records) and all(record.backend == "torch" for record in records)
+
+
+def module_verdicts(owner: dict) -> Dict[tuple, bool]:
+    """The verdicts (``torch_nn_runs``) a module keeps in its ``__dict__`` (``owner``), by its calls' keys: empty
+    again once the decisions they rest on are forgotten (tuned rows read, backends found again)."""
+    kept = owner.get("_route_verdicts")
+    if kept is None or kept[0] != _GENERATION[0] or len(kept[1]) > 256:
+        kept = owner["_route_verdicts"] = (_GENERATION[0], {})
+    return kept[1]
+
+
+def state_key(device_type: str) -> tuple:
+    """What besides a call's tensors its ops' decisions rest on: grad mode, the backend chosen, determinism,
+    autocast and the CPU's threads."""
+    return (torch.is_grad_enabled(), backend.get_backend(), torch.are_deterministic_algorithms_enabled(),
+            torch.is_autocast_enabled(device_type), torch.get_num_threads())
 
 
 def describe(records: Iterable[Record]) -> str:

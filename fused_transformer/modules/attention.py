@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .. import functional as ops
 from .. import route
-from .base import FusedTwin, InputShapeError, any_nested, mixed_dtypes, twin_of
+from .base import FusedTwin, InputShapeError, any_nested, mixed_dtypes, tensor_key, twin_of
 from .packing import Packing, has_hooks
 
 __all__ = ["MultiheadAttention"]
@@ -41,6 +41,18 @@ class MultiheadAttention(FusedTwin, nn.MultiheadAttention):
             route.ran_elsewhere(type(self).__name__, "module", "nested tensors or parameters of mixed dtypes")
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
+        return self._fused_or_torch_nn(
+            tensor_key(query, key, value, key_padding_mask, attn_mask, self.in_proj_weight)
+            + (need_weights, average_attn_weights, is_causal, self.training, query is key, key is value),
+            query.device.type,
+            lambda: self._fused(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                                is_causal),
+            lambda: super(MultiheadAttention, self).forward(query, key, value, key_padding_mask, need_weights,
+                                                            attn_mask, average_attn_weights, is_causal))
+
+    def _fused(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor],
+               need_weights: bool, attn_mask: Optional[Tensor], average_attn_weights: bool,
+               is_causal: bool) -> Tuple[Tensor, Optional[Tensor]]:
         # As torch.nn: with is_causal and nothing else to merge into it, attn_mask is dropped unread.
         mask_read = not (is_causal and key_padding_mask is None and not need_weights)
         batched = self._check_shapes(query, key, value, key_padding_mask, attn_mask if mask_read else None)

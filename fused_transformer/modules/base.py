@@ -9,13 +9,17 @@ import sys
 import warnings
 from collections import Counter
 from types import MappingProxyType
-from typing import Callable, Dict, Mapping, NamedTuple, Optional, Tuple, Type, Union
+from typing import Callable, Dict, Mapping, NamedTuple, Optional, Tuple, Type, TypeVar, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import route
+
 __all__ = ["InputShapeError", "FuseSummary", "fuse"]
+
+T = TypeVar("T")
 
 
 logger = logging.getLogger("fused_transformer")
@@ -60,9 +64,36 @@ def any_nested(*tensors: Optional[Tensor]) -> bool:
     return any(isinstance(t, Tensor) and t.is_nested for t in tensors)
 
 
+def tensor_key(*args: object) -> tuple:
+    """The facts of a call's arguments its ops' decisions rest on: a tensor's shape, dtype, device and whether it
+    requires grad; any other argument itself (None, a bool)."""
+    return tuple((a.shape, a.dtype, a.device, a.requires_grad) if isinstance(a, Tensor) else a for a in args)
+
+
 class FusedTwin:
     """What every fused module shares: ``torch.jit.script`` gets the torch.nn module holding the same
-    parameters (the fused ``forward`` is plain Python, not TorchScript)."""
+    parameters (the fused ``forward`` is plain Python, not TorchScript), and the modules' door
+    (``_fused_or_torch_nn``)."""
+
+    def _fused_or_torch_nn(self, key: tuple, device_type: str, fused: Callable[[], T],
+                           torch_nn: Callable[[], T]) -> T:
+        """``fused()``, or ``torch_nn()`` (torch.nn's forward) where the route gave every op of this call torch's path
+        (``route.torch_nn_runs``): decided by the first call with ``key`` (``tensor_key`` of the arguments and the
+        module's mode), whose ops the route decides and records, then kept. A traced call runs ``fused()``."""
+        if torch.compiler.is_compiling():
+            return fused()
+        verdicts = route.module_verdicts(self.__dict__)
+        key = key + route.state_key(device_type)
+        verdict = verdicts.get(key)
+        if verdict:
+            route.ran_elsewhere(type(self).__name__, "module", route.TORCH_NN)
+            return torch_nn()
+        if verdict is None:
+            with route.explain() as decided:
+                out = fused()
+            verdicts[key] = route.torch_nn_runs(decided)
+            return out
+        return fused()
 
     def __prepare_scriptable__(self) -> nn.Module:
         torch_class = next(c for c in type(self).__mro__ if c.__module__.startswith("torch.nn"))

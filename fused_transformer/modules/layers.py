@@ -11,7 +11,8 @@ from .. import functional as ops
 from .. import route
 from .attention import MultiheadAttention
 from .base import (
-    FusedTwin, InputShapeError, active_p, any_nested, fused_activation, mixed_dtypes, twin_of, with_fused_children,
+    FusedTwin, InputShapeError, active_p, any_nested, fused_activation, mixed_dtypes, tensor_key, twin_of,
+    with_fused_children,
 )
 from .packing import (
     Packing, causal_or_none, fits_padding, pack, packing_allowed, row_wise_norm, seq_len, unpack, zero_padding,
@@ -35,6 +36,12 @@ class LayerNorm(FusedTwin, nn.LayerNorm):
             raise InputShapeError(
                 f"input of shape {tuple(input.shape)} does not end in normalized_shape {list(shape)}"
             )
+        return self._fused_or_torch_nn(tensor_key(input, weight, bias), input.device.type,
+                                       lambda: self._fused(input), lambda: super(LayerNorm, self).forward(input))
+
+    def _fused(self, input: Tensor) -> Tensor:
+        weight, bias = self.weight, self.bias
+        dims = len(self.normalized_shape)
         if dims == 1:
             return ops.layer_norm(input, weight, bias, self.eps)
         weight = None if weight is None else weight.flatten()
@@ -202,7 +209,15 @@ class TransformerEncoderLayer(_FusedLayerMixin, nn.TransformerEncoderLayer):
         if causal is not None:
             tokens, packing = pack(src, padding, batch_first)
             return unpack(self._packed_forward(tokens, packing, causal), packing)
+        zeros = None if _in_padded_stack else padding
+        return self._fused_or_torch_nn(
+            tensor_key(src, src_mask, src_key_padding_mask, self.linear1.weight) + (is_causal, self.training),
+            src.device.type, lambda: self._padded_forward(src, src_mask, src_key_padding_mask, is_causal, zeros),
+            lambda: super(TransformerEncoderLayer, self).forward(src, src_mask, src_key_padding_mask, is_causal))
 
+    def _padded_forward(self, src: Tensor, src_mask: Optional[Tensor], src_key_padding_mask: Optional[Tensor],
+                        is_causal: bool, padding: Optional[Tensor]) -> Tensor:
+        """The layer on padded ``src``, its output zeroed where ``padding`` says."""
         def self_attention(x: Tensor) -> Tensor:
             return self.self_attn(
                 x, x, x, attn_mask=src_mask, key_padding_mask=src_key_padding_mask, need_weights=False,
@@ -212,7 +227,7 @@ class TransformerEncoderLayer(_FusedLayerMixin, nn.TransformerEncoderLayer):
         out = self._residual_blocks(
             src, [self_attention, self._feed_forward], [self.norm1, self.norm2], [self.dropout1, self.dropout2]
         )
-        return zero_padding(out, None if _in_padded_stack else padding, batch_first)
+        return zero_padding(out, padding, self.self_attn.batch_first)
 
     def _packing_causal(
         self, src: Tensor, src_mask: Optional[Tensor], padding: Optional[Tensor], is_causal: bool,
@@ -269,7 +284,16 @@ class TransformerDecoderLayer(_FusedLayerMixin, nn.TransformerDecoderLayer):
             memory_tokens, memory_packing = pack(memory, memory_key_padding_mask, batch_first)
             out = self._packed_forward(tokens, memory_tokens, tgt_packing, memory_packing, causal)
             return unpack(out, tgt_packing)
+        masks = (tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal, memory_is_causal)
+        return self._fused_or_torch_nn(
+            tensor_key(tgt, memory, *masks, self.linear1.weight) + (self.training,), tgt.device.type,
+            lambda: self._padded_forward(tgt, memory, *masks, zeroed=not _in_padded_stack),
+            lambda: super(TransformerDecoderLayer, self).forward(tgt, memory, *masks))
 
+    def _padded_forward(self, tgt: Tensor, memory: Tensor, tgt_mask: Optional[Tensor], memory_mask: Optional[Tensor],
+                        tgt_key_padding_mask: Optional[Tensor], memory_key_padding_mask: Optional[Tensor],
+                        tgt_is_causal: bool, memory_is_causal: bool, zeroed: bool) -> Tensor:
+        """The layer on padded ``tgt`` and ``memory``; with ``zeroed``, its output zero at padded target positions."""
         def self_attention(x: Tensor) -> Tensor:
             return self.self_attn(
                 x, x, x, attn_mask=tgt_mask, key_padding_mask=tgt_key_padding_mask, need_weights=False,
@@ -286,7 +310,8 @@ class TransformerDecoderLayer(_FusedLayerMixin, nn.TransformerDecoderLayer):
             tgt, [self_attention, cross_attention, self._feed_forward], [self.norm1, self.norm2, self.norm3],
             [self.dropout1, self.dropout2, self.dropout3],
         )
-        zeroed = not _in_padded_stack and fits_padding(tgt_key_padding_mask, tgt, batch_first)
+        batch_first = self.self_attn.batch_first
+        zeroed = zeroed and fits_padding(tgt_key_padding_mask, tgt, batch_first)
         return zero_padding(out, tgt_key_padding_mask if zeroed else None, batch_first)
 
     def _packing_causal(
