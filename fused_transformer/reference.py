@@ -325,10 +325,13 @@ def run_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
                             **mods._asdict(), sinks=sinks, return_lse=True)
 
 
-def run_attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec) -> Tensor:
-    """The reference backend's entry for ``functional.attention_weights``."""
+def run_attention_weights(q: Tensor, k: Tensor, lse: Tensor, masks: AttentionMasks, spec: AttentionSpec,
+                          softcap: Optional[float] = None) -> Tensor:
+    """The reference backend's entry for ``functional.attention_weights`` (``softcap``: the reference's alone, the
+    backends' interface has none)."""
     return attention_weights(q, k, lse, **_mask_options(masks), is_causal=spec.is_causal,
-                             causal_alignment=spec.causal_alignment, window=spec.window, scale=spec.scale)
+                             causal_alignment=spec.causal_alignment, window=spec.window, scale=spec.scale,
+                             softcap=softcap)
 
 
 def cached_keys(cache: KVCache) -> Tuple[Tensor, Tensor]:

@@ -10,6 +10,10 @@ have for it (score modifiers, sinks) and the backends that compute the op at all
 choice, ours)`` is a pure function of it, the backend the user chose and the backend whose kernels serve the device;
 in order:
 
+0. At a door in front of a kernel torch already had (torch's SDPA registry, ``at_door``): a fact of the call only
+   that kernel serves (``Call.torch_keeps``: its dtypes, a debug mask, ALiBi slopes, a paged cache, ...) sends the
+   call to it, and a call torch has no kernel for there (``Call.torch_cannot`` at a door: the varlen ops on the CPU)
+   runs ours, whatever backend was named.
 1. A named backend (``use_backend("triton")`` / ``"cpu"`` / ``"reference"``) runs the call, on the reference where
    it lacks a feature the call needs (``SUPPORTS``): a call a backend cannot serve falls back, it does not raise.
 2. ``"auto"``: float64 runs on the reference (the oracle; the kernels serve the training dtypes), as does a device
@@ -23,6 +27,19 @@ in order:
 
 Each op's facts (how its ``Call`` is made, its measured rows) live in its own module (``fused_transformer.ops``);
 ``explain()`` shows a user who ran each call of their own model, and why.
+
+The doors, and what each records in ``explain()`` (``Record.door``):
+
+- the functional ops (``"functional"``), and the modules and the transformers interface, which call them: each
+  call's decision. The interface hands a trainable float mask it cannot differentiate beside the kernel (with
+  dropout, softcap or sinks) to ``attention`` as it is: the call needs "attn_mask gradients", which no backend of
+  ours computes, so it runs on the reference; its ``output_attentions`` weights are an ``attention_weights`` call
+  (capped ones on the reference).
+- a module that hands an input it does not fuse (nested tensors, parameters of mixed dtypes) to torch.nn's
+  ``forward`` (``"module"``): ``ran_elsewhere``, backend ``"torch"``.
+- torch's SDPA registry (``"sdpa"``): ``at_door``, every call of its ops, forward and backward alike: ours, or
+  ``"torch"`` for the kernel torch had, whether the route chose it or the call needs it (``torch_keeps``), whatever
+  backend was named.
 
 The route table is text, one row a line (``parse_rows``): the rows measured on GPUs (each op's ``Op.measured``), after the rows
 ``python -m fused_transformer tune`` measured on this machine (``tuned_rows``, kept in the user's cache keyed by
@@ -79,9 +96,11 @@ class Call(NamedTuple):
     needs_lse: bool = False
     deterministic: bool = False
     needs: FrozenSet[str] = frozenset()  # features a backend must compute (SUPPORTS)
-    torch_cannot: str = ""  # a fact of the call's tensors that torch's path does not compute as ours does
+    torch_cannot: str = ""  # a fact of the call's tensors that torch's path does not compute as ours does; at a
+    # door, that torch has no kernel for the call there (ours runs it, whatever backend was named)
     torch_default: str = ""  # why torch's path runs the call when no row matches ("": ours by default)
     backends: FrozenSet[str] = frozenset()  # the backends of ours that compute the op (empty: every one)
+    torch_keeps: str = ""  # at a door, a fact of the call only the kernel torch had there serves (its dtypes, ...)
 
 
 class Decision(NamedTuple):
@@ -205,6 +224,11 @@ def decide(call: Call, choice: str, ours: Optional[str], rows: Optional[Iterable
     """Who runs ``call`` (module docstring): ``choice`` the backend the user chose (``"auto"`` or a name), ``ours``
     the backend of our kernels on the call's device (None where there is none), ``rows`` the route table (default:
     ``table()``)."""
+    if call.door != "functional" and (call.torch_keeps or call.torch_cannot):  # a door: the rule before the rules
+        if call.torch_keeps:
+            return Decision("torch", f"the kernel torch had: ours does not serve {call.torch_keeps}")
+        if ours in SUPPORTS:
+            return Decision(ours, f"torch has no kernel for {call.torch_cannot}")
     if choice != "auto":
         if choice == "reference":
             return Decision("reference", "use_backend('reference')")
@@ -520,8 +544,10 @@ def explain() -> Iterator[List[Record]]:
         print("\n".join(map(str, calls)))
 
     Every op records its forward: the functional ops, the modules' calls of them and the doors from torch's SDPA and
-    transformers. A backward follows its forward's decision (autograd differentiates what the forward ran), so it
-    records nothing of its own. ``bench`` prints its cases' records (``describe``)."""
+    transformers (the module docstring's doors). A backward follows its forward's decision (autograd differentiates
+    what the forward ran), so it records nothing of its own, but for the SDPA door's backward ops, which torch's
+    dispatcher calls on their own: the door decides them from the forward's facts, and records them. ``bench``
+    prints its cases' records (``describe``)."""
     seen: List[Record] = []
     _RECORDERS.append(seen)
     try:
@@ -593,7 +619,9 @@ def recall(key: tuple) -> Optional[tuple]:
 
 def at_door(call: Call, device: torch.device, ours: str) -> Decision:
     """Who runs ``call``, made at a door in front of a kernel torch already had (``call.door``): ``ours`` (the backend
-    behind the door on this device) or ``"torch"``, that kernel, whatever else the route says."""
+    behind the door on this device) or ``"torch"``, that kernel, whatever else the route says: where the call needs
+    it (``call.torch_keeps``), where the route prefers it, and where the reference would run the call elsewhere
+    (``use_backend("reference")`` included). Recorded for ``explain()`` as it is decided."""
     choice = backend.get_backend()  # a backend named at a door is ours, the one behind it
     decision = decide_for(call, device, choice if choice in ("auto", "reference") else ours, ours)
     if not decision.ours:

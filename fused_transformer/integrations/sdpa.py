@@ -21,12 +21,15 @@ the result or the error it would have had. Dropout through the flash ops keeps o
 output: the backward regenerates the same mask.
 
 Activation is process-wide, so by default it must not make any model slower: ``fused_transformer.route`` decides
-per call, from the shapes alone (the forward and its backward decide alike; ``ops.attention.facts.sdpa_door``), whether our
-kernel or the one registered before runs it, from the route table's rows for this door (``ops.attention.facts.MEASURED``: on the
-CPU ours for ``is_causal`` calls with ``128 <= Lk <= 1024``, measured interleaved against torch's CPU flash kernel,
-docs/integrations.md) and for every door (a GPU's measured rows). The varlen ops, which torch lacks on CPU, always
-run ours. ``use_backend("cpu")`` / ``use_backend("triton")`` runs every call our kernels serve on them (testing, or
-our edge semantics everywhere), as it does for the functional ops.
+per call (the forward and its backward decide alike; ``ops.attention.facts.sdpa_door``), whether our kernel or the
+one registered before runs it: that one where the call has a fact only it serves (the list above,
+``route.Call.torch_keeps``), else from the shapes, by the route table's rows for this door
+(``ops.attention.facts.MEASURED``: on the CPU ours for ``is_causal`` calls with ``128 <= Lk <= 1024``, measured
+interleaved against torch's CPU flash kernel, docs/integrations.md) and for every door (a GPU's measured rows). Each
+decision is recorded for ``fused_transformer.explain()`` (door ``"sdpa"``; ``"torch"`` where torch's kernel runs,
+whatever backend was named). The varlen ops, which torch lacks on CPU, always run ours (where ours does not serve
+one either, torch's ``NotImplementedError`` stays). ``use_backend("cpu")`` / ``use_backend("triton")`` runs every
+call our kernels serve on them (testing, or our edge semantics everywhere), as it does for the functional ops.
 """
 from __future__ import annotations
 
@@ -166,12 +169,17 @@ class _DeviceOps:
         self.previous = _Previous(key)
         self.device_type = key.lower()
 
-    def _route(self, op: str, q: Tensor, key_length: int, is_causal: bool) -> Optional[str]:
-        """None when the route gives the call to our kernel, else why not; always ours where torch has no kernel."""
-        if self.previous.kernels.get(op) is None:
-            return None
-        decision = attention_facts.sdpa_door(q, int(key_length), is_causal, self.kernels.name)
-        return None if decision.ours else f"this call (route: {decision.reason})"
+    def _route(self, op: str, q: Tensor, key_length: int, is_causal: bool, keeps: Optional[str]) -> Optional[str]:
+        """None when the route gives the call to our kernel, else why not. ``keeps``: what of the call only torch's
+        kernel serves (None: nothing, the route decides from the shapes). Where torch has no kernel for ``op`` on
+        this device the route gives the call to ours; where neither serves it nothing is decided (``_Previous``
+        raises)."""
+        has_kernel = self.previous.kernels.get(op) is not None
+        if keeps and not has_kernel:
+            return keeps
+        decision = attention_facts.sdpa_door(q, int(key_length), is_causal, self.kernels.name, keeps or "",
+                                             has_kernel)
+        return None if decision.ours else keeps or f"this call (route: {decision.reason})"
 
     # ---- SDPA's dense op: q [B, H, Lq, D]
 
@@ -183,16 +191,21 @@ class _DeviceOps:
         return torch.empty((batch, heads, length), dtype=torch.float32, device=q.device)
 
     def _sdpa_takes(self, q, k, v, dropout_p, is_causal, attn_mask=None, return_debug_mask=False) -> Optional[str]:
+        """None when our kernel runs this call of the dense SDPA op, else why the kernel torch had does: what of
+        the call only torch's kernel serves, else the route's reason (both decided by ``route.at_door``)."""
         if not self.available():
-            return "this machine (kernels unavailable)"
-        why = _unsupported(q, k, v, heads_dim=1) if q.dim() == 4 else "a query that is not 4-D"
+            why = "this machine (kernels unavailable)"
+        elif q.dim() != 4 or k.dim() != 4:
+            why = "a query or key that is not 4-D"
+        else:
+            why = _unsupported(q, k, v, heads_dim=1)
         if why is None and return_debug_mask:
             why = "return_debug_mask"
         if why is None and dropout_p > 0.0 and self.key == "CPU":
             why = "dropout (the CPU op's outputs keep no seed for its backward)"
         if why is None and attn_mask is not None and attn_mask.dtype not in (torch.bool, *_FLOAT_DTYPES):
             why = "attn_mask's dtype"
-        return why or self._route(self.sdpa_op, q, k.shape[2], is_causal)
+        return self._route(self.sdpa_op, q, k.shape[2] if k.dim() == 4 else 0, is_causal, why)
 
     def sdpa_forward(self, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
                      attn_mask=None, scale=None):
@@ -236,10 +249,21 @@ class _DeviceOps:
     # ---- FlashAttention's ops: q [B, Lq, H, D], or packed [T, H, D] with cum_seq_q / cum_seq_k
 
     def _flash_takes(self, query, key, value, cum_seq_q, cum_seq_k, max_k, is_causal, return_debug_mask=False,
-                     seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None) -> Optional[str]:
+                     seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None,
+                     no_dropout_op_dropped=False) -> Optional[str]:
+        """As ``_sdpa_takes``, for FlashAttention's ops (``no_dropout_op_dropped``: dropout asked of
+        ``_flash_attention_forward_no_dropout_inplace``)."""
+        packed = cum_seq_q is not None
+        return self._route("_flash_attention_forward", query,
+                           max_k if packed else key.shape[1] if key.dim() > 1 else 0, is_causal,
+                           self._flash_keeps(query, key, value, packed, cum_seq_k, return_debug_mask, seqused_k,
+                                             alibi_slopes, block_table, num_splits, no_dropout_op_dropped))
+
+    def _flash_keeps(self, query, key, value, packed, cum_seq_k, return_debug_mask, seqused_k, alibi_slopes,
+                     block_table, num_splits, no_dropout_op_dropped) -> Optional[str]:
+        """What of a FlashAttention call only torch's kernel serves (None: nothing)."""
         if not self.available():
             return "this machine (kernels unavailable)"
-        packed = cum_seq_q is not None
         if packed and (cum_seq_k is None or query.dim() != 3 or key.dim() != 3):
             return "packed queries without packed keys"
         if not packed and (cum_seq_k is not None or query.dim() != 4 or key.dim() != 4):
@@ -250,7 +274,9 @@ class _DeviceOps:
             if given:
                 return name
         why = _unsupported(query, key, value, heads_dim=-2)
-        return why or self._route("_flash_attention_forward", query, max_k if packed else key.shape[1], is_causal)
+        if why is None and no_dropout_op_dropped:
+            why = "dropout in the no-dropout op"
+        return why
 
     def _flash_run(self, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
                    window_size_left, window_size_right, seed):
@@ -287,9 +313,7 @@ class _DeviceOps:
                               window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
                               num_splits=None):
         why = self._flash_takes(query, key, value, cum_seq_q, cum_seq_k, max_k, is_causal, return_debug_mask,
-                                seqused_k, alibi_slopes, block_table, num_splits)
-        if why is None and dropout_p > 0.0:
-            why = "dropout in the no-dropout op"
+                                seqused_k, alibi_slopes, block_table, num_splits, dropout_p > 0.0)
         if why is not None:
             return self.previous(
                 "_flash_attention_forward_no_dropout_inplace", why, out, query, key, value, cum_seq_q, cum_seq_k,

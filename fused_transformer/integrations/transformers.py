@@ -20,8 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import functional, reference
-from ..backend import use_backend
+from .. import functional, route
 from ..contract import Window, stats_dtype
 
 try:
@@ -94,8 +93,9 @@ def attention_forward(
             ``attention_mask`` (a bool mask as ``where(mask, bias, finfo.min)``, a float one added). When it needs a
             gradient, the kernel runs with it detached and a second autograd node gives its gradient,
             ``P * (dO V^T - rowsum(dO * O))`` with ``P`` recomputed from the kernel's LSE (our kernels do not
-            differentiate a float mask); with ``dropout > 0`` that formula would need the kernel's dropout mask,
-            so such a call runs on the plain-PyTorch ``"reference"`` backend instead, differentiated by autograd.
+            differentiate a float mask); with ``dropout > 0``, softcap or sinks that formula would need the kernel's
+            dropout mask or their derivatives, so the mask goes to ``attention`` as it is and the route runs the
+            call on the plain-PyTorch ``"reference"`` backend, differentiated by autograd (``explain()`` says so).
         **kwargs: ``sliding_window`` ``W`` (a causal query at ``q`` keeps keys ``kv > q - W``): the mask encodes it,
             and for ``Lq == Lk`` the kernel also gets ``window=(W - 1, 0)`` so that key tiles outside it are
             skipped. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` with ``max_length_q`` / ``max_length_k`` (a packed batch,
@@ -131,30 +131,24 @@ def attention_forward(
     mask = attention_mask if position_bias is None else _biased_mask(position_bias, attention_mask)
     options = dict(is_causal=causal, causal_alignment="bottom_right" if window is not None else "top_left",
                    window=window, scale=scaling)
-    trainable_mask = (mask is not None and mask.is_floating_point() and mask.requires_grad
-                      and torch.is_grad_enabled())
-    if trainable_mask and (dropout > 0.0 or softcap is not None or sinks is not None):
-        # MaskGradient's formula knows neither the kernel's dropout mask nor the cap's derivative: autograd instead.
-        with use_backend("reference"):
-            out, lse = functional.attention(query, key, value, attn_mask=mask, dropout_p=dropout, return_lse=True,
-                                            softcap=softcap, sinks=sinks, **options)
-    elif want_weights or trainable_mask:  # the LSE makes the weights and the mask's gradient
-        out, lse = functional.attention(query, key, value, attn_mask=mask.detach() if trainable_mask else mask,
+    # A trainable float mask (a bias) gets its gradient beside the kernel (MaskGradient) without dropout, softcap or
+    # sinks, whose derivatives its formula lacks; with them the mask goes to the op as it is, and the route runs the
+    # call where autograd differentiates it (the reference: no kernel of ours computes "attn_mask gradients").
+    mask_gradient = (mask is not None and mask.is_floating_point() and route.needs_grad(mask) and dropout == 0.0
+                     and softcap is None and sinks is None)
+    if want_weights or mask_gradient:  # the LSE makes the weights and the mask's gradient
+        out, lse = functional.attention(query, key, value, attn_mask=mask.detach() if mask_gradient else mask,
                                         dropout_p=dropout, return_lse=True, softcap=softcap, sinks=sinks, **options)
-        if trainable_mask:
+        if mask_gradient:
             out = MaskGradient.apply(out, mask, query, key, value, lse, options)
     else:  # without the LSE, torch's SDPA may run the call where the route finds it faster
         out = functional.attention(query, key, value, attn_mask=mask, dropout_p=dropout, softcap=softcap, sinks=sinks,
                                    **options)
     weights = None
-    if want_weights:
-        detached_mask = mask.detach() if mask is not None else None
-        if softcap is None:
-            weights = functional.attention_weights(query.detach(), key.detach(), lse, attn_mask=detached_mask,
-                                                   **options)
-        else:  # the weights kernel does not cap: the reference recomputes the capped scores
-            weights = reference.attention_weights(query.detach(), key.detach(), lse, attn_mask=detached_mask,
-                                                  softcap=softcap, **options)
+    if want_weights:  # capped weights: the route sends them to the reference (the weights kernels do not cap)
+        weights = functional.attention_weights(query.detach(), key.detach(), lse,
+                                               attn_mask=mask.detach() if mask is not None else None,
+                                               softcap=softcap, **options)
     return out.transpose(1, 2).contiguous(), weights
 
 

@@ -283,9 +283,12 @@ def attention_weights(
     causal_alignment: str = "top_left",
     window: Window = None,
     scale: Optional[float] = None,
+    softcap: Optional[float] = None,
 ) -> Tensor:
     """The attention probabilities ``[B, H, Lq, Lk]`` (before dropout) that ``attention`` used, recomputed
-    from its ``lse`` (``return_lse=True``); same masks and scale as that call. For ``need_weights=True``.
+    from its ``lse`` (``return_lse=True``); same masks, scale and ``softcap`` as that call. For
+    ``need_weights=True``. The weights kernels do not cap: a call with ``softcap`` runs on the reference (the route
+    decides, and ``explain()`` says so).
     """
     cast = autocast_dtype(q, matmul=True)
     q, k = autocast_all(cast, q, k)
@@ -294,5 +297,10 @@ def attention_weights(
     spec = contract.attention_spec(q.shape[-1], is_causal, causal_alignment, window, 0.0, scale)
     if not isinstance(lse, Tensor) or tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"lse must be a tensor of shape [B, H, Lq] = {list(q.shape[:3])}")
+    if softcap is not None:
+        contract.score_mods(q, q.shape[0], q.shape[1], softcap)
+    name = route.choose(facts.weights_call(q, k, softcap), q.device).backend
     with _autocast_off(q, cast):
-        return backend.ops(backend.current(q.device, q.dtype)).attention_weights(q, k, lse, masks, spec)
+        if softcap is not None:  # only the reference caps (the route ran it there)
+            return backend.ops(name).attention_weights(q, k, lse, masks, spec, softcap=softcap)
+        return backend.ops(name).attention_weights(q, k, lse, masks, spec)

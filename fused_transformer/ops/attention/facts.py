@@ -22,6 +22,9 @@ SIZE_OF = {"attention": "keys per sequence", "attention_varlen": "longest sequen
            "attention_with_kvcache": "keys in the cache"}
 _TRACED = "a traced call (ours there: one custom op, the same graph on every device)"
 _PACKED = "packed sequences or a KV cache (no torch op for them on every device)"
+_WEIGHTS = "the weights of an LSE (no torch op computes them)"
+_CAPPED = frozenset({"capped weights"})
+_NO_TORCH_KERNEL = "this op on this device"  # at the SDPA door: varlen_attn's ops on the CPU
 
 
 # The widest heads the Triton kernels take (kernels/attention/configs.py MAX_HEAD_DIM): beyond them a call needs a
@@ -42,9 +45,18 @@ def head_needs(dtype: torch.dtype, head_dim: int) -> FrozenSet[str]:
     return frozenset()
 
 
-def needs(mods: ScoreMods, sinks: Optional[Tensor], q: Optional[Tensor] = None) -> FrozenSet[str]:
-    """The features (``route.SUPPORTS``) a call with ``mods``, ``sinks`` and queries ``q`` needs of a backend."""
+# A float attn_mask autograd differentiates (a trainable bias): the kernels of ours take masks as constants.
+MASK_GRADIENTS = frozenset({"attn_mask gradients"})
+
+
+def needs(mods: ScoreMods, sinks: Optional[Tensor], q: Optional[Tensor] = None,
+          masks: Optional[AttentionMasks] = None) -> FrozenSet[str]:
+    """The features (``route.SUPPORTS``) a call with ``mods``, ``sinks``, queries ``q`` and ``masks`` needs of a
+    backend: "attn_mask gradients" where autograd would differentiate the float ``attn_mask`` (no backend of ours
+    computes them: the reference does)."""
     wide = frozenset() if q is None else head_needs(q.dtype, q.shape[-1])
+    if masks is not None and masks.attn_mask is not None and route.needs_grad(masks.attn_mask):
+        wide = wide | MASK_GRADIENTS
     if mods is NO_SCORE_MODS and sinks is None:
         return wide
     given = frozenset(mods.given) | wide
@@ -90,7 +102,7 @@ def call(q: Tensor, k: Tensor, v: Tensor, masks: Optional[AttentionMasks], spec:
                       size=route.size(k.shape[2]),
                       needs_grad=route.needs_grad(q, k, v, sinks) if needs_grad is None else needs_grad,
                       needs_lse=needs_lse, deterministic=torch.are_deterministic_algorithms_enabled(),
-                      needs=needs(mods, sinks, q), torch_cannot=cannot,
+                      needs=needs(mods, sinks, q, masks), torch_cannot=cannot,
                       torch_default=_WIDE_HEADS if head_needs(q.dtype, q.shape[3]) else DENSE_PRIOR)
 
 
@@ -102,15 +114,29 @@ def decide_packed(op: str, q: Tensor, max_keys: int, mods: ScoreMods, sinks: Opt
                                    torch_cannot=_PACKED), q.device)
 
 
-def sdpa_door(q: Tensor, key_len: int, is_causal: bool, ours: str) -> route.Decision:
+def weights_call(q: Tensor, k: Tensor, softcap: Optional[float]) -> route.Call:
+    """The ``route.Call`` of ``attention_weights`` on queries ``q [B, H, Lq, D]`` and keys ``k``: torch has no op
+    for it; with ``softcap`` it needs "capped weights", which the weights kernels lack (the reference computes it),
+    and heads wider than the Triton kernels take need the backend that takes them."""
+    return route.Call("attention_weights", route.device_tag(q.device), q.dtype, head_dim=q.shape[-1],
+                      size=route.size(k.shape[2]),
+                      needs=head_needs(q.dtype, q.shape[-1]) | (_CAPPED if softcap is not None else frozenset()),
+                      torch_cannot=_WEIGHTS)
+
+
+def sdpa_door(q: Tensor, key_len: int, is_causal: bool, ours: str, torch_keeps: str = "",
+              torch_has_kernel: bool = True) -> route.Decision:
     """Who runs a call of torch's SDPA / FlashAttention ops once our implementation is activated: ``ours`` (the
     backend behind the door on this device) or ``"torch"``, the kernel the op had before. The forward and its
-    backward decide alike, from the shapes alone (the door cannot see whether autograd will differentiate)."""
+    backward decide alike, from the shapes and what the door found of the arguments alone (the door cannot see
+    whether autograd will differentiate): ``torch_keeps``, what of the call only torch's kernel serves ("" for
+    nothing); ``torch_has_kernel`` False where the op has no kernel of torch's on this device (ours runs it)."""
     return route.at_door(route.Call("attention", route.device_tag(q.device), q.dtype, door="sdpa",
                                     head_dim=q.shape[-1], mask="causal" if is_causal else "none",
                                     size=route.size(key_len), needs=head_needs(q.dtype, q.shape[-1]),
                                     deterministic=torch.are_deterministic_algorithms_enabled(),
-                                    torch_default=DENSE_PRIOR), q.device, ours)
+                                    torch_cannot="" if torch_has_kernel else _NO_TORCH_KERNEL,
+                                    torch_keeps=torch_keeps, torch_default=DENSE_PRIOR), q.device, ours)
 
 
 # The rows measured on GPUs and at the SDPA door, newest first (``route.parse_rows``).

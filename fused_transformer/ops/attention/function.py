@@ -164,6 +164,8 @@ _attention_varlen_apply = super(torch.autograd.Function, AttentionVarlenFunction
 
 
 def _check_constant_mask(attn_mask: Tensor, name: str) -> None:
+    # The route sends such calls to the reference ("attn_mask gradients"); the Triton kernel-level entries, which
+    # name their backend without asking it, still reach here.
     if attn_mask.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"attn_mask requires grad, but backend {name!r} treats masks as constants (no gradient); "
                          "pass attn_mask.detach(), or use the reference backend to differentiate the mask")
