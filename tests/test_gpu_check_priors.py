@@ -4,7 +4,6 @@ budget with the part in it."""
 import os
 
 import pytest
-import torch
 
 from fused_transformer import route
 from fused_transformer.tools import gpu_check, gpu_check_parts, gpu_check_summary, priors

@@ -23,8 +23,8 @@ tests, check, graphs) then run at the same time; bench runs after them, alone, s
 timings, and tune after bench, alone for the same reason. The whole run is held to ``--budget`` (``DEFAULT_BUDGET_S``):
 of what variants leaves, bench's share is ``bench_share`` and tune's ``tune_share``, and the parts side by side get the
 rest (``split_budget``); bench gets whatever they leave but tune's share (``bench_limit``), tune all that is left
-(``tune_limit``). By default: variants 120 s, tests/check/graphs 199.5 s, bench 157.5 s, tune 63 s. Every part runs on one GPU, the ``--device``: its process sees only that one
-(``CUDA_VISIBLE_DEVICES``, ``visible_devices``).
+(``tune_limit``). By default: variants 120 s, tests/check/graphs 199.5 s, bench 157.5 s, tune 63 s. Every part runs
+on one GPU, the ``--device``: its process sees only that one (``CUDA_VISIBLE_DEVICES``, ``visible_devices``).
 
 Each part writes ``DIR/<part>.json`` (and its output to ``DIR/<part>.log``); every invocation then rebuilds
 ``DIR/summary.json`` and ``DIR/summary.md`` from all the part records in DIR (``gpu_check_summary``), so parts run

@@ -148,8 +148,8 @@ def nearest_tag(device: route.DeviceFacts) -> Optional[str]:
 def write_report(rows_path: str, device: route.DeviceFacts, ours: str, out_md: str,
                  device_type: Optional[str] = None) -> dict:
     """Compare the rows ``tune`` wrote to ``rows_path`` (on ``device``, ours ``ours``) with ``device``'s table before;
-    write ``out_md``; return the figures gpu-check keeps: the counts, ``line`` (``counts_line``), ``nearest``, ``device``
-    and ``priors_md``."""
+    write ``out_md``; return the figures gpu-check keeps: the counts, ``line`` (``counts_line``), ``nearest``,
+    ``device`` and ``priors_md``."""
     measured = route.parse_rows(open(rows_path).read(), rows_path)
     kind = device_type or device.kind
     verdicts = compare(measured, before_table(device), ours, lambda row, grad: matching_call(row, grad, kind))
