@@ -130,9 +130,10 @@ def test_the_default_budget_fits_the_gpu_machines_and_splits_for_the_tests_and_b
     assert budget == 540 and budget + gpu_check.KILL_GRACE_S <= 600  # 10 minutes a command, 15 a machine
     variants = gpu_check.variants_limit(budget, gpu_check_parts.PARTS)
     assert variants == 120  # bench --suite variants --quick, first and alone
-    side, share = gpu_check.split_budget(budget - variants, gpu_check_parts.PARTS)
-    assert (side, share) == (262.5, 157.5) and variants + side + share == budget
-    assert side - gpu_check_parts.INNER_MARGIN_S >= 240  # pytest -n 8 took about 180 s alone on the H200
+    side, share, tune = gpu_check.split_budget(budget - variants, gpu_check_parts.PARTS)
+    assert (side, share, tune) == (199.5, 157.5, 63) and variants + side + share + tune == budget
+    assert side - gpu_check_parts.INNER_MARGIN_S >= 175  # pytest -n 8 took about 180 s alone on the H200
+    assert tune >= gpu_check.MIN_PART_S  # the tune part, last and alone: tune and the priors it checks
     assert gpu_check_parts.bench_lengths(share) == (4096,)  # bench --quick's longer length fits its share
     # tune takes what one length of bench leaves of the share: the route's rows, then bench at L 4096
     assert gpu_check_parts.tune_seconds(share) == 32.5 and gpu_check_parts.bench_lengths(share - 32.5) == (4096,)
@@ -141,14 +142,17 @@ def test_the_default_budget_fits_the_gpu_machines_and_splits_for_the_tests_and_b
 
 
 @pytest.mark.parametrize("budget, asked, split", [
-    (240, ("tests", "check", "bench", "graphs"), (150, 90)),  # 3/8 for bench
-    (1200, ("tests", "check", "bench", "graphs"), (1020, 180)),  # at most 180 s: the rest goes to the tests
-    (480, ("tests", "graphs"), (480, None)),
-    (480, ("check",), (480, None)),
-    (300, ("bench",), (None, 300)),
+    (240, ("tests", "check", "bench", "graphs"), (150, 90, None)),  # 3/8 for bench
+    (1200, ("tests", "check", "bench", "graphs"), (1020, 180, None)),  # at most 180 s: the rest goes to the tests
+    (1200, ("tests", "check", "bench", "graphs", "tune"), (930, 180, 90)),  # tune: 15%, at most 90 s
+    (400, ("tests", "check", "bench", "graphs", "tune"), (190, 150, 60)),
+    (480, ("tests", "graphs"), (480, None, None)),
+    (480, ("check",), (480, None, None)),
+    (300, ("bench",), (None, 300, None)),
 ])
 def test_the_budget_splits_between_the_parts_side_by_side_and_bench(budget, asked, split):
     assert gpu_check.split_budget(budget, asked) == split
+    assert sum(limit or 0.0 for limit in split) == budget  # the phases within the budget, none left idle
 
 
 def test_bench_gets_what_is_left_of_the_budget_and_is_cut_or_not_run_when_little_is():
@@ -175,7 +179,7 @@ def test_the_bench_part_tunes_the_route_first_with_what_one_length_leaves(tmp_pa
     record = gpu_check_parts.bench_part(str(tmp_path), 180)
     (tune, tune_limit, tune_log), (bench, bench_limit, _) = ran
     assert tune[1:] == ["-m", "fused_transformer", "tune", "--device", "cuda:0", "--budget", "35"]
-    assert tune_limit == 55 and tune_log == "tune.log"
+    assert tune_limit == 55 and tune_log == "bench_tune.log"  # tune.log is the tune part's
     margin = gpu_check_parts.INNER_MARGIN_S
     assert "bench" in bench and 180 - 55 - margin - 1 < bench_limit <= 180 - margin
     assert record["figures"]["tune"]["rows"] == 28 and record["figures"]["tune"]["path"] == "/cache/routes/cuda-x.txt"
@@ -234,7 +238,7 @@ def test_parts_from_separate_invocations_merge_in_the_summary(tmp_path, monkeypa
     assert first["parts"]["tests"]["status"] == "passed"
     assert first["parts"]["bench"] == {"part": "bench", "status": "not run", "figures": {}, "key_figures": "-",
                                        "reason": "not asked for yet (gpu-check --only bench)"}
-    assert first["verdict"].startswith("INCOMPLETE: not run: variants, check, bench, graphs; passed: tests")
+    assert first["verdict"].startswith("INCOMPLETE: not run: variants, check, bench, graphs, tune; passed: tests")
 
     monkeypatch.setattr(gpu_check, "part_command", lambda part, out, limit_s, all_tests: fake_part(
         "failed", CHECK_FIGURES)(part, out, limit_s))
@@ -244,7 +248,7 @@ def test_parts_from_separate_invocations_merge_in_the_summary(tmp_path, monkeypa
     assert parts["tests"]["status"] == "passed" and parts["tests"]["started"] == first["parts"]["tests"]["started"]
     assert parts["check"]["status"] == "failed" and parts["check"]["reason"] == "it broke"
     assert parts["check"]["environment"]["device"]["name"] == "Fake GPU 2"
-    assert summary["verdict"] == ("FAILED: check failed (not run: variants, bench, graphs; passed: tests; failed: "
+    assert summary["verdict"] == ("FAILED: check failed (not run: variants, bench, graphs, tune; passed: tests; failed: "
                                   "check)")
     assert summary["run"]["side_by_side"] == ["check"] and summary["run"]["alone"] == []
     markdown = (tmp_path / "summary.md").read_text()
@@ -265,21 +269,22 @@ def test_every_part_runs_on_the_gpu_asked_for_and_the_summary_names_it(tmp_path,
         gpu_check_parts.PARTS, "6")
     assert summary["environment"]["device"]["name"] == "Fake GPU 1"
     assert summary["environment"]["device"]["torch_device"] == "cuda:1"
-    assert summary["verdict"] == "PASSED: all 5 parts passed on Fake GPU 1"
+    assert summary["verdict"] == "PASSED: all 6 parts passed on Fake GPU 1"
     run = summary["run"]
-    assert (run["budget_s"], run["variants_limit_s"], run["side_by_side_limit_s"], run["bench_share_s"]) == (
-        120, 60, 37.5, 22.5)
+    assert (run["budget_s"], run["variants_limit_s"], run["side_by_side_limit_s"], run["bench_share_s"],
+            run["tune_share_s"]) == (120, 60, 28.5, 22.5, 9)
     assert 0 < run["wall_s"] < run["budget_s"]
     assert all(r["duration_s"] < r["limit_s"] for r in summary["parts"].values())
     markdown = (tmp_path / "summary.md").read_text()
     assert ("This run: variants first, alone on the GPU, within 60 s; tests, check, graphs side by side, each within "
-            "38 s; then bench alone on the GPU (its share 22 s, and what they left). Wall time "
+            "28 s; then bench alone on the GPU (its share 22 s, and what they left); then tune alone on the GPU (its "
+            "share 9 s, and what they left). Wall time "
             f"{run['wall_s']:.0f} s of its 120 s budget.") in markdown
-    assert f"| tests | passed | {summary['parts']['tests']['duration_s']:.0f} s of 38 s |" in markdown
+    assert f"| tests | passed | {summary['parts']['tests']['duration_s']:.0f} s of 28 s |" in markdown
     printed = capsys.readouterr().out
     assert "Fake GPU 1 (cuda:1, CUDA_VISIBLE_DEVICES=6 for the parts)" in printed
     assert "variants: first, alone on the GPU, at most 60 s" in printed
-    assert "tests, check, graphs: side by side, each at most 38 s (the budget less bench's 22 s share)" in printed
+    assert "tests, check, graphs: side by side, each at most 28 s (the budget less bench's 22 s and tune's 9 s shares)" in printed
     assert f"the whole run: {run['wall_s']:.0f} s of its 120 s budget" in printed
     for part in gpu_check_parts.PARTS:
         assert f"] {part}: passed in " in printed
@@ -317,9 +322,11 @@ def test_tests_check_and_graphs_run_side_by_side_and_bench_alone_after_them(tmp_
     assert records["bench"]["figures"]["begun"] >= max(f["ended"] for f in side), "bench shared the GPU"
     assert {part: r["phase"] for part, r in records.items()} == {
         "tests": "side by side with check, graphs", "check": "side by side with tests, graphs",
-        "graphs": "side by side with tests, check", "bench": "alone, after the others", "variants": "alone"}
+        "graphs": "side by side with tests, check", "bench": "alone, after the others", "variants": "alone",
+        "tune": "alone, after the others"}
     assert records["variants"]["figures"]["ended"] <= min(f["begun"] for f in side), "variants shared the GPU"
     assert records["bench"]["limit_s"] > 45 and "the parts before it left" in records["bench"]["limit_note"]
+    assert records["tune"]["figures"]["begun"] >= records["bench"]["figures"]["ended"], "tune shared the GPU"
 
 
 def test_a_part_past_its_limit_is_stopped_with_its_children_while_the_others_finish(tmp_path, monkeypatch):
@@ -333,7 +340,7 @@ def test_a_part_past_its_limit_is_stopped_with_its_children_while_the_others_fin
         "tests": fake_part("passed", TEST_FIGURES),
     }
     monkeypatch.setattr(gpu_check, "MIN_PART_S", 1.0)
-    parts = [part for part in gpu_check_parts.PARTS if part != "variants"]
+    parts = [part for part in gpu_check_parts.PARTS if part not in ("variants", "tune")]
     # Side by side at most 10 s each, as long as graphs and tests need several times over on a busy machine; bench
     # gets what is left of its 6 s share once check has been stopped.
     budget = 16.0
@@ -739,7 +746,7 @@ def test_graphs_figures_read_in_the_summary():
     assert "Replay: bitwise equal to eager over 26 tensors: ok." in markdown
     assert "| float16 | padded | 3, 4, 777, 64 | NO | dk (max difference 0.00781) |" in markdown
     assert "| 2048 | 32.0 | 80.0 | x2.00 |" in markdown and "| 1024 | 16.0 | 40.0 | - |" in markdown
-    assert summary["verdict"] == "FAILED: graphs failed (not run: variants, tests, check, bench; failed: graphs)"
+    assert summary["verdict"] == "FAILED: graphs failed (not run: variants, tests, check, bench, tune; failed: graphs)"
 
 
 def test_the_commands_run_where_tqdm_is_not_installed():

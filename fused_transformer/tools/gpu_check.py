@@ -3,7 +3,7 @@
     python -m fused_transformer gpu-check [--out DIR] [--only PART ...] [--budget SECONDS] [--device DEVICE]
                                           [--all-tests]
 
-Five parts (``gpu_check_parts``), each in a process of its own under a wall-clock limit, so that a CUDA fault, a
+Six parts (``gpu_check_parts``), each in a process of its own under a wall-clock limit, so that a CUDA fault, a
 hang or a timeout in one is recorded and the others still run:
 
 - ``variants``: ``bench --suite variants --quick``: every variant of our kernels against the vendor's, the winners
@@ -14,14 +14,17 @@ hang or a timeout in one is recorded and the others still run:
 - ``bench``: ``bench --quick`` on attention, every registered op, encoder_layer: our TFLOP/s and speed-up over
   SDPA's default dispatch, each SDPA backend, flash_attn and xformers when installed;
 - ``graphs``: a CUDA graph of a training step against eager, backward determinism, peak memory against L
-  (``gpu_check_graphs``).
+  (``gpu_check_graphs``);
+- ``tune``: ``tune --out DIR/tuned_rows.txt``: the route's rows measured on this GPU, compared with the priors it ran
+  under before (``priors``): ``DIR/priors.md``, and a line of counts in the summary.
 
 The variants part runs first, alone, in its share (``variants_limit``). The parts that time nothing (``SIDE_BY_SIDE``:
 tests, check, graphs) then run at the same time; bench runs after them, alone, so that nothing shares the GPU with its
-timings. The whole run is held to ``--budget`` (``DEFAULT_BUDGET_S``):
-bench's share of it is ``bench_share`` and the parts side by side get the rest; bench gets whatever they leave
-(``split_budget``, ``bench_limit``). Every part runs on one GPU, the ``--device``: its process sees only that one
-(``CUDA_VISIBLE_DEVICES``, ``visible_devices``).
+timings, and tune after bench, alone for the same reason. The whole run is held to ``--budget`` (``DEFAULT_BUDGET_S``):
+of what variants leaves, bench's share is ``bench_share`` and tune's ``tune_share``, and the parts side by side get the
+rest (``split_budget``); bench gets whatever they leave but tune's share (``bench_limit``), tune all that is left
+(``tune_limit``). By default: variants 120 s, tests/check/graphs 199.5 s, bench 157.5 s, tune 63 s. Every part runs
+on one GPU, the ``--device``: its process sees only that one (``CUDA_VISIBLE_DEVICES``, ``visible_devices``).
 
 Each part writes ``DIR/<part>.json`` (and its output to ``DIR/<part>.log``); every invocation then rebuilds
 ``DIR/summary.json`` and ``DIR/summary.md`` from all the part records in DIR (``gpu_check_summary``), so parts run
@@ -64,6 +67,11 @@ MIN_PART_S = 60.0  # a part with less left than this is not started (and --budge
 # which bench --suite variants --quick fits (docs/gpu-check.md); the other parts share what it leaves.
 VARIANTS_SHARE = 0.25
 VARIANTS_SHARE_MAX_S = 120.0
+# tune runs last and alone (it times ours against torch's path): 15% of what variants leaves, at most 90 s; 63 s by
+# default, which leaves its --budget 23 s after its start and the comparison (gpu_check_parts.tune_command).
+TUNE_SHARE = 0.15
+TUNE_SHARE_MAX_S = 90.0
+ALONE_AFTER = ("bench", "tune")  # the parts that run alone after those side by side, in this order
 KILL_GRACE_S = 15.0  # a part stopped at its limit gets this long to end its own commands before SIGKILL
 TICK_S = 0.2  # how often the parts running are looked at
 NO_CUDA_STATUS = 2
@@ -132,30 +140,54 @@ def variants_limit(budget_s: float, asked: Sequence[str]) -> float:
     return max(MIN_PART_S, min(VARIANTS_SHARE_MAX_S, budget_s * VARIANTS_SHARE))
 
 
-def split_budget(budget_s: float, asked: Sequence[str]) -> Tuple[Optional[float], Optional[float]]:
-    """(the limit of each part side by side, bench's share) of ``budget_s`` for the parts ``asked``; None for a phase
-    not asked for. Alone, either phase gets the whole budget."""
+def tune_share(budget_s: float) -> float:
+    """The seconds of ``budget_s`` kept for tune, which runs last."""
+    return min(TUNE_SHARE_MAX_S, budget_s * TUNE_SHARE)
+
+
+def split_budget(budget_s: float, asked: Sequence[str]) -> Tuple[Optional[float], Optional[float], Optional[float]]:
+    """(the limit of each part side by side, bench's share, tune's share) of ``budget_s`` for the parts ``asked``; None
+    for a phase not asked for. The parts side by side get what the shares of bench and tune leave; bench without
+    parts side by side gets what tune's share leaves; a phase alone gets the whole budget."""
     side = any(part in SIDE_BY_SIDE for part in asked)
-    if "bench" not in asked:
-        return (budget_s if side else None), None
+    alone = [part for part in ALONE_AFTER if part in asked]
+    if not alone:
+        return (budget_s if side else None), None, None
+    if not side and len(alone) == 1:
+        return (None, budget_s, None) if alone == ["bench"] else (None, None, budget_s)
+    tune = tune_share(budget_s) if "tune" in asked else None
+    bench = bench_share(budget_s) if "bench" in asked else None
     if not side:
-        return None, budget_s
-    share = bench_share(budget_s)
-    return budget_s - share, share
+        return None, budget_s - tune, tune
+    return budget_s - (bench or 0.0) - (tune or 0.0), bench, tune
 
 
-def bench_limit(budget_s: float, spent_s: float, share_s: float) -> Tuple[Optional[float], Optional[str]]:
-    """(bench's limit, a note when it is not its share) after ``spent_s`` of ``budget_s``: all that is left, so more
-    than its share when the parts before it ended early; None when less than ``MIN_PART_S`` is left."""
-    left = budget_s - spent_s
+def limit_after(part: str, budget_s: float, spent_s: float, share_s: float,
+                kept_s: float = 0.0) -> Tuple[Optional[float], Optional[str]]:
+    """(``part``'s limit, a note when it is not its share) after ``spent_s`` of ``budget_s``, ``kept_s`` kept for the
+    parts after it: all that is left, so more than its share when the parts before it ended early; None when less than
+    ``MIN_PART_S`` is left."""
+    left = budget_s - spent_s - kept_s
     if left < MIN_PART_S:
         return None, (f"only {max(left, 0):.0f} s of the {budget_s:.0f} s budget were left for it: run it alone "
-                      "(gpu-check --only bench)")
+                      f"(gpu-check --only {part})")
     if left >= share_s + 1:
         return left, f"its {share_s:.0f} s share of the budget and the {left - share_s:.0f} s the parts before it left"
     if left < share_s - 1:
         return left, f"cut from its {share_s:.0f} s share to the {left:.0f} s left of the {budget_s:.0f} s budget"
     return left, None
+
+
+def bench_limit(budget_s: float, spent_s: float, share_s: float,
+                tune_s: float = 0.0) -> Tuple[Optional[float], Optional[str]]:
+    """(bench's limit, a note when it is not its share) after ``spent_s`` of ``budget_s``: all that is left but tune's
+    share ``tune_s`` (``limit_after``)."""
+    return limit_after("bench", budget_s, spent_s, share_s, tune_s)
+
+
+def tune_limit(budget_s: float, spent_s: float, share_s: float) -> Tuple[Optional[float], Optional[str]]:
+    """(tune's limit, a note when it is not its share) after ``spent_s`` of ``budget_s``: all that is left."""
+    return limit_after("tune", budget_s, spent_s, share_s)
 
 
 # -------------------------------------------------------------------------------------------- running parts
@@ -239,7 +271,8 @@ def _ended_line(record: Mapping[str, object]) -> str:
 def run_parts(asked: Sequence[str], out: str, budget_s: float, command_for: CommandFor, stamp: Optional[dict] = None,
               env: Optional[Mapping[str, str]] = None, say: Say = print,
               started: Optional[float] = None) -> Tuple[Dict[str, dict], dict]:
-    """The parts ``asked``: those of ``SIDE_BY_SIDE`` at the same time, then bench alone, within ``budget_s`` counted
+    """The parts ``asked``: variants alone, those of ``SIDE_BY_SIDE`` at the same time, then bench alone, then tune
+    alone, within ``budget_s`` counted
     from ``started`` (``time.monotonic()``; default now). Returns their records (``stamp``, the environment, in each)
     and what the summary says of the run: its budget, its split and its wall time."""
     started = time.monotonic() if started is None else started
@@ -255,29 +288,37 @@ def run_parts(asked: Sequence[str], out: str, budget_s: float, command_for: Comm
                 f"{log_path(out, 'variants')}")
         records["variants"] = run_side_by_side({"variants": command_for("variants", out, variants_s)}, out,
                                                variants_s, env, stamped, fields)["variants"]
-    side_limit, share = split_budget(budget_s - (variants_s or 0.0), asked)
+    side_limit, share, tune_s = split_budget(budget_s - (variants_s or 0.0), asked)
     if side:
+        kept = " and ".join(f"{part}'s {s:.0f} s" for part, s in (("bench", share), ("tune", tune_s)) if s)
         stamped(f"{', '.join(side)}: {'side by side, each' if len(side) > 1 else 'running,'} at most "
-                f"{side_limit:.0f} s" + (f" (the budget less bench's {share:.0f} s share)" if share else "")
-                + f"; output in {log_path(out, '<part>')}")
+                f"{side_limit:.0f} s" + (f" (the budget less {kept} share{'s' if share and tune_s else ''})"
+                                         if kept else "") + f"; output in {log_path(out, '<part>')}")
         records.update(run_side_by_side({part: command_for(part, out, side_limit) for part in side}, out, side_limit,
                                         env, stamped, fields))
-    if "bench" in asked:
-        limit, note = bench_limit(budget_s, clock(), share)
-        if limit is None:
-            records["bench"] = dict(part_record("bench", NOT_RUN, note), **fields)
-            write_record(out, records["bench"])
-            stamped(f"bench: not run: {note}")
+    for part in ALONE_AFTER:
+        if part not in asked:
+            continue
+        if part == "bench":
+            limit, note = bench_limit(budget_s, clock(), share, tune_s or 0.0)
         else:
-            stamped(f"bench: alone on the GPU, at most {limit:.0f} s" + (f" ({note})" if note else "")
-                    + f"; output in {log_path(out, 'bench')}")
-            fields.update({"phase": "alone, after the others"} if side else {},
-                          **({"limit_note": note} if note else {}))
-            records["bench"] = run_side_by_side({"bench": command_for("bench", out, limit)}, out, limit, env, stamped,
-                                                fields)["bench"]
+            limit, note = tune_limit(budget_s, clock(), tune_s)
+        if limit is None:
+            records[part] = dict(part_record(part, NOT_RUN, note), **fields)
+            write_record(out, records[part])
+            stamped(f"{part}: not run: {note}")
+            continue
+        stamped(f"{part}: alone on the GPU, at most {limit:.0f} s" + (f" ({note})" if note else "")
+                + f"; output in {log_path(out, part)}")
+        before = side or [other for other in ALONE_AFTER[:ALONE_AFTER.index(part)] if other in asked]
+        part_fields = dict(fields, **({"phase": "alone, after the others"} if before else {}),
+                           **({"limit_note": note} if note else {}))
+        records[part] = run_side_by_side({part: command_for(part, out, limit)}, out, limit, env, stamped,
+                                         part_fields)[part]
     run = {"budget_s": budget_s, "wall_s": round(clock(), 1), "side_by_side": side,
-           "side_by_side_limit_s": side_limit, "alone": [part for part in ("variants", "bench") if part in asked],
-           "bench_share_s": share, "variants_limit_s": variants_s}
+           "side_by_side_limit_s": side_limit, "alone": [part for part in PARTS if part in asked and part not in
+                                                         SIDE_BY_SIDE],
+           "bench_share_s": share, "tune_share_s": tune_s, "variants_limit_s": variants_s}
     stamped(f"the whole run: {run['wall_s']:.0f} s of its {budget_s:.0f} s budget")
     return records, run
 
@@ -294,12 +335,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="folder for the part records, their logs, the benchmark and the summary (default: "
                              "%(default)s); parts run in separate invocations into one folder merge there")
     parser.add_argument("--only", action="append", choices=PARTS, metavar="PART",
-                        help=f"run only this part (repeatable; one of {', '.join(PARTS)}); default: all five")
+                        help=f"run only this part (repeatable; one of {', '.join(PARTS)}); default: all six")
     parser.add_argument("--budget", type=positive_seconds, default=DEFAULT_BUDGET_S, metavar="SECONDS",
                         help="wall-clock seconds for the whole run, compiling included (default: %(default)g): "
                              f"variants first, alone, in its share (1/4, at most {VARIANTS_SHARE_MAX_S:.0f} s), then "
                              f"{', '.join(SIDE_BY_SIDE)} side by side, then bench alone in its share (3/8 of what is "
-                             f"left, at most {BENCH_SHARE_MAX_S:.0f} s) and what they left")
+                             f"left, at most {BENCH_SHARE_MAX_S:.0f} s) and what they left, then tune alone in its "
+                             f"share (15%% of what variants left, at most {TUNE_SHARE_MAX_S:.0f} s)")
     add_device_option(parser, "runs every part on (a CUDA device; without one, the summary says so)")
     parser.add_argument("--all-tests", action="store_true",
                         help="tests: the whole test suite instead of the GPU test files (longer: give --budget)")

@@ -20,6 +20,9 @@ runs one part and writes its record to ``DIR/<part>.json``: ``status`` (passed /
   our time and TFLOP/s (tokens/s) and our speed-up over every other implementation measured.
 - ``graphs``: ``gpu_check_graphs``, in this process: CUDA-graph replay of a training step, backward determinism,
   peak memory against the sequence length.
+- ``tune``: ``python -m fused_transformer tune --device cuda:0 --out DIR/tuned_rows.txt --budget ...`` (the part's
+  limit less ``INNER_MARGIN_S`` and ``TUNE_START_S``): the route's rows measured on this GPU, kept in DIR (not the
+  user's cache), then compared with the table the GPU ran under before, its priors (``priors``): ``DIR/priors.md``.
 - ``variants``: ``python -m fused_transformer bench --device cuda:0 --suite variants --quick`` into
   ``DIR/variants``: every kernel variant against the vendor's kernel, the winners written to the package's
   ``kernels/variant_rows.json`` (the rows the plans read) and copied to ``DIR/variants/variant_rows.json``.
@@ -52,7 +55,7 @@ from fused_transformer import ops
 from fused_transformer.tools import bench_cases
 from fused_transformer.tools.provenance import PACKAGE_ROOT
 
-PARTS = ("variants", "tests", "check", "bench", "graphs")
+PARTS = ("variants", "tests", "check", "bench", "graphs", "tune")
 PASSED, FAILED, TIMED_OUT, NOT_RUN, RUNNING = "passed", "failed", "timed out", "not run", "running"
 FINAL_STATUSES = (PASSED, FAILED, TIMED_OUT, NOT_RUN)
 
@@ -536,7 +539,7 @@ def _tune(out: str, seconds: float) -> dict:
     """Run ``tune`` on the part's GPU for ``seconds``; its figures: rows written, where, exit status, seconds."""
     command = [sys.executable, "-m", "fused_transformer", "tune", "--device", PART_DEVICE,
                "--budget", f"{max(seconds - TUNE_START_S, 1.0):.0f}"]
-    finished = run_with_limit(command, seconds, log_path(out, "tune"), env=gpu_environment())
+    finished = run_with_limit(command, seconds, log_path(out, "bench_tune"), env=gpu_environment())
     written = re.search(r"^(\d+) rows written to (.+)$", finished.output, re.M)
     return {"command": " ".join(command[1:]), "exit_status": finished.returncode, "seconds": round(finished.seconds, 1),
             "timed_out": finished.timed_out, "rows": int(written[1]) if written else 0,
@@ -580,6 +583,54 @@ def bench_part(out: str, limit_s: float) -> dict:
     else:
         status, reason = PASSED, None
     return part_record("bench", status, reason, figures, command, finished.output)
+
+
+# ------------------------------------------------------------------------------------------------------- tune
+
+
+TUNED_ROWS = "tuned_rows.txt"
+PRIORS_MD = "priors.md"
+
+
+def tune_command(out: str, limit_s: float) -> List[str]:
+    """The tune part's inner command: ``tune`` on the part's GPU into ``DIR/tuned_rows.txt``, its ``--budget`` what
+    ``limit_s`` leaves beyond ``INNER_MARGIN_S`` (the comparison and the record) and ``TUNE_START_S`` (its start and
+    its last group)."""
+    return [sys.executable, "-m", "fused_transformer", "tune", "--device", PART_DEVICE, "--out",
+            os.path.join(out, TUNED_ROWS),
+            "--budget", f"{max(limit_s - INNER_MARGIN_S - TUNE_START_S, 1.0):.0f}"]
+
+
+def tune_part(out: str, limit_s: float, device: Optional[str] = None) -> dict:
+    """``tune`` alone on the GPU into ``DIR/tuned_rows.txt``, then its rows against the priors the GPU ran under
+    before (``priors.write_report``): ``DIR/priors.md``, and the counts in the figures. ``device``: where the
+    comparison reads the device's facts and kernels (default: the part's GPU)."""
+    import torch
+
+    from fused_transformer import route
+    from fused_transformer.tools import priors
+
+    rows_path = os.path.join(out, TUNED_ROWS)
+    if os.path.exists(rows_path):
+        os.remove(rows_path)  # an earlier run's rows must not pass for this one's
+    command = tune_command(out, limit_s)
+    finished = run_with_limit(command, max(limit_s - INNER_MARGIN_S, 1.0), log_path(out, "tune"),
+                              env=gpu_environment())
+    written = re.search(r"^(\d+) rows written to (.+)$", finished.output, re.M)
+    figures: dict = {"exit_status": finished.returncode, "rows_file": rows_path if os.path.exists(rows_path) else None,
+                     "rows": int(written[1]) if written else 0}
+    if figures["rows_file"]:
+        target = torch.device(device or PART_DEVICE)
+        ours = "triton" if target.type == "cuda" else "cpu"
+        figures["priors"] = priors.write_report(rows_path, route.device_facts(target), ours,
+                                                os.path.join(out, PRIORS_MD), target.type)
+    if finished.timed_out:
+        status, reason = TIMED_OUT, f"tune ran past {finished.seconds:.0f} s and was stopped before writing its rows"
+    elif finished.returncode != 0 or not figures["rows_file"]:
+        status, reason = FAILED, f"tune wrote no rows (exit status {finished.returncode})"
+    else:
+        status, reason = PASSED, None
+    return part_record("tune", status, reason, figures, command, finished.output)
 
 
 # --------------------------------------------------------------------------------------------------- variants
@@ -635,7 +686,7 @@ def graphs_part(out: str, limit_s: float) -> dict:
 
 
 RUNNERS: Dict[str, Callable[..., dict]] = {"variants": variants_part, "tests": tests_part, "check": check_part,
-                                           "bench": bench_part, "graphs": graphs_part}
+                                           "bench": bench_part, "graphs": graphs_part, "tune": tune_part}
 
 
 def _stop(signum: int, frame: object) -> None:

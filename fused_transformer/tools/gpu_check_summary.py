@@ -112,6 +112,10 @@ def key_figures(part: str, record: Mapping[str, object]) -> str:
         won = [row for row in figures["rows"] if row["vs_default"] < 1.0]
         return (f"{len(figures['rows'])} verdicts, {len(won)} won by another variant than the default; rows in "
                 f"{figures.get('rows_copy') or figures.get('rows_file')}")
+    if part == "tune" and figures.get("priors"):
+        return f"{figures['rows']} rows in {figures['rows_file']}; {figures['priors']['line']}"
+    if part == "tune" and figures.get("rows_file"):
+        return f"{figures['rows']} rows in {figures['rows_file']}"
     if part == "graphs" and figures:
         found = []
         graph = figures.get("cuda_graph")
@@ -280,9 +284,21 @@ def _variants_details(figures: Mapping[str, object]) -> List[str]:
     return lines + ["", f"Provenance: {rows[0]['provenance']}."]
 
 
+def _tune_details(figures: Mapping[str, object]) -> List[str]:
+    if not figures.get("rows_file"):
+        return ["`tune` wrote no rows."]
+    lines = [f"{figures['rows']} route rows measured on this GPU in `{figures['rows_file']}` (not the user's cache: "
+             "`python -m fused_transformer tune` keeps them there)."]
+    found = figures.get("priors")
+    if found:
+        lines += ["", f"{found['line']}: each row against the table {found['device']} ran under before, call by call, "
+                  f"in `{found['priors_md']}`."]
+    return lines
+
+
 DETAILS: Dict[str, Callable[[Mapping[str, object]], List[str]]] = {
     "variants": _variants_details, "tests": _tests_details, "check": _check_details, "bench": _bench_details,
-    "graphs": _graphs_details}
+    "graphs": _graphs_details, "tune": _tune_details}
 
 
 def describe_run(run: Optional[Mapping[str, object]]) -> Optional[str]:
@@ -296,9 +312,10 @@ def describe_run(run: Optional[Mapping[str, object]]) -> Optional[str]:
     if side:
         each = " side by side, each" if len(side) > 1 else ""
         phases.append(f"{', '.join(side)}{each} within {run['side_by_side_limit_s']:.0f} s")
-    if alone:
-        share = f" (its share {run['bench_share_s']:.0f} s, and what they left)" if side else ""
-        phases.append(f"{'then ' if side else ''}{', '.join(alone)} alone on the GPU{share}")
+    for i, part in enumerate(alone):
+        share = run.get(f"{part}_share_s")
+        share = f" (its share {share:.0f} s, and what they left)" if share and (side or i) else ""
+        phases.append(f"{'then ' if side or i else ''}{part} alone on the GPU{share}")
     return (f"This run: {'; '.join(phases)}. Wall time {run['wall_s']:.0f} s of its {run['budget_s']:.0f} s "
             "budget.")
 
@@ -309,13 +326,20 @@ def _wall_time(record: Mapping[str, object]) -> str:
     return f"{record['duration_s']:.0f} s of {record['limit_s']:.0f} s"
 
 
+def priors_line(parts: Mapping[str, dict]) -> Optional[str]:
+    """The tune part's verdict on the priors (``priors.counts_line``), None where it made none."""
+    found = ((parts.get("tune") or {}).get("figures") or {}).get("priors")
+    return f"{found['line']}; per call in `{found['priors_md']}`." if found else None
+
+
 def render_markdown(summary: Mapping[str, object]) -> str:
     environment = summary["environment"]
     parts: Mapping[str, dict] = summary["parts"]
     run = describe_run(summary.get("run"))
     lines = ["# gpu-check summary", "", f"**{summary['verdict']}**", "",
              f"Written {summary['generated']} by `python -m fused_transformer gpu-check` on "
-             f"{describe_environment(environment)}.", *(["", run] if run else []), "",
+             f"{describe_environment(environment)}.", *(["", run] if run else []),
+             *(["", priors_line(parts)] if priors_line(parts) else []), "",
              "| part | status | wall time | key figures |", "| --- | --- | --- | --- |"]
     for part, record in parts.items():
         lines.append(f"| {part} | {_cell(_status(record))} | {_wall_time(record)} | {_cell(record['key_figures'])} |")
