@@ -8,12 +8,24 @@ import torch
 import torch.nn.functional as F
 
 import fused_transformer as ft
+from fused_transformer import route
 from fused_transformer.integrations import sdpa
 
 needs_cpu_kernels = pytest.mark.skipif(ft.backend.cpu_unavailable_reason() is not None,
                                        reason=str(ft.backend.cpu_unavailable_reason()))
 needs_registry = pytest.mark.skipif(not hasattr(torch.nn.attention, "register_flash_attention_impl"),
                                     reason="this torch has no flash-attention registry")
+
+
+@pytest.fixture(autouse=True)
+def unmeasured_cpu(monkeypatch):
+    """A CPU no built-in row names (another instruction set): what each door records then rests on the rules and the
+    defaults alone, not on the rows measured for the CPU the tests happen to run on."""
+    facts = route.cpu_facts(1, "unmeasured")
+    monkeypatch.setattr(route, "device_tag", lambda device: facts.tag if device.type == "cpu" else device.type)
+    monkeypatch.setattr(route, "device_facts", lambda device: facts)
+    monkeypatch.setattr(route, "_TABLES", {})
+    monkeypatch.setattr(route, "_DECISIONS", {})
 
 
 def _qkv(batch=2, heads=4, length=9, dim=16, dtype=torch.float32, seed=0):
@@ -54,16 +66,63 @@ def test_functional_ops_record_ours_and_torchs():
 def test_a_module_records_its_ops_and_its_fallback_to_torch_nn():
     torch.manual_seed(0)
     layer = ft.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True, dropout=0.0).eval()
+    padding = torch.zeros(2, 5, dtype=torch.bool)
+    padding[0, 3:] = True
     with ft.explain() as plain:
-        layer(torch.randn(2, 5, 16))
-    assert [(r.op, r.door) for r in plain][:2] == [("attention", "functional"), ("layer_norm", "functional")]
-    assert _only(plain, "attention").backend == "cpu"
+        layer(torch.randn(2, 5, 16), src_key_padding_mask=padding)
+    assert [(r.op, r.door) for r in plain][:2] == [("attention_varlen", "functional"), ("layer_norm", "functional")]
+    assert _only(plain, "attention_varlen").backend == "cpu"  # the padded batch packed: varlen attention
     nested = torch.nested.nested_tensor([torch.randn(3, 16), torch.randn(5, 16)])
     with ft.explain() as fallback, torch.no_grad():
         layer(nested)
     record = _only(fallback)
     assert (record.op, record.door, record.backend) == ("TransformerEncoderLayer", "module", "torch")
     assert "does not fuse" in record.reason
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("name", ["LayerNorm", "MultiheadAttention", "TransformerEncoderLayer",
+                                  "TransformerDecoderLayer"])
+def test_a_module_whose_every_op_is_torchs_hands_the_call_to_torch_nn(name):
+    """The modules' door: the first call of a key runs the fused path and records its ops; where every op went to
+    torch's path, the next calls run torch.nn's own forward (one record, the module's), with torch.nn's result. A
+    call with a key padding mask (ours) keeps the fused path."""
+    torch.manual_seed(0)
+    args = {"LayerNorm": (16,), "MultiheadAttention": (16, 2)}.get(name, (16, 2, 32))
+    kwargs = {} if name == "LayerNorm" else dict(dropout=0.1, batch_first=True)
+    theirs = getattr(torch.nn, name)(*args, **kwargs).eval()
+    ours = getattr(ft, name)(*args, **kwargs).eval()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 5, 16)
+    call = {"MultiheadAttention": lambda m, **kw: m(x, x, x, need_weights=False, **kw)[0],
+            "TransformerDecoderLayer": lambda m, **kw: m(x, x, **kw)}.get(name, lambda m, **kw: m(x, **kw))
+    with torch.no_grad():
+        with ft.explain() as first:
+            call(ours)
+        assert first and all(r.backend == "torch" and r.door == "functional" for r in first), first
+        with ft.explain() as later:
+            out = call(ours)
+        # torch.nn's forward may call the fused children (the decoder layer's): they record their own doors.
+        record = later[0]
+        assert (record.op, record.door, record.backend) == (name, "module", "torch")
+        assert record.reason == route.TORCH_NN and all(r.backend == "torch" for r in later), later
+        torch.testing.assert_close(out, call(theirs))
+        if name == "LayerNorm":
+            return
+        padding = torch.zeros(2, 5, dtype=torch.bool)
+        padding[1, 2:] = True
+        key = "key_padding_mask" if name == "MultiheadAttention" else (
+            "src_key_padding_mask" if name == "TransformerEncoderLayer" else "tgt_key_padding_mask")
+        for _ in range(2):
+            with ft.explain() as padded:
+                call(ours, **{key: padding})
+            assert any(r.op.startswith("attention") and r.backend == "cpu" for r in padded), padded
+    # In training, dropout makes attention ours (torch's random mask is not our seed's): no hand-off.
+    ours.train()
+    for _ in range(2):
+        with ft.explain() as training:
+            call(ours)
+        assert not any(r.door == "module" for r in training), training
 
 
 @needs_cpu_kernels

@@ -74,7 +74,7 @@ def test_without_a_row_the_default_decides():
     rotary = ops.get("apply_rotary_pos_emb")  # q and k in one pass: ours where no row says otherwise
     call = rotary.route_call(rotary.route_examples[0], torch.device("cpu"), torch.float32)
     assert decide(call._replace(device="sm75"), "auto", "triton", ROWS).backend == "triton"
-    assert decide(call, "auto", "cpu", ROWS).backend == "cpu"
+    assert decide(call._replace(device="cpu-unmeasured-t1"), "auto", "cpu", ROWS).backend == "cpu"
 
 
 def test_a_named_backend_runs_ours_and_falls_back_for_what_it_lacks():
