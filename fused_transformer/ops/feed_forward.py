@@ -309,7 +309,7 @@ def _describe(gpu: bool) -> str:
 def _tune(device_type: str, dtype: torch.dtype, quick: bool) -> Sequence[TuneSeries]:
     """Rows of d_model 512 (1024 on a GPU), d_ff four times that; the sizes counted in rows."""
     d_model = 1024 if device_type == "cuda" else 512
-    rows = (64,) if quick else ((1024, 8192, 32768) if device_type == "cuda" else (64, 1024, 4096))
+    rows = (64,) if quick else ((1024, 8192, 32768) if device_type == "cuda" else (8, 64, 1024, 4096))
     return tuple(TuneSeries("yes" if p else "no", tuple(
         example(f"{n}x{d_model}", (n,), d_model, 4 * d_model, dropout_p=p) for n in rows)) for p in (0.1, 0.0))
 

@@ -351,12 +351,14 @@ def describe_bench(gpu: bool) -> str:
 
 
 def tune_series(device_type: str, dtype: torch.dtype, quick: bool, op_options: dict) -> Sequence[TuneSeries]:
-    """Rows of 1024 features, the sizes counted in elements; 16-bit calls on the CPU are not torch's to run."""
+    """Rows of 1024 features, the sizes counted in elements, and on the CPU a module's tiny call (4 rows of 64, where
+    the host path decides); 16-bit calls on the CPU are not torch's to run."""
     if device_type == "cpu" and dtype != torch.float32:
         return ()
     rows = (64,) if quick else ((1024, 8192, 32768) if device_type == "cuda" else (64, 1024, 8192))
+    shapes = [(n, 1024) for n in rows] if quick or device_type == "cuda" else [(4, 64)] + [(n, 1024) for n in rows]
     return tuple(TuneSeries("yes" if p else "no", tuple(
-        example(f"{n}x1024", (n, 1024), dropout_p=p, **op_options) for n in rows)) for p in (0.1, 0.0))
+        example(f"{n}x{width}", (n, width), dropout_p=p, **op_options) for n, width in shapes)) for p in (0.1, 0.0))
 
 
 # Measured with bench --device cuda (docs/benchmarks.md "On a GPU" holds the runs).
