@@ -77,8 +77,9 @@ SUPPORTS: Dict[str, FrozenSet[str]] = {
     "triton": frozenset(ScoreMods._fields) | {"sinks", "recompute", "allow_tf32"},
     "cpu": frozenset({"softcap", "alibi_slopes", "sinks", "float32 head dims above 128", "head dims above 256"}),
 }
-# Features a backend of ours may lack that torch's path computes as any other call (the widths of its operands).
-TORCH_COMPUTES = frozenset({"float32 head dims above 128", "head dims above 256"})
+# Features that torch's path computes as ours does: the widths of the operands (a backend of ours may lack them),
+# ALiBi (SDPA with the float bias).
+TORCH_COMPUTES = frozenset({"float32 head dims above 128", "head dims above 256", "alibi_slopes"})
 
 
 class Call(NamedTuple):

@@ -445,3 +445,28 @@ def test_cpu_rows_route_only_the_same_instruction_set_and_threads_near_theirs():
     assert route.cpu_facts().tag == f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}-t{torch.get_num_threads()}"
     assert route.facts_of_tag("cpu-avx2-t16") == route.cpu_facts(16, "avx2")
     assert route.facts_of_tag("sm90") is None
+
+
+def test_alibi_is_torchs_to_run_as_a_float_bias_where_a_row_says_so():
+    """ALiBi (``causal+alibi``) is a mask kind of its own: torch's path computes it (SDPA with the float bias, equal to
+    the reference in float64), dense rows do not match it, and without a row ours runs it (ours won it wherever
+    measured); a row saying torch won sends it to SDPA."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 4, 40, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    slopes = torch.rand(2, 4, generator=g, dtype=torch.float64)
+    spec = attention_contract.attention_spec(16, True, "top_left", None, 0.0, None)
+    expected = reference.attention(q, k, v, is_causal=True, alibi_slopes=slopes)
+    torch.testing.assert_close(attention_function.sdpa(q, k, v, spec, slopes), expected, rtol=1e-12, atol=1e-12)
+    mods = contract.ScoreMods(None, slopes.float())
+    call = attention_facts.call(q.float(), k.float(), v.float(), contract.AttentionMasks(), spec, mods, None, False)
+    assert call.mask == "causal+alibi" and route.torch_refuses(call) is None and call.torch_default == ""
+    h200 = route.with_priors(route.MEASURED_DEVICES["H200"], ROWS)
+    gpu = call._replace(device="H200", dtype=torch.bfloat16, head_dim=64, size=1024)
+    got = decide(gpu, "auto", "triton", h200)
+    assert got.backend == "triton" and "1.78-2.21" in got.reason
+    assert decide(gpu._replace(mask="causal"), "auto", "triton", h200).backend == "torch"
+    unmeasured = call._replace(device="cpu-unmeasured-t1")
+    assert decide(unmeasured, "auto", "cpu", ROWS).backend == "cpu"
+    slower = route.parse_rows("attention * cpu-unmeasured-t1 float32 16 causal+alibi no * * 0.70 - a test's row")
+    got = decide(unmeasured, "auto", "cpu", slower)
+    assert got.backend == "torch" and "a test's row" in got.reason

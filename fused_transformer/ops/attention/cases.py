@@ -305,14 +305,14 @@ KVCACHE_OVERHEAD = (decode_example(OVERHEAD_SHAPE["batch"], OVERHEAD_SHAPE["seq_
 
 
 def tune(device_type: str, dtype: torch.dtype, quick: bool) -> Tuple[TuneSeries, ...]:
-    """No mask and causal, head dims 64 and 128 on a GPU, 32 (the study notes' model's) and 64 on the CPU, keys per
-    sequence 512 to 4096 with 16k tokens a batch on a GPU, 16 to 2048 on the CPU (B 1, H 4); quick: 64 keys, no mask,
-    the first head dim."""
+    """No mask, causal and causal + ALiBi, head dims 64 and 128 on a GPU, 32 (the study notes' model's) and 64 on the
+    CPU, keys per sequence 512 to 4096 with 16k tokens a batch on a GPU, 16 to 2048 on the CPU (B 1, H 4); quick: 64
+    keys, no mask, the first head dim."""
     sizes = (64,) if quick else ((512, 1024, 4096) if device_type == "cuda" else (16, 128, 512, 2048))
     head_dims = (64, 128) if device_type == "cuda" else (64, 32)
     series = []
     for head_dim in head_dims[:1] if quick else head_dims:
-        for mask in ("none",) if quick else ("none", "causal"):
+        for mask in ("none",) if quick else ("none", "causal", "causal+alibi"):
             examples = []
             for size in sizes:
                 batch, heads = ((max(1, GPU_TOKENS // size), max(1, 2048 // head_dim)) if device_type == "cuda"

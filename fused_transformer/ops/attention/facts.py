@@ -63,13 +63,21 @@ def needs(mods: ScoreMods, sinks: Optional[Tensor], q: Optional[Tensor] = None,
     return given | {"sinks"} if sinks is not None else given
 
 
-def mask_kind(query_len: int, key_len: int, masks: Optional[AttentionMasks], spec: AttentionSpec) -> str:
-    """``"none"`` or ``"causal"`` where SDPA computes our masking from ``is_causal`` alone, else ``"other"``."""
+def mask_kind(query_len: int, key_len: int, masks: Optional[AttentionMasks], spec: AttentionSpec,
+              mods: ScoreMods = NO_SCORE_MODS) -> str:
+    """``"none"`` or ``"causal"`` where SDPA computes our masking from ``is_causal`` alone, ``"alibi"`` or
+    ``"causal+alibi"`` where it adds ALiBi as a float bias on top (``torch_paths.sdpa_mask``), else ``"other"``."""
     if (masks is not None and not masks.unmasked) or spec.window is not None:
         return "other"
     if not spec.is_causal:
-        return "none"
-    return "causal" if not spec.bottom_right or query_len == key_len else "other"
+        kind = "none"
+    elif not spec.bottom_right or query_len == key_len:
+        kind = "causal"
+    else:
+        return "other"
+    if mods.alibi_slopes is None:
+        return kind
+    return "alibi" if kind == "none" else "causal+alibi"
 
 
 def decide(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec: AttentionSpec, mods: ScoreMods,
@@ -97,13 +105,15 @@ def call(q: Tensor, k: Tensor, v: Tensor, masks: Optional[AttentionMasks], spec:
         cannot = "dropout (SDPA's random mask is not our seed's)"
     elif torch.compiler.is_compiling():
         cannot = _TRACED
+    mask = mask_kind(q.shape[2], k.shape[2], masks, spec, mods)
+    prior = "" if mask.endswith("alibi") else DENSE_PRIOR  # ALiBi: ours, wherever it was measured
     return route.Call("attention", route.device_tag(device), q.dtype, head_dim=q.shape[3],
-                      mask=mask_kind(q.shape[2], k.shape[2], masks, spec), dropout=spec.dropout_p > 0.0,
+                      mask=mask, dropout=spec.dropout_p > 0.0,
                       size=route.size(k.shape[2]),
                       needs_grad=route.needs_grad(q, k, v, sinks) if needs_grad is None else needs_grad,
                       needs_lse=needs_lse, deterministic=torch.are_deterministic_algorithms_enabled(),
                       needs=needs(mods, sinks, q, masks), torch_cannot=cannot,
-                      torch_default=_WIDE_HEADS if head_needs(q.dtype, q.shape[3]) else DENSE_PRIOR)
+                      torch_default=_WIDE_HEADS if head_needs(q.dtype, q.shape[3]) else prior)
 
 
 def decide_packed(op: str, q: Tensor, max_keys: int, mods: ScoreMods, sinks: Optional[Tensor],
@@ -145,6 +155,9 @@ MEASURED = """
 # and 4096): SDPA picks cuDNN. cuDNN's backward is taken as not deterministic until gpu-check measures it.
 attention     forward   H200           bfloat16          64,128    none,causal  no       *           *               0.55-0.79  -          H200 bench --quick bdb1535 2026-11-28
 attention     training  H200           bfloat16          64,128    none,causal  no       *           *               0.54-0.71  no         H200 bench --quick bdb1535 2026-11-28
+# causal + ALiBi against SDPA with the float bias (docs/benchmarks.md "On a GPU", L 1024 and 4096)
+attention     forward   H200           bfloat16          64,128    causal+alibi  no       *           *               1.78-2.21  -          H200 bench --quick bdb1535 2026-11-28
+attention     training  H200           bfloat16          64,128    causal+alibi  no       *           *               1.15-1.79  no         H200 bench --quick bdb1535 2026-11-28
 # CPU, at torch's SDPA door (its dispatcher in front of our kernel), against torch's CPU flash kernel, 2 threads,
 # B 2, H 8, D 64, register-tiled kernels (docs/integrations.md). The door decides a forward and its
 # backward alike from the shapes; where the two disagree the row keeps the forward's figure and the table in

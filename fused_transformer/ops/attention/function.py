@@ -21,15 +21,21 @@ from ...contract import (
     score_mods_of_flat,
 )
 from ...route import needs_grad as _needs_grad
+from .torch_paths import sdpa_mask
 
 Tensor = torch.Tensor
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
+def sdpa(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, alibi_slopes: Optional[Tensor] = None) -> Tensor:
     """torch's path of a routed call: ``F.scaled_dot_product_attention`` without masks but ``is_causal`` (top-left, or
-    ``Lq = Lk``), dropout, score modifiers or sinks, grouped-query heads by ``enable_gqa`` (``facts``: the calls it
-    serves)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=spec.is_causal, scale=spec.scale,
+    ``Lq = Lk``), dropout, score modifiers or sinks but ALiBi (a float bias, ``torch_paths.sdpa_mask``), grouped-query
+    heads by ``enable_gqa`` (``facts``: the calls it serves)."""
+    if alibi_slopes is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=spec.is_causal, scale=spec.scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    bias, _ = sdpa_mask(q, k, is_causal=spec.is_causal, causal_alignment=spec.causal_alignment,
+                        alibi_slopes=alibi_slopes)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=spec.scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -182,7 +188,7 @@ def run(name: str, q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, spec:
     """``(out, lse)`` of checked arguments on backend ``name`` (``"torch"``: SDPA); lse may be None unless
     ``return_lse``."""
     if name == "torch":
-        return sdpa(q, k, v, spec), None
+        return sdpa(q, k, v, spec, mods.alibi_slopes), None
     ops = backend.ops(name)
     if name == "reference":
         return ops.attention(q, k, v, masks, spec, mods, sinks)
