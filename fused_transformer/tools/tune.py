@@ -46,6 +46,8 @@ def _groups(device: torch.device, quick: bool) -> Iterator[Group]:
         for dtype in dtypes[:1] if quick else dtypes:
             for op in ops.registered():
                 for series in op.tune(device.type, dtype, quick):
+                    if passes not in series.passes:
+                        continue
                     yield Group(op.name, passes, dtype, series.head_dim, series.mask, series.dropout,
                                 tuple((example.size, example) for example in series.examples))
 

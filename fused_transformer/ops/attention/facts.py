@@ -2,26 +2,32 @@
 and the rows measured on GPUs and at torch's SDPA door.
 
 Dense ``attention``'s size is its keys per sequence; ``attention_varlen``'s the longest sequence's keys and
-``attention_with_kvcache``'s the keys a sequence's cache holds (``SIZE_OF``). torch's path (SDPA) computes a dense call
-without masks but ``is_causal`` (top-left, or as many queries as keys), without dropout, score modifiers, sinks or the
-LSE (grouped-query heads: ``enable_gqa``); packed sequences and KV caches have no torch op on every device. A traced call
-(torch.compile, torch.export) runs ours: one custom op, the same graph on every GPU.
+``attention_with_kvcache``'s the keys the longest sequence attends, the new ones included (the cache's capacity where
+the lengths are not read) (``SIZE_OF``). torch's path (SDPA) computes a dense call without masks but ``is_causal``
+(top-left, or as many queries as keys), without dropout, score modifiers, sinks or the LSE (grouped-query heads:
+``enable_gqa``); packed sequences have no torch op on every device. A KV-cache call on a contiguous cache whose lengths
+the host holds, without a window, and where every query sees a key, is SDPA over the cache after the append, with a
+bool mask (``torch_paths.kvcache_sdpa``; ``kvcache_refusal`` says why not elsewhere). A traced call (torch.compile,
+torch.export) runs ours: one custom op, the same graph on every GPU.
 """
 from __future__ import annotations
 
-from typing import FrozenSet, Optional
+from typing import FrozenSet, Optional, Sequence
 
 import torch
 
 from ... import route
-from ...contract import NO_SCORE_MODS, AttentionMasks, AttentionSpec, ScoreMods
+from ...contract import NO_SCORE_MODS, AttentionMasks, AttentionSpec, KVCache, KVCacheSpec, ScoreMods
 
 Tensor = torch.Tensor
 
 SIZE_OF = {"attention": "keys per sequence", "attention_varlen": "longest sequence's keys",
-           "attention_with_kvcache": "keys in the cache"}
+           "attention_with_kvcache": "keys the longest sequence attends"}
 _TRACED = "a traced call (ours there: one custom op, the same graph on every device)"
 _PACKED = "packed sequences or a KV cache (no torch op for them on every device)"
+_PAGED = "a paged KV cache (SDPA reads no block table)"
+_UNREAD = "cache lengths the host does not hold (unread, a query might see no key: SDPA's NaN, our zeros)"
+_KEYLESS = "a query with no key (SDPA gives NaN where ours gives zeros)"
 
 
 # The widest heads the Triton kernels take (kernels/attention/configs.py MAX_HEAD_DIM): beyond them a call needs a
@@ -95,11 +101,45 @@ def call(q: Tensor, k: Tensor, v: Tensor, masks: Optional[AttentionMasks], spec:
 
 
 def decide_packed(op: str, q: Tensor, max_keys: int, mods: ScoreMods, sinks: Optional[Tensor],
-                  needs_grad: bool = False) -> route.Decision:
-    """Who runs ``attention_varlen`` or ``attention_with_kvcache`` (``op``) on queries ``q`` (head dim last)."""
-    return route.choose(route.Call(op, route.device_tag(q.device), q.dtype, head_dim=q.shape[-1],
-                                   size=route.size(max_keys), needs_grad=needs_grad, needs=needs(mods, sinks, q),
-                                   torch_cannot=_PACKED), q.device)
+                  needs_grad: bool = False, *, mask: str = "none", needs_lse: bool = False,
+                  torch_cannot: str = _PACKED) -> route.Decision:
+    """Who runs ``attention_varlen`` or ``attention_with_kvcache`` (``op``) on queries ``q`` (head dim last);
+    ``torch_cannot``: why torch's path does not serve the call ("": it does; ``kvcache_refusal``)."""
+    return route.choose(route.Call(op, route.device_tag(q.device), q.dtype, head_dim=q.shape[-1], mask=mask,
+                                   size=route.size(max_keys), needs_grad=needs_grad, needs_lse=needs_lse,
+                                   needs=needs(mods, sinks, q), torch_cannot=torch_cannot), q.device)
+
+
+def kvcache_refusal(q: Tensor, cache: KVCache, host_lengths: Optional[Sequence[int]], new_len: int,
+                    spec: KVCacheSpec) -> str:
+    """Why torch's path of ``attention_with_kvcache`` (``torch_paths.kvcache_sdpa``) does not compute a call as ours
+    does, "" where it does: ``q [B, Lq, H, D]``, ``cache`` before the append, ``host_lengths`` its lengths as the host
+    holds them (None: unread), ``new_len`` the keys appended. Score modifiers, sinks and the LSE the route refuses
+    itself (``route.torch_refuses``)."""
+    if torch.compiler.is_compiling():
+        return _TRACED
+    if cache.block_table is not None:
+        return _PAGED
+    if host_lengths is None:
+        return _UNREAD
+    if q.numel() == 0 or cache.k.shape[-1] == 0:
+        return "empty dims"
+    if spec.window is not None:
+        return "a window (SDPA's mask would cost a dense one, and rows left without a key differ)"
+    if min(host_lengths) + new_len < (q.shape[1] if spec.is_causal else 1):
+        return _KEYLESS
+    return ""
+
+
+def decide_kvcache(q: Tensor, cache: KVCache, host_lengths: Optional[Sequence[int]], new_len: int, mods: ScoreMods,
+                   sinks: Optional[Tensor], spec: KVCacheSpec, needs_lse: bool) -> route.Decision:
+    """Who runs an ``attention_with_kvcache`` call (``kvcache_refusal``'s arguments): its size the keys the longest
+    sequence attends (the capacity where the host holds no lengths), its mask causal where more than one query
+    sees a different set of keys."""
+    size = max(host_lengths) + new_len if host_lengths else cache.capacity
+    mask = "other" if spec.window is not None else ("causal" if spec.is_causal and q.shape[1] > 1 else "none")
+    return decide_packed("attention_with_kvcache", q, size, mods, sinks, mask=mask, needs_lse=needs_lse,
+                         torch_cannot=kvcache_refusal(q, cache, host_lengths, new_len, spec))
 
 
 def sdpa_door(q: Tensor, key_len: int, is_causal: bool, ours: str) -> route.Decision:
