@@ -101,13 +101,18 @@ def call(q: Tensor, k: Tensor, v: Tensor, masks: Optional[AttentionMasks], spec:
 
 
 def decide_packed(op: str, q: Tensor, max_keys: int, mods: ScoreMods, sinks: Optional[Tensor],
-                  needs_grad: bool = False, *, mask: str = "none", needs_lse: bool = False,
-                  torch_cannot: str = _PACKED) -> route.Decision:
-    """Who runs ``attention_varlen`` or ``attention_with_kvcache`` (``op``) on queries ``q`` (head dim last);
-    ``torch_cannot``: why torch's path does not serve the call ("": it does; ``kvcache_refusal``)."""
-    return route.choose(route.Call(op, route.device_tag(q.device), q.dtype, head_dim=q.shape[-1], mask=mask,
-                                   size=route.size(max_keys), needs_grad=needs_grad, needs_lse=needs_lse,
-                                   needs=needs(mods, sinks, q), torch_cannot=torch_cannot), q.device)
+                  needs_grad: bool = False) -> route.Decision:
+    """Who runs ``attention_varlen`` (``op``) on queries ``q`` (head dim last): ours (``_PACKED``)."""
+    return route.choose(packed_call(op, q, max_keys, mods, sinks, needs_grad), q.device)
+
+
+def packed_call(op: str, q: Tensor, max_keys: int, mods: ScoreMods, sinks: Optional[Tensor], needs_grad: bool = False,
+                *, mask: str = "none", needs_lse: bool = False, torch_cannot: str = _PACKED) -> route.Call:
+    """The ``route.Call`` of ``attention_varlen`` or ``attention_with_kvcache`` (``op``) on queries ``q`` (head dim
+    last); ``torch_cannot``: why torch's path does not serve it ("": it does; ``kvcache_refusal``)."""
+    return route.Call(op, route.device_tag(q.device), q.dtype, head_dim=q.shape[-1], mask=mask,
+                      size=route.size(max_keys), needs_grad=needs_grad, needs_lse=needs_lse,
+                      needs=needs(mods, sinks, q), torch_cannot=torch_cannot)
 
 
 def kvcache_refusal(q: Tensor, cache: KVCache, host_lengths: Optional[Sequence[int]], new_len: int,
@@ -131,15 +136,21 @@ def kvcache_refusal(q: Tensor, cache: KVCache, host_lengths: Optional[Sequence[i
     return ""
 
 
-def decide_kvcache(q: Tensor, cache: KVCache, host_lengths: Optional[Sequence[int]], new_len: int, mods: ScoreMods,
-                   sinks: Optional[Tensor], spec: KVCacheSpec, needs_lse: bool) -> route.Decision:
-    """Who runs an ``attention_with_kvcache`` call (``kvcache_refusal``'s arguments): its size the keys the longest
-    sequence attends (the capacity where the host holds no lengths), its mask causal where more than one query
-    sees a different set of keys."""
+def kvcache_call(q: Tensor, cache: KVCache, host_lengths: Optional[Sequence[int]], new_len: int, mods: ScoreMods,
+                 sinks: Optional[Tensor], spec: KVCacheSpec, needs_lse: bool) -> route.Call:
+    """The ``route.Call`` of an ``attention_with_kvcache`` call (``kvcache_refusal``'s arguments): its size the keys
+    the longest sequence attends (the capacity where the host holds no lengths), its mask causal where more than one
+    query each sequence has."""
     size = max(host_lengths) + new_len if host_lengths else cache.capacity
     mask = "other" if spec.window is not None else ("causal" if spec.is_causal and q.shape[1] > 1 else "none")
-    return decide_packed("attention_with_kvcache", q, size, mods, sinks, mask=mask, needs_lse=needs_lse,
-                         torch_cannot=kvcache_refusal(q, cache, host_lengths, new_len, spec))
+    return packed_call("attention_with_kvcache", q, size, mods, sinks, mask=mask, needs_lse=needs_lse,
+                       torch_cannot=kvcache_refusal(q, cache, host_lengths, new_len, spec))
+
+
+def decide_kvcache(q: Tensor, cache: KVCache, host_lengths: Optional[Sequence[int]], new_len: int, mods: ScoreMods,
+                   sinks: Optional[Tensor], spec: KVCacheSpec, needs_lse: bool) -> route.Decision:
+    """Who runs an ``attention_with_kvcache`` call (``kvcache_call``)."""
+    return route.choose(kvcache_call(q, cache, host_lengths, new_len, mods, sinks, spec, needs_lse), q.device)
 
 
 def sdpa_door(q: Tensor, key_len: int, is_causal: bool, ours: str) -> route.Decision:
