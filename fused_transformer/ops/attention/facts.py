@@ -164,8 +164,18 @@ def sdpa_door(q: Tensor, key_len: int, is_causal: bool, ours: str) -> route.Deci
                                     torch_default=DENSE_PRIOR), q.device, ours)
 
 
-# The rows measured on GPUs and at the SDPA door, newest first (``route.parse_rows``).
+# The rows measured on GPUs, on CPUs and at the SDPA door, newest first (``route.parse_rows``).
 MEASURED = """
+# CPU, a decoding step over a KV cache (cases.decode_tune: Lq 1, B 32, H 8 / 8 KV heads, D 64, caches of 16, 128 and
+# 1024 keys, the new key appended), ours against torch's path (torch_paths.kvcache_sdpa): PYTHONPATH=. python -m
+# fused_transformer tune --device cpu --budget 300 (ATEN_CPU_CAPABILITY=avx2 for cpu-avx2-t2) at c0c2d0e, AMD EPYC,
+# 2 threads, torch 2.13, a machine shared with other work. At 16 keys in float32 the row is the noise's: a second
+# tune gave 0.99 there, the series' own measure run alone four times 1.43-1.51.
+attention_with_kvcache  forward  cpu-avx512-t2  float32   64  none  no  functional  0..45  0.93       -  CPU tune c0c2d0e 2026-12-07
+attention_with_kvcache  forward  cpu-avx512-t2  float32   64  none  no  functional  45..   1.00-1.54  -  CPU tune c0c2d0e 2026-12-07
+attention_with_kvcache  forward  cpu-avx512-t2  bfloat16  64  none  no  functional  *      1.16-2.18  -  CPU tune c0c2d0e 2026-12-07
+attention_with_kvcache  forward  cpu-avx2-t2    float32   64  none  no  functional  *      1.00-1.49  -  CPU tune c0c2d0e 2026-12-07
+attention_with_kvcache  forward  cpu-avx2-t2    bfloat16  64  none  no  functional  *      2.25-4.73  -  CPU tune c0c2d0e 2026-12-07
 # H200, torch 2.11 + cuDNN 9.19, triton 3.6, bfloat16; bench --device cuda:0 --quick (16k tokens a batch, L 1024
 # and 4096): SDPA picks cuDNN. cuDNN's backward is taken as not deterministic until gpu-check measures it.
 attention     forward   H200           bfloat16          64,128    none,causal  no       *           *               0.55-0.79  -          H200 bench --quick bdb1535 2026-11-28
