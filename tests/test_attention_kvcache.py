@@ -290,3 +290,140 @@ def test_a_step_with_new_keys_compiles_whole_and_writes_what_eager_writes(backen
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     expected = from_scratch(q, *caches[0], table, lengths + 3, softcap=4.0)
     assert (want.cpu().double() - expected).abs().max().item() < 1e-4
+
+
+# ------------------------------------------------------------------------------------------- torch's path
+
+def _garbage_past(k_cache, v_cache, lengths):
+    """Large finite values in every cache slot past each sequence's keys: SDPA's bool mask multiplies a masked value
+    by 0, so NaN there would be NaN in the output even unread; a slot read by mistake shows as a wrong result."""
+    g = torch.Generator().manual_seed(5)
+    for b, n in enumerate(lengths.tolist()):
+        for cache in (k_cache, v_cache):
+            rest = cache[b, n:]
+            rest.copy_((torch.randn(rest.shape, generator=g, dtype=torch.float64) * 1e4).to(cache.dtype))
+
+
+TORCH_PATH_CASES = {  # (lq, heads, kv_heads, lengths before the append, new keys, is_causal)
+    "decode": (1, 4, 4, 9, 1, True),  # an int: every sequence alike, no mask
+    "decode_ragged": (1, 4, 4, [9, 0, 31], 1, True),
+    "chunk": (5, 4, 4, [9, 0, 31], 5, True),
+    "gqa": (3, 8, 2, [12, 4, 30], 3, True),
+    "not_causal": (3, 4, 2, [12, 0, 30], 2, False),
+    "no_new_keys": (2, 4, 4, [12, 7, 30], 0, True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(TORCH_PATH_CASES))
+def test_torch_path_matches_the_reference(case, dtype):
+    """``kvcache_torch_path`` (the route's torch path from the public arguments): the new keys written where ours
+    writes them and nothing else, and the output the float64 reference's, within twice PyTorch's own error in float32
+    and bfloat16."""
+    from fused_transformer.ops.attention.torch_paths import kvcache_torch_path
+
+    lq, heads, kv_heads, given, new, is_causal = TORCH_PATH_CASES[case]
+    batch, dim, capacity = 3, 16, 40
+    g = torch.Generator().manual_seed(len(case))
+    lengths = torch.tensor(given if isinstance(given, list) else [given] * batch, dtype=torch.int32)
+    k_cache, v_cache, _ = make_cache(batch, capacity, kv_heads, dim, dtype=dtype, seed=len(case))
+    _garbage_past(k_cache, v_cache, lengths + new)
+    q = torch.randn(batch, lq, heads, dim, generator=g, dtype=torch.float64).to(dtype)
+    k_new = v_new = None
+    if new:
+        k_new, v_new = (torch.randn(batch, new, kv_heads, dim, generator=g, dtype=torch.float64).to(dtype)
+                        for _ in range(2))
+    before = k_cache.clone(), v_cache.clone()
+    out = kvcache_torch_path(q, k_cache, v_cache, cache_seqlens=given if isinstance(given, int) else lengths,
+                             k_new=k_new, v_new=v_new, is_causal=is_causal)
+    after = lengths + new
+    for b in range(batch):
+        n, m = int(lengths[b]), int(after[b])
+        for cache, old, written in ((k_cache, before[0], k_new), (v_cache, before[1], v_new)):
+            assert torch.equal(cache[b, :n], old[b, :n]) and torch.equal(cache[b, m:], old[b, m:])
+            if new:
+                assert torch.equal(cache[b, n:m], written[b])
+    expected = from_scratch(q, k_cache, v_cache, None, after, is_causal=is_causal)
+    assert out.shape == q.shape and out.dtype == dtype
+    if dtype == torch.float64:
+        assert (out - expected).abs().max().item() < 1e-12
+        return
+    spec = attention_contract.kvcache_spec(dim, is_causal, None, None, None)
+    baseline, _ = reference.attention_with_kvcache(q, ft.contract.KVCache(k_cache, v_cache, after, None),
+                                                   ft.contract.NO_SCORE_MODS, None, spec)  # PyTorch's own dtype
+    assert_close_to_reference(out, expected, baseline)
+
+
+def _kvcache_rows(speedup):
+    return ft.route.parse_rows(f"attention_with_kvcache  forward  *  *  *  *  *  *  *  {speedup}  -  synthetic")
+
+
+@pytest.fixture
+def routed_by(monkeypatch):
+    """``routed_by(rows)``: the route table of every device is ``rows`` until the test ends."""
+    def use(rows):
+        monkeypatch.setattr(ft.route, "_with_tuned", lambda device_type, index: tuple(rows))
+        ft.route.forget_tuned()
+    yield use
+    monkeypatch.undo()
+    ft.route.forget_tuned()
+
+
+def _kvcache_call(q, k_cache, v_cache, lengths, host, new_len, block_table=None, window=None, softcap=None,
+                  sinks=None, return_lse=False):
+    from fused_transformer.ops.attention import facts
+
+    cache = ft.contract.KVCache(k_cache, v_cache, lengths, block_table)
+    spec = attention_contract.kvcache_spec(q.shape[-1], True, window, None, None)
+    mods = attention_contract.score_mods(q, q.shape[0], q.shape[2], softcap, None)
+    return facts.kvcache_call(q, cache, host, new_len, mods, sinks, spec, return_lse)
+
+
+@pytest.mark.skipif(CPU_UNAVAILABLE is not None, reason=str(CPU_UNAVAILABLE))
+def test_the_route_sends_a_kvcache_call_where_its_row_says():
+    """A decoding step goes to torch's path under a row where torch wins, to ours under one where ours wins and
+    without a row; calls the path does not compute as ours stay ours whatever the row."""
+    k_cache, v_cache, table = make_cache(2, 32, 2, 8, 8)
+    q = torch.randn(2, 1, 4, 8)
+    lengths = torch.tensor([3, 20], dtype=torch.int32)
+    torch_wins, ours_wins = _kvcache_rows("0.60"), _kvcache_rows("1.30")
+    call = _kvcache_call(q, k_cache[:2], v_cache[:2], lengths, [3, 20], 1)
+    assert call.torch_cannot == "" and call.size == 21 and call.mask == "none"
+    assert ft.route.decide(call, "auto", "cpu", torch_wins).backend == "torch"
+    assert ft.route.decide(call, "auto", "cpu", ours_wins).backend == "cpu"
+    assert ft.route.decide(call, "auto", "cpu", []).backend == "cpu"
+    refused = {
+        "paged": _kvcache_call(q, k_cache, v_cache, lengths, [3, 20], 1, block_table=table),
+        "unread": _kvcache_call(q, k_cache[:2], v_cache[:2], lengths, None, 1),
+        "window": _kvcache_call(q, k_cache[:2], v_cache[:2], lengths, [3, 20], 1, window=(4, 0)),
+        "no key": _kvcache_call(torch.randn(2, 3, 4, 8), k_cache[:2], v_cache[:2], lengths, [1, 20], 1),
+        "softcap": _kvcache_call(q, k_cache[:2], v_cache[:2], lengths, [3, 20], 1, softcap=2.0),
+        "sinks": _kvcache_call(q, k_cache[:2], v_cache[:2], lengths, [3, 20], 1, sinks=torch.zeros(4)),
+        "lse": _kvcache_call(q, k_cache[:2], v_cache[:2], lengths, [3, 20], 1, return_lse=True),
+    }
+    for why, refused_call in refused.items():
+        got = ft.route.decide(refused_call, "auto", "cpu", torch_wins)
+        assert got.backend == "cpu" and "torch's path does not serve" in got.reason, (why, got)
+
+
+@pytest.mark.skipif(CPU_UNAVAILABLE is not None, reason=str(CPU_UNAVAILABLE))
+@pytest.mark.parametrize("lengths", [7, [7, 0, 25]])
+def test_a_step_routed_to_torch_writes_and_returns_what_ours_does(routed_by, lengths):
+    """The whole call under each row: torch's path runs where the row says so (``explain``), writes the caches as
+    ours writes them, bit for bit, and returns ours' output to round-off."""
+    g = torch.Generator().manual_seed(41)
+    k_cache, v_cache, _ = make_cache(3, 32, 2, 16, seed=41)
+    cache_seqlens = lengths if isinstance(lengths, int) else torch.tensor(lengths, dtype=torch.int32)
+    q, k_new, v_new = (torch.randn(3, 2, n, 16, generator=g) for n in (4, 2, 2))
+    results = {}
+    for speedup in ("0.60", "1.30"):
+        routed_by(_kvcache_rows(speedup))
+        caches = k_cache.clone(), v_cache.clone()
+        with ft.explain() as calls:
+            out = ft.attention_with_kvcache(q, *caches, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new)
+        results[calls[-1].backend] = out, caches
+    assert sorted(results) == ["cpu", "torch"]
+    (theirs, their_caches), (ours, our_caches) = results["torch"], results["cpu"]
+    assert torch.equal(their_caches[0], our_caches[0]) and torch.equal(their_caches[1], our_caches[1])
+    assert not torch.equal(our_caches[0], k_cache)
+    torch.testing.assert_close(theirs, ours, atol=2e-6, rtol=0)

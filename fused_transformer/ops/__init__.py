@@ -48,6 +48,7 @@ class TuneSeries:
     examples: Tuple[Example, ...]
     head_dim: str = "*"
     mask: str = "*"
+    passes: Tuple[str, ...] = ("forward", "training")  # forward only for an op without a backward
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """``python -m fused_transformer tune``: measure the route table's rows on this machine (fused_transformer/route.py).
 
 For each registered op (``fused_transformer.ops``: the series of its ``Op.tune``, none named here), dtype, mask or
-dropout, and pass (forward without gradients; forward + backward), ours (the backend of the device, named) and
-torch's path (``Op.torch_path``: SDPA, ATen's LayerNorm, ATen's Linear products) are timed side by side at a few
-sizes (``bench_timing.time_ms``); each size's speed-up (torch's time over ours) becomes a row whose size range reaches
-halfway, in log scale, to the next size measured, adjacent rows with the same winner merged. Training rows
+dropout, and pass (forward without gradients; forward + backward; ``TuneSeries.passes``: forward alone for an op
+without a backward), ours (the backend of the device, named) and torch's path (``Op.torch_path``: SDPA, ATen's
+LayerNorm, ATen's Linear products) are timed side by side at a few sizes (``bench_timing.time_ms``); each size's
+speed-up (torch's time over ours) becomes a row whose size range reaches halfway, in log scale, to the next size
+measured, adjacent rows with the same winner merged. Training rows
 say whether torch's backward gave bitwise equal gradients twice (``torch_det``). The rows go to the user's cache
 (``route.tuned_path``: one file per device, driver and versions), which the route reads before its built-in rows;
 a second run replaces them. ``--budget`` bounds the time (default 110 s: the cases measured when it runs out are
@@ -46,6 +47,8 @@ def _groups(device: torch.device, quick: bool) -> Iterator[Group]:
         for dtype in dtypes[:1] if quick else dtypes:
             for op in ops.registered():
                 for series in op.tune(device.type, dtype, quick):
+                    if passes not in series.passes:
+                        continue
                     yield Group(op.name, passes, dtype, series.head_dim, series.mask, series.dropout,
                                 tuple((example.size, example) for example in series.examples))
 

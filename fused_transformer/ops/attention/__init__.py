@@ -76,5 +76,5 @@ ATTENTION_WITH_KVCACHE = register(Op(
     work=cases.decode_work, throughput=("gb_per_s", "GB/s of cache read"), describe=cases.describe_decode,
     overhead=cases.KVCACHE_OVERHEAD, overhead_target={"fwd": None}, constants=("cache_seqlens",),
     float32=cases.FLOAT32_ARGUMENTS, baseline="sdpa", rivals=rivals.DecodeRivals(), bench_modes=("eval",),
-    variants=cases.DECODE_VARIANTS,
+    variants=cases.DECODE_VARIANTS, tune=cases.decode_tune,
 ))

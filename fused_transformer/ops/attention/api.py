@@ -15,7 +15,7 @@ import torch
 
 from ... import backend, reference, route
 from ...contract import NO_SCORE_MODS, AttentionMasks, KVCache, Window, autocast_all, autocast_dtype
-from . import contract, facts, function
+from . import contract, facts, function, torch_paths
 
 Tensor = torch.Tensor
 
@@ -257,7 +257,10 @@ def attention_with_kvcache(
                                                  k_cache.shape[1], known_length)
     if lengths.device != q.device:  # lengths the caller kept on the host, checked there: now the kernels' copy
         cache = cache._replace(lengths=lengths.to(q.device, non_blocking=True))
-    name = facts.decide_packed("attention_with_kvcache", q, cache.capacity, mods, sinks).backend
+    name = facts.decide_kvcache(q, cache, host_lengths, new_len, mods, sinks, spec, return_lse).backend
+    if name == "torch":  # no LSE: the route refuses torch's path where it is asked for
+        with _autocast_off(q, cast):
+            return torch_paths.kvcache_sdpa(q, cache, host_lengths, k_new, v_new, spec.is_causal, spec.scale)
     implementation = backend.ops(name).attention_with_kvcache
     new_keys = ()
     if new_len and getattr(implementation, "appends_new_keys", False):

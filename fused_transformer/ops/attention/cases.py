@@ -322,6 +322,17 @@ def tune(device_type: str, dtype: torch.dtype, quick: bool) -> Tuple[TuneSeries,
     return tuple(series)
 
 
+def decode_tune(device_type: str, dtype: torch.dtype, quick: bool) -> Tuple[TuneSeries, ...]:
+    """``attention_with_kvcache``'s decoding step (one query per sequence, the new key appended, no mask), forward only:
+    caches of 16, 128 and 1024 keys with B 32 on the CPU, 128 to 8192 with B 128 on a GPU; H 8, D 64; quick: the
+    first size."""
+    gpu = device_type == "cuda"
+    sizes = (128, 1024, 8192) if gpu else (16, 128, 1024)
+    batch = 128 if gpu else 32
+    examples = tuple(decode_example(batch, size, 8, 8, 64) for size in (sizes[:1] if quick else sizes))
+    return (TuneSeries("no", examples, head_dim="64", mask="none", passes=("forward",)),)
+
+
 def weights_of_call(q: Tensor, k: Tensor, v: Tensor, **options: object) -> Tuple[Tensor, Tensor, Tensor]:
     """An ``attention`` call returning its LSE, then ``attention_weights`` from that LSE: ``(weights, lse, out)``."""
     from .api import attention, attention_weights

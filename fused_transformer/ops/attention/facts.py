@@ -2,29 +2,35 @@
 and the rows measured on GPUs and at torch's SDPA door.
 
 Dense ``attention``'s size is its keys per sequence; ``attention_varlen``'s the longest sequence's keys and
-``attention_with_kvcache``'s the keys a sequence's cache holds (``SIZE_OF``). torch's path (SDPA) computes a dense call
-without masks but ``is_causal`` (top-left, or as many queries as keys), without dropout, score modifiers, sinks or the
-LSE (grouped-query heads: ``enable_gqa``); packed sequences and KV caches have no torch op on every device. A traced call
-(torch.compile, torch.export) runs ours: one custom op, the same graph on every GPU.
+``attention_with_kvcache``'s the keys the longest sequence attends, the new ones included (the cache's capacity where
+the lengths are not read) (``SIZE_OF``). torch's path (SDPA) computes a dense call without masks but ``is_causal``
+(top-left, or as many queries as keys), without dropout, score modifiers, sinks or the LSE (grouped-query heads:
+``enable_gqa``); packed sequences have no torch op on every device. A KV-cache call on a contiguous cache whose lengths
+the host holds, without a window, and where every query sees a key, is SDPA over the cache after the append, with a
+bool mask (``torch_paths.kvcache_sdpa``; ``kvcache_refusal`` says why not elsewhere). A traced call (torch.compile,
+torch.export) runs ours: one custom op, the same graph on every GPU.
 """
 from __future__ import annotations
 
-from typing import FrozenSet, Optional
+from typing import FrozenSet, Optional, Sequence
 
 import torch
 
 from ... import route
-from ...contract import NO_SCORE_MODS, AttentionMasks, AttentionSpec, ScoreMods
+from ...contract import NO_SCORE_MODS, AttentionMasks, AttentionSpec, KVCache, KVCacheSpec, ScoreMods
 
 Tensor = torch.Tensor
 
 SIZE_OF = {"attention": "keys per sequence", "attention_varlen": "longest sequence's keys",
-           "attention_with_kvcache": "keys in the cache"}
+           "attention_with_kvcache": "keys the longest sequence attends"}
 _TRACED = "a traced call (ours there: one custom op, the same graph on every device)"
 _PACKED = "packed sequences or a KV cache (no torch op for them on every device)"
 _WEIGHTS = "the weights of an LSE (no torch op computes them)"
 _CAPPED = frozenset({"capped weights"})
 _NO_TORCH_KERNEL = "this op on this device"  # at the SDPA door: varlen_attn's ops on the CPU
+_PAGED = "a paged KV cache (SDPA reads no block table)"
+_UNREAD = "cache lengths the host does not hold (unread, a query might see no key: SDPA's NaN, our zeros)"
+_KEYLESS = "a query with no key (SDPA gives NaN where ours gives zeros)"
 
 
 # The widest heads the Triton kernels take (kernels/attention/configs.py MAX_HEAD_DIM): beyond them a call needs a
@@ -118,10 +124,55 @@ def call(q: Tensor, k: Tensor, v: Tensor, masks: Optional[AttentionMasks], spec:
 
 def decide_packed(op: str, q: Tensor, max_keys: int, mods: ScoreMods, sinks: Optional[Tensor],
                   needs_grad: bool = False) -> route.Decision:
-    """Who runs ``attention_varlen`` or ``attention_with_kvcache`` (``op``) on queries ``q`` (head dim last)."""
-    return route.choose(route.Call(op, route.device_tag(q.device), q.dtype, head_dim=q.shape[-1],
-                                   size=route.size(max_keys), needs_grad=needs_grad, needs=needs(mods, sinks, q),
-                                   torch_cannot=_PACKED), q.device)
+    """Who runs ``attention_varlen`` (``op``) on queries ``q`` (head dim last): ours (``_PACKED``)."""
+    return route.choose(packed_call(op, q, max_keys, mods, sinks, needs_grad), q.device)
+
+
+def packed_call(op: str, q: Tensor, max_keys: int, mods: ScoreMods, sinks: Optional[Tensor], needs_grad: bool = False,
+                *, mask: str = "none", needs_lse: bool = False, torch_cannot: str = _PACKED) -> route.Call:
+    """The ``route.Call`` of ``attention_varlen`` or ``attention_with_kvcache`` (``op``) on queries ``q`` (head dim
+    last); ``torch_cannot``: why torch's path does not serve it ("": it does; ``kvcache_refusal``)."""
+    return route.Call(op, route.device_tag(q.device), q.dtype, head_dim=q.shape[-1], mask=mask,
+                      size=route.size(max_keys), needs_grad=needs_grad, needs_lse=needs_lse,
+                      needs=needs(mods, sinks, q), torch_cannot=torch_cannot)
+
+
+def kvcache_refusal(q: Tensor, cache: KVCache, host_lengths: Optional[Sequence[int]], new_len: int,
+                    spec: KVCacheSpec) -> str:
+    """Why torch's path of ``attention_with_kvcache`` (``torch_paths.kvcache_sdpa``) does not compute a call as ours
+    does, "" where it does: ``q [B, Lq, H, D]``, ``cache`` before the append, ``host_lengths`` its lengths as the host
+    holds them (None: unread), ``new_len`` the keys appended. Score modifiers, sinks and the LSE the route refuses
+    itself (``route.torch_refuses``)."""
+    if torch.compiler.is_compiling():
+        return _TRACED
+    if cache.block_table is not None:
+        return _PAGED
+    if host_lengths is None:
+        return _UNREAD
+    if q.numel() == 0 or cache.k.shape[-1] == 0:
+        return "empty dims"
+    if spec.window is not None:
+        return "a window (SDPA's mask would cost a dense one, and rows left without a key differ)"
+    if min(host_lengths) + new_len < (q.shape[1] if spec.is_causal else 1):
+        return _KEYLESS
+    return ""
+
+
+def kvcache_call(q: Tensor, cache: KVCache, host_lengths: Optional[Sequence[int]], new_len: int, mods: ScoreMods,
+                 sinks: Optional[Tensor], spec: KVCacheSpec, needs_lse: bool) -> route.Call:
+    """The ``route.Call`` of an ``attention_with_kvcache`` call (``kvcache_refusal``'s arguments): its size the keys
+    the longest sequence attends (the capacity where the host holds no lengths), its mask causal where more than one
+    query each sequence has."""
+    size = max(host_lengths) + new_len if host_lengths else cache.capacity
+    mask = "other" if spec.window is not None else ("causal" if spec.is_causal and q.shape[1] > 1 else "none")
+    return packed_call("attention_with_kvcache", q, size, mods, sinks, mask=mask, needs_lse=needs_lse,
+                       torch_cannot=kvcache_refusal(q, cache, host_lengths, new_len, spec))
+
+
+def decide_kvcache(q: Tensor, cache: KVCache, host_lengths: Optional[Sequence[int]], new_len: int, mods: ScoreMods,
+                   sinks: Optional[Tensor], spec: KVCacheSpec, needs_lse: bool) -> route.Decision:
+    """Who runs an ``attention_with_kvcache`` call (``kvcache_call``)."""
+    return route.choose(kvcache_call(q, cache, host_lengths, new_len, mods, sinks, spec, needs_lse), q.device)
 
 
 def weights_call(q: Tensor, k: Tensor, softcap: Optional[float]) -> route.Call:
@@ -149,8 +200,18 @@ def sdpa_door(q: Tensor, key_len: int, is_causal: bool, ours: str, torch_keeps: 
                                     torch_keeps=torch_keeps, torch_default=DENSE_PRIOR), q.device, ours)
 
 
-# The rows measured on GPUs and at the SDPA door, newest first (``route.parse_rows``).
+# The rows measured on GPUs, on CPUs and at the SDPA door, newest first (``route.parse_rows``).
 MEASURED = """
+# CPU, a decoding step over a KV cache (cases.decode_tune: Lq 1, B 32, H 8 / 8 KV heads, D 64, caches of 16, 128 and
+# 1024 keys, the new key appended), ours against torch's path (torch_paths.kvcache_sdpa): PYTHONPATH=. python -m
+# fused_transformer tune --device cpu --budget 300 (ATEN_CPU_CAPABILITY=avx2 for cpu-avx2-t2) at c0c2d0e, AMD EPYC,
+# 2 threads, torch 2.13, a machine shared with other work. At 16 keys in float32 the row is the noise's: a second
+# tune gave 0.99 there, the series' own measure run alone four times 1.43-1.51.
+attention_with_kvcache  forward  cpu-avx512-t2  float32   64  none  no  functional  0..45  0.93       -  CPU tune c0c2d0e 2026-12-07
+attention_with_kvcache  forward  cpu-avx512-t2  float32   64  none  no  functional  45..   1.00-1.54  -  CPU tune c0c2d0e 2026-12-07
+attention_with_kvcache  forward  cpu-avx512-t2  bfloat16  64  none  no  functional  *      1.16-2.18  -  CPU tune c0c2d0e 2026-12-07
+attention_with_kvcache  forward  cpu-avx2-t2    float32   64  none  no  functional  *      1.00-1.49  -  CPU tune c0c2d0e 2026-12-07
+attention_with_kvcache  forward  cpu-avx2-t2    bfloat16  64  none  no  functional  *      2.25-4.73  -  CPU tune c0c2d0e 2026-12-07
 # H200, torch 2.11 + cuDNN 9.19, triton 3.6, bfloat16; bench --device cuda:0 --quick (16k tokens a batch, L 1024
 # and 4096): SDPA picks cuDNN. cuDNN's backward is taken as not deterministic until gpu-check measures it.
 attention     forward   H200           bfloat16          64,128    none,causal  no       *           *               0.55-0.79  -          H200 bench --quick bdb1535 2026-11-28

@@ -4,10 +4,13 @@ SDPA gives NaN where ``attention`` gives zeros.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from ...contract import KVCache
+from ...reference import append_to_cache
 
 Tensor = torch.Tensor
 
@@ -82,30 +85,43 @@ def _same_sequence(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, tq: int, tk: int,
     return mask
 
 
+def kvcache_sdpa(q: Tensor, cache: KVCache, host_lengths: Sequence[int], k_new: Optional[Tensor],
+                 v_new: Optional[Tensor], is_causal: bool, scale: Optional[float]) -> Tensor:
+    """torch's path of a routed ``attention_with_kvcache`` call on a contiguous ``cache`` (before the append, its
+    lengths on q's device; ``host_lengths`` the same lengths as the host holds them, one for every sequence where they
+    are all equal): ``k_new`` / ``v_new`` written in place at each sequence's end (``reference.append_to_cache``),
+    then SDPA over the keys the longest sequence uses, a bool mask keeping each sequence's own keys and, causal, the
+    keys up to its queries (aligned bottom-right); without a mask where every sequence holds as many keys and one
+    query each. Every query must see a key (``facts.kvcache_refusal``): SDPA gives NaN where ours gives zeros."""
+    new_len = 0 if k_new is None else k_new.shape[1]
+    uniform = min(host_lengths) == max(host_lengths)
+    if new_len:
+        if uniform and cache.uniform_length is None:
+            cache = cache._replace(uniform_length=host_lengths[0])  # the append is then a slice
+        cache = append_to_cache(cache, k_new, v_new)
+    used, lq = max(host_lengths) + new_len, q.shape[1]
+    keys, values = cache.k[:, :used].transpose(1, 2), cache.v[:, :used].transpose(1, 2)  # [B, Hkv, used, D]
+    mask = None
+    if not uniform or (is_causal and lq > 1):
+        ends = cache.lengths.to(torch.int64)[:, None, None, None]  # [B, 1, 1, 1]: each sequence's keys
+        key_at = torch.arange(used, device=q.device)
+        mask = key_at < ends  # [B, 1, 1, used]
+        if is_causal:
+            mask = mask & (key_at <= ends - lq + torch.arange(lq, device=q.device)[:, None])  # [B, 1, Lq, used]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[2] != keys.shape[1])
+    return out.transpose(1, 2)
+
+
 def kvcache_torch_path(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: object,
                        k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None, is_causal: bool = True,
                        scale: Optional[float] = None) -> Tensor:
-    """``attention_with_kvcache`` on a contiguous cache as SDPA computes it: the new keys and values written into the
-    cache, then SDPA over the keys in use (a slice where every sequence holds as many, else a mask), the queries
-    aligned bottom-right."""
-    batch, lq = q.shape[:2]
-    lengths = [cache_seqlens] * batch if isinstance(cache_seqlens, int) else cache_seqlens.tolist()
-    new = 0 if k_new is None else k_new.shape[1]
-    if new:
-        for b, n in enumerate(lengths):
-            k_cache[b, n:n + new] = k_new[b]
-            v_cache[b, n:n + new] = v_new[b]
-    used = max(lengths) + new
-    keys, values = k_cache[:, :used].transpose(1, 2), v_cache[:, :used].transpose(1, 2)
-    query = q.transpose(1, 2)
-    mask = None
-    if min(lengths) != max(lengths) or (is_causal and lq > 1):
-        ends = torch.tensor(lengths, device=q.device)[:, None, None, None] + new
-        key_at = torch.arange(used, device=q.device)
-        query_at = ends - lq + torch.arange(lq, device=q.device)[None, None, :, None]
-        mask = key_at < ends
-        if is_causal:
-            mask = mask & (key_at <= query_at)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
-                                         enable_gqa=q.shape[2] != k_cache.shape[2])
-    return out.transpose(1, 2)
+    """``attention_with_kvcache`` on a contiguous cache as the route's torch path computes it (``kvcache_sdpa``), from
+    the public call's arguments (``cache_seqlens`` an int or a host tensor)."""
+    batch = q.shape[0]
+    if isinstance(cache_seqlens, int):
+        host, lengths = [cache_seqlens], torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        host, lengths = cache_seqlens.tolist(), cache_seqlens.to(q.device)
+    cache = KVCache(k_cache, v_cache, lengths, None, cache_seqlens if isinstance(cache_seqlens, int) else None)
+    return kvcache_sdpa(q, cache, host, k_new, v_new, is_causal, scale)
