@@ -344,7 +344,17 @@ def gpu_facts(props) -> DeviceFacts:
 
 def cpu_facts(threads: Optional[int] = None, isa: Optional[str] = None) -> DeviceFacts:
     """``DeviceFacts`` of this CPU: the instruction set torch dispatches on (``ATEN_CPU_CAPABILITY`` lowers it) and
-    the threads it runs on (default: now)."""
+    the threads it runs on (default: now); both given, that CPU's. ``$FUSED_TRANSFORMER_ROUTE_CPU``
+    (``cpu-<isa>-t<threads>``) routes this CPU's calls as that CPU's instead: the tests name one no row was measured
+    on, so that what they check does not rest on the CPU they run on."""
+    if threads is None and isa is None:
+        named = os.environ.get("FUSED_TRANSFORMER_ROUTE_CPU")
+        match = re.fullmatch(r"cpu-([a-z0-9_]+)-t(\d+)", named) if named else None
+        if named and match is None:
+            raise ValueError(f"FUSED_TRANSFORMER_ROUTE_CPU={named!r}: expected cpu-<instruction set>-t<threads>, "
+                             "e.g. cpu-avx512-t2")
+        if match:
+            return cpu_facts(int(match[2]), match[1])
     isa = (torch.backends.cpu.get_cpu_capability() if isa is None else isa).lower()
     threads = torch.get_num_threads() if threads is None else threads
     return DeviceFacts(f"cpu-{isa}-t{threads}", "cpu", isa=isa, threads=threads)
@@ -438,7 +448,7 @@ def _cpu_tag() -> str:
     threads = torch.get_num_threads()
     found = _CPU_TAGS.get(threads)
     if found is None:
-        found = _CPU_TAGS[threads] = cpu_facts(threads).tag
+        found = _CPU_TAGS[threads] = cpu_facts().tag
     return found
 
 

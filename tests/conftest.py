@@ -11,6 +11,9 @@ if not torch.cuda.is_available():
 # Route rows a developer's `tune` left in the user's cache would change which path the tests' calls take: the tests
 # read none (tests/test_route.py writes its own into temporary folders).
 os.environ["FUSED_TRANSFORMER_CACHE"] = tempfile.mkdtemp(prefix="fused_transformer_test_cache_")
+# Likewise the built-in CPU rows, measured on a few CPUs (route.MEASURED_DEVICES): the tests route this CPU's calls as
+# one nobody measured, so that they decide alike on every machine (tests/test_route.py checks the rows themselves).
+os.environ["FUSED_TRANSFORMER_ROUTE_CPU"] = "cpu-unmeasured-t1"
 
 import pytest  # noqa: E402
 

@@ -164,7 +164,7 @@ def test_tuned_rows_come_first_and_change_the_route(tuned_cache, monkeypatch):
     measured it faster, ours where they measured ours faster; a named backend still runs ours."""
     cpu = torch.device("cpu")
     ran = []
-    def sdpa(q, k, v, spec):
+    def sdpa(q, k, v, spec, alibi_slopes=None):
         ran.append("torch")
         return F.scaled_dot_product_attention(q, k, v, is_causal=spec.is_causal, scale=spec.scale)
     monkeypatch.setattr(attention_function, "sdpa", sdpa)
@@ -427,7 +427,7 @@ def test_unmeasured_gpus_send_dense_bfloat16_attention_to_torch(monkeypatch, nam
     assert got.backend == "triton"  # a mask torch's path does not compute as ours: ours, measured or not
 
 
-def test_cpu_rows_route_only_the_same_instruction_set_and_threads_near_theirs():
+def test_cpu_rows_route_only_the_same_instruction_set_and_threads_near_theirs(monkeypatch):
     rows = route.table()
     sdpa = Call("attention", "", torch.float32, door="sdpa", head_dim=64, mask="causal", size=512,
                 torch_default=attention_facts.DENSE_PRIOR)
@@ -442,7 +442,12 @@ def test_cpu_rows_route_only_the_same_instruction_set_and_threads_near_theirs():
         elif threads != 2:
             assert "prior from cpu-avx512-t2" in got.reason
         assert all(row.device == facts.tag for row in table if row.device != "*")
+    assert route.cpu_facts().tag == "cpu-unmeasured-t1"  # tests/conftest.py names it
+    monkeypatch.delenv("FUSED_TRANSFORMER_ROUTE_CPU")
     assert route.cpu_facts().tag == f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}-t{torch.get_num_threads()}"
+    monkeypatch.setenv("FUSED_TRANSFORMER_ROUTE_CPU", "avx512")
+    with pytest.raises(ValueError, match="FUSED_TRANSFORMER_ROUTE_CPU"):
+        route.cpu_facts()
     assert route.facts_of_tag("cpu-avx2-t16") == route.cpu_facts(16, "avx2")
     assert route.facts_of_tag("sm90") is None
 
