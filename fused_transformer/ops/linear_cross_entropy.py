@@ -393,23 +393,26 @@ def _work(example: Example, itemsize: int, backward: bool) -> Work:
                 * (3 if backward else 1))
 
 
-# tune --device cpu (EPYC AVX-512, 2 threads, torch 2.13): in bfloat16 the CPU's 16-bit GEMMs beat the float32
-# products the weight's gradient is summed in. float32 has no row: alone it measured 0.86-0.96x torch's path (two
-# runs), yet in a Llama training step, where torch's [tokens, vocab] logits cost their pages, the fused step ran
-# 1.03-1.06x transformers' own at 0.52-0.55x the memory (benchmarks/llama_memory.py): ours by default, for memory.
+# On the CPU, in float32 training ours measured 1.03-1.06x torch's path alone, and in a Llama training step, where
+# torch's [tokens, vocab] logits cost their pages, 1.03-1.06x transformers' own at 0.52-0.55x the memory
+# (benchmarks/llama_memory.py); where a row below says torch's path is faster (forward, small bfloat16 batches) it
+# runs torch's, whose logits then are whole.
 MEASURED = """
-linear_cross_entropy  training  cpu-avx512-t2  bfloat16          *         *            no       *           *               0.54-0.72  yes        CPU tune (EPYC AVX-512) 2026-12-07
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at c75bf14, 2 threads, torch 2.13,
-# on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2 paths).
-linear_cross_entropy  forward   cpu-avx512-t2  float32           *         *            no       functional  *               0.86-0.90  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-linear_cross_entropy  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  *               0.76-0.99  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-linear_cross_entropy  training  cpu-avx512-t2  float32           *         *            no       functional  *               0.86-0.97  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-linear_cross_entropy  training  cpu-avx512-t2  bfloat16          *         *            no       functional  0..724          0.63       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-linear_cross_entropy  training  cpu-avx512-t2  bfloat16          *         *            no       functional  724..           3.74       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-linear_cross_entropy  forward   cpu-avx2-t2    float32           *         *            no       functional  *               0.75-0.92  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-linear_cross_entropy  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.73-0.91  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-linear_cross_entropy  training  cpu-avx2-t2    float32           *         *            no       functional  *               0.82-1.00  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-linear_cross_entropy  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.58-0.71  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 244 s), 2 threads,
+# torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
+# paths), the machine otherwise idle.
+linear_cross_entropy  forward   cpu-avx512-t2  float32           *         *            no       functional  *               0.90-0.91  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+linear_cross_entropy  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  0..724          0.94       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+linear_cross_entropy  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  724..           1.01       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+linear_cross_entropy  training  cpu-avx512-t2  float32           *         *            no       functional  *               1.03-1.06  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+linear_cross_entropy  training  cpu-avx512-t2  bfloat16          *         *            no       functional  0..724          0.75       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+linear_cross_entropy  training  cpu-avx512-t2  bfloat16          *         *            no       functional  724..           1.03       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+linear_cross_entropy  forward   cpu-avx2-t2    float32           *         *            no       functional  0..724          1.29       -          CPU tune bf4c3dd (avx2) 2026-12-07
+linear_cross_entropy  forward   cpu-avx2-t2    float32           *         *            no       functional  724..           0.88       -          CPU tune bf4c3dd (avx2) 2026-12-07
+linear_cross_entropy  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.87-0.97  -          CPU tune bf4c3dd (avx2) 2026-12-07
+linear_cross_entropy  training  cpu-avx2-t2    float32           *         *            no       functional  0..724          0.91       yes        CPU tune bf4c3dd (avx2) 2026-12-07
+linear_cross_entropy  training  cpu-avx2-t2    float32           *         *            no       functional  724..           1.03       yes        CPU tune bf4c3dd (avx2) 2026-12-07
+linear_cross_entropy  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.66-0.90  yes        CPU tune bf4c3dd (avx2) 2026-12-07
 """
 
 

@@ -78,25 +78,27 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: Optional[float] = 
         return norm.run(name, x, weight, None, residual, spec, _torch_run)
 
 
-# Measured with tune --device cpu (AMD EPYC, AVX-512, 2 threads, torch 2.13): the C++ kernel against F.rms_norm
-# without dropout, where the norms otherwise default to ATen's ops. Tuned rows of the user's own CPU come first.
+# The C++ kernel against F.rms_norm, with dropout and without (where the norms otherwise default to ATen's ops).
+# Tuned rows of the user's own CPU come first.
 MEASURED = """
-rms_norm      forward   cpu-avx512-t2  float32           *         *            no       *           262144..        1.24-2.97  -          CPU tune (EPYC AVX-512) 2026-12-07
-rms_norm      training  cpu-avx512-t2  float32           *         *            no       *           *               1.01-2.41  yes        CPU tune (EPYC AVX-512) 2026-12-07
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at c75bf14, 2 threads, torch 2.13,
-# on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2 paths).
-rms_norm      forward   cpu-avx512-t2  float32           *         *            yes      functional  *               3.52-4.63  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-rms_norm      forward   cpu-avx512-t2  float32           *         *            no       functional  0..262144       0.98       -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-rms_norm      forward   cpu-avx512-t2  float32           *         *            no       functional  262144..        1.71-3.03  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-rms_norm      training  cpu-avx512-t2  float32           *         *            yes      functional  *               2.27-2.89  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-rms_norm      training  cpu-avx512-t2  float32           *         *            no       functional  *               2.82-4.32  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-rms_norm      forward   cpu-avx2-t2    float32           *         *            yes      functional  0..262144       0.73       -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-rms_norm      forward   cpu-avx2-t2    float32           *         *            yes      functional  262144..        2.46-5.06  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-rms_norm      forward   cpu-avx2-t2    float32           *         *            no       functional  0..262144       0.66       -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-rms_norm      forward   cpu-avx2-t2    float32           *         *            no       functional  262144..        1.34-3.35  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-rms_norm      training  cpu-avx2-t2    float32           *         *            yes      functional  *               1.31-3.44  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-rms_norm      training  cpu-avx2-t2    float32           *         *            no       functional  0..262144       0.42       yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-rms_norm      training  cpu-avx2-t2    float32           *         *            no       functional  262144..        1.15-2.85  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 244 s), 2 threads,
+# torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
+# paths), the machine otherwise idle.
+rms_norm      forward   cpu-avx512-t2  float32           *         *            yes      functional  0..4096         0.91       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+rms_norm      forward   cpu-avx512-t2  float32           *         *            yes      functional  4096..          4.36-4.59  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+rms_norm      forward   cpu-avx512-t2  float32           *         *            no       functional  0..4096         0.62       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+rms_norm      forward   cpu-avx512-t2  float32           *         *            no       functional  4096..          1.15-2.99  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+rms_norm      training  cpu-avx512-t2  float32           *         *            yes      functional  *               1.13-3.36  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+rms_norm      training  cpu-avx512-t2  float32           *         *            no       functional  0..4096         1.01       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+rms_norm      training  cpu-avx512-t2  float32           *         *            no       functional  4096..262144    0.91       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+rms_norm      training  cpu-avx512-t2  float32           *         *            no       functional  262144..        1.51-2.05  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+rms_norm      forward   cpu-avx2-t2    float32           *         *            yes      functional  0..4096         0.95       -          CPU tune bf4c3dd (avx2) 2026-12-07
+rms_norm      forward   cpu-avx2-t2    float32           *         *            yes      functional  4096..          3.59-4.82  -          CPU tune bf4c3dd (avx2) 2026-12-07
+rms_norm      forward   cpu-avx2-t2    float32           *         *            no       functional  0..4096         0.73       -          CPU tune bf4c3dd (avx2) 2026-12-07
+rms_norm      forward   cpu-avx2-t2    float32           *         *            no       functional  4096..          1.08-2.93  -          CPU tune bf4c3dd (avx2) 2026-12-07
+rms_norm      training  cpu-avx2-t2    float32           *         *            yes      functional  *               1.08-2.51  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+rms_norm      training  cpu-avx2-t2    float32           *         *            no       functional  0..262144       0.97       yes        CPU tune bf4c3dd (avx2) 2026-12-07
+rms_norm      training  cpu-avx2-t2    float32           *         *            no       functional  262144..        1.61-2.44  yes        CPU tune bf4c3dd (avx2) 2026-12-07
 """
 
 OP = register(norm.op_record("rms_norm", rms_norm, torch_path, reference, rms=True, measured=MEASURED))

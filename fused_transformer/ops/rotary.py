@@ -416,19 +416,17 @@ def _thin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tenso
 
 
 MEASURED = """
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at c75bf14, 2 threads, torch 2.13,
-# on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2 paths).
-apply_rotary_pos_emb  forward   cpu-avx512-t2  float32           *         *            no       functional  *               1.49-2.45  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-apply_rotary_pos_emb  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  *               1.12-1.86  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-apply_rotary_pos_emb  training  cpu-avx512-t2  float32           *         *            no       functional  0..10240        1.58-654.06  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-apply_rotary_pos_emb  training  cpu-avx512-t2  float32           *         *            no       functional  10240..         0.29       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-apply_rotary_pos_emb  training  cpu-avx512-t2  bfloat16          *         *            no       functional  0..1810         1.10       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-apply_rotary_pos_emb  training  cpu-avx512-t2  bfloat16          *         *            no       functional  1810..10240     0.52       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-apply_rotary_pos_emb  training  cpu-avx512-t2  bfloat16          *         *            no       functional  10240..         2.11       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-apply_rotary_pos_emb  forward   cpu-avx2-t2    float32           *         *            no       functional  *               1.25-2.08  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-apply_rotary_pos_emb  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  *               1.17-2.62  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-apply_rotary_pos_emb  training  cpu-avx2-t2    float32           *         *            no       functional  *               1.49-1.89  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-apply_rotary_pos_emb  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               1.19-2.84  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 244 s), 2 threads,
+# torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
+# paths), the machine otherwise idle.
+apply_rotary_pos_emb  forward   cpu-avx512-t2  float32           *         *            no       functional  *               1.53-4.48  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+apply_rotary_pos_emb  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  *               1.20-1.46  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx512-t2  float32           *         *            no       functional  *               1.51-1.92  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx512-t2  bfloat16          *         *            no       functional  *               1.43-1.74  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+apply_rotary_pos_emb  forward   cpu-avx2-t2    float32           *         *            no       functional  *               1.50-3.78  -          CPU tune bf4c3dd (avx2) 2026-12-07
+apply_rotary_pos_emb  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  *               1.23-1.52  -          CPU tune bf4c3dd (avx2) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx2-t2    float32           *         *            no       functional  *               1.65-2.00  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               1.43-1.58  yes        CPU tune bf4c3dd (avx2) 2026-12-07
 """
 
 

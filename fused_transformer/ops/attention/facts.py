@@ -202,16 +202,6 @@ def sdpa_door(q: Tensor, key_len: int, is_causal: bool, ours: str, torch_keeps: 
 
 # The rows measured on GPUs, on CPUs and at the SDPA door, newest first (``route.parse_rows``).
 MEASURED = """
-# CPU, a decoding step over a KV cache (cases.decode_tune: Lq 1, B 32, H 8 / 8 KV heads, D 64, caches of 16, 128 and
-# 1024 keys, the new key appended), ours against torch's path (torch_paths.kvcache_sdpa): PYTHONPATH=. python -m
-# fused_transformer tune --device cpu --budget 300 (ATEN_CPU_CAPABILITY=avx2 for cpu-avx2-t2) at c0c2d0e, AMD EPYC,
-# 2 threads, torch 2.13, a machine shared with other work. At 16 keys in float32 the row is the noise's: a second
-# tune gave 0.99 there, the series' own measure run alone four times 1.43-1.51.
-attention_with_kvcache  forward  cpu-avx512-t2  float32   64  none  no  functional  0..45  0.93       -  CPU tune c0c2d0e 2026-12-07
-attention_with_kvcache  forward  cpu-avx512-t2  float32   64  none  no  functional  45..   1.00-1.54  -  CPU tune c0c2d0e 2026-12-07
-attention_with_kvcache  forward  cpu-avx512-t2  bfloat16  64  none  no  functional  *      1.16-2.18  -  CPU tune c0c2d0e 2026-12-07
-attention_with_kvcache  forward  cpu-avx2-t2    float32   64  none  no  functional  *      1.00-1.49  -  CPU tune c0c2d0e 2026-12-07
-attention_with_kvcache  forward  cpu-avx2-t2    bfloat16  64  none  no  functional  *      2.25-4.73  -  CPU tune c0c2d0e 2026-12-07
 # H200, torch 2.11 + cuDNN 9.19, triton 3.6, bfloat16; bench --device cuda:0 --quick (16k tokens a batch, L 1024
 # and 4096): SDPA picks cuDNN. cuDNN's backward is taken as not deterministic until gpu-check measures it.
 attention     forward   H200           bfloat16          64,128    none,causal  no       *           *               0.55-0.79  -          H200 bench --quick bdb1535 2026-11-28
@@ -232,30 +222,87 @@ attention     *         cpu-avx512-t2  bfloat16,float16  *         none         
 attention     *         cpu-avx512-t2  bfloat16,float16  *         none         *        sdpa        1448..          1.05-1.23  -          CPU sdpa door fefb871 2026-12-06
 attention     *         cpu-avx512-t2  bfloat16,float16  *         causal       *        sdpa        128..362        0.72-0.91  -          CPU sdpa door fefb871 2026-12-06
 attention     *         cpu-avx512-t2  bfloat16,float16  *         causal       *        sdpa        362..           1.11-1.50  -          CPU sdpa door fefb871 2026-12-06
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at c75bf14, 2 threads, torch 2.13,
-# on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2 paths).
-attention     forward   cpu-avx512-t2  float32           64        none         no       functional  *               1.02-1.14  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-attention     forward   cpu-avx512-t2  float32           64        causal       no       functional  *               1.00-1.25  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-attention     forward   cpu-avx512-t2  bfloat16          64        none         no       functional  0..256          0.97       -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-attention     forward   cpu-avx512-t2  bfloat16          64        none         no       functional  256..           1.19-1.20  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-attention     forward   cpu-avx512-t2  bfloat16          64        causal       no       functional  0..256          0.84       -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-attention     forward   cpu-avx512-t2  bfloat16          64        causal       no       functional  256..           1.21-1.61  -          CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-attention     training  cpu-avx512-t2  float32           64        none         no       functional  *               1.17-1.34  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-attention     training  cpu-avx512-t2  float32           64        causal       no       functional  *               1.08-1.95  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-attention     training  cpu-avx512-t2  bfloat16          64        none         no       functional  *               0.82-0.97  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-attention     training  cpu-avx512-t2  bfloat16          64        causal       no       functional  0..1024         2.61-3.50  yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-attention     training  cpu-avx512-t2  bfloat16          64        causal       no       functional  1024..          0.65       yes        CPU tune c75bf14 (EPYC, AVX-512) 2026-12-07
-attention     forward   cpu-avx2-t2    float32           64        none         no       functional  0..1024         1.03-1.06  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-attention     forward   cpu-avx2-t2    float32           64        none         no       functional  1024..          0.89       -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-attention     forward   cpu-avx2-t2    float32           64        causal       no       functional  0..1024         0.82-0.86  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-attention     forward   cpu-avx2-t2    float32           64        causal       no       functional  1024..          1.28       -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-attention     forward   cpu-avx2-t2    bfloat16          64        none         no       functional  *               0.60-0.77  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-attention     forward   cpu-avx2-t2    bfloat16          64        causal       no       functional  *               0.21-0.94  -          CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-attention     training  cpu-avx2-t2    float32           64        none         no       functional  0..256          0.46       yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-attention     training  cpu-avx2-t2    float32           64        none         no       functional  256..           1.08-1.64  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-attention     training  cpu-avx2-t2    float32           64        causal       no       functional  *               1.05-2.65  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-attention     training  cpu-avx2-t2    bfloat16          64        none         no       functional  0..1024         1.12-1.13  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-attention     training  cpu-avx2-t2    bfloat16          64        none         no       functional  1024..          0.74       yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-attention     training  cpu-avx2-t2    bfloat16          64        causal       no       functional  0..256          0.99       yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
-attention     training  cpu-avx2-t2    bfloat16          64        causal       no       functional  256..           1.22-2.11  yes        CPU tune c75bf14 (EPYC, ATEN_CPU_CAPABILITY=avx2) 2026-12-07
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 244 s), 2 threads,
+# torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
+# paths), the machine otherwise idle.
+attention     forward   cpu-avx512-t2  float32           64        none         no       functional  0..45           0.59       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  float32           64        none         no       functional  45..            1.05-1.34  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  float32           64        causal       no       functional  0..45           0.56       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  float32           64        causal       no       functional  45..            1.18-1.39  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  float32           64        causal+alibi  no       functional  *               1.58-9.04  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  float32           32        none         no       functional  *               1.11-1.49  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  float32           32        causal       no       functional  0..45           0.68       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  float32           32        causal       no       functional  45..            1.05-1.55  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  float32           32        causal+alibi  no       functional  *               1.84-13.60  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention_with_kvcache  forward   cpu-avx512-t2  float32           64        none         no       functional  *               1.37-2.56  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  bfloat16          64        none         no       functional  0..256          0.40-0.91  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  bfloat16          64        none         no       functional  256..           1.22-1.30  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  bfloat16          64        causal       no       functional  0..256          0.40-0.83  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  bfloat16          64        causal       no       functional  256..           1.24-1.54  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  bfloat16          64        causal+alibi  no       functional  *               1.27-7.98  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  bfloat16          32        none         no       functional  0..45           0.49       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  bfloat16          32        none         no       functional  45..            1.09-1.28  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  bfloat16          32        causal       no       functional  0..256          0.45-0.68  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  bfloat16          32        causal       no       functional  256..           1.28-1.60  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx512-t2  bfloat16          32        causal+alibi  no       functional  *               1.42-12.19  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention_with_kvcache  forward   cpu-avx512-t2  bfloat16          64        none         no       functional  *               1.84-3.61  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  float32           64        none         no       functional  0..45           0.72       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  float32           64        none         no       functional  45..            1.02-1.36  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  float32           64        causal       no       functional  0..45           0.70       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  float32           64        causal       no       functional  45..            1.06-1.64  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  float32           64        causal+alibi  no       functional  0..45           0.90       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  float32           64        causal+alibi  no       functional  45..            1.27-4.64  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  float32           32        none         no       functional  0..45           0.74       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  float32           32        none         no       functional  45..            1.31-1.41  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  float32           32        causal       no       functional  0..256          0.69-0.93  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  float32           32        causal       no       functional  256..           1.47-1.58  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  float32           32        causal+alibi  no       functional  0..45           0.91       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  float32           32        causal+alibi  no       functional  45..            1.32-5.71  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  bfloat16          64        none         no       functional  0..1024         1.24-1.83  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  bfloat16          64        none         no       functional  1024..          0.96       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  bfloat16          64        causal       no       functional  *               1.09-1.66  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  bfloat16          64        causal+alibi  no       functional  *               1.33-3.79  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  bfloat16          32        none         no       functional  *               1.20-2.29  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  bfloat16          32        causal       no       functional  *               1.28-2.00  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     training  cpu-avx512-t2  bfloat16          32        causal+alibi  no       functional  *               1.49-4.72  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
+attention     forward   cpu-avx2-t2    float32           64        none         no       functional  0..45           0.66       -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    float32           64        none         no       functional  45..            1.11-1.45  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    float32           64        causal       no       functional  0..45           0.57       -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    float32           64        causal       no       functional  45..            1.26-1.83  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    float32           64        causal+alibi  no       functional  *               1.61-7.85  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    float32           32        none         no       functional  0..256          0.69-0.96  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    float32           32        none         no       functional  256..           1.03-1.05  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    float32           32        causal       no       functional  0..45           0.69       -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    float32           32        causal       no       functional  45..            1.25-1.82  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    float32           32        causal+alibi  no       functional  *               1.94-12.97  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention_with_kvcache  forward   cpu-avx2-t2    float32           64        none         no       functional  *               1.52-2.61  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    bfloat16          64        none         no       functional  0..256          0.43-0.92  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    bfloat16          64        none         no       functional  256..           1.11-1.17  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    bfloat16          64        causal       no       functional  0..45           0.38       -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    bfloat16          64        causal       no       functional  45..            1.10-1.81  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    bfloat16          64        causal+alibi  no       functional  *               1.34-5.04  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    bfloat16          32        none         no       functional  0..256          0.48-0.91  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    bfloat16          32        none         no       functional  256..           1.16-1.33  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    bfloat16          32        causal       no       functional  0..256          0.51-0.93  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    bfloat16          32        causal       no       functional  256..           1.37-2.00  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     forward   cpu-avx2-t2    bfloat16          32        causal+alibi  no       functional  *               1.39-7.98  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention_with_kvcache  forward   cpu-avx2-t2    bfloat16          64        none         no       functional  *               2.32-8.89  -          CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    float32           64        none         no       functional  0..45           0.60       yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    float32           64        none         no       functional  45..            1.06-1.19  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    float32           64        causal       no       functional  0..45           0.50       yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    float32           64        causal       no       functional  45..            1.25-2.13  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    float32           64        causal+alibi  no       functional  *               1.11-3.82  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    float32           32        none         no       functional  0..45           0.72       yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    float32           32        none         no       functional  45..            1.14-1.35  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    float32           32        causal       no       functional  0..45           0.73       yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    float32           32        causal       no       functional  45..            1.22-2.50  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    float32           32        causal+alibi  no       functional  *               1.17-4.84  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    bfloat16          64        none         no       functional  0..45           0.76       yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    bfloat16          64        none         no       functional  45..1024        1.10-1.65  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    bfloat16          64        none         no       functional  1024..          0.94       yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    bfloat16          64        causal       no       functional  *               1.18-1.89  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    bfloat16          64        causal+alibi  no       functional  *               1.36-2.63  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    bfloat16          32        none         no       functional  *               1.11-1.62  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    bfloat16          32        causal       no       functional  *               1.12-2.04  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+attention     training  cpu-avx2-t2    bfloat16          32        causal+alibi  no       functional  *               1.87-3.62  yes        CPU tune bf4c3dd (avx2) 2026-12-07
 """
