@@ -663,10 +663,10 @@ def module_verdicts(owner: dict) -> Dict[tuple, bool]:
 
 
 def state_key(device_type: str) -> tuple:
-    """What besides a call's tensors its ops' decisions rest on: grad mode, the backend chosen, determinism,
-    autocast and the CPU's threads."""
-    return (torch.is_grad_enabled(), backend.get_backend(), torch.are_deterministic_algorithms_enabled(),
-            torch.is_autocast_enabled(device_type), torch.get_num_threads())
+    """What besides a call's tensors its ops' decisions rest on most: grad mode, the backend chosen (a named one runs
+    ours) and autocast (the ops' dtypes). A verdict that outlives another fact (determinism asked for, the threads)
+    costs speed, never the result: torch.nn's forward computes the call either way."""
+    return torch.is_grad_enabled(), backend.get_backend(), torch.is_autocast_enabled(device_type)
 
 
 def describe(records: Iterable[Record]) -> str:

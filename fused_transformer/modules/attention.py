@@ -37,12 +37,12 @@ class MultiheadAttention(FusedTwin, nn.MultiheadAttention):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> Tuple[Tensor, Optional[Tensor]]:
-        if any_nested(query, key, value) or mixed_dtypes(self, self.out_proj):
-            route.ran_elsewhere(type(self).__name__, "module", "nested tensors or parameters of mixed dtypes")
+        if any_nested(query, key, value):
+            route.ran_elsewhere(type(self).__name__, "module", "nested tensors")
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
-        return self._fused_or_torch_nn(
-            tensor_key(query, key, value, key_padding_mask, attn_mask, self.in_proj_weight)
+        return self._fused_or_torch_nn(  # the modules' door first, as the layers'
+            tensor_key(query, key, value, key_padding_mask, attn_mask)
             + (need_weights, average_attn_weights, is_causal, self.training, query is key, key is value),
             query.device.type,
             lambda: self._fused(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
@@ -53,6 +53,10 @@ class MultiheadAttention(FusedTwin, nn.MultiheadAttention):
     def _fused(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor],
                need_weights: bool, attn_mask: Optional[Tensor], average_attn_weights: bool,
                is_causal: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        if mixed_dtypes(self, self.out_proj):
+            route.ran_elsewhere(type(self).__name__, "module", "parameters of mixed dtypes")
+            return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                   average_attn_weights, is_causal)
         # As torch.nn: with is_causal and nothing else to merge into it, attn_mask is dropped unread.
         mask_read = not (is_causal and key_padding_mask is None and not need_weights)
         batched = self._check_shapes(query, key, value, key_padding_mask, attn_mask if mask_read else None)

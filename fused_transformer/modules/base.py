@@ -67,7 +67,7 @@ def any_nested(*tensors: Optional[Tensor]) -> bool:
 def tensor_key(*args: object) -> tuple:
     """The facts of a call's arguments its ops' decisions rest on: a tensor's shape, dtype, device and whether it
     requires grad; any other argument itself (None, a bool)."""
-    return tuple((a.shape, a.dtype, a.device, a.requires_grad) if isinstance(a, Tensor) else a for a in args)
+    return tuple([(a.shape, a.dtype, a.device, a.requires_grad) if isinstance(a, Tensor) else a for a in args])
 
 
 class FusedTwin:

@@ -26,22 +26,23 @@ class LayerNorm(FusedTwin, nn.LayerNorm):
     """``torch.nn.LayerNorm`` computed by the fused ``layer_norm`` op (statistics in float32)."""
 
     def forward(self, input: Tensor) -> Tensor:
-        weight, bias = self.weight, self.bias
+        params = self._parameters  # not self.weight: nn.Module's __getattr__ costs half a microsecond a parameter
+        weight, bias = params["weight"], params["bias"]
         if input.is_nested or (weight is not None and bias is not None and weight.dtype != bias.dtype):
             route.ran_elsewhere(type(self).__name__, "module", "nested tensors or parameters of mixed dtypes")
             return super().forward(input)
+        # The key is the input's alone: a shape checked once is checked for every call with that key.
+        return self._fused_or_torch_nn((input.shape, input.dtype, input.device, input.requires_grad, self.training),
+                                       input.device.type, lambda: self._fused(input, weight, bias),
+                                       lambda: super(LayerNorm, self).forward(input))
+
+    def _fused(self, input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
         shape = self.normalized_shape
         dims = len(shape)
         if input.shape[input.dim() - dims:] != shape:
             raise InputShapeError(
                 f"input of shape {tuple(input.shape)} does not end in normalized_shape {list(shape)}"
             )
-        return self._fused_or_torch_nn(tensor_key(input, weight, bias), input.device.type,
-                                       lambda: self._fused(input), lambda: super(LayerNorm, self).forward(input))
-
-    def _fused(self, input: Tensor) -> Tensor:
-        weight, bias = self.weight, self.bias
-        dims = len(self.normalized_shape)
         if dims == 1:
             return ops.layer_norm(input, weight, bias, self.eps)
         weight = None if weight is None else weight.flatten()
@@ -200,20 +201,29 @@ class TransformerEncoderLayer(_FusedLayerMixin, nn.TransformerEncoderLayer):
         # stack writes them once at its end), so that every layer computes what torch.nn's does everywhere.
         if _packing is not None:
             return self._packed_forward(src, _packing, is_causal)
+        if any_nested(src, src_mask, src_key_padding_mask):
+            route.ran_elsewhere(type(self).__name__, "module", "nested tensors")
+            return super().forward(src, src_mask, src_key_padding_mask, is_causal)
+        # The modules' door first: a key whose first call ran torch's ops only skips the checks below (its checks
+        # passed then, and torch.nn's forward gives its own result whatever they would say now).
+        return self._fused_or_torch_nn(
+            tensor_key(src, src_mask, src_key_padding_mask) + (is_causal, self.training, _in_padded_stack),
+            src.device.type, lambda: self._fused(src, src_mask, src_key_padding_mask, is_causal, _in_padded_stack),
+            lambda: super(TransformerEncoderLayer, self).forward(src, src_mask, src_key_padding_mask, is_causal))
+
+    def _fused(self, src: Tensor, src_mask: Optional[Tensor], src_key_padding_mask: Optional[Tensor], is_causal: bool,
+               in_padded_stack: bool) -> Tensor:
         if not self._fuses(src, src_mask, src_key_padding_mask):
             route.ran_elsewhere(type(self).__name__, "module", "an input or a part it does not fuse")
             return super().forward(src, src_mask, src_key_padding_mask, is_causal)
         batch_first = self.self_attn.batch_first
         padding = src_key_padding_mask if fits_padding(src_key_padding_mask, src, batch_first) else None
-        causal = None if _in_padded_stack else self._packing_causal(src, src_mask, padding, is_causal)
+        causal = None if in_padded_stack else self._packing_causal(src, src_mask, padding, is_causal)
         if causal is not None:
             tokens, packing = pack(src, padding, batch_first)
             return unpack(self._packed_forward(tokens, packing, causal), packing)
-        zeros = None if _in_padded_stack else padding
-        return self._fused_or_torch_nn(
-            tensor_key(src, src_mask, src_key_padding_mask, self.linear1.weight) + (is_causal, self.training),
-            src.device.type, lambda: self._padded_forward(src, src_mask, src_key_padding_mask, is_causal, zeros),
-            lambda: super(TransformerEncoderLayer, self).forward(src, src_mask, src_key_padding_mask, is_causal))
+        return self._padded_forward(src, src_mask, src_key_padding_mask, is_causal,
+                                    None if in_padded_stack else padding)
 
     def _padded_forward(self, src: Tensor, src_mask: Optional[Tensor], src_key_padding_mask: Optional[Tensor],
                         is_causal: bool, padding: Optional[Tensor]) -> Tensor:
@@ -271,24 +281,30 @@ class TransformerDecoderLayer(_FusedLayerMixin, nn.TransformerDecoderLayer):
         # Private arguments as in TransformerEncoderLayer.forward: _packing holds the target's and the memory's.
         if _packing is not None:
             return self._packed_forward(tgt, memory, *_packing, tgt_is_causal)
-        if not self._fuses(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask):
+        masks = (tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal, memory_is_causal)
+        if any_nested(tgt, memory, *masks[:4]):
+            route.ran_elsewhere(type(self).__name__, "module", "nested tensors")
+            return super().forward(tgt, memory, *masks)
+        return self._fused_or_torch_nn(  # the modules' door first, as the encoder layer's
+            tensor_key(tgt, memory, *masks) + (self.training, _in_padded_stack), tgt.device.type,
+            lambda: self._fused(tgt, memory, *masks, in_padded_stack=_in_padded_stack),
+            lambda: super(TransformerDecoderLayer, self).forward(tgt, memory, *masks))
+
+    def _fused(self, tgt: Tensor, memory: Tensor, tgt_mask: Optional[Tensor], memory_mask: Optional[Tensor],
+               tgt_key_padding_mask: Optional[Tensor], memory_key_padding_mask: Optional[Tensor], tgt_is_causal: bool,
+               memory_is_causal: bool, in_padded_stack: bool) -> Tensor:
+        masks = (tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal, memory_is_causal)
+        if not self._fuses(tgt, memory, *masks[:4]):
             route.ran_elsewhere(type(self).__name__, "module", "an input or a part it does not fuse")
-            return super().forward(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
-                                   tgt_is_causal, memory_is_causal)
+            return super().forward(tgt, memory, *masks)
         batch_first = self.self_attn.batch_first
-        causal = None if _in_padded_stack else self._packing_causal(
-            tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal,
-            memory_is_causal)
+        causal = None if in_padded_stack else self._packing_causal(tgt, memory, *masks)
         if causal is not None:
             tokens, tgt_packing = pack(tgt, tgt_key_padding_mask, batch_first)
             memory_tokens, memory_packing = pack(memory, memory_key_padding_mask, batch_first)
             out = self._packed_forward(tokens, memory_tokens, tgt_packing, memory_packing, causal)
             return unpack(out, tgt_packing)
-        masks = (tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal, memory_is_causal)
-        return self._fused_or_torch_nn(
-            tensor_key(tgt, memory, *masks, self.linear1.weight) + (self.training,), tgt.device.type,
-            lambda: self._padded_forward(tgt, memory, *masks, zeroed=not _in_padded_stack),
-            lambda: super(TransformerDecoderLayer, self).forward(tgt, memory, *masks))
+        return self._padded_forward(tgt, memory, *masks, zeroed=not in_padded_stack)
 
     def _padded_forward(self, tgt: Tensor, memory: Tensor, tgt_mask: Optional[Tensor], memory_mask: Optional[Tensor],
                         tgt_key_padding_mask: Optional[Tensor], memory_key_padding_mask: Optional[Tensor],
