@@ -2,9 +2,9 @@
 for every op and every door (the functional ops and the modules above them, torch's SDPA registry, the transformers
 interface); the rest of the package asks ``decide`` and never decides itself.
 
-A call is described by ``Call``: the op, the door, the device (``"sm90"`` for a GPU of compute capability 9.0,
-``"cpu"``), dtype, head dim, what its mask is (``"none"``, ``"causal"``, or ``"other"`` for anything torch's path does
-not compute as ours does), dropout, the op's size (its ``Op.size_of``), whether
+A call is described by ``Call``: the op, the door, the device (its tag, ``DeviceFacts``: ``"H200"`` for a GPU by its
+model, ``"cpu-avx512-t2"`` for a CPU by instruction set and threads), dtype, head dim, what its mask is (``"none"``,
+``"causal"``, ``"alibi"``, ``"causal+alibi"``, or ``"other"`` for anything torch's path does not compute as ours does), dropout, the op's size (its ``Op.size_of``), whether
 it needs gradients and the LSE, whether the caller asked for deterministic algorithms, the features a backend must
 have for it (score modifiers, sinks) and the backends that compute the op at all (``Call.backends``). ``decide(call,
 choice, ours)`` is a pure function of it, the backend the user chose and the backend whose kernels serve the device;
@@ -41,9 +41,10 @@ The doors, and what each records in ``explain()`` (``Record.door``):
   ``"torch"`` for the kernel torch had, whether the route chose it or the call needs it (``torch_keeps``), whatever
   backend was named.
 
-The route table is text, one row a line (``parse_rows``): the rows measured on GPUs (each op's ``Op.measured``), after the rows
+The route table is text, one row a line (``parse_rows``), each naming the device it was measured on: the rows
 ``python -m fused_transformer tune`` measured on this machine (``tuned_rows``, kept in the user's cache keyed by
-device, driver and versions), which come first. A traced attention call (torch.compile, torch.export) runs ours:
+device, driver and versions) first, then the built-in rows of this device (each op's ``Op.measured``), then those of
+the nearest measured device as priors (``with_priors``, ``nearest``; docs/route.md). A traced attention call (torch.compile, torch.export) runs ours:
 one custom op, the same graph on every GPU. The forward's decision is the backward's (autograd differentiates the
 path the forward ran).
 """
@@ -86,7 +87,7 @@ class Call(NamedTuple):
     """What decides who runs a call (module docstring)."""
 
     op: str
-    device: str  # "sm90", "cpu", ...: the device's kind and, for a GPU, its compute capability
+    device: str  # the device's tag (DeviceFacts.tag): "H200", "cpu-avx512-t2", ...
     dtype: torch.dtype
     door: str = "functional"  # the transformers interface calls the functional ops: its door is theirs
     head_dim: int = 0
