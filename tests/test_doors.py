@@ -277,3 +277,18 @@ def test_transformers_door_capped_weights_run_on_the_reference():
     with ft.explain() as uncapped:
         attention_forward(torch.nn.Module(), q, k, v, None, is_causal=False, output_attentions=True)
     assert _only(uncapped, "attention_weights").backend == "cpu"
+
+
+@needs_cpu_kernels
+def test_a_module_that_kept_verdicts_still_scripts():
+    """The modules' door keeps its verdicts in the module; ``torch.jit.script`` (which gets the torch.nn twin) must not
+    see them: TorchScript cannot type their keys."""
+    torch.manual_seed(0)
+    model = ft.fuse(torch.nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True)).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        model(x, x)
+        model(x, x)
+        assert any("_route_verdicts" in m.__dict__ for m in model.modules())
+        scripted = torch.jit.script(model)
+        torch.testing.assert_close(scripted(x, x), model(x, x), rtol=1e-5, atol=1e-5)

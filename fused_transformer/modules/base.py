@@ -99,7 +99,9 @@ class FusedTwin:
         torch_class = next(c for c in type(self).__mro__ if c.__module__.startswith("torch.nn"))
         twin = torch_class.__new__(torch_class)
         # Fresh containers (scripting swaps the children of the twin, not of this module), same tensors.
-        twin.__dict__.update({k: copy.copy(v) if isinstance(v, dict) else v for k, v in self.__dict__.items()})
+        # The route's verdicts stay behind: TorchScript cannot type their keys, and the twin runs torch.nn's forward.
+        twin.__dict__.update({k: copy.copy(v) if isinstance(v, dict) else v for k, v in self.__dict__.items()
+                              if k != "_route_verdicts"})
         return twin
 
 
