@@ -350,12 +350,12 @@ def cpu_facts(threads: Optional[int] = None, isa: Optional[str] = None) -> Devic
     on, so that what they check does not rest on the CPU they run on."""
     if threads is None and isa is None:
         named = os.environ.get("FUSED_TRANSFORMER_ROUTE_CPU")
-        match = re.fullmatch(r"cpu-([a-z0-9_]+)-t(\d+)", named) if named else None
-        if named and match is None:
-            raise ValueError(f"FUSED_TRANSFORMER_ROUTE_CPU={named!r}: expected cpu-<instruction set>-t<threads>, "
-                             "e.g. cpu-avx512-t2")
-        if match:
-            return cpu_facts(int(match[2]), match[1])
+        if named:
+            found = _cpu_of_tag(named)
+            if found is None:
+                raise ValueError(f"FUSED_TRANSFORMER_ROUTE_CPU={named!r}: expected cpu-<instruction set>-t<threads>, "
+                                 "e.g. cpu-avx512-t2")
+            return found
     isa = (torch.backends.cpu.get_cpu_capability() if isa is None else isa).lower()
     threads = torch.get_num_threads() if threads is None else threads
     return DeviceFacts(f"cpu-{isa}-t{threads}", "cpu", isa=isa, threads=threads)
@@ -365,8 +365,11 @@ def facts_of_tag(tag: str) -> Optional[DeviceFacts]:
     """The facts behind a row's device cell: a measured device's, or a CPU's read from its tag (a row ``tune``
     wrote); None for a tag that names neither."""
     found = MEASURED_DEVICES.get(tag)
-    if found is not None:
-        return found
+    return found if found is not None else _cpu_of_tag(tag)
+
+
+def _cpu_of_tag(tag: str) -> Optional[DeviceFacts]:
+    """The CPU a ``cpu-<instruction set>-t<threads>`` tag names; None for another tag."""
     match = re.fullmatch(r"cpu-([a-z0-9_]+)-t(\d+)", tag)
     return cpu_facts(int(match[2]), match[1]) if match else None
 
@@ -401,16 +404,20 @@ def with_priors(device: DeviceFacts, rows: Iterable[Row]) -> Tuple[Row, ...]:
     ``cuda``), then the nearest measured device's as priors, retagged for it, their source saying ``prior from
     <device>``. Rows of other devices are dropped."""
     rows = tuple(rows)
-    mine = ("*", device.kind, device.tag)
     own = [row._replace(device=device.tag) if row.device == device.kind else row for row in rows
-           if row.device in mine]
-    others = {row.device for row in rows} - set(mine)
-    near = nearest(device, [facts for facts in map(facts_of_tag, sorted(others)) if facts is not None])
+           if row.device in ("*", device.kind, device.tag)]
+    near = nearest_in(device, rows)
     if near is None:
         return tuple(own)
     priors = [row._replace(device=device.tag, source=f"prior from {near.tag}: {row.source}")
               for row in rows if row.device == near.tag]
     return tuple(own + priors)
+
+
+def nearest_in(device: DeviceFacts, rows: Iterable[Row]) -> Optional[DeviceFacts]:
+    """``nearest`` among the devices ``rows`` name (``facts_of_tag``), other than ``device`` itself and its kind."""
+    others = {row.device for row in rows} - {"*", device.kind, device.tag}
+    return nearest(device, [facts for facts in map(facts_of_tag, sorted(others)) if facts is not None])
 
 
 def device_facts(device: torch.device) -> DeviceFacts:

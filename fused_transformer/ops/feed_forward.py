@@ -341,7 +341,7 @@ def _thin(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
 MEASURED = """
 feed_forward  forward   H200           bfloat16          *         *            yes      *           *               0.88-1.00  -          H200 bench --quick bdb1535 2026-11-28
 feed_forward  training  H200           bfloat16          *         *            yes      *           *               0.72-0.95  yes        H200 bench --quick bdb1535 2026-11-28
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 244 s), 2 threads,
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 240 s), 2 threads,
 # torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
 # paths), the machine otherwise idle.
 feed_forward  forward   cpu-avx512-t2  float32           *         *            yes      functional  *               1.06-1.36  -          CPU tune bf4c3dd (AVX-512) 2026-12-07

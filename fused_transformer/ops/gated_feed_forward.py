@@ -459,7 +459,7 @@ def _thin(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor
 
 
 MEASURED = """
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 244 s), 2 threads,
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 240 s), 2 threads,
 # torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
 # paths), the machine otherwise idle.
 gated_feed_forward  forward   cpu-avx512-t2  float32           *         *            yes      functional  *               1.01-1.19  -          CPU tune bf4c3dd (AVX-512) 2026-12-07

@@ -367,7 +367,7 @@ MEASURED = """
 layer_norm    forward   H200           bfloat16          *         *            yes      *           0..16777216     0.45-0.54  -          H200 bench --quick bdb1535 2026-11-28
 layer_norm    forward   H200           bfloat16          *         *            yes      *           16777216..      1.12-1.28  -          H200 bench --quick bdb1535 2026-11-28
 layer_norm    training  H200           bfloat16          *         *            yes      *           *               0.40-0.94  yes        H200 bench --quick bdb1535 2026-11-28
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 244 s), 2 threads,
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 240 s), 2 threads,
 # torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
 # paths), the machine otherwise idle.
 layer_norm    forward   cpu-avx512-t2  float32           *         *            yes      functional  0..4096         0.64       -          CPU tune bf4c3dd (AVX-512) 2026-12-07

@@ -398,7 +398,7 @@ def _work(example: Example, itemsize: int, backward: bool) -> Work:
 # (benchmarks/llama_memory.py); where a row below says torch's path is faster (forward, small bfloat16 batches) it
 # runs torch's, whose logits then are whole.
 MEASURED = """
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 244 s), 2 threads,
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 240 s), 2 threads,
 # torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
 # paths), the machine otherwise idle.
 linear_cross_entropy  forward   cpu-avx512-t2  float32           *         *            no       functional  *               0.90-0.91  -          CPU tune bf4c3dd (AVX-512) 2026-12-07

@@ -81,7 +81,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: Optional[float] = 
 # The C++ kernel against F.rms_norm, with dropout and without (where the norms otherwise default to ATen's ops).
 # Tuned rows of the user's own CPU come first.
 MEASURED = """
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 244 s), 2 threads,
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 240 s), 2 threads,
 # torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
 # paths), the machine otherwise idle.
 rms_norm      forward   cpu-avx512-t2  float32           *         *            yes      functional  0..4096         0.91       -          CPU tune bf4c3dd (AVX-512) 2026-12-07

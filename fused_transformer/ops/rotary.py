@@ -416,7 +416,7 @@ def _thin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tenso
 
 
 MEASURED = """
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 244 s), 2 threads,
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 240 s), 2 threads,
 # torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
 # paths), the machine otherwise idle.
 apply_rotary_pos_emb  forward   cpu-avx512-t2  float32           *         *            no       functional  *               1.53-4.48  -          CPU tune bf4c3dd (AVX-512) 2026-12-07

@@ -140,8 +140,7 @@ def before_table(device: route.DeviceFacts) -> tuple:
 
 def nearest_tag(device: route.DeviceFacts) -> Optional[str]:
     """The tag of the measured device ``device`` takes its priors from (None: none)."""
-    tags = {row.device for row in route._measured()} - {"*", device.kind, device.tag}
-    near = route.nearest(device, [f for f in map(route.facts_of_tag, sorted(tags)) if f is not None])
+    near = route.nearest_in(device, route._measured())
     return near.tag if near else None
 
 

@@ -222,7 +222,7 @@ attention     *         cpu-avx512-t2  bfloat16,float16  *         none         
 attention     *         cpu-avx512-t2  bfloat16,float16  *         none         *        sdpa        1448..          1.05-1.23  -          CPU sdpa door fefb871 2026-12-06
 attention     *         cpu-avx512-t2  bfloat16,float16  *         causal       *        sdpa        128..362        0.72-0.91  -          CPU sdpa door fefb871 2026-12-06
 attention     *         cpu-avx512-t2  bfloat16,float16  *         causal       *        sdpa        362..           1.11-1.50  -          CPU sdpa door fefb871 2026-12-06
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 244 s), 2 threads,
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 240 s), 2 threads,
 # torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
 # paths), the machine otherwise idle.
 attention     forward   cpu-avx512-t2  float32           64        none         no       functional  0..45           0.59       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
