@@ -197,7 +197,7 @@ def test_report_writes_its_markdown_with_where_it_comes_from(results, monkeypatc
     from fused_transformer.__main__ import main
     from fused_transformer.tools import provenance
 
-    monkeypatch.setattr(report, "compile_all", lambda jobs, modules, figures: results)
+    monkeypatch.setattr(report, "compile_all", lambda jobs, modules, figures, work: results)
     path = tmp_path / "report.md"
     assert main(["report", "--markdown", str(path)]) == 0
     text = path.read_text()
@@ -214,6 +214,34 @@ def test_report_writes_its_markdown_with_where_it_comes_from(results, monkeypatc
     with pytest.raises(SystemExit) as exc:  # and its figures
         main(["report", "--markdown", str(path), "--verdicts-only"])
     assert exc.value.code == 2 and "--markdown writes the report of every module" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # and every config
+        main(["report", "--markdown", str(path), "--sample"])
+    assert exc.value.code == 2 and "--markdown writes the report of every module" in capsys.readouterr().err
+
+
+def test_the_release_sample_compiles_every_tile_of_every_target_once_in_its_heaviest_variant(monkeypatch, capsys):
+    every = report.jobs_for(report.KERNEL_MODULES)
+    sample = report.release_sample(every)
+    compiled = []
+    monkeypatch.setattr(report, "compile_all", lambda jobs, modules, figures, work: compiled.extend(work) or [])
+    assert report.main(["--verdicts-only", "--sample"]) == 0 and compiled == sample
+    assert f"0 compilations (the release sample of {len(every)}), 0 failed" in capsys.readouterr().out
+
+    def tile(job):
+        module, index, target = job
+        kernel = report._configs(module)[index]
+        return module, kernel.name, report.tile_of(kernel.config), target
+
+    assert len({tile(job) for job in sample}) == len(sample) and {tile(job) for job in every} == set(map(tile, sample))
+    heaviest = {}
+    for job in every:
+        weight = report.variant_weight(report._configs(job[0])[job[1]].config)
+        heaviest[tile(job)] = max(heaviest.get(tile(job), 0), weight)
+    assert all(report.variant_weight(report._configs(job[0])[job[1]].config) == heaviest[tile(job)] for job in sample)
+    assert len(sample) < 0.6 * len(every)  # what makes it worth running: the attention variants share their tiles
+    assert report.tile_of("bf16/D64/BM128_BN64_w8_s3/varlen/scoremods/tma") == "bf16/D64/BM128_BN64_w8_s3/tma"
+    assert report.variant_weight("bf16/D64/BM128_BN64_w8_s3/varlen/scoremods/tma") > report.variant_weight(
+        "bf16/D64/BM128_BN64_w8_s3/causal/tma")
 
 
 @pytest.mark.slow

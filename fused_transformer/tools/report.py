@@ -387,6 +387,38 @@ def jobs_for(modules: Sequence[str]) -> List[Tuple[str, int, int]]:
     return jobs
 
 
+# The parts of a config's name that add code around the same tiles (``AotKernel.config``: "bf16/D64/BM128_BN64_w8_s2/
+# varlen/scoremods/tma"), by how much code they add: the sample below keeps, per tile, the variant that adds the most.
+VARIANT_PARTS = {"scoremods": 4, "varlen": 2, "causal": 1, "paged": 1}
+
+
+def variant_weight(config: str) -> int:
+    """How much code the variant parts of ``config`` add (``VARIANT_PARTS``)."""
+    return sum(VARIANT_PARTS.get(part, 0) for part in config.split("/"))
+
+
+def tile_of(config: str) -> str:
+    """``config`` without its variant parts: the tile and the precision, head dim and copy kind it is compiled for."""
+    return "/".join(part for part in config.split("/") if part not in VARIANT_PARTS)
+
+
+def release_sample(work: Sequence[Tuple[str, int, int]]) -> List[Tuple[str, int, int]]:
+    """The report's sample for the older Triton releases CI runs (``report --sample``): for every kernel, tile and
+    target of ``work``, the variant that adds the most code to that tile (``variant_weight``; the first listed on a
+    tie). A release's register allocation is what spills, and the variant with the most code around a tile holds the
+    most registers, so the sample compiles every tile each target's plan can pick, once each."""
+    chosen: Dict[Tuple[str, str, str, int], Tuple[int, Tuple[str, int, int]]] = {}
+    for job in work:
+        module, index, target = job
+        kernel = _configs(module)[index]
+        key = (module, kernel.name, tile_of(kernel.config), target)
+        weight = variant_weight(kernel.config)
+        if key not in chosen or weight > chosen[key][0]:
+            chosen[key] = (weight, job)
+    kept = {job for _, job in chosen.values()}
+    return [job for job in work if job in kept]
+
+
 def _units(work: Sequence[Tuple[str, int, int]], share_stages: bool) -> List[Tuple[str, int, Tuple[int, ...]]]:
     """``work`` as worker jobs ``(module, config index, targets)``: a target alone or, with ``share_stages``, the
     targets of one config that start from another it lists (``STARTS_FROM``) after that one."""
@@ -581,11 +613,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="the same verdicts, about a quarter sooner: no SASS figures (MMA, copy, loop columns), "
                              "the SASS read only where a verdict needs it (sm_90's wgmma); what CI's older Triton "
                              "releases run")
+    parser.add_argument("--sample", action="store_true",
+                        help="every tile each target's plan can pick, once: per kernel, tile and target, only the "
+                             "variant (causal, varlen, paged, scoremods) that adds the most code; what CI's older "
+                             "Triton releases run")
     args = parser.parse_args(argv)
-    if args.markdown is not None and (args.module or args.verdicts_only):
-        parser.error("--markdown writes the report of every module with its figures: leave --module and "
-                     "--verdicts-only out")
-    results = compile_all(jobs=args.jobs, modules=tuple(args.module or KERNEL_MODULES), figures=not args.verdicts_only)
+    if args.markdown is not None and (args.module or args.verdicts_only or args.sample):
+        parser.error("--markdown writes the report of every module, every config with its figures: leave "
+                     "--module, --verdicts-only and --sample out")
+    modules = tuple(args.module or KERNEL_MODULES)
+    work = jobs_for(modules)
+    if args.sample:
+        work = release_sample(work)
+    results = compile_all(jobs=args.jobs, modules=modules, figures=not args.verdicts_only, work=work)
     print(format_table(results))
     print("\nDecode launches, programs per SM (general forward -> split-KV decode):")
     print("\n".join(decode_occupancy_lines()))
@@ -595,7 +635,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(args.markdown, "w") as f:
             f.write(format_markdown(results, ["report", *(argv if argv is not None else sys.argv[1:])]))
     failed = [r for r in results if not r.ok]
-    print(f"\n{len(results)} compilations, {len(failed)} failed "
+    sampled = f" (the release sample of {len(jobs_for(modules))})" if args.sample else ""
+    print(f"\n{len(results)} compilations{sampled}, {len(failed)} failed "
           f"(limits: no spills; shared memory per target: "
           f"{', '.join(f'{limit} B on sm_{target}' for target, limit in SHARED_MEMORY_LIMIT.items())}; "
           f"mma/wgmma where expected; no serialized wgmma)")
