@@ -81,9 +81,30 @@ def test_a_module_records_its_ops_and_its_fallback_to_torch_nn():
 
 
 @needs_cpu_kernels
+def test_layer_norm_handed_to_torch_nn_is_its_native_op_and_a_tensor_subclass_still_sees_f_layer_norm():
+    torch.manual_seed(0)
+    norm = ft.LayerNorm(16).eval()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        norm(x)
+        out = norm(x)
+    assert route.module_verdicts(norm.__dict__) and torch.equal(out, F.layer_norm(x, (16,), norm.weight, norm.bias))
+    seen = []
+
+    class Traced(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    with torch.no_grad():
+        norm(x.as_subclass(Traced))
+    assert F.layer_norm in seen
+
+
 @pytest.mark.parametrize("name", ["LayerNorm", "MultiheadAttention", "TransformerEncoderLayer",
                                   "TransformerDecoderLayer"])
-def test_a_module_whose_every_op_is_torchs_hands_the_call_to_torch_nn(name):
+def test_a_module_whose_every_op_is_torchs_hands_the_call_to_torch_nn(name, monkeypatch):
     """The modules' door: the first call of a key runs the fused path and records its ops; where every op went to
     torch's path, the next calls run torch.nn's own forward (one record, the module's), with torch.nn's result. A
     call with a key padding mask (ours) keeps the fused path."""
@@ -100,12 +121,16 @@ def test_a_module_whose_every_op_is_torchs_hands_the_call_to_torch_nn(name):
         with ft.explain() as first:
             call(ours)
         assert first and all(r.backend == "torch" and r.door == "functional" for r in first), first
+        asked, ask = [], route.module_verdicts
+        monkeypatch.setattr(route, "module_verdicts", lambda owner: asked.append(owner) or ask(owner))
         with ft.explain() as later:
             out = call(ours)
-        # torch.nn's forward may call the fused children (the decoder layer's): they record their own doors.
-        record = later[0]
-        assert (record.op, record.door, record.backend) == (name, "module", "torch")
-        assert record.reason == route.TORCH_NN and all(r.backend == "torch" for r in later), later
+        monkeypatch.setattr(route, "module_verdicts", ask)
+        # torch.nn's forward calls the fused children (the decoder layer's attention and norms) as part of the call
+        # the route gave it: they run torch.nn's forward too, without a door of their own.
+        [record] = later
+        assert (record.op, record.door, record.backend) == (name, "module", "torch") and record.reason == route.TORCH_NN
+        assert len(asked) == 1 and asked[0] is ours.__dict__
         torch.testing.assert_close(out, call(theirs))
         if name == "LayerNorm":
             return

@@ -168,7 +168,7 @@ def test_problems_are_reported():
 def test_report_command_prints_every_kernel_and_config(results, monkeypatch, capsys):
     from fused_transformer.__main__ import main
 
-    monkeypatch.setattr(report, "compile_all", lambda jobs, modules, figures: [r for r in results if r.module in modules])
+    monkeypatch.setattr(report, "compile_all", lambda jobs, modules, figures, work: [r for r in results if r.module in modules])
     assert main(["report"]) == 0
     out = capsys.readouterr().out
     for module in report.KERNEL_MODULES:
@@ -187,7 +187,7 @@ def test_report_command_exits_1_when_a_compilation_fails(results, monkeypatch, c
     from fused_transformer.__main__ import main
 
     broken = [replace(results[0], spill_bytes=8)] + list(results[1:])
-    monkeypatch.setattr(report, "compile_all", lambda jobs, modules, figures: broken)
+    monkeypatch.setattr(report, "compile_all", lambda jobs, modules, figures, work: broken)
     assert main(["report"]) == 1
     assert "1 failed" in capsys.readouterr().out
 

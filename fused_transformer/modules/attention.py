@@ -42,9 +42,9 @@ class MultiheadAttention(FusedTwin, nn.MultiheadAttention):
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
         return self._fused_or_torch_nn(  # the modules' door first, as the layers'
-            tensor_key(query, key, value, key_padding_mask, attn_mask)
-            + (need_weights, average_attn_weights, is_causal, self.training, query is key, key is value),
-            query.device.type,
+            tensor_key(query, None if key is query else key, None if value is key else value, key_padding_mask,
+                       attn_mask) + (need_weights, average_attn_weights, is_causal, self.training, query is key,
+                                     key is value),
             lambda: self._fused(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                                 is_causal),
             lambda: super(MultiheadAttention, self).forward(query, key, value, key_padding_mask, need_weights,
