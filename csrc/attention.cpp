@@ -386,6 +386,9 @@ void (*tiled_forward_for(const AttentionProblem<scalar_t>& p))(const TiledForwar
     return nullptr;
   } else {
     if (p.bias != nullptr || p.keep != nullptr || p.dropout.enabled()) return nullptr;
+    // A task computes all kTiledRows rows whatever the queries: below that many, the row loop wins (B 32, H 8, 16
+    // keys, D 32: 73 us against 665 us at 1 query, 542 against 692 at 32; at 64 they are even).
+    if (p.q_len < kTiledRows) return nullptr;
     return tiled_forward();
   }
 }
