@@ -45,7 +45,7 @@ def dropout_keep_mask(seed: Union[int, Tensor], shape: Sequence[int], dropout_p:
 
 def _seed(seed: Optional[Seed]) -> Optional[Tensor]:
     """The kernels take the seed as a tensor; a host draw (``launches.cpu_draws_as_on_a_gpu``) becomes one."""
-    return seed_tensor(seed, torch.device("cpu"))
+    return None if seed is None else seed_tensor(seed, _CPU)
 
 
 def cpu_capability() -> str:
@@ -54,9 +54,12 @@ def cpu_capability() -> str:
     return _ops.cpu_capability()
 
 
+_CPU = torch.device("cpu")
+
+
 def _check_cpu(name: str, anchor: Tensor) -> None:
     """The functional ops have checked that every tensor argument is on ``anchor``'s device."""
-    if anchor.device.type != "cpu":
+    if not anchor.is_cpu:  # not anchor.device.type: that builds a device and its name, 0.4 us of a 20 us call
         raise ValueError(f"the cpu backend runs on CPU tensors; {name} is on {anchor.device}")
 
 

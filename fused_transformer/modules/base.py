@@ -92,10 +92,10 @@ class FusedTwin:
         is part of that call, which the route gave to torch: it runs torch.nn's forward without asking again.
 
         This is every call's path, so it costs what a dict lookup costs: a 4-token LayerNorm is 7 us in torch.nn."""
-        if _INSIDE_TORCH_NN.depth:
-            return torch_nn()
         if torch.compiler.is_compiling():
             return fused()
+        if _INSIDE_TORCH_NN.depth:
+            return torch_nn()
         verdicts = route.module_verdicts(self.__dict__)
         key += route.module_state()
         verdict = verdicts.get(key)
