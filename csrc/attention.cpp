@@ -46,6 +46,7 @@ namespace {
 
 constexpr int64_t kQueryBlock = 64;
 constexpr int64_t kKeyBlock = 128;
+constexpr int64_t kTiledCausalKeys = 512;  // tiled_forward_for: the causal forward's tiles from this many keys
 
 template <typename scalar_t>
 struct AttentionProblem {
@@ -389,6 +390,10 @@ void (*tiled_forward_for(const AttentionProblem<scalar_t>& p))(const TiledForwar
     // A task computes all kTiledRows rows whatever the queries: below that many, the row loop wins (B 32, H 8, 16
     // keys, D 32: 73 us against 665 us at 1 query, 542 against 692 at 32; at 64 they are even).
     if (p.q_len < kTiledRows) return nullptr;
+    // Causal (or a right window) below 512 keys: the tiles compute whole 64-row diagonal blocks, where the row loop
+    // narrows them; it took 0.72-0.92x the tiles' time at 64-384 keys (B 1-8, H 1-8, D 64), about even at 512, and
+    // 1.08-1.12x at 1024. Without the causal mask the tiles win at every length (the row loop 1.08-1.28x their time).
+    if (p.limits_right() && p.k_len < kTiledCausalKeys) return nullptr;
     return tiled_forward();
   }
 }
