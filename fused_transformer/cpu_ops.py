@@ -43,18 +43,18 @@ def dropout_keep_mask(seed: Union[int, Tensor], shape: Sequence[int], dropout_p:
     return _ops.dropout_keep_mask(int(seed), numel, float(dropout_p)).view(tuple(shape))
 
 
+_CPU = torch.device("cpu")
+
+
 def _seed(seed: Optional[Seed]) -> Optional[Tensor]:
     """The kernels take the seed as a tensor; a host draw (``launches.cpu_draws_as_on_a_gpu``) becomes one."""
-    return None if seed is None else seed_tensor(seed, _CPU)
+    return seed_tensor(seed, _CPU)
 
 
 def cpu_capability() -> str:
     """The instruction set the C++ kernels' float loops run on: ``"AVX512"``, ``"AVX2"`` or ``"baseline"``, the one
     ATen runs its own CPU kernels at (``ATEN_CPU_CAPABILITY=avx2`` switches both)."""
     return _ops.cpu_capability()
-
-
-_CPU = torch.device("cpu")
 
 
 def _check_cpu(name: str, anchor: Tensor) -> None:

@@ -670,18 +670,12 @@ def module_verdicts(owner: dict) -> Dict[tuple, bool]:
     return kept[1]
 
 
-_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
-
-
 def module_state() -> tuple:
     """What besides a call's tensors its ops' decisions rest on most: grad mode, the backend chosen (a named one runs
-    ours) and autocast (the ops' dtypes; on any device, which costs one C call, not a device's name). A verdict that
-    outlives another fact (determinism asked for, the threads) costs speed, never the result: torch.nn's forward
-    computes the call either way."""
-    if _ANY_AUTOCAST is None:  # not in every torch release: the devices autocast runs on, asked one by one
-        return torch.is_grad_enabled(), backend.get_backend(), tuple(
-            torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
-    return torch.is_grad_enabled(), backend.get_backend(), _ANY_AUTOCAST()
+    ours) and autocast (the ops' dtypes; on any device, one C call as torch.nn's RNN asks it, not a device's name). A
+    verdict that outlives another fact (determinism asked for, the threads) costs speed, never the result: torch.nn's
+    forward computes the call either way."""
+    return torch.is_grad_enabled(), backend.get_backend(), torch._C._is_any_autocast_enabled()
 
 
 def describe(records: Iterable[Record]) -> str:

@@ -622,9 +622,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--markdown writes the report of every module, every config with its figures: leave "
                      "--module, --verdicts-only and --sample out")
     modules = tuple(args.module or KERNEL_MODULES)
-    work = jobs_for(modules)
-    if args.sample:
-        work = release_sample(work)
+    every = jobs_for(modules)
+    work = release_sample(every) if args.sample else every
     results = compile_all(jobs=args.jobs, modules=modules, figures=not args.verdicts_only, work=work)
     print(format_table(results))
     print("\nDecode launches, programs per SM (general forward -> split-KV decode):")
@@ -635,7 +634,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(args.markdown, "w") as f:
             f.write(format_markdown(results, ["report", *(argv if argv is not None else sys.argv[1:])]))
     failed = [r for r in results if not r.ok]
-    sampled = f" (the release sample of {len(jobs_for(modules))})" if args.sample else ""
+    sampled = f" (the release sample of {len(every)})" if args.sample else ""
     print(f"\n{len(results)} compilations{sampled}, {len(failed)} failed "
           f"(limits: no spills; shared memory per target: "
           f"{', '.join(f'{limit} B on sm_{target}' for target, limit in SHARED_MEMORY_LIMIT.items())}; "
