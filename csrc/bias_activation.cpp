@@ -63,25 +63,29 @@ FT_INLINE V activation_value(V x, V grad) {
   }
 }
 
+// Eight values of the row: pre = act(pre) forward, grad = grad * act'(pre) backward. A function, not a lambda: a
+// lambda is not inlined into the multiversioned callers (its target differs), and ran as an SSE2 call per 8 values.
+template <bool kBackward, Activation kActivation>
+FT_INLINE void activation_step(float* pre_at, float* grad_at) {
+  const Float8 x = load8(pre_at);
+  if (kBackward)
+    store8(grad_at, activation_value<true, kActivation, Float8, float>(x, load8(grad_at)));
+  else
+    store8(pre_at, activation_value<false, kActivation, Float8, float>(x, x));
+}
+
 // Forward: pre = act(pre). Backward: grad = grad * act'(pre). Eight floats at a time, the tail padded.
 template <bool kBackward, Activation kActivation>
 FT_INLINE void activation_row_float(float* pre, float* grad, int64_t n) {
-  auto step = [&](float* pre_at, float* grad_at) {
-    const Float8 x = load8(pre_at);
-    if (kBackward)
-      store8(grad_at, activation_value<true, kActivation, Float8, float>(x, load8(grad_at)));
-    else
-      store8(pre_at, activation_value<false, kActivation, Float8, float>(x, x));
-  };
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) step(pre + i, kBackward ? grad + i : nullptr);
+  for (; i + 8 <= n; i += 8) activation_step<kBackward, kActivation>(pre + i, kBackward ? grad + i : nullptr);
   if (i < n) {
     float pre_tail[8] = {0, 0, 0, 0, 0, 0, 0, 0}, grad_tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t l = 0; i + l < n; ++l) {
       pre_tail[l] = pre[i + l];
       if (kBackward) grad_tail[l] = grad[i + l];
     }
-    step(pre_tail, grad_tail);
+    activation_step<kBackward, kActivation>(pre_tail, grad_tail);
     for (int64_t l = 0; i + l < n; ++l) (kBackward ? grad : pre)[i + l] = kBackward ? grad_tail[l] : pre_tail[l];
   }
 }
@@ -145,10 +149,16 @@ void for_each_row(const scalar_t* h, const acc_t* bias, const scalar_t* grad, in
   });
 }
 
-template <typename acc_t>
-void apply_dropout_row(const DropoutMask& dropout, int64_t offset, acc_t* x, int64_t n) {
-  const acc_t keep_scale = static_cast<acc_t>(dropout.keep_scale());
-  for (int64_t c = 0; c < n; ++c) x[c] = dropout.keep(offset + c) ? x[c] * keep_scale : acc_t(0);
+FT_INLINE void apply_dropout_row_body(const DropoutMask& dropout, int64_t offset, float* x, int64_t n) {
+  const Float8 keep_scale = broadcast(static_cast<float>(dropout.keep_scale())), zero = broadcast(0.0f);
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) store8(x + c, select(keep8(dropout, offset + c), load8(x + c) * keep_scale, zero));
+  for (; c < n; ++c) x[c] = dropout.keep(offset + c) ? x[c] * keep_scale[0] : 0.0f;
+}
+FT_MULTIVERSIONED(void, apply_dropout_row, (const DropoutMask& dropout, int64_t offset, float* x, int64_t n),
+                  (dropout, offset, x, n))
+void apply_dropout_row(const DropoutMask& dropout, int64_t offset, double* x, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) x[c] = dropout.keep(offset + c) ? x[c] * dropout.keep_scale() : 0.0;
 }
 
 struct BiasActivationInputs {

@@ -48,6 +48,8 @@ class DropoutMask {
 
   bool enabled() const { return enabled_; }
   double keep_scale() const { return keep_scale_; }
+  uint64_t seed() const { return seed_; }
+  uint64_t threshold() const { return threshold_; }
 
   bool keep(uint64_t index) const {
     uint64_t z = seed_ + (index + 1) * 0x9E3779B97F4A7C15ULL;
@@ -163,6 +165,18 @@ FT_INLINE float sum8(Float8 v) {
   float total = 0;
   for (int l = 0; l < 8; ++l) total += v[l];
   return total;
+}
+
+// DropoutMask::keep of the eight indices first, ..., first + 7 as lanes (-1 kept, 0 dropped): the same integers,
+// eight at a time (one vpmullq per multiply on AVX-512, emulated on AVX2).
+using Uint64x8 = uint64_t __attribute__((vector_size(64)));
+FT_INLINE Int8 keep8(const DropoutMask& dropout, uint64_t first) {
+  const Uint64x8 lane = {1, 2, 3, 4, 5, 6, 7, 8};
+  Uint64x8 z = dropout.seed() + (first + lane) * 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  z ^= z >> 31;
+  return __builtin_convertvector((z >> 40) >= dropout.threshold(), Int8);
 }
 
 // x[0..n) = f(x[0..n)) eight at a time; the tail goes through a padded copy (fill: its unused lanes).
