@@ -7,6 +7,7 @@
 #include <Python.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
+#include <ATen/ops/ones.h>
 #include <torch/library.h>
 
 #include <string>
@@ -45,15 +46,29 @@ std::string cpu_capability() {
 
 const char* norm_op_name(bool rms_norm) { return rms_norm ? "rms_norm" : "layer_norm"; }
 
+namespace {
+
+FT_INLINE void keep_mask_range_body(const DropoutMask& dropout, bool* data, int64_t begin, int64_t end) {
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    const Int8 keep = keep8(dropout, i);
+    for (int l = 0; l < 8; ++l) data[i + l] = keep[l] != 0;
+  }
+  for (; i < end; ++i) data[i] = dropout.keep(i);
+}
+FT_MULTIVERSIONED(void, keep_mask_range, (const DropoutMask& dropout, bool* data, int64_t begin, int64_t end),
+                  (dropout, data, begin, end))
+
+}  // namespace
+
 // The keep-mask (True = kept) of elements 0 .. numel - 1 that a kernel drew with (seed, dropout_p).
 at::Tensor dropout_keep_mask(int64_t seed, int64_t numel, double dropout_p) {
   TORCH_CHECK_VALUE(numel >= 0, "dropout_keep_mask: numel must be >= 0, got ", numel);
+  const DropoutMask dropout(seed, dropout_p);
+  if (!dropout.enabled()) return at::ones({numel}, at::TensorOptions().dtype(at::kBool));
   at::Tensor keep = at::empty({numel}, at::TensorOptions().dtype(at::kBool));
   bool* data = keep.data_ptr<bool>();
-  const DropoutMask dropout(seed, dropout_p);
-  at::parallel_for(0, numel, 65536, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) data[i] = !dropout.enabled() || dropout.keep(i);
-  });
+  at::parallel_for(0, numel, 65536, [&](int64_t begin, int64_t end) { keep_mask_range(dropout, data, begin, end); });
   return keep;
 }
 
