@@ -324,13 +324,15 @@ def tune(device_type: str, dtype: torch.dtype, quick: bool) -> Tuple[TuneSeries,
 
 def decode_tune(device_type: str, dtype: torch.dtype, quick: bool) -> Tuple[TuneSeries, ...]:
     """``attention_with_kvcache``'s decoding step (one query per sequence, the new key appended, no mask), forward only:
-    caches of 16, 128 and 1024 keys with B 32 on the CPU, 128 to 8192 with B 128 on a GPU; H 8, D 64; quick: the
-    first size."""
+    caches of 16, 128 and 1024 keys with B 32 on the CPU, 128 to 8192 with B 128 on a GPU; H 8, D 64, and on the CPU
+    D 32 too (the study notes' model's decoding step); quick: the first size and head dim."""
     gpu = device_type == "cuda"
     sizes = (128, 1024, 8192) if gpu else (16, 128, 1024)
     batch = 128 if gpu else 32
-    examples = tuple(decode_example(batch, size, 8, 8, 64) for size in (sizes[:1] if quick else sizes))
-    return (TuneSeries("no", examples, head_dim="64", mask="none", passes=("forward",)),)
+    head_dims = (64,) if gpu or quick else (64, 32)
+    return tuple(TuneSeries("no", tuple(decode_example(batch, size, 8, 8, head_dim)
+                                        for size in (sizes[:1] if quick else sizes)),
+                            head_dim=str(head_dim), mask="none", passes=("forward",)) for head_dim in head_dims)
 
 
 def weights_of_call(q: Tensor, k: Tensor, v: Tensor, **options: object) -> Tuple[Tensor, Tensor, Tensor]:
