@@ -341,34 +341,36 @@ def _thin(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
 MEASURED = """
 feed_forward  forward   H200           bfloat16          *         *            yes      *           *               0.88-1.00  -          H200 bench --quick bdb1535 2026-11-28
 feed_forward  training  H200           bfloat16          *         *            yes      *           *               0.72-0.95  yes        H200 bench --quick bdb1535 2026-11-28
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 240 s), 2 threads,
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at f0f0518 (308 s and 248 s), 2 threads,
 # torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
 # paths), the machine otherwise idle.
-feed_forward  forward   cpu-avx512-t2  float32           *         *            yes      functional  *               1.06-1.36  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-feed_forward  forward   cpu-avx512-t2  float32           *         *            no       functional  0..2048         0.92-0.96  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-feed_forward  forward   cpu-avx512-t2  float32           *         *            no       functional  2048..          1.13       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-feed_forward  forward   cpu-avx512-t2  bfloat16          *         *            yes      functional  *               1.01-1.48  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-feed_forward  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  0..2048         0.88-0.99  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-feed_forward  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  2048..          1.01       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-feed_forward  training  cpu-avx512-t2  float32           *         *            yes      functional  0..256          0.92-0.93  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-feed_forward  training  cpu-avx512-t2  float32           *         *            yes      functional  256..           1.02-1.12  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-feed_forward  training  cpu-avx512-t2  float32           *         *            no       functional  0..22           0.93       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-feed_forward  training  cpu-avx512-t2  float32           *         *            no       functional  22..            1.01-1.03  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-feed_forward  training  cpu-avx512-t2  bfloat16          *         *            yes      functional  *               0.88-0.99  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-feed_forward  training  cpu-avx512-t2  bfloat16          *         *            no       functional  *               0.90-0.97  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-feed_forward  forward   cpu-avx2-t2    float32           *         *            yes      functional  *               1.06-1.48  -          CPU tune bf4c3dd (avx2) 2026-12-07
-feed_forward  forward   cpu-avx2-t2    float32           *         *            no       functional  0..22           0.91       -          CPU tune bf4c3dd (avx2) 2026-12-07
-feed_forward  forward   cpu-avx2-t2    float32           *         *            no       functional  22..            1.05-1.16  -          CPU tune bf4c3dd (avx2) 2026-12-07
-feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            yes      functional  *               1.14-1.26  -          CPU tune bf4c3dd (avx2) 2026-12-07
-feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  0..256          0.92-0.95  -          CPU tune bf4c3dd (avx2) 2026-12-07
-feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  256..2048       1.01       -          CPU tune bf4c3dd (avx2) 2026-12-07
-feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  2048..          0.98       -          CPU tune bf4c3dd (avx2) 2026-12-07
-feed_forward  training  cpu-avx2-t2    float32           *         *            yes      functional  *               0.94-0.96  yes        CPU tune bf4c3dd (avx2) 2026-12-07
-feed_forward  training  cpu-avx2-t2    float32           *         *            no       functional  0..2048         0.87-0.99  yes        CPU tune bf4c3dd (avx2) 2026-12-07
-feed_forward  training  cpu-avx2-t2    float32           *         *            no       functional  2048..          1.05       yes        CPU tune bf4c3dd (avx2) 2026-12-07
-feed_forward  training  cpu-avx2-t2    bfloat16          *         *            yes      functional  0..22           1.17       yes        CPU tune bf4c3dd (avx2) 2026-12-07
-feed_forward  training  cpu-avx2-t2    bfloat16          *         *            yes      functional  22..            0.81-0.93  yes        CPU tune bf4c3dd (avx2) 2026-12-07
-feed_forward  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.89-0.95  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+feed_forward  forward   cpu-avx512-t2  float32           *         *            yes      functional  *               1.17-1.87  -          CPU tune f0f0518 (AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx512-t2  float32           *         *            no       functional  0..22           0.89       -          CPU tune f0f0518 (AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx512-t2  float32           *         *            no       functional  22..256         1.02       -          CPU tune f0f0518 (AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx512-t2  float32           *         *            no       functional  256..2048       0.91       -          CPU tune f0f0518 (AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx512-t2  float32           *         *            no       functional  2048..          1.19       -          CPU tune f0f0518 (AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx512-t2  bfloat16          *         *            yes      functional  *               1.12-2.60  -          CPU tune f0f0518 (AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  0..2048         0.88-0.99  -          CPU tune f0f0518 (AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  2048..          1.01       -          CPU tune f0f0518 (AVX-512) 2026-12-07
+feed_forward  training  cpu-avx512-t2  float32           *         *            yes      functional  *               1.01-1.28  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+feed_forward  training  cpu-avx512-t2  float32           *         *            no       functional  0..2048         0.87-1.00  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+feed_forward  training  cpu-avx512-t2  float32           *         *            no       functional  2048..          1.01       yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+feed_forward  training  cpu-avx512-t2  bfloat16          *         *            yes      functional  0..22           0.93       yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+feed_forward  training  cpu-avx512-t2  bfloat16          *         *            yes      functional  22..            1.11-1.26  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+feed_forward  training  cpu-avx512-t2  bfloat16          *         *            no       functional  *               0.89-0.98  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+feed_forward  forward   cpu-avx2-t2    float32           *         *            yes      functional  *               1.11-1.48  -          CPU tune f0f0518 (avx2) 2026-12-07
+feed_forward  forward   cpu-avx2-t2    float32           *         *            no       functional  0..256          0.92-0.98  -          CPU tune f0f0518 (avx2) 2026-12-07
+feed_forward  forward   cpu-avx2-t2    float32           *         *            no       functional  256..           1.00-1.07  -          CPU tune f0f0518 (avx2) 2026-12-07
+feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            yes      functional  *               1.14-2.12  -          CPU tune f0f0518 (avx2) 2026-12-07
+feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  0..256          0.87-0.97  -          CPU tune f0f0518 (avx2) 2026-12-07
+feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  256..2048       1.01       -          CPU tune f0f0518 (avx2) 2026-12-07
+feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  2048..          0.99       -          CPU tune f0f0518 (avx2) 2026-12-07
+feed_forward  training  cpu-avx2-t2    float32           *         *            yes      functional  *               1.04-1.22  yes        CPU tune f0f0518 (avx2) 2026-12-07
+feed_forward  training  cpu-avx2-t2    float32           *         *            no       functional  0..22           0.95       yes        CPU tune f0f0518 (avx2) 2026-12-07
+feed_forward  training  cpu-avx2-t2    float32           *         *            no       functional  22..256         1.01       yes        CPU tune f0f0518 (avx2) 2026-12-07
+feed_forward  training  cpu-avx2-t2    float32           *         *            no       functional  256..           0.93-0.96  yes        CPU tune f0f0518 (avx2) 2026-12-07
+feed_forward  training  cpu-avx2-t2    bfloat16          *         *            yes      functional  *               1.03-1.25  yes        CPU tune f0f0518 (avx2) 2026-12-07
+feed_forward  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.83-0.91  yes        CPU tune f0f0518 (avx2) 2026-12-07
 """
 
 OP = register(Op(

@@ -459,33 +459,36 @@ def _thin(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor
 
 
 MEASURED = """
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 240 s), 2 threads,
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at f0f0518 (308 s and 248 s), 2 threads,
 # torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
 # paths), the machine otherwise idle.
-gated_feed_forward  forward   cpu-avx512-t2  float32           *         *            yes      functional  *               1.01-1.19  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-gated_feed_forward  forward   cpu-avx512-t2  float32           *         *            no       functional  0..256          0.99       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-gated_feed_forward  forward   cpu-avx512-t2  float32           *         *            no       functional  256..           1.11-1.15  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-gated_feed_forward  forward   cpu-avx512-t2  bfloat16          *         *            yes      functional  *               1.33-1.52  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-gated_feed_forward  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  0..256          0.89       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-gated_feed_forward  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  256..           1.00-1.01  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-gated_feed_forward  training  cpu-avx512-t2  float32           *         *            yes      functional  *               0.95-0.99  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-gated_feed_forward  training  cpu-avx512-t2  float32           *         *            no       functional  0..256          0.97       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-gated_feed_forward  training  cpu-avx512-t2  float32           *         *            no       functional  256..           1.02-1.32  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-gated_feed_forward  training  cpu-avx512-t2  bfloat16          *         *            yes      functional  *               1.01-1.06  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-gated_feed_forward  training  cpu-avx512-t2  bfloat16          *         *            no       functional  *               0.92-0.97  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-gated_feed_forward  forward   cpu-avx2-t2    float32           *         *            yes      functional  *               1.18-1.29  -          CPU tune bf4c3dd (avx2) 2026-12-07
-gated_feed_forward  forward   cpu-avx2-t2    float32           *         *            no       functional  0..256          0.93       -          CPU tune bf4c3dd (avx2) 2026-12-07
-gated_feed_forward  forward   cpu-avx2-t2    float32           *         *            no       functional  256..2048       1.03       -          CPU tune bf4c3dd (avx2) 2026-12-07
-gated_feed_forward  forward   cpu-avx2-t2    float32           *         *            no       functional  2048..          0.84       -          CPU tune bf4c3dd (avx2) 2026-12-07
-gated_feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            yes      functional  *               1.24-1.49  -          CPU tune bf4c3dd (avx2) 2026-12-07
-gated_feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  0..2048         0.95-0.98  -          CPU tune bf4c3dd (avx2) 2026-12-07
-gated_feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  2048..          1.03       -          CPU tune bf4c3dd (avx2) 2026-12-07
-gated_feed_forward  training  cpu-avx2-t2    float32           *         *            yes      functional  *               0.96-0.98  yes        CPU tune bf4c3dd (avx2) 2026-12-07
-gated_feed_forward  training  cpu-avx2-t2    float32           *         *            no       functional  0..2048         0.94-0.99  yes        CPU tune bf4c3dd (avx2) 2026-12-07
-gated_feed_forward  training  cpu-avx2-t2    float32           *         *            no       functional  2048..          1.23       yes        CPU tune bf4c3dd (avx2) 2026-12-07
-gated_feed_forward  training  cpu-avx2-t2    bfloat16          *         *            yes      functional  0..256          0.95       yes        CPU tune bf4c3dd (avx2) 2026-12-07
-gated_feed_forward  training  cpu-avx2-t2    bfloat16          *         *            yes      functional  256..           1.03-1.08  yes        CPU tune bf4c3dd (avx2) 2026-12-07
-gated_feed_forward  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.96-0.98  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+gated_feed_forward  forward   cpu-avx512-t2  float32           *         *            yes      functional  *               1.17-1.51  -          CPU tune f0f0518 (AVX-512) 2026-12-07
+gated_feed_forward  forward   cpu-avx512-t2  float32           *         *            no       functional  0..2048         0.98-0.99  -          CPU tune f0f0518 (AVX-512) 2026-12-07
+gated_feed_forward  forward   cpu-avx512-t2  float32           *         *            no       functional  2048..          1.11       -          CPU tune f0f0518 (AVX-512) 2026-12-07
+gated_feed_forward  forward   cpu-avx512-t2  bfloat16          *         *            yes      functional  *               1.41-2.45  -          CPU tune f0f0518 (AVX-512) 2026-12-07
+gated_feed_forward  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  *               0.92-0.98  -          CPU tune f0f0518 (AVX-512) 2026-12-07
+gated_feed_forward  training  cpu-avx512-t2  float32           *         *            yes      functional  0..256          0.97       yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+gated_feed_forward  training  cpu-avx512-t2  float32           *         *            yes      functional  256..2048       1.07       yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+gated_feed_forward  training  cpu-avx512-t2  float32           *         *            yes      functional  2048..          0.80       yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+gated_feed_forward  training  cpu-avx512-t2  float32           *         *            no       functional  0..256          0.98       yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+gated_feed_forward  training  cpu-avx512-t2  float32           *         *            no       functional  256..           1.04-1.23  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+gated_feed_forward  training  cpu-avx512-t2  bfloat16          *         *            yes      functional  0..256          0.96       yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+gated_feed_forward  training  cpu-avx512-t2  bfloat16          *         *            yes      functional  256..           1.07-1.75  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+gated_feed_forward  training  cpu-avx512-t2  bfloat16          *         *            no       functional  *               0.93-0.98  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+gated_feed_forward  forward   cpu-avx2-t2    float32           *         *            yes      functional  *               1.23-1.71  -          CPU tune f0f0518 (avx2) 2026-12-07
+gated_feed_forward  forward   cpu-avx2-t2    float32           *         *            no       functional  0..256          1.01       -          CPU tune f0f0518 (avx2) 2026-12-07
+gated_feed_forward  forward   cpu-avx2-t2    float32           *         *            no       functional  256..           0.84-0.97  -          CPU tune f0f0518 (avx2) 2026-12-07
+gated_feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            yes      functional  *               1.22-1.74  -          CPU tune f0f0518 (avx2) 2026-12-07
+gated_feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  0..256          1.05       -          CPU tune f0f0518 (avx2) 2026-12-07
+gated_feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  256..2048       0.97       -          CPU tune f0f0518 (avx2) 2026-12-07
+gated_feed_forward  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  2048..          1.02       -          CPU tune f0f0518 (avx2) 2026-12-07
+gated_feed_forward  training  cpu-avx2-t2    float32           *         *            yes      functional  0..2048         1.01-1.04  yes        CPU tune f0f0518 (avx2) 2026-12-07
+gated_feed_forward  training  cpu-avx2-t2    float32           *         *            yes      functional  2048..          0.99       yes        CPU tune f0f0518 (avx2) 2026-12-07
+gated_feed_forward  training  cpu-avx2-t2    float32           *         *            no       functional  0..256          0.97       yes        CPU tune f0f0518 (avx2) 2026-12-07
+gated_feed_forward  training  cpu-avx2-t2    float32           *         *            no       functional  256..           1.05-1.07  yes        CPU tune f0f0518 (avx2) 2026-12-07
+gated_feed_forward  training  cpu-avx2-t2    bfloat16          *         *            yes      functional  0..2048         0.94-0.96  yes        CPU tune f0f0518 (avx2) 2026-12-07
+gated_feed_forward  training  cpu-avx2-t2    bfloat16          *         *            yes      functional  2048..          1.08       yes        CPU tune f0f0518 (avx2) 2026-12-07
+gated_feed_forward  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.94-0.98  yes        CPU tune f0f0518 (avx2) 2026-12-07
 """
 
 

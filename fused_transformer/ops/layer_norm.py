@@ -367,23 +367,22 @@ MEASURED = """
 layer_norm    forward   H200           bfloat16          *         *            yes      *           0..16777216     0.45-0.54  -          H200 bench --quick bdb1535 2026-11-28
 layer_norm    forward   H200           bfloat16          *         *            yes      *           16777216..      1.12-1.28  -          H200 bench --quick bdb1535 2026-11-28
 layer_norm    training  H200           bfloat16          *         *            yes      *           *               0.40-0.94  yes        H200 bench --quick bdb1535 2026-11-28
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 240 s), 2 threads,
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at f0f0518 (308 s and 248 s), 2 threads,
 # torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
 # paths), the machine otherwise idle.
-layer_norm    forward   cpu-avx512-t2  float32           *         *            yes      functional  0..4096         0.64       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-layer_norm    forward   cpu-avx512-t2  float32           *         *            yes      functional  4096..          2.99-4.28  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-layer_norm    forward   cpu-avx512-t2  float32           *         *            no       functional  0..2965820      0.35-0.93  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-layer_norm    forward   cpu-avx512-t2  float32           *         *            no       functional  2965820..       1.67       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-layer_norm    training  cpu-avx512-t2  float32           *         *            yes      functional  0..4096         0.62       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-layer_norm    training  cpu-avx512-t2  float32           *         *            yes      functional  4096..          1.37-1.91  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-layer_norm    training  cpu-avx512-t2  float32           *         *            no       functional  *               0.32-0.72  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-layer_norm    forward   cpu-avx2-t2    float32           *         *            yes      functional  0..4096         0.67       -          CPU tune bf4c3dd (avx2) 2026-12-07
-layer_norm    forward   cpu-avx2-t2    float32           *         *            yes      functional  4096..          3.75-3.99  -          CPU tune bf4c3dd (avx2) 2026-12-07
-layer_norm    forward   cpu-avx2-t2    float32           *         *            no       functional  0..2965820      0.37-0.60  -          CPU tune bf4c3dd (avx2) 2026-12-07
-layer_norm    forward   cpu-avx2-t2    float32           *         *            no       functional  2965820..       1.42       -          CPU tune bf4c3dd (avx2) 2026-12-07
-layer_norm    training  cpu-avx2-t2    float32           *         *            yes      functional  0..4096         0.59       yes        CPU tune bf4c3dd (avx2) 2026-12-07
-layer_norm    training  cpu-avx2-t2    float32           *         *            yes      functional  4096..          1.27-1.87  yes        CPU tune bf4c3dd (avx2) 2026-12-07
-layer_norm    training  cpu-avx2-t2    float32           *         *            no       functional  *               0.39-0.68  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+layer_norm    forward   cpu-avx512-t2  float32           *         *            yes      functional  0..4096         0.55       -          CPU tune f0f0518 (AVX-512) 2026-12-07
+layer_norm    forward   cpu-avx512-t2  float32           *         *            yes      functional  4096..          3.27-4.08  -          CPU tune f0f0518 (AVX-512) 2026-12-07
+layer_norm    forward   cpu-avx512-t2  float32           *         *            no       functional  0..2965820      0.35-0.54  -          CPU tune f0f0518 (AVX-512) 2026-12-07
+layer_norm    forward   cpu-avx512-t2  float32           *         *            no       functional  2965820..       1.50       -          CPU tune f0f0518 (AVX-512) 2026-12-07
+layer_norm    training  cpu-avx512-t2  float32           *         *            yes      functional  0..4096         0.60       yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+layer_norm    training  cpu-avx512-t2  float32           *         *            yes      functional  4096..          1.31-1.73  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+layer_norm    training  cpu-avx512-t2  float32           *         *            no       functional  *               0.34-0.74  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+layer_norm    forward   cpu-avx2-t2    float32           *         *            yes      functional  0..4096         0.60       -          CPU tune f0f0518 (avx2) 2026-12-07
+layer_norm    forward   cpu-avx2-t2    float32           *         *            yes      functional  4096..          2.66-3.54  -          CPU tune f0f0518 (avx2) 2026-12-07
+layer_norm    forward   cpu-avx2-t2    float32           *         *            no       functional  *               0.36-0.97  -          CPU tune f0f0518 (avx2) 2026-12-07
+layer_norm    training  cpu-avx2-t2    float32           *         *            yes      functional  0..4096         0.61       yes        CPU tune f0f0518 (avx2) 2026-12-07
+layer_norm    training  cpu-avx2-t2    float32           *         *            yes      functional  4096..          1.16-1.54  yes        CPU tune f0f0518 (avx2) 2026-12-07
+layer_norm    training  cpu-avx2-t2    float32           *         *            no       functional  *               0.40-0.74  yes        CPU tune f0f0518 (avx2) 2026-12-07
 """
 
 

@@ -398,21 +398,20 @@ def _work(example: Example, itemsize: int, backward: bool) -> Work:
 # (benchmarks/llama_memory.py); where a row below says torch's path is faster (forward, small bfloat16 batches) it
 # runs torch's, whose logits then are whole.
 MEASURED = """
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 240 s), 2 threads,
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at f0f0518 (308 s and 248 s), 2 threads,
 # torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
 # paths), the machine otherwise idle.
-linear_cross_entropy  forward   cpu-avx512-t2  float32           *         *            no       functional  *               0.90-0.91  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-linear_cross_entropy  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  0..724          0.94       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-linear_cross_entropy  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  724..           1.01       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-linear_cross_entropy  training  cpu-avx512-t2  float32           *         *            no       functional  *               1.03-1.06  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-linear_cross_entropy  training  cpu-avx512-t2  bfloat16          *         *            no       functional  0..724          0.75       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-linear_cross_entropy  training  cpu-avx512-t2  bfloat16          *         *            no       functional  724..           1.03       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-linear_cross_entropy  forward   cpu-avx2-t2    float32           *         *            no       functional  0..724          1.29       -          CPU tune bf4c3dd (avx2) 2026-12-07
-linear_cross_entropy  forward   cpu-avx2-t2    float32           *         *            no       functional  724..           0.88       -          CPU tune bf4c3dd (avx2) 2026-12-07
-linear_cross_entropy  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.87-0.97  -          CPU tune bf4c3dd (avx2) 2026-12-07
-linear_cross_entropy  training  cpu-avx2-t2    float32           *         *            no       functional  0..724          0.91       yes        CPU tune bf4c3dd (avx2) 2026-12-07
-linear_cross_entropy  training  cpu-avx2-t2    float32           *         *            no       functional  724..           1.03       yes        CPU tune bf4c3dd (avx2) 2026-12-07
-linear_cross_entropy  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.66-0.90  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+linear_cross_entropy  forward   cpu-avx512-t2  float32           *         *            no       functional  *               0.78-0.80  -          CPU tune f0f0518 (AVX-512) 2026-12-07
+linear_cross_entropy  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  0..724          0.88       -          CPU tune f0f0518 (AVX-512) 2026-12-07
+linear_cross_entropy  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  724..           1.33       -          CPU tune f0f0518 (AVX-512) 2026-12-07
+linear_cross_entropy  training  cpu-avx512-t2  float32           *         *            no       functional  *               0.91-0.93  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+linear_cross_entropy  training  cpu-avx512-t2  bfloat16          *         *            no       functional  *               0.76-0.99  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+linear_cross_entropy  forward   cpu-avx2-t2    float32           *         *            no       functional  0..724          1.06       -          CPU tune f0f0518 (avx2) 2026-12-07
+linear_cross_entropy  forward   cpu-avx2-t2    float32           *         *            no       functional  724..           0.84       -          CPU tune f0f0518 (avx2) 2026-12-07
+linear_cross_entropy  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.93-0.94  -          CPU tune f0f0518 (avx2) 2026-12-07
+linear_cross_entropy  training  cpu-avx2-t2    float32           *         *            no       functional  0..724          0.81       yes        CPU tune f0f0518 (avx2) 2026-12-07
+linear_cross_entropy  training  cpu-avx2-t2    float32           *         *            no       functional  724..           1.02       yes        CPU tune f0f0518 (avx2) 2026-12-07
+linear_cross_entropy  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               0.67-0.92  yes        CPU tune f0f0518 (avx2) 2026-12-07
 """
 
 

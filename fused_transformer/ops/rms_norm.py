@@ -81,24 +81,23 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: Optional[float] = 
 # The C++ kernel against F.rms_norm, with dropout and without (where the norms otherwise default to ATen's ops).
 # Tuned rows of the user's own CPU come first.
 MEASURED = """
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 240 s), 2 threads,
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at f0f0518 (308 s and 248 s), 2 threads,
 # torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
 # paths), the machine otherwise idle.
-rms_norm      forward   cpu-avx512-t2  float32           *         *            yes      functional  0..4096         0.91       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-rms_norm      forward   cpu-avx512-t2  float32           *         *            yes      functional  4096..          4.36-4.59  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-rms_norm      forward   cpu-avx512-t2  float32           *         *            no       functional  0..4096         0.62       -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-rms_norm      forward   cpu-avx512-t2  float32           *         *            no       functional  4096..          1.15-2.99  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-rms_norm      training  cpu-avx512-t2  float32           *         *            yes      functional  *               1.13-3.36  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-rms_norm      training  cpu-avx512-t2  float32           *         *            no       functional  0..4096         1.01       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-rms_norm      training  cpu-avx512-t2  float32           *         *            no       functional  4096..262144    0.91       yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-rms_norm      training  cpu-avx512-t2  float32           *         *            no       functional  262144..        1.51-2.05  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-rms_norm      forward   cpu-avx2-t2    float32           *         *            yes      functional  0..4096         0.95       -          CPU tune bf4c3dd (avx2) 2026-12-07
-rms_norm      forward   cpu-avx2-t2    float32           *         *            yes      functional  4096..          3.59-4.82  -          CPU tune bf4c3dd (avx2) 2026-12-07
-rms_norm      forward   cpu-avx2-t2    float32           *         *            no       functional  0..4096         0.73       -          CPU tune bf4c3dd (avx2) 2026-12-07
-rms_norm      forward   cpu-avx2-t2    float32           *         *            no       functional  4096..          1.08-2.93  -          CPU tune bf4c3dd (avx2) 2026-12-07
-rms_norm      training  cpu-avx2-t2    float32           *         *            yes      functional  *               1.08-2.51  yes        CPU tune bf4c3dd (avx2) 2026-12-07
-rms_norm      training  cpu-avx2-t2    float32           *         *            no       functional  0..262144       0.97       yes        CPU tune bf4c3dd (avx2) 2026-12-07
-rms_norm      training  cpu-avx2-t2    float32           *         *            no       functional  262144..        1.61-2.44  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+rms_norm      forward   cpu-avx512-t2  float32           *         *            yes      functional  0..4096         0.85       -          CPU tune f0f0518 (AVX-512) 2026-12-07
+rms_norm      forward   cpu-avx512-t2  float32           *         *            yes      functional  4096..          3.23-4.46  -          CPU tune f0f0518 (AVX-512) 2026-12-07
+rms_norm      forward   cpu-avx512-t2  float32           *         *            no       functional  0..4096         0.73       -          CPU tune f0f0518 (AVX-512) 2026-12-07
+rms_norm      forward   cpu-avx512-t2  float32           *         *            no       functional  4096..          1.03-3.26  -          CPU tune f0f0518 (AVX-512) 2026-12-07
+rms_norm      training  cpu-avx512-t2  float32           *         *            yes      functional  0..4096         0.95       yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+rms_norm      training  cpu-avx512-t2  float32           *         *            yes      functional  4096..          1.68-2.44  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+rms_norm      training  cpu-avx512-t2  float32           *         *            no       functional  0..4096         0.98       yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+rms_norm      training  cpu-avx512-t2  float32           *         *            no       functional  4096..          1.14-2.70  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+rms_norm      forward   cpu-avx2-t2    float32           *         *            yes      functional  0..4096         0.77       -          CPU tune f0f0518 (avx2) 2026-12-07
+rms_norm      forward   cpu-avx2-t2    float32           *         *            yes      functional  4096..          3.80-4.64  -          CPU tune f0f0518 (avx2) 2026-12-07
+rms_norm      forward   cpu-avx2-t2    float32           *         *            no       functional  0..262144       0.69-0.81  -          CPU tune f0f0518 (avx2) 2026-12-07
+rms_norm      forward   cpu-avx2-t2    float32           *         *            no       functional  262144..        1.26-2.47  -          CPU tune f0f0518 (avx2) 2026-12-07
+rms_norm      training  cpu-avx2-t2    float32           *         *            yes      functional  *               1.06-3.03  yes        CPU tune f0f0518 (avx2) 2026-12-07
+rms_norm      training  cpu-avx2-t2    float32           *         *            no       functional  *               1.03-2.50  yes        CPU tune f0f0518 (avx2) 2026-12-07
 """
 
 OP = register(norm.op_record("rms_norm", rms_norm, torch_path, reference, rms=True, measured=MEASURED))

@@ -416,17 +416,17 @@ def _thin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tenso
 
 
 MEASURED = """
-# The functional door on the CPU: python -m fused_transformer tune --device cpu at bf4c3dd (251 s and 240 s), 2 threads,
+# The functional door on the CPU: python -m fused_transformer tune --device cpu at f0f0518 (308 s and 248 s), 2 threads,
 # torch 2.13, on an AMD EPYC with AVX-512 and again under ATEN_CPU_CAPABILITY=avx2 (torch's and our kernels' AVX2
 # paths), the machine otherwise idle.
-apply_rotary_pos_emb  forward   cpu-avx512-t2  float32           *         *            no       functional  *               1.53-4.48  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-apply_rotary_pos_emb  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  *               1.20-1.46  -          CPU tune bf4c3dd (AVX-512) 2026-12-07
-apply_rotary_pos_emb  training  cpu-avx512-t2  float32           *         *            no       functional  *               1.51-1.92  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-apply_rotary_pos_emb  training  cpu-avx512-t2  bfloat16          *         *            no       functional  *               1.43-1.74  yes        CPU tune bf4c3dd (AVX-512) 2026-12-07
-apply_rotary_pos_emb  forward   cpu-avx2-t2    float32           *         *            no       functional  *               1.50-3.78  -          CPU tune bf4c3dd (avx2) 2026-12-07
-apply_rotary_pos_emb  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  *               1.23-1.52  -          CPU tune bf4c3dd (avx2) 2026-12-07
-apply_rotary_pos_emb  training  cpu-avx2-t2    float32           *         *            no       functional  *               1.65-2.00  yes        CPU tune bf4c3dd (avx2) 2026-12-07
-apply_rotary_pos_emb  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               1.43-1.58  yes        CPU tune bf4c3dd (avx2) 2026-12-07
+apply_rotary_pos_emb  forward   cpu-avx512-t2  float32           *         *            no       functional  *               1.51-2.54  -          CPU tune f0f0518 (AVX-512) 2026-12-07
+apply_rotary_pos_emb  forward   cpu-avx512-t2  bfloat16          *         *            no       functional  *               1.27-1.56  -          CPU tune f0f0518 (AVX-512) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx512-t2  float32           *         *            no       functional  *               1.58-2.09  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx512-t2  bfloat16          *         *            no       functional  *               1.27-1.76  yes        CPU tune f0f0518 (AVX-512) 2026-12-07
+apply_rotary_pos_emb  forward   cpu-avx2-t2    float32           *         *            no       functional  *               1.70-2.82  -          CPU tune f0f0518 (avx2) 2026-12-07
+apply_rotary_pos_emb  forward   cpu-avx2-t2    bfloat16          *         *            no       functional  *               1.30-1.98  -          CPU tune f0f0518 (avx2) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx2-t2    float32           *         *            no       functional  *               1.50-2.31  yes        CPU tune f0f0518 (avx2) 2026-12-07
+apply_rotary_pos_emb  training  cpu-avx2-t2    bfloat16          *         *            no       functional  *               1.40-1.54  yes        CPU tune f0f0518 (avx2) 2026-12-07
 """
 
 
