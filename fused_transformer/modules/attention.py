@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .. import functional as ops
 from .. import route
-from .base import FusedTwin, InputShapeError, any_nested, mixed_dtypes, tensor_key, twin_of
+from .base import FusedTwin, InputShapeError, mixed_dtypes, tensor_key, twin_of
 from .packing import Packing, has_hooks
 
 __all__ = ["MultiheadAttention"]
@@ -26,6 +26,8 @@ class MultiheadAttention(FusedTwin, nn.MultiheadAttention):
     mask is applied inside the kernel and ``attn_mask`` itself is not read.
     """
 
+    _CALLS_FUSED_CHILDREN = False
+
     def forward(
         self,
         query: Tensor,
@@ -37,14 +39,14 @@ class MultiheadAttention(FusedTwin, nn.MultiheadAttention):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> Tuple[Tensor, Optional[Tensor]]:
-        if any_nested(query, key, value):
+        facts = tensor_key(query, None if key is query else key, None if value is key else value, key_padding_mask,
+                           attn_mask)
+        if facts is None:
             route.ran_elsewhere(type(self).__name__, "module", "nested tensors")
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
         return self._fused_or_torch_nn(  # the modules' door first, as the layers'
-            tensor_key(query, None if key is query else key, None if value is key else value, key_padding_mask,
-                       attn_mask) + (need_weights, average_attn_weights, is_causal, self.training, query is key,
-                                     key is value),
+            facts + (need_weights, average_attn_weights, is_causal, self.training, query is key, key is value),
             lambda: self._fused(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                                 is_causal),
             lambda: super(MultiheadAttention, self).forward(query, key, value, key_padding_mask, need_weights,

@@ -65,11 +65,19 @@ def any_nested(*tensors: Optional[Tensor]) -> bool:
     return any(isinstance(t, Tensor) and t.is_nested for t in tensors)
 
 
-def tensor_key(*args: object) -> tuple:
+def tensor_key(*args: object) -> Optional[tuple]:
     """The facts of a call's arguments its ops' decisions rest on: a tensor's shape, dtype, device and whether it
     requires grad; any other argument itself (None, a bool). A caller passes None for a tensor that is another
-    argument (self-attention's key and value) and keys that identity itself."""
-    return tuple([(a.shape, a.dtype, a.device, a.requires_grad) if isinstance(a, Tensor) else a for a in args])
+    argument (self-attention's key and value) and keys that identity itself. None where a tensor is nested (torch.nn's
+    forward takes those): one pass over the arguments for both questions."""
+    key = []
+    for a in args:
+        if isinstance(a, Tensor):
+            if a.is_nested:
+                return None
+            a = (a.shape, a.dtype, a.device, a.requires_grad)
+        key.append(a)
+    return tuple(key)
 
 
 class _InsideTorchNN(threading.local):
@@ -83,6 +91,10 @@ class FusedTwin:
     """What every fused module shares: ``torch.jit.script`` gets the torch.nn module holding the same
     parameters (the fused ``forward`` is plain Python, not TorchScript), and the modules' door
     (``_fused_or_torch_nn``)."""
+
+    # Whether torch.nn's forward of this module calls fused modules (a layer's attention and norms): they must then know
+    # they are inside a call the route gave to torch.
+    _CALLS_FUSED_CHILDREN = True
 
     def _fused_or_torch_nn(self, key: tuple, fused: Callable[[], T], torch_nn: Callable[[], T]) -> T:
         """``fused()``, or ``torch_nn()`` (torch.nn's forward) where the route gave every op of this call torch's path
@@ -102,6 +114,8 @@ class FusedTwin:
         if verdict:
             if route._RECORDERS:
                 route.ran_elsewhere(type(self).__name__, "module", route.TORCH_NN)
+            if not self._CALLS_FUSED_CHILDREN:
+                return torch_nn()
             _INSIDE_TORCH_NN.depth += 1
             try:
                 return torch_nn()

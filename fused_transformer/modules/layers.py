@@ -26,6 +26,8 @@ __all__ = ["LayerNorm", "RMSNorm", "GatedFeedForward", "TransformerEncoderLayer"
 class LayerNorm(FusedTwin, nn.LayerNorm):
     """``torch.nn.LayerNorm`` computed by the fused ``layer_norm`` op (statistics in float32)."""
 
+    _CALLS_FUSED_CHILDREN = False
+
     def forward(self, input: Tensor) -> Tensor:
         params = self._parameters  # not self.weight: nn.Module's __getattr__ costs half a microsecond a parameter
         weight, bias = params["weight"], params["bias"]
@@ -209,13 +211,14 @@ class TransformerEncoderLayer(_FusedLayerMixin, nn.TransformerEncoderLayer):
         # stack writes them once at its end), so that every layer computes what torch.nn's does everywhere.
         if _packing is not None:
             return self._packed_forward(src, _packing, is_causal)
-        if any_nested(src, src_mask, src_key_padding_mask):
+        facts = tensor_key(src, src_mask, src_key_padding_mask)
+        if facts is None:
             route.ran_elsewhere(type(self).__name__, "module", "nested tensors")
             return super().forward(src, src_mask, src_key_padding_mask, is_causal)
         # The modules' door first: a key whose first call ran torch's ops only skips the checks below (its checks
         # passed then, and torch.nn's forward gives its own result whatever they would say now).
         return self._fused_or_torch_nn(
-            tensor_key(src, src_mask, src_key_padding_mask) + (is_causal, self.training, _in_padded_stack),
+            facts + (is_causal, self.training, _in_padded_stack),
             lambda: self._fused(src, src_mask, src_key_padding_mask, is_causal, _in_padded_stack),
             lambda: super(TransformerEncoderLayer, self).forward(src, src_mask, src_key_padding_mask, is_causal))
 
@@ -290,12 +293,12 @@ class TransformerDecoderLayer(_FusedLayerMixin, nn.TransformerDecoderLayer):
         if _packing is not None:
             return self._packed_forward(tgt, memory, *_packing, tgt_is_causal)
         masks = (tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal, memory_is_causal)
-        if any_nested(tgt, memory, *masks[:4]):
+        facts = tensor_key(tgt, None if memory is tgt else memory, *masks)
+        if facts is None:
             route.ran_elsewhere(type(self).__name__, "module", "nested tensors")
             return super().forward(tgt, memory, *masks)
         return self._fused_or_torch_nn(  # the modules' door first, as the encoder layer's
-            tensor_key(tgt, None if memory is tgt else memory, *masks) + (self.training, _in_padded_stack,
-                                                                        memory is tgt),
+            facts + (self.training, _in_padded_stack, memory is tgt),
             lambda: self._fused(tgt, memory, *masks, in_padded_stack=_in_padded_stack),
             lambda: super(TransformerDecoderLayer, self).forward(tgt, memory, *masks))
 
