@@ -26,8 +26,6 @@ class MultiheadAttention(FusedTwin, nn.MultiheadAttention):
     mask is applied inside the kernel and ``attn_mask`` itself is not read.
     """
 
-    _CALLS_FUSED_CHILDREN = False
-
     def forward(
         self,
         query: Tensor,
@@ -45,12 +43,17 @@ class MultiheadAttention(FusedTwin, nn.MultiheadAttention):
             route.ran_elsewhere(type(self).__name__, "module", "nested tensors")
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
-        return self._fused_or_torch_nn(  # the modules' door first, as the layers'
-            facts + (need_weights, average_attn_weights, is_causal, self.training, query is key, key is value),
-            lambda: self._fused(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
-                                is_causal),
-            lambda: super(MultiheadAttention, self).forward(query, key, value, key_padding_mask, need_weights,
-                                                            attn_mask, average_attn_weights, is_causal))
+        # The modules' door first, as the layers' (torch.nn's forward calls no fused module: no depth to keep).
+        facts += (need_weights, average_attn_weights, is_causal, self.training, query is key, key is value)
+        verdict = self._torch_nn_runs(facts)
+        if verdict:
+            return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                                   is_causal)
+        if verdict is None:
+            return self._first_call(facts, lambda: self._fused(query, key, value, key_padding_mask, need_weights,
+                                                               attn_mask, average_attn_weights, is_causal))
+        return self._fused(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                           is_causal)
 
     def _fused(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor],
                need_weights: bool, attn_mask: Optional[Tensor], average_attn_weights: bool,

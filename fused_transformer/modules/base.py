@@ -92,41 +92,47 @@ class FusedTwin:
     parameters (the fused ``forward`` is plain Python, not TorchScript), and the modules' door
     (``_fused_or_torch_nn``)."""
 
-    # Whether torch.nn's forward of this module calls fused modules (a layer's attention and norms): they must then know
-    # they are inside a call the route gave to torch.
-    _CALLS_FUSED_CHILDREN = True
+    def _torch_nn_runs(self, key: tuple) -> Optional[bool]:
+        """The modules' door: True where torch.nn's forward runs a call of ``key`` (``tensor_key`` of the arguments
+        and the module's mode) because the route gave every op of the first such call torch's path
+        (``route.torch_nn_runs``), recorded for ``explain()``; False where the fused path runs it (a traced call
+        always); None where no call of ``key`` was decided yet (``_first_call`` decides). A fused module that torch.nn's
+        forward of another one calls (a layer's attention and norms) is part of that call, which the route gave to
+        torch: True, without asking again.
+
+        This is every call's path, so it costs what a dict lookup costs: a 4-token LayerNorm is 7 us in torch.nn. The
+        leaves (LayerNorm, MultiheadAttention) branch on it themselves: a frame or a closure is 0.1-0.3 us more."""
+        if torch.compiler.is_compiling():
+            return False
+        if _INSIDE_TORCH_NN.depth:
+            return True
+        verdict = route.module_verdicts(self.__dict__).get(key + route.module_state())
+        if verdict and route._RECORDERS:
+            route.ran_elsewhere(type(self).__name__, "module", route.TORCH_NN)
+        return verdict
+
+    def _first_call(self, key: tuple, fused: Callable[[], T]) -> T:
+        """``fused()``, whose ops the route decides and records; the verdict (``_torch_nn_runs``) kept for ``key``."""
+        with route.explain() as decided:
+            out = fused()
+        route.module_verdicts(self.__dict__)[key + route.module_state()] = route.torch_nn_runs(decided)
+        return out
 
     def _fused_or_torch_nn(self, key: tuple, fused: Callable[[], T], torch_nn: Callable[[], T]) -> T:
-        """``fused()``, or ``torch_nn()`` (torch.nn's forward) where the route gave every op of this call torch's path
-        (``route.torch_nn_runs``): decided by the first call with ``key`` (``tensor_key`` of the arguments and the
-        module's mode) and ``route.module_state()``, whose ops the route decides and records, then kept. A traced call
-        runs ``fused()``. A fused module that torch.nn's forward of another one calls (a layer's attention and norms)
-        is part of that call, which the route gave to torch: it runs torch.nn's forward without asking again.
-
-        This is every call's path, so it costs what a dict lookup costs: a 4-token LayerNorm is 7 us in torch.nn."""
-        if torch.compiler.is_compiling():
+        """``fused()`` or ``torch_nn()`` (torch.nn's forward, whose fused children know they are inside it), as
+        ``_torch_nn_runs`` says."""
+        verdict = self._torch_nn_runs(key)
+        if verdict is None:
+            return self._first_call(key, fused)
+        if not verdict:
             return fused()
         if _INSIDE_TORCH_NN.depth:
             return torch_nn()
-        verdicts = route.module_verdicts(self.__dict__)
-        key += route.module_state()
-        verdict = verdicts.get(key)
-        if verdict:
-            if route._RECORDERS:
-                route.ran_elsewhere(type(self).__name__, "module", route.TORCH_NN)
-            if not self._CALLS_FUSED_CHILDREN:
-                return torch_nn()
-            _INSIDE_TORCH_NN.depth += 1
-            try:
-                return torch_nn()
-            finally:
-                _INSIDE_TORCH_NN.depth -= 1
-        if verdict is None:
-            with route.explain() as decided:
-                out = fused()
-            verdicts[key] = route.torch_nn_runs(decided)
-            return out
-        return fused()
+        _INSIDE_TORCH_NN.depth += 1
+        try:
+            return torch_nn()
+        finally:
+            _INSIDE_TORCH_NN.depth -= 1
 
     def __prepare_scriptable__(self) -> nn.Module:
         torch_class = next(c for c in type(self).__mro__ if c.__module__.startswith("torch.nn"))

@@ -26,8 +26,6 @@ __all__ = ["LayerNorm", "RMSNorm", "GatedFeedForward", "TransformerEncoderLayer"
 class LayerNorm(FusedTwin, nn.LayerNorm):
     """``torch.nn.LayerNorm`` computed by the fused ``layer_norm`` op (statistics in float32)."""
 
-    _CALLS_FUSED_CHILDREN = False
-
     def forward(self, input: Tensor) -> Tensor:
         params = self._parameters  # not self.weight: nn.Module's __getattr__ costs half a microsecond a parameter
         weight, bias = params["weight"], params["bias"]
@@ -35,16 +33,17 @@ class LayerNorm(FusedTwin, nn.LayerNorm):
             route.ran_elsewhere(type(self).__name__, "module", "nested tensors or parameters of mixed dtypes")
             return super().forward(input)
         # The key is the input's alone: a shape checked once is checked for every call with that key.
-        return self._fused_or_torch_nn((input.shape, input.dtype, input.device, input.requires_grad, self.training),
-                                       lambda: self._fused(input, weight, bias),
-                                       lambda: self._torch_nn(input, weight, bias))
-
-    def _torch_nn(self, input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
-        """torch.nn's forward: ``F.layer_norm``, whose native op a plain tensor reaches without the wrapper's
-        ``__torch_function__`` check (0.6 us of a 4-token call's 7)."""
-        if type(input) is not Tensor:
-            return super().forward(input)
-        return torch.layer_norm(input, self.normalized_shape, weight, bias, self.eps, torch.backends.cudnn.enabled)
+        key = (input.shape, input.dtype, input.device, input.requires_grad, self.training)
+        verdict = self._torch_nn_runs(key)
+        if verdict:
+            # torch.nn's forward: F.layer_norm, whose native op a plain tensor reaches without the wrapper's
+            # __torch_function__ check (0.6 us of a 4-token call's 7).
+            if type(input) is not Tensor:
+                return super().forward(input)
+            return torch.layer_norm(input, self.normalized_shape, weight, bias, self.eps, torch.backends.cudnn.enabled)
+        if verdict is None:
+            return self._first_call(key, lambda: self._fused(input, weight, bias))
+        return self._fused(input, weight, bias)
 
     def _fused(self, input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
         shape = self.normalized_shape
