@@ -90,7 +90,8 @@ _INSIDE_TORCH_NN = _InsideTorchNN()
 class FusedTwin:
     """What every fused module shares: ``torch.jit.script`` gets the torch.nn module holding the same
     parameters (the fused ``forward`` is plain Python, not TorchScript), and the modules' door
-    (``_fused_or_torch_nn``)."""
+    (``_torch_nn_runs``, ``_first_call``; ``_fused_or_torch_nn`` for a module whose torch.nn forward calls fused
+    children)."""
 
     def _torch_nn_runs(self, key: tuple) -> Optional[bool]:
         """The modules' door: True where torch.nn's forward runs a call of ``key`` (``tensor_key`` of the arguments
